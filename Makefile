@@ -1,0 +1,43 @@
+# The two set-up commands from the README. Each creates .venv, installs the pinned torch and deps,
+# builds fastdist's extension against that torch, then runs.
+#   make bench [ARGS="collectives --ranks 4 --net 1gbit"]    runs fastdist-bench
+#   make test  [PYTEST_ARGS="-k bitpack"]                     runs the test suite
+# and for the torch-free kernel layer:
+#   make kernel-check                                         C++ kernel tests + nvcc compile check
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BUILD_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
+CMAKE_DIR := build/cmake
+
+.PHONY: bench test kernel-check env clean
+
+$(VENV)/.deps: requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
+	MAX_JOBS=$$(nproc) $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m fastdist.env
+	touch $@
+
+bench: $(VENV)/.built
+	$(VENV)/bin/fastdist-bench $(ARGS)
+
+test: $(VENV)/.built
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+env: $(VENV)/.built
+	$(PY) -m fastdist.env
+
+kernel-check:
+	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(CMAKE_DIR) -j$$(nproc)
+	ctest --test-dir $(CMAKE_DIR) --output-on-failure
+	@if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then \
+	  cmake --build $(CMAKE_DIR) --target cuda_compile_check; \
+	else echo "kernel-check: no nvcc on this machine; CUDA compile check skipped"; fi
+
+clean:
+	rm -rf build dist $(VENV) python/fastdist/_C*.so python/fastdist/_build_info.py

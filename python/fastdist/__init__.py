@@ -1,0 +1,40 @@
+"""fastdist: fast distributed training of large models where links are slow and memory is short.
+
+`import fastdist` loads the C++/CUDA ops (torch.ops.fastdist.*) and their Python wrappers.
+"""
+import torch
+
+from fastdist._version import __version__
+
+try:
+    from fastdist._build_info import BUILD_INFO
+except ImportError as e:  # the package was imported from a source tree that was never built
+    raise ImportError("fastdist: the extension is not built. From the repository root run "
+                      "`pip install --no-build-isolation -e .` (or `make test`).") from e
+
+
+def _torch_release(version):
+    return version.split("+")[0].split(".")[:2]
+
+
+if _torch_release(BUILD_INFO["torch_version"]) != _torch_release(torch.__version__):
+    raise ImportError(f"fastdist was built against torch {BUILD_INFO['torch_version']} but torch "
+                      f"{torch.__version__} is installed; C++ ops are tied to the torch they were built "
+                      "with. Rebuild: `pip install --no-build-isolation -e .`")
+
+from fastdist import _C  # noqa: E402,F401  (registers torch.ops.fastdist.*)
+from fastdist import ops  # noqa: E402,F401
+
+
+def cuda_kernels_built() -> bool:
+    """True when this build of fastdist contains CUDA kernels."""
+    return bool(BUILD_INFO["cuda_built"])
+
+
+def cuda_kernels_available() -> bool:
+    """True when fastdist's CUDA kernels are built, registered, and a CUDA device is visible."""
+    registered = torch._C._dispatch_has_kernel_for_dispatch_key("fastdist::pack_bits", "CUDA")
+    return cuda_kernels_built() and registered and torch.cuda.is_available()
+
+
+__all__ = ["__version__", "cuda_kernels_available", "cuda_kernels_built", "ops"]
