@@ -33,8 +33,9 @@ def cuda_kernels_built() -> bool:
 
 def cuda_kernels_available() -> bool:
     """True when fastdist's CUDA kernels are built, registered, and a CUDA device is visible."""
-    registered = torch._C._dispatch_has_kernel_for_dispatch_key("fastdist::pack_bits", "CUDA")
-    return cuda_kernels_built() and registered and torch.cuda.is_available()
+    return (cuda_kernels_built()
+            and torch._C._dispatch_has_kernel_for_dispatch_key("fastdist::pack_bits", "CUDA")
+            and torch.cuda.is_available())
 
 
 __all__ = ["__version__", "cuda_kernels_available", "cuda_kernels_built", "ops"]

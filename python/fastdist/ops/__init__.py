@@ -1,0 +1,1 @@
+"""Typed wrappers for torch.ops.fastdist.*, with fake kernels and autograd, one module per op family."""
