@@ -1,0 +1,5 @@
+import sys
+
+from fastdist.bench.cli import main
+
+sys.exit(main())

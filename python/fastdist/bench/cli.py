@@ -1,0 +1,106 @@
+"""fastdist-bench: what fastdist buys you on your network.
+
+  fastdist-bench                         a short tour of every suite (4 ranks, simulated 10 Gbit/s if possible)
+  fastdist-bench collectives [opts]      nccl-tests style sweep of torch.distributed collectives
+  fastdist-bench kernels [opts]          fastdist's kernels vs the machine's copy bandwidth
+  fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
+
+Every suite takes --json PATH (raw samples included) and --plot PATH.png.
+Under torchrun (`torchrun --nproc-per-node 8 -m fastdist.bench collectives`) the ranks are torchrun's.
+"""
+import argparse
+import importlib
+import sys
+import time
+
+SUITES = {
+    "collectives": "fastdist.bench.collectives",
+    "kernels": "fastdist.bench.kernels",
+}
+
+# The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
+TOUR = {
+    "collectives": ["--ranks", "4", "--net", "10gbit", "--max-size", "16M", "--min-time", "0.1"],
+    "kernels": ["--quick"],
+}
+
+
+def _suite(name):
+    return importlib.import_module(SUITES[name])
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="fastdist-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--netsim-cleanup", action="store_true",
+                        help="remove every simulated-cluster namespace (fdsim-*) and exit")
+    parser.add_argument("--json", metavar="PATH", help="write results with raw samples to PATH")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot to PATH (tour: one per suite)")
+    sub = parser.add_subparsers(dest="suite", metavar="SUITE")
+    for name in SUITES:
+        module = _suite(name)
+        p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
+                           description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.add_argument("--json", metavar="PATH", default=argparse.SUPPRESS, help="write results to PATH")
+        p.add_argument("--plot", metavar="PATH", default=argparse.SUPPRESS, help="write a PNG plot to PATH")
+    return parser
+
+
+def _run_suite(name, argv, json_path=None, plot_path=None):
+    module = _suite(name)
+    p = argparse.ArgumentParser(prog=f"fastdist-bench {name}")
+    module.add_arguments(p)
+    result = module.run(p.parse_args(argv))
+    return _save(module, result, json_path, plot_path)
+
+
+def _save(module, result, json_path, plot_path):
+    from fastdist.bench import report
+
+    if result is None:  # a non-printing rank under torchrun
+        return None
+    if json_path:
+        report.write_json(json_path, result)
+        print(f"# wrote {json_path}")
+    if plot_path:
+        module.plot(result, plot_path)
+        print(f"# wrote {plot_path}")
+    return result
+
+
+def tour(json_path=None, plot_path=None):
+    results = {}
+    start = time.monotonic()
+    for name, argv in TOUR.items():
+        print(f"\n=== fastdist-bench {name} {' '.join(argv)}", flush=True)
+        plot_for = plot_path.replace(".png", f"-{name}.png") if plot_path else None
+        results[name] = _run_suite(name, argv, plot_path=plot_for)
+    print(f"\n# tour finished in {time.monotonic() - start:.0f} s")
+    if json_path:
+        from fastdist.bench import report
+        report.write_json(json_path, {"suite": "tour", "results": results})
+        print(f"# wrote {json_path}")
+    return results
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.netsim_cleanup:
+        from fastdist import netsim
+        removed = netsim.cleanup()
+        print(f"fastdist-bench: removed {len(removed)} simulated-cluster namespace(s)"
+              + (": " + " ".join(removed) if removed else ""))
+        return 0
+    if args.suite is None:
+        tour(args.json, args.plot)
+        return 0
+    module = _suite(args.suite)
+    result = module.run(args)
+    _save(module, result, getattr(args, "json", None), getattr(args, "plot", None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""`fastdist-bench collectives`: nccl-tests style sweep of torch.distributed collectives.
+
+all_reduce, all_gather, reduce_scatter, all_to_all (even and uneven splits) and broadcast over a
+size sweep on N ranks, on loopback or the simulated cluster (`--net 1gbit`). Every result of every
+iteration is checked against its exact expected value (#wrong). Columns follow nccl-tests:
+size is the per-rank buffer (all_gather: output, reduce_scatter: input), algbw = size / time,
+busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others (broadcast: algbw).
+"wire B/rank" is what the algorithm must send per rank; "tx B/rank" is measured from the rank's
+own interface counters (netsim only), headers and barriers included.
+"""
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from fastdist.bench import report
+
+COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "int32": torch.int32}
+
+
+def parse_size(text):
+    """'64M' -> 67108864; accepts K/M/G suffixes (binary) and plain byte counts."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(text)
+
+
+def add_arguments(p):
+    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
+    p.add_argument("--net", default="loopback",
+                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root)")
+    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    p.add_argument("--min-size", default="1K", help="smallest per-rank buffer (default 1K)")
+    p.add_argument("--max-size", default="64M", help="largest per-rank buffer (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
+    p.add_argument("--ops", default=",".join(COLLECTIVES), help="comma-separated subset of " + ",".join(COLLECTIVES))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--iters", type=int, default=5, help="minimum timed repetitions per size (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size (default 2)")
+    p.add_argument("--min-time", type=float, default=0.25,
+                   help="keep repeating small sizes until this many seconds are timed (default 0.25)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is aborted")
+
+
+def sizes_from(args):
+    lo, hi = parse_size(args.min_size), parse_size(args.max_size)
+    if lo <= 0 or hi < lo or args.factor < 2:
+        raise ValueError(f"bad size sweep: min {lo}, max {hi}, factor {args.factor}")
+    sizes = []
+    while lo <= hi:
+        sizes.append(lo)
+        lo *= args.factor
+    return sizes
+
+
+# --- one collective: its buffers, the call, the exact check, and its traffic model -------------------
+
+class Case:
+    """Buffers and expected results of one collective at one size on this rank."""
+
+    def __init__(self, name, size_bytes, dtype, device):
+        n, r = dist.get_world_size(), dist.get_rank()
+        esize = torch.empty((), dtype=dtype).element_size()
+        count = max(n, size_bytes // esize // n * n)  # divisible by n for the scattered/gathered ones
+        idx = torch.arange(count, device=device)
+        self.name, self.count, self.dtype, self.n = name, count, dtype, n
+        self.bus_factor = (n - 1) / n
+        self.bytes = count * esize
+        if name == "all_reduce":
+            self.src = ((r + 1) + idx % 7).to(dtype)
+            self.buf = self.src.clone()
+            self.expected = (n * (n + 1) // 2 + n * (idx % 7)).to(dtype)
+            self.bus_factor = 2 * (n - 1) / n
+            self.wire = 2 * (n - 1) / n * self.bytes
+            self.call = lambda: dist.all_reduce(self.buf)
+        elif name == "all_gather":
+            chunk = count // n
+            self.src = (r * 16 + torch.arange(chunk, device=device) % 13).to(dtype)
+            self.buf = torch.empty(count, dtype=dtype, device=device)
+            self.expected = ((idx // chunk) * 16 + (idx % chunk) % 13).to(dtype)
+            self.wire = (n - 1) / n * self.bytes
+            self.call = lambda: dist.all_gather_into_tensor(self.buf, self.src)
+        elif name == "reduce_scatter":
+            chunk = count // n
+            self.src = ((r + 1) + idx % 5).to(dtype)
+            self.buf = torch.empty(chunk, dtype=dtype, device=device)
+            own = r * chunk + torch.arange(chunk, device=device)
+            self.expected = (n * (n + 1) // 2 + n * (own % 5)).to(dtype)
+            self.wire = (n - 1) / n * self.bytes
+            self.call = lambda: dist.reduce_scatter_tensor(self.buf, self.src)
+        elif name in ("all_to_all", "all_to_all_uneven"):
+            # uneven: rank s sends weight(s, d) units to rank d, weights 1..n: every rank still sends and
+            # receives n(n+1)/2 units in all, but no two of its chunks to distinct peers are equal.
+            if name == "all_to_all":
+                weight = lambda s, d: 1  # noqa: E731
+            else:
+                weight = lambda s, d: 1 + (s + d) % n  # noqa: E731
+            total_w = sum(weight(r, d) for d in range(n))
+            unit = max(1, count // total_w)
+            send = [weight(r, d) * unit for d in range(n)]
+            recv = [weight(s, r) * unit for s in range(n)]
+            self.src = torch.cat([((r * 8 + d) % 251 + torch.arange(c, device=device) % 3).to(dtype)
+                                  for d, c in enumerate(send)])
+            self.expected = torch.cat([((s * 8 + r) % 251 + torch.arange(c, device=device) % 3).to(dtype)
+                                       for s, c in enumerate(recv)])
+            self.buf = torch.empty_like(self.expected)
+            self.count, self.bytes = sum(send), sum(send) * esize
+            self.wire = (sum(send) - send[r]) * esize
+            splits = None if name == "all_to_all" else (recv, send)
+            self.call = lambda: dist.all_to_all_single(self.buf, self.src, *(splits or ()))
+        elif name == "broadcast":
+            self.src = (7 + idx % 11).to(dtype) if r == 0 else torch.zeros(count, dtype=dtype, device=device)
+            self.buf = self.src.clone()
+            self.expected = (7 + idx % 11).to(dtype)
+            self.bus_factor = 1.0
+            self.wire = (n - 1) * self.bytes if r == 0 else 0  # gloo's broadcast: the root sends to each peer
+            self.call = lambda: dist.broadcast(self.buf, 0)
+        else:
+            raise ValueError(f"unknown collective {name!r}; choose from {COLLECTIVES}")
+
+    def reset(self):
+        if self.name in ("all_reduce", "broadcast"):
+            self.buf.copy_(self.src)
+        else:
+            self.buf.zero_()
+
+    def wrong(self):
+        return int((self.buf != self.expected).sum().item())
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_max(values, device):
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _all_sum(values, device):
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _tx_counter(measure_tx):
+    if not measure_tx:
+        return 0
+    from fastdist import netsim
+    return netsim.tx_bytes()
+
+
+def bench_rank(config):
+    """Runs the sweep on this rank; returns the rows on rank 0 (None elsewhere). A collective."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    dtype = DTYPES[config["dtype"]]
+    plan = [(op, size) for op in config["ops"] for size in config["sizes"]]
+    progress = report.Progress(len(plan), "collectives") if rank == 0 else None
+    rows = []
+    for op, size in plan:
+        case = Case(op, size, dtype, device)
+        wrong = 0
+        warm = []
+        for _ in range(config["warmup"]):
+            case.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            case.call()
+            _sync(device)
+            warm.append(time.perf_counter() - t0)
+            wrong += case.wrong()
+        estimate = _all_max([max(warm) if warm else 1e-3], device)[0]
+        reps = int(min(config["max_iters"], max(config["iters"], config["min_time"] / max(estimate, 1e-9))))
+        samples = []
+        tx0 = _tx_counter(config["measure_tx"])
+        for _ in range(reps):
+            case.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            case.call()
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+            wrong += case.wrong()
+        tx = (_tx_counter(config["measure_tx"]) - tx0) / reps
+        times = _all_max(samples, device)  # an iteration lasts until its slowest rank is done
+        wire_max, tx_max = _all_max([case.wire, tx], device)
+        wrong_total = int(_all_sum([wrong], device)[0])
+        if rank == 0:
+            t = statistics.median(times)
+            algbw = case.bytes / t / 1e9
+            rows.append({
+                "collective": op, "size": case.bytes, "count": case.count, "dtype": config["dtype"],
+                "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * case.bus_factor,
+                "wire_bytes": wire_max, "tx_bytes": tx_max if config["measure_tx"] else None,
+                "wrong": wrong_total, "reps": reps, "samples_us": [s * 1e6 for s in times],
+            })
+            progress.step(f"{op} {report.human_bytes(case.bytes)}")
+        del case
+    return rows if rank == 0 else None
+
+
+# --- driver ----------------------------------------------------------------------------------------
+
+def _under_torchrun():
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and "MASTER_ADDR" in os.environ)
+
+
+def _torchrun_main(config):
+    from fastdist.distributed import resolve_backend
+
+    if not dist.is_initialized():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        backend = resolve_backend("auto", local_world)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    rows = bench_rank(config)
+    info = (dist.get_backend(), dist.get_world_size())
+    dist.destroy_process_group()
+    return rows, info
+
+
+def _spawned_rank(config):
+    return bench_rank(config), (dist.get_backend(), dist.get_world_size())
+
+
+def run(args):
+    """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
+    from fastdist import netsim
+    from fastdist.distributed import spawn
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = sorted(set(ops) - set(COLLECTIVES))
+    if unknown:
+        raise SystemExit(f"fastdist-bench collectives: unknown collective(s) {unknown}; choose from {COLLECTIVES}")
+    config = {"ops": ops, "sizes": sizes_from(args), "dtype": args.dtype, "iters": args.iters,
+              "warmup": args.warmup, "min_time": args.min_time, "max_iters": 200, "measure_tx": False}
+
+    if _under_torchrun():
+        rows, (backend, world) = _torchrun_main(config)
+        if rows is None:
+            return None
+        network, link_gbps = "real network (launched by torchrun)", None
+    else:
+        cluster, network, link_gbps = None, "loopback (one host, no shaping)", None
+        if args.net != "loopback":
+            rate = netsim.parse_rate(args.net)
+            ok, why = netsim.available()
+            if ok:
+                cluster = netsim.Cluster(args.ranks, rate=args.net, delay=args.delay)
+                network, link_gbps = cluster.label, rate / 8e9
+                config["measure_tx"] = True
+            else:
+                print(f"fastdist-bench: cannot simulate a {args.net} network here ({why}); "
+                      "running on loopback instead", flush=True)
+                network = f"loopback (requested {args.net}: netsim unavailable: {why})"
+        if cluster is not None:
+            with cluster:
+                results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout, cluster=cluster)
+        else:
+            results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout)
+        rows, (backend, world) = results[0]
+
+    env = report.environment(backend=backend, device="cuda" if backend == "nccl" else "cpu",
+                             ranks=world, network=network)
+    print(report.format_environment(env))
+    print(format_rows(rows))
+    wrong = sum(r["wrong"] for r in rows)
+    print(f"# checked every result of every iteration: {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
+    return {"suite": "collectives", "env": env, "link_gbps": link_gbps, "config": config, "rows": rows}
+
+
+def format_rows(rows):
+    headers = ["collective", "size", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
+               "wire B/rank", "tx B/rank", "#wrong"]
+    table = [[r["collective"], r["size"], r["count"], r["dtype"], r["time_us"], r["algbw"], r["busbw"],
+              int(r["wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), r["wrong"]]
+             for r in rows]
+    return report.format_table(headers, table, align=["l", "r", "r", "l", "r", "r", "r", "r", "r", "r"])
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for op in result["config"]["ops"]:
+        rows = [r for r in result["rows"] if r["collective"] == op]
+        ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o", label=op)
+    if result.get("link_gbps"):
+        ax.axhline(result["link_gbps"], color="k", linestyle="--", linewidth=1,
+                   label=f"link rate {result['link_gbps']:.3g} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size per rank (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    env = result["env"]
+    ax.set_title(f"fastdist-bench collectives: {env['ranks']} ranks, {env['backend']}\n{env['network']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

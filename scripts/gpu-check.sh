@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a CUDA machine: build fastdist with its CUDA kernels against the machine's torch, run the C++ kernel
+# tests, the nvcc compile check, the op tests on CPU and CUDA, and the kernel benchmarks; write every log
+# and result under OUT (default bench/gpu/<date>-<gpu>/). Commit that folder.
+#   scripts/gpu-check.sh [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '-' | tr -s '-')
+[ -n "$gpu" ] || { echo "gpu-check: no NVIDIA GPU visible (nvidia-smi found none)"; exit 1; }
+out=${1:-bench/gpu/$(date +%F)-$gpu}
+mkdir -p "$out"
+log() { echo "=== $*" | tee -a "$out/summary.txt"; }
+
+log "build (FASTDIST_FORCE_CUDA=1, arch ${TORCH_CUDA_ARCH_LIST:=9.0})"
+export FASTDIST_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST MAX_JOBS=$(nproc)
+$PY setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+$PY -m fastdist.env | tee "$out/env.txt"
+
+log "C++ kernel tests + nvcc compile check"
+cmake -S . -B build/cmake-gpu -DCMAKE_BUILD_TYPE=Release >"$out/cmake.log" 2>&1
+cmake --build build/cmake-gpu -j"$(nproc)" >>"$out/cmake.log" 2>&1
+ctest --test-dir build/cmake-gpu --output-on-failure 2>&1 | tee -a "$out/summary.txt" | tail -3
+cmake --build build/cmake-gpu --target cuda_compile_check >>"$out/cmake.log" 2>&1 && log "cuda_compile_check passed"
+
+log "op tests (CPU and CUDA)"
+set +e
+$PY -m pytest tests/ops -q -p no:cacheprovider 2>&1 | tee "$out/pytest-ops.txt" | tail -15
+tests_rc=${PIPESTATUS[0]}
+set -e
+
+log "kernel benchmarks"
+$PY -m fastdist.bench kernels --device cuda --json "$out/kernels-cuda.json" --plot "$out/kernels-cuda.png" \
+  2>&1 | tee "$out/kernels-cuda.txt"
+$PY -m fastdist.bench kernels --device cpu --quick --json "$out/kernels-cpu.json" 2>&1 | tee "$out/kernels-cpu.txt"
+
+log "done: results in $out (op tests exit code $tests_rc)"
+exit "$tests_rc"
