@@ -86,3 +86,4 @@ def test_a_job_past_its_timeout_is_killed_and_reports_where_each_stuck_rank_was(
 def test_bad_world_size_is_rejected_before_starting_anything():
     with pytest.raises(ValueError, match="world_size"):
         spawn(_report_environment, 0)
+
