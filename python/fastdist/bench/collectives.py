@@ -5,8 +5,10 @@ size sweep on N ranks, on loopback or the simulated cluster (`--net 1gbit`). Eve
 iteration is checked against its exact expected value (#wrong). Columns follow nccl-tests:
 size is the per-rank buffer (all_gather: output, reduce_scatter: input), algbw = size / time,
 busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others (broadcast: algbw).
-"wire B/rank" is what the algorithm must send per rank; "tx B/rank" is measured from the rank's
-own interface counters (netsim only), headers and barriers included.
+"wire B/rank" is what a bandwidth-optimal algorithm must send from its busiest rank (ring all-reduce:
+2(n-1)/n * size; broadcast: size); "tx B/rank" is what the busiest rank's own interface really sent
+(netsim only; barriers included), so the two side by side show where a backend exceeds the optimum —
+e.g. gloo's reduce_scatter is an all-reduce in disguise and sends twice the optimum.
 """
 import os
 import statistics
@@ -119,7 +121,7 @@ class Case:
             self.buf = self.src.clone()
             self.expected = (7 + idx % 11).to(dtype)
             self.bus_factor = 1.0
-            self.wire = (n - 1) * self.bytes if r == 0 else 0  # gloo's broadcast: the root sends to each peer
+            self.wire = self.bytes if r == 0 else 0  # a pipelined chain: the root sends the buffer once
             self.call = lambda: dist.broadcast(self.buf, 0)
         else:
             raise ValueError(f"unknown collective {name!r}; choose from {COLLECTIVES}")

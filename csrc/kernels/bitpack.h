@@ -1,0 +1,54 @@
+// Bit packing: bool masks <-> packed bytes, and OR over packed rows.
+//
+// Layout shared by every function here: a mask is `rows` rows of `n` bytes, each 0 or 1 (only bit 0
+// of a mask byte is read); its packed form is `rows` rows of `bytes_per_row(n) = ceil(n / 8)` bytes.
+// Bit j of packed byte i of a row is mask element 8 * i + j of that row (little-endian within a byte,
+// as numpy.packbits(..., bitorder="little")). The padding bits of a row's last byte are written as
+// zero by pack and ignored by unpack.
+//
+// Torch-free: raw pointers and sizes only. Arrays are contiguous and row-major.
+#pragma once
+#include <cstdint>
+
+#ifdef __CUDACC__
+#include <cuda_runtime.h>
+#endif
+
+namespace fastdist {
+
+inline constexpr int64_t bytes_per_row(int64_t n) { return (n + 7) / 8; }
+
+// ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel. ----
+//
+// pack and unpack index their range by packed byte: the range [byte_begin, byte_end) is a slice of
+// the packed array viewed flat, 0 <= byte_begin <= byte_end <= rows * bytes_per_row(n). Each packed byte
+// maps to its own mask bytes, so disjoint ranges touch disjoint memory.
+
+// mask: uint8 [rows, n], values 0/1.  out: uint8 [rows, bytes_per_row(n)]; writes out[byte_begin, byte_end).
+void pack_bits_cpu(const uint8_t* mask, int64_t rows, int64_t n, uint8_t* out, int64_t byte_begin,
+                   int64_t byte_end);
+
+// packed: uint8 [rows, bytes_per_row(n)].  out: uint8 [rows, n], values 0/1; writes the mask elements
+// of packed bytes [byte_begin, byte_end).
+void unpack_bits_cpu(const uint8_t* packed, int64_t rows, int64_t n, uint8_t* out, int64_t byte_begin,
+                     int64_t byte_end);
+
+// packed: uint8 [p, b].  out: uint8 [b], out[k] = OR over r of packed[r, k] (0 when p == 0); writes
+// out[col_begin, col_end), 0 <= col_begin <= col_end <= b.
+void bitwise_or_reduce_cpu(const uint8_t* packed, int64_t p, int64_t b, uint8_t* out, int64_t col_begin,
+                           int64_t col_end);
+
+// ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
+// Declared only for nvcc-compiled sources (the kernels and the CUDA glue) so that plain C++ can include
+// this header without the CUDA toolkit.
+#ifdef __CUDACC__
+
+// Same shapes and contract as the CPU functions above, over the whole array. Empty inputs launch nothing.
+cudaError_t pack_bits_cuda(const uint8_t* mask, int64_t rows, int64_t n, uint8_t* out, cudaStream_t stream);
+cudaError_t unpack_bits_cuda(const uint8_t* packed, int64_t rows, int64_t n, uint8_t* out, cudaStream_t stream);
+cudaError_t bitwise_or_reduce_cuda(const uint8_t* packed, int64_t p, int64_t b, uint8_t* out,
+                                   cudaStream_t stream);
+
+#endif  // __CUDACC__
+
+}  // namespace fastdist

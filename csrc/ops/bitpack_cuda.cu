@@ -1,0 +1,50 @@
+// CUDA kernels of the torch.ops.fastdist bit-packing ops (schemas in bitpack.cpp). Work runs on the current
+// stream of the input's device.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "ops/bitpack.h"
+
+namespace fastdist::bitpack {
+namespace {
+
+at::Tensor pack_bits_cuda_op(const at::Tensor& mask) {
+  const RowsOf v = check_pack_bits(mask);
+  const c10::cuda::CUDAGuard guard(mask.device());
+  const at::Tensor src = mask.contiguous();
+  at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kByte));
+  C10_CUDA_CHECK(fastdist::pack_bits_cuda(bytes_of(src), v.rows, v.n, out.data_ptr<uint8_t>(),
+                                          at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor unpack_bits_cuda_op(const at::Tensor& packed, int64_t n) {
+  const RowsOf v = check_unpack_bits(packed, n);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const at::Tensor src = packed.contiguous();
+  at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kBool));
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
+  C10_CUDA_CHECK(fastdist::unpack_bits_cuda(bytes_of(src), v.rows, v.n, dst, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor bitwise_or_reduce_cuda_op(const at::Tensor& packed) {
+  check_bitwise_or_reduce(packed);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const at::Tensor src = packed.contiguous();
+  at::Tensor out = at::empty({src.size(1)}, src.options());
+  C10_CUDA_CHECK(fastdist::bitwise_or_reduce_cuda(bytes_of(src), src.size(0), src.size(1), out.data_ptr<uint8_t>(),
+                                                  at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+}  // namespace fastdist::bitpack
+
+TORCH_LIBRARY_IMPL(fastdist, CUDA, m) {
+  m.impl("pack_bits", &fastdist::bitpack::pack_bits_cuda_op);
+  m.impl("unpack_bits", &fastdist::bitpack::unpack_bits_cuda_op);
+  m.impl("bitwise_or_reduce", &fastdist::bitpack::bitwise_or_reduce_cuda_op);
+}

@@ -1,0 +1,232 @@
+"""`fastdist-bench kernels`: fastdist's kernels against the machine's copy bandwidth.
+
+For each op and size: the bytes the op must move (read + written), the median time, the achieved GB/s and
+that as a percentage of the copy bandwidth (a STREAM-like `dst.copy_(src)` of 256 MiB, timed in the same
+run), and the speed-up over the obvious pure-torch implementation of the same op, timed interleaved with
+ours. Sizes count mask elements (bits): pack_bits reads `size` bools and writes size/8 bytes, unpack_bits
+the reverse, bitwise_or_reduce ORs --rows bitmaps of `size` bits. On CPU, sizes that fit in the caches run
+faster than the copy bandwidth, which is measured out of memory; each CPU sample follows an untimed call
+of the same function. On CUDA: CUDA events, and L2 is flushed (256 MiB written) before every timed call.
+"""
+import functools
+import math
+import statistics
+import time
+
+import torch
+
+import fastdist
+from fastdist.bench import report
+from fastdist.ops import bitwise_or_reduce, pack_bits, unpack_bits
+
+OPS = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]
+COPY_BYTES = 256 << 20
+FLUSH_BYTES = 256 << 20
+MIN_SAMPLE_S = 2e-3  # on CPU, small sizes repeat inside one sample until it takes this long (timer noise)
+DEFAULT_SIZES = {"cpu": [1 << k for k in range(16, 27, 2)], "cuda": [1 << k for k in range(16, 31, 2)]}
+QUICK_SIZES = [1 << k for k in range(16, 23, 2)]
+
+
+def add_arguments(p):
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the kernels run (cuda needs fastdist's CUDA kernels; default cpu)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated sizes in mask elements, e.g. 64K,1M,2^24 "
+                        "(default 2^16..2^26 on cpu, 2^16..2^30 on cuda, step x4)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    p.add_argument("--rows", type=int, default=8, help="bitmaps ORed by bitwise_or_reduce, as ranks (default 8)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per size, >= 5 (default 7)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
+    p.add_argument("--quick", action="store_true", help="short sweep 2^16..2^22 with 5 repetitions")
+
+
+def parse_size(text):
+    """'64K' -> 65536, '2^20' -> 1048576; K/M/G are binary."""
+    text = text.strip().upper()
+    if "^" in text:
+        base, exp = text.split("^")
+        return int(base) ** int(exp)
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(text)
+
+
+# ---- the obvious pure-torch implementations (the peer column) ----
+
+_POWERS = 1 << torch.arange(8, dtype=torch.uint8)
+
+
+def torch_pack_bits(mask):
+    n = mask.shape[-1]
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8))
+    return (m.view(*m.shape[:-1], -1, 8) * _POWERS.to(m.device)).sum(-1, dtype=torch.uint8)
+
+
+def torch_unpack_bits(packed, n):
+    bits = (packed.unsqueeze(-1) & _POWERS.to(packed.device)) != 0
+    return bits.flatten(-2)[..., :n]
+
+
+def torch_bitwise_or_reduce(packed):
+    return functools.reduce(torch.bitwise_or, packed)
+
+
+# ---- timing ----
+
+def _time_cpu(fns, repeats, warmup):
+    """Interleaved samples (seconds per call) of each fn: warm-up first, then one sample of each in turn."""
+    calls = []  # per fn: calls per sample, from the time of its last warm-up call
+    for fn in fns:
+        for _ in range(max(warmup, 1)):
+            start = time.perf_counter()
+            fn()
+            last = time.perf_counter() - start
+        calls.append(max(1, math.ceil(MIN_SAMPLE_S / max(last, 1e-9))))
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, number, out in zip(fns, calls, samples):
+            fn()  # untimed: the other fn's allocations and cache footprint must not be charged to this one
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            out.append((time.perf_counter() - start) / number)
+    return samples
+
+
+def _time_cuda(fns, repeats, warmup, flush):
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            flush.zero_()  # evict the inputs from L2 so every call reads from memory
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3)
+    return samples
+
+
+def _cases(op, size, rows, device):
+    """(fastdist fn, torch fn, bytes read + written) for one op and size."""
+    g = torch.Generator().manual_seed(size)
+    nbytes = (size + 7) // 8
+    if op == "pack_bits":
+        mask = (torch.rand(size, generator=g) < 0.5).to(device)
+        return (lambda: pack_bits(mask)), (lambda: torch_pack_bits(mask)), size + nbytes
+    if op == "unpack_bits":
+        packed = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).to(device)
+        return (lambda: unpack_bits(packed, size)), (lambda: torch_unpack_bits(packed, size)), nbytes + size
+    packed = torch.randint(0, 256, (rows, nbytes), generator=g, dtype=torch.uint8).to(device)
+    return (lambda: bitwise_or_reduce(packed)), (lambda: torch_bitwise_or_reduce(packed)), (rows + 1) * nbytes
+
+
+def run(args):
+    device = args.device
+    if device == "cuda" and not fastdist.cuda_kernels_available():
+        raise SystemExit("fastdist-bench kernels: --device cuda needs a CUDA device and fastdist built with CUDA "
+                         f"kernels (built with CUDA: {fastdist.cuda_kernels_built()}, "
+                         f"device visible: {torch.cuda.is_available()})")
+    if args.repeats < 5:
+        raise SystemExit("fastdist-bench kernels: --repeats must be >= 5 (speeds are medians of >= 5 samples)")
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        raise SystemExit(f"fastdist-bench kernels: unknown op(s) {unknown}; choose from {OPS}")
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    else:
+        sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES[device]
+    repeats = 5 if args.quick else args.repeats
+
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, device, ops, sizes, repeats)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args, device, ops, sizes, repeats):
+    if device == "cuda":
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        timer = functools.partial(_time_cuda, flush=flush)
+        backend = f"fastdist CUDA kernels on {torch.cuda.get_device_name()}"
+    else:
+        timer = _time_cpu
+        backend = f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
+    env = report.environment(backend=backend, device=device, ranks=1, network="-")
+    progress = report.Progress(1 + len(ops) * len(sizes), "kernels")
+
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    (copy_samples,) = timer([lambda: dst.copy_(src)], repeats, args.warmup)
+    copy_gbps = 2 * COPY_BYTES / statistics.median(copy_samples) / 1e9
+    del src, dst
+    progress.step("copy")
+
+    rows = []
+    for op in ops:
+        for size in sizes:
+            ours, theirs, nbytes = _cases(op, size, args.rows, device)
+            if not torch.equal(ours(), theirs()):
+                raise RuntimeError(f"fastdist-bench kernels: {op} and its torch reference disagree at size {size}")
+            ours_s, torch_s = timer([ours, theirs], repeats, args.warmup)
+            t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
+            rows.append({
+                "op": op, "size": size, "bytes": nbytes,
+                "median_s": t, "gbps": nbytes / t / 1e9, "pct_copy": 100 * nbytes / t / 1e9 / copy_gbps,
+                "torch_median_s": t_torch, "torch_gbps": nbytes / t_torch / 1e9, "speedup": t_torch / t,
+                "samples_s": ours_s, "torch_samples_s": torch_s,
+            })
+            progress.step(f"{op} {size}")
+
+    print(report.format_environment(env))
+    print(f"# copy bandwidth {copy_gbps:.1f} GB/s (dst.copy_(src), {report.human_bytes(COPY_BYTES)}, read + write)")
+    headers = ["op", "size", "bytes moved", "time (us)", "GB/s", "% of copy", "torch GB/s", "speed-up vs torch"]
+    table = [[r["op"], r["size"], report.human_bytes(r["bytes"]), r["median_s"] * 1e6, r["gbps"], r["pct_copy"],
+              r["torch_gbps"], r["speedup"]] for r in rows]
+    print(report.format_table(headers, table, align=["l", "r", "r", "r", "r", "r", "r", "r"]))
+    if device == "cpu":
+        print("# note: every call returns a new tensor; large CPU outputs (tens of MiB) come back from the\n"
+              "# allocator as fresh pages, so those rows include first-touch page faults that the copy reference\n"
+              "# (into an existing tensor) does not pay. THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU\n"
+              "# allocations) reduces them.")
+    return {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
+            "copy_bytes": COPY_BYTES, "rows": rows}
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    for op, color in zip(ops, colors):
+        rows = [r for r in result["rows"] if r["op"] == op]
+        sizes = [r["size"] for r in rows]
+        ax.plot(sizes, [r["gbps"] for r in rows], "o-", color=color, label=f"{op} (fastdist)")
+        ax.plot(sizes, [r["torch_gbps"] for r in rows], "x--", color=color, alpha=0.6, label=f"{op} (pure torch)")
+    ax.axhline(result["copy_gbps"], color="black", linestyle=":",
+               label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (mask elements)")
+    ax.set_ylabel("achieved GB/s (bytes read + written / time)")
+    env = result["env"]
+    ax.set_title(f"fastdist kernels: {env['backend']}\n"
+                 f"fastdist {env['fastdist']}, torch {env['torch']}, {env['date']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

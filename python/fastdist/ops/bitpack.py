@@ -1,0 +1,102 @@
+"""Bit packing: bool masks <-> packed uint8 bytes, and the union (OR) of packed bitmaps.
+
+Bit order is little-endian within a byte: bit ``j`` of byte ``i`` along the last dimension is element
+``8 * i + j`` of the mask, as ``numpy.packbits(..., bitorder="little")``. The padding bits of the last byte
+are zero after :func:`pack_bits` and ignored by :func:`unpack_bits`.
+
+The ops are ``torch.ops.fastdist.{pack_bits, unpack_bits, bitwise_or_reduce}`` with CPU and CUDA kernels
+(C++ in csrc/kernels/bitpack.*) and fake kernels for ``torch.compile``. Inputs may be non-contiguous
+(they are made contiguous first); outputs are contiguous and on the input's device.
+"""
+import torch
+
+__all__ = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Packs a bool mask along its last dimension, 8 elements per byte.
+
+    Args:
+        mask: bool tensor of shape ``[..., n]``, at least 1-D.
+
+    Returns:
+        uint8 tensor of shape ``[..., ceil(n / 8)]``; bit ``j`` of byte ``i`` is ``mask[..., 8 * i + j]``,
+        padding bits are zero.
+
+    Raises:
+        RuntimeError: ``mask`` is not bool (convert with ``mask != 0``) or is 0-D.
+    """
+    return torch.ops.fastdist.pack_bits.default(mask)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``unpack_bits(pack_bits(mask), mask.shape[-1])`` equals ``mask``.
+
+    Args:
+        packed: uint8 tensor of shape ``[..., ceil(n / 8)]``, at least 1-D.
+        n: number of mask elements per row, ``n >= 0``.
+
+    Returns:
+        bool tensor of shape ``[..., n]``. Padding bits of ``packed`` are ignored.
+
+    Raises:
+        RuntimeError: ``packed`` is not uint8, is 0-D, its last dimension is not ``ceil(n / 8)``,
+            or ``n < 0``.
+    """
+    return torch.ops.fastdist.unpack_bits.default(packed, n)
+
+
+def bitwise_or_reduce(packed: torch.Tensor) -> torch.Tensor:
+    """Bitwise OR over the rows of ``packed``: the union of ``P`` packed bitmaps.
+
+    Args:
+        packed: uint8 tensor of shape ``[P, B]``.
+
+    Returns:
+        uint8 tensor of shape ``[B]``; all zeros when ``P == 0``.
+
+    Raises:
+        RuntimeError: ``packed`` is not uint8 or not 2-D.
+    """
+    return torch.ops.fastdist.bitwise_or_reduce.default(packed)
+
+
+# Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the
+# same messages as the C++ kernels (csrc/ops/bitpack.h).
+
+def _check_dtype(name, t, dtype):
+    if t.dtype != dtype:
+        raise RuntimeError(f"fastdist: '{name}' must have dtype {dtype}, got {t.dtype}")
+
+
+def _check_dim_at_least(name, t, d):
+    if t.dim() < d:
+        raise RuntimeError(f"fastdist: '{name}' must have at least {d} dimension(s), got shape {list(t.shape)}")
+
+
+@torch.library.register_fake("fastdist::pack_bits")
+def _pack_bits_fake(mask):
+    _check_dtype("mask", mask, torch.bool)
+    _check_dim_at_least("mask", mask, 1)
+    return mask.new_empty((*mask.shape[:-1], (mask.shape[-1] + 7) // 8), dtype=torch.uint8)
+
+
+@torch.library.register_fake("fastdist::unpack_bits")
+def _unpack_bits_fake(packed, n):
+    _check_dtype("packed", packed, torch.uint8)
+    _check_dim_at_least("packed", packed, 1)
+    if n < 0:
+        raise RuntimeError(f"fastdist: 'n' must be >= 0, got {n}")
+    expected = (n + 7) // 8
+    torch._check(packed.shape[-1] == expected,
+                 lambda: f"fastdist: 'packed' must have last dimension {expected} (ceil(n / 8) for n = {n}), "
+                         f"got shape {list(packed.shape)}")
+    return packed.new_empty((*packed.shape[:-1], n), dtype=torch.bool)
+
+
+@torch.library.register_fake("fastdist::bitwise_or_reduce")
+def _bitwise_or_reduce_fake(packed):
+    _check_dtype("packed", packed, torch.uint8)
+    if packed.dim() != 2:
+        raise RuntimeError(f"fastdist: 'packed' must have 2 dimension(s), got shape {list(packed.shape)}")
+    return packed.new_empty((packed.shape[1],))
