@@ -53,7 +53,7 @@ def collect():
         ("distributed backends", _distributed_backends()),
         ("netsim", "available" if netsim_ok else f"unavailable: {netsim_why}"),
         ("ops", "; ".join(f"{name} [{', '.join(keys)}]" for name, keys in _registered_ops().items()) or "none"),
-        ("sources", " ".join(os.path.basename(s) for s in BUILD_INFO["sources"])),
+        ("sources", " ".join(os.path.relpath(s, "csrc") for s in BUILD_INFO["sources"])),
     ]
 
 
