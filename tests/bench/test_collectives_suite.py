@@ -1,12 +1,10 @@
 """fastdist-bench collectives: every result is checked, the numbers are real, the outputs are complete."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fastdist import netsim
 from fastdist.bench import collectives

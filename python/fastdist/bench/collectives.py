@@ -160,9 +160,23 @@ def _tx_counter(measure_tx):
     return netsim.tx_bytes()
 
 
+def _timed_iterations(case, count, device):
+    """Runs the collective `count` times from fresh inputs; returns (seconds per call, #wrong elements)."""
+    samples, wrong = [], 0
+    for _ in range(count):
+        case.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        case.call()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+        wrong += case.wrong()
+    return samples, wrong
+
+
 def bench_rank(config):
     """Runs the sweep on this rank; returns the rows on rank 0 (None elsewhere). A collective."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     dtype = DTYPES[config["dtype"]]
@@ -171,28 +185,12 @@ def bench_rank(config):
     rows = []
     for op, size in plan:
         case = Case(op, size, dtype, device)
-        wrong = 0
-        warm = []
-        for _ in range(config["warmup"]):
-            case.reset()
-            dist.barrier()
-            t0 = time.perf_counter()
-            case.call()
-            _sync(device)
-            warm.append(time.perf_counter() - t0)
-            wrong += case.wrong()
+        warm, wrong = _timed_iterations(case, config["warmup"], device)
         estimate = _all_max([max(warm) if warm else 1e-3], device)[0]
         reps = int(min(config["max_iters"], max(config["iters"], config["min_time"] / max(estimate, 1e-9))))
-        samples = []
         tx0 = _tx_counter(config["measure_tx"])
-        for _ in range(reps):
-            case.reset()
-            dist.barrier()
-            t0 = time.perf_counter()
-            case.call()
-            _sync(device)
-            samples.append(time.perf_counter() - t0)
-            wrong += case.wrong()
+        samples, wrong_timed = _timed_iterations(case, reps, device)
+        wrong += wrong_timed
         tx = (_tx_counter(config["measure_tx"]) - tx0) / reps
         times = _all_max(samples, device)  # an iteration lasts until its slowest rank is done
         wire_max, tx_max = _all_max([case.wire, tx], device)
