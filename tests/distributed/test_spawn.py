@@ -41,6 +41,17 @@ def test_positional_args_reach_every_rank_and_results_come_back_in_rank_order():
     assert spawn(_echo_args, 2, 3, 4, timeout=120) == [(0, 7), (1, 7)]
 
 
+def _return_tensors():
+    return {"small": torch.full((3,), float(dist.get_rank())), "large": torch.ones(1 << 20)}
+
+
+def test_tensors_returned_by_ranks_arrive_intact_after_the_ranks_exit():
+    results = spawn(_return_tensors, 2, timeout=120)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["small"], torch.full((3,), float(rank)))
+        assert r["large"].sum().item() == 1 << 20
+
+
 def _rank1_raises_while_others_block():
     if dist.get_rank() == 1:
         raise ValueError("boom from rank one")

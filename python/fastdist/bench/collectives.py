@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -87,7 +88,7 @@ class Case:
             self.buf = torch.empty(count, dtype=dtype, device=device)
             self.expected = ((idx // chunk) * 16 + (idx % chunk) % 13).to(dtype)
             self.wire = (n - 1) / n * self.bytes
-            self.call = lambda: dist.all_gather_into_tensor(self.buf, self.src)
+            self.call = lambda: compat.all_gather_single(self.buf, self.src)
         elif name == "reduce_scatter":
             chunk = count // n
             self.src = ((r + 1) + idx % 5).to(dtype)
@@ -95,7 +96,7 @@ class Case:
             own = r * chunk + torch.arange(chunk, device=device)
             self.expected = (n * (n + 1) // 2 + n * (own % 5)).to(dtype)
             self.wire = (n - 1) / n * self.bytes
-            self.call = lambda: dist.reduce_scatter_tensor(self.buf, self.src)
+            self.call = lambda: compat.reduce_scatter_single(self.buf, self.src)
         elif name in ("all_to_all", "all_to_all_uneven"):
             # uneven: rank s sends weight(s, d) units to rank d, weights 1..n: every rank still sends and
             # receives n(n+1)/2 units in all, but no two of its chunks to distinct peers are equal.

@@ -7,6 +7,14 @@ ours. Sizes count mask elements (bits): pack_bits reads `size` bools and writes 
 the reverse, bitwise_or_reduce ORs --rows bitmaps of `size` bits. On CPU, sizes that fit in the caches run
 faster than the copy bandwidth, which is measured out of memory; each CPU sample follows an untimed call
 of the same function. On CUDA: CUDA events, and L2 is flushed (256 MiB written) before every timed call.
+
+The count-sketch ops run on an embedding-shaped gradient (--sketch-shape, default 32768 x 1024 float32):
+count_sketch and count_sketch_decode with a row support at row densities 0.5 %, 2 % and 10 %, and with element
+granularity on a tensor whose values are half non-zero (--sketch-element-shape); nonzero_bitmap reads the whole
+tensor. Their GB/s count the values the op must read (nonzero_bitmap: all; count_sketch: the supported rows' with a
+row support, all without one) or produce (count_sketch_decode: the supported values; it also zero-fills the rest of
+its n x m output). A sketch has 3 rows and as many columns as values sketched. The torch peer of count_sketch is sketch_hash + index_add_ (it stores the
+hashes, which fastdist's kernel never does); of decode, sketch_hash + gather + median.
 """
 import functools
 import math
@@ -17,9 +25,16 @@ import torch
 
 import fastdist
 from fastdist.bench import report
-from fastdist.ops import bitwise_or_reduce, pack_bits, unpack_bits
+from fastdist.ops import (bitwise_or_reduce, count_sketch, count_sketch_decode, nonzero_bitmap, pack_bits,
+                          sketch_hash, unpack_bits)
 
-OPS = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]
+SWEEP_OPS = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]  # timed over --sizes
+SKETCH_OPS = ["nonzero_bitmap", "count_sketch", "count_sketch_decode"]  # timed on --sketch-shape
+OPS = SWEEP_OPS + SKETCH_OPS
+SKETCH_ROWS = 3
+SKETCH_SEED = 1234
+SKETCH_DENSITIES = [0.005, 0.02, 0.10]
+QUICK_SKETCH_DENSITIES = [0.02]
 COPY_BYTES = 256 << 20
 FLUSH_BYTES = 256 << 20
 MIN_SAMPLE_S = 2e-3  # on CPU, small sizes repeat inside one sample until it takes this long (timer noise)
@@ -38,7 +53,13 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions per size, >= 5 (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
-    p.add_argument("--quick", action="store_true", help="short sweep 2^16..2^22 with 5 repetitions")
+    p.add_argument("--sketch-shape", default=None,
+                   help="gradient shape ROWSxCOLS for the count-sketch ops (default 32768x1024; --quick 8192x1024)")
+    p.add_argument("--sketch-element-shape", default=None,
+                   help="shape for element granularity, half of its values non-zero (default 4096x1024; "
+                        "--quick 1024x1024)")
+    p.add_argument("--quick", action="store_true",
+                   help="short sweep 2^16..2^22, smaller sketch shapes at 2 %% density, 5 repetitions")
 
 
 def parse_size(text):
@@ -71,6 +92,42 @@ def torch_unpack_bits(packed, n):
 
 def torch_bitwise_or_reduce(packed):
     return functools.reduce(torch.bitwise_or, packed)
+
+
+def _sketched_indices(x, support, granularity):
+    """Flat indices a count-sketch adds: every value of the supported units (or the non-zeros)."""
+    if support is None:
+        return (x.reshape(-1) != 0).nonzero().flatten()
+    n = x.shape[0] if granularity == "row" else x.numel()
+    m = x.numel() // n if n else 0
+    units = torch_unpack_bits(support, n).nonzero().flatten()
+    return (units[:, None] * m + torch.arange(m, device=x.device)).flatten()
+
+
+def torch_count_sketch(x, rows, cols, seed, support, granularity):
+    idx = _sketched_indices(x, support, granularity)
+    bucket, sign = sketch_hash(idx, rows, cols, seed)
+    values = x.reshape(-1)[idx].float()
+    table = torch.zeros(rows, cols, device=x.device)
+    for j in range(rows):
+        table[j].index_add_(0, bucket[j], values * sign[j])
+    return table
+
+
+def torch_count_sketch_decode(table, support, n, m, seed):
+    units = torch_unpack_bits(support, n).nonzero().flatten()
+    idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
+    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed)
+    est = torch.stack([table[j][bucket[j]] * sign[j] for j in range(table.shape[0])])
+    out = torch.zeros(n * m, device=table.device)
+    out[idx] = est.median(dim=0).values
+    return out.reshape(n, m)
+
+
+def torch_nonzero_bitmap(x, granularity):
+    if granularity == "row":
+        return torch_pack_bits((x.reshape(x.shape[0], -1) != 0).any(dim=1))
+    return torch_pack_bits(x.reshape(-1) != 0)
 
 
 # ---- timing ----
@@ -127,6 +184,60 @@ def _cases(op, size, rows, device):
     return (lambda: bitwise_or_reduce(packed)), (lambda: torch_bitwise_or_reduce(packed)), (rows + 1) * nbytes
 
 
+def parse_shape(text):
+    rows, cols = (int(v) for v in text.lower().split("x"))
+    return rows, cols
+
+
+def _gradient(shape, density, granularity, device, seed=0):
+    """float32 values in [-1, 1), with a fraction `density` of the rows (or of the elements) non-zero."""
+    g = torch.Generator().manual_seed(seed)
+    if granularity == "row":
+        x = torch.zeros(shape)
+        rows = torch.rand(shape[0], generator=g) < density
+        x[rows] = torch.rand(int(rows.sum()), shape[1], generator=g) * 2 - 1
+    else:
+        x = (torch.rand(shape, generator=g) * 2 - 1) * (torch.rand(shape, generator=g) < density)
+    return x.to(device)
+
+
+def _sketch_cases(op, shape, element_shape, densities, device):
+    """[(label dict, fastdist fn, torch fn, bytes, compare)] for one count-sketch op."""
+    cases = []
+    configs = [("row", shape, d) for d in densities] + [("element", element_shape, 0.5)]
+    for granularity, shp, density in configs:
+        x = _gradient(shp, density, granularity, device)
+        support = nonzero_bitmap(x, granularity)
+        n = shp[0] if granularity == "row" else shp[0] * shp[1]
+        m = x.numel() // n
+        label = {"shape": f"{shp[0]}x{shp[1]}", "granularity": granularity, "density": density}
+        if op == "nonzero_bitmap":
+            cases.append((label | {"cols": None}, (lambda x=x, gr=granularity: nonzero_bitmap(x, gr)),
+                          (lambda x=x, gr=granularity: torch_nonzero_bitmap(x, gr)), x.numel() * 4, torch.equal))
+            continue
+        # Row granularity: the row support is given. Element granularity: no support, the non-zeros are sketched.
+        sup = support if granularity == "row" else None
+        values = int(torch_unpack_bits(support, n).sum()) * m
+        cols = max(values, 1024)
+        label["cols"] = cols
+        if op == "count_sketch":
+            cases.append((label, (lambda x=x, c=cols, s=sup, gr=granularity: count_sketch(x, SKETCH_ROWS, c,
+                                                                                           SKETCH_SEED, s, gr)),
+                          (lambda x=x, c=cols, s=sup, gr=granularity: torch_count_sketch(x, SKETCH_ROWS, c,
+                                                                                         SKETCH_SEED, s, gr)),
+                          (values if sup is not None else x.numel()) * x.element_size(), _tables_close))
+        else:
+            table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
+            cases.append((label, (lambda t=table, s=support, n=n, m=m: count_sketch_decode(t, s, n, m, SKETCH_SEED)),
+                          (lambda t=table, s=support, n=n, m=m: torch_count_sketch_decode(t, s, n, m, SKETCH_SEED)),
+                          values * 4, torch.equal))
+    return cases
+
+
+def _tables_close(a, b):
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 def run(args):
     device = args.device
     if device == "cuda" and not fastdist.cuda_kernels_available():
@@ -144,17 +255,22 @@ def run(args):
     else:
         sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES[device]
     repeats = 5 if args.quick else args.repeats
+    sketch = {
+        "shape": parse_shape(args.sketch_shape or ("8192x1024" if args.quick else "32768x1024")),
+        "element_shape": parse_shape(args.sketch_element_shape or ("1024x1024" if args.quick else "4096x1024")),
+        "densities": QUICK_SKETCH_DENSITIES if args.quick else SKETCH_DENSITIES,
+    }
 
     threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return _run(args, device, ops, sizes, repeats)
+        return _run(args, device, ops, sizes, repeats, sketch)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(args, device, ops, sizes, repeats):
+def _run(args, device, ops, sizes, repeats, sketch):
     if device == "cuda":
         flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
         timer = functools.partial(_time_cuda, flush=flush)
@@ -163,7 +279,10 @@ def _run(args, device, ops, sizes, repeats):
         timer = _time_cpu
         backend = f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
     env = report.environment(backend=backend, device=device, ranks=1, network="-")
-    progress = report.Progress(1 + len(ops) * len(sizes), "kernels")
+    sweep_ops = [op for op in ops if op in SWEEP_OPS]
+    sketch_ops = [op for op in ops if op in SKETCH_OPS]
+    sketch_cases_per_op = len(sketch["densities"]) + 1
+    progress = report.Progress(1 + len(sweep_ops) * len(sizes) + len(sketch_ops) * sketch_cases_per_op, "kernels")
 
     src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -173,7 +292,7 @@ def _run(args, device, ops, sizes, repeats):
     progress.step("copy")
 
     rows = []
-    for op in ops:
+    for op in sweep_ops:
         for size in sizes:
             ours, theirs, nbytes = _cases(op, size, args.rows, device)
             if not torch.equal(ours(), theirs()):
@@ -188,19 +307,45 @@ def _run(args, device, ops, sizes, repeats):
             })
             progress.step(f"{op} {size}")
 
+    sketch_rows = []
+    for op in sketch_ops:
+        for label, ours, theirs, nbytes, same in _sketch_cases(op, sketch["shape"], sketch["element_shape"],
+                                                               sketch["densities"], device):
+            if not same(ours(), theirs()):
+                raise RuntimeError(f"fastdist-bench kernels: {op} and its torch reference disagree on {label}")
+            ours_s, torch_s = timer([ours, theirs], repeats, args.warmup)
+            t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
+            sketch_rows.append(label | {
+                "op": op, "bytes": nbytes, "median_s": t, "gbps": nbytes / t / 1e9,
+                "pct_copy": 100 * nbytes / t / 1e9 / copy_gbps, "torch_median_s": t_torch,
+                "torch_gbps": nbytes / t_torch / 1e9, "speedup": t_torch / t, "samples_s": ours_s,
+                "torch_samples_s": torch_s,
+            })
+            progress.step(f"{op} {label['granularity']} {label['density']}")
+
     print(report.format_environment(env))
     print(f"# copy bandwidth {copy_gbps:.1f} GB/s (dst.copy_(src), {report.human_bytes(COPY_BYTES)}, read + write)")
     headers = ["op", "size", "bytes moved", "time (us)", "GB/s", "% of copy", "torch GB/s", "speed-up vs torch"]
     table = [[r["op"], r["size"], report.human_bytes(r["bytes"]), r["median_s"] * 1e6, r["gbps"], r["pct_copy"],
               r["torch_gbps"], r["speedup"]] for r in rows]
-    print(report.format_table(headers, table, align=["l", "r", "r", "r", "r", "r", "r", "r"]))
+    if rows:
+        print(report.format_table(headers, table, align=["l", "r", "r", "r", "r", "r", "r", "r"]))
+    if sketch_rows:
+        print(f"# count-sketch ops: {SKETCH_ROWS}-row sketches, GB/s of values read (count_sketch, nonzero_bitmap) "
+              "or decoded (count_sketch_decode); row cases pass the row support, element cases none")
+        headers = ["op", "shape", "granularity", "density", "cols", "values", "time (us)", "GB/s", "% of copy",
+                   "torch GB/s", "speed-up vs torch"]
+        table = [[r["op"], r["shape"], r["granularity"], f"{100 * r['density']:g}%",
+                  "-" if r["cols"] is None else r["cols"], report.human_bytes(r["bytes"]), r["median_s"] * 1e6,
+                  r["gbps"], r["pct_copy"], r["torch_gbps"], r["speedup"]] for r in sketch_rows]
+        print(report.format_table(headers, table, align=["l", "l", "l", "r", "r", "r", "r", "r", "r", "r", "r"]))
     if device == "cpu":
         print("# note: every call returns a new tensor; large CPU outputs (tens of MiB) come back from the\n"
               "# allocator as fresh pages, so those rows include first-touch page faults that the copy reference\n"
               "# (into an existing tensor) does not pay. THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU\n"
               "# allocations) reduces them.")
     return {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
-            "copy_bytes": COPY_BYTES, "rows": rows}
+            "copy_bytes": COPY_BYTES, "rows": rows, "sketch_rows": sketch_rows}
 
 
 def plot(result, path):
@@ -208,25 +353,46 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
-    for op, color in zip(ops, colors):
-        rows = [r for r in result["rows"] if r["op"] == op]
-        sizes = [r["size"] for r in rows]
-        ax.plot(sizes, [r["gbps"] for r in rows], "o-", color=color, label=f"{op} (fastdist)")
-        ax.plot(sizes, [r["torch_gbps"] for r in rows], "x--", color=color, alpha=0.6, label=f"{op} (pure torch)")
-    ax.axhline(result["copy_gbps"], color="black", linestyle=":",
-               label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("size (mask elements)")
-    ax.set_ylabel("achieved GB/s (bytes read + written / time)")
+    sketch_rows = result.get("sketch_rows", [])
+    panels = (1 if result["rows"] else 0) + (1 if sketch_rows else 0)
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(10 * max(panels, 1), 5), squeeze=False)
+    axes = list(axes[0])
     env = result["env"]
-    ax.set_title(f"fastdist kernels: {env['backend']}\n"
-                 f"fastdist {env['fastdist']}, torch {env['torch']}, {env['date']}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    title = f"fastdist kernels: {env['backend']}\nfastdist {env['fastdist']}, torch {env['torch']}, {env['date']}"
+    if result["rows"]:
+        ax = axes.pop(0)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+        for op, color in zip(ops, colors):
+            rows = [r for r in result["rows"] if r["op"] == op]
+            sizes = [r["size"] for r in rows]
+            ax.plot(sizes, [r["gbps"] for r in rows], "o-", color=color, label=f"{op} (fastdist)")
+            ax.plot(sizes, [r["torch_gbps"] for r in rows], "x--", color=color, alpha=0.6,
+                    label=f"{op} (pure torch)")
+        ax.axhline(result["copy_gbps"], color="black", linestyle=":",
+                   label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (mask elements)")
+        ax.set_ylabel("achieved GB/s (bytes read + written / time)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if sketch_rows:
+        ax = axes.pop(0)
+        labels = [f"{r['op']}\n{r['granularity']} {100 * r['density']:g}%" for r in sketch_rows]
+        pos = range(len(sketch_rows))
+        ax.bar([p - 0.2 for p in pos], [r["gbps"] for r in sketch_rows], width=0.4, label="fastdist")
+        ax.bar([p + 0.2 for p in pos], [r["torch_gbps"] for r in sketch_rows], width=0.4, label="torch peer")
+        ax.axhline(result["copy_gbps"], color="black", linestyle=":",
+                   label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
+        ax.set_xticks(list(pos), labels, fontsize=7, rotation=45, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("GB/s of values read (decode: values decoded)")
+        shapes = ", ".join(dict.fromkeys(f"{r['granularity']} {r['shape']}" for r in sketch_rows))
+        ax.set_title(f"count-sketch ops ({shapes}; {env['backend']})", fontsize=9)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import tempfile
@@ -70,10 +71,12 @@ def _rank_main(fn, args, rank, world_size, backend, env, netns, pg_timeout_s, st
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         result = fn(*args)
         dist.destroy_process_group()
-        conn.send(("ok", result))
+        # Plain pickle, not torch's fd-sharing reductions: those would hand the parent tensors whose
+        # storage lives in this process, which is about to exit.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         finally:
             # Skip the process-group teardown: peers may be blocked in a collective with us.
             os._exit(1)
@@ -172,7 +175,7 @@ def _collect(procs, conns, world_size, timeout, stack_dir):
         for rank in sorted(pending):
             if conns[rank].poll():
                 try:
-                    status, payload = conns[rank].recv()
+                    status, payload = pickle.loads(conns[rank].recv_bytes())
                 except EOFError:
                     procs[rank].join(1.0)
                     raise RankError(rank, world_size, _exit_reason(procs[rank].exitcode) + " without reporting")

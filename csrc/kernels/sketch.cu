@@ -1,0 +1,246 @@
+// CUDA count-sketch. Hashes are computed directly per value with the header's functions (64-bit multiplies via
+// __umul64hi), so they are the CPU's bit for bit; grid-stride loops cover any size with a bounded grid.
+//
+// Units of many values (m >= kRowKernelMinValues, row granularity) go one unit per block: the support bit is read
+// once per block, an unsupported unit costs one byte load, and a supported one is read with coalesced loads.
+// Otherwise one thread per value, which reads its unit's bit (m == 1: the value's own bit).
+// count_sketch accumulates with float atomicAdd (see sketch.h for the resulting tolerance); zeros are skipped.
+#include <cstdint>
+
+#include "kernels/sketch.h"
+
+namespace fastdist {
+namespace {
+
+constexpr int kThreads = 256;
+// Enough blocks to fill any current GPU several times over; larger inputs loop inside the kernel.
+constexpr int64_t kMaxBlocks = 8192;
+// Below this many values per unit, one thread per value beats one block per unit.
+constexpr int64_t kRowKernelMinValues = 64;
+
+int grid_for(int64_t items) {
+  const int64_t blocks = (items + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+int grid_for_units(int64_t units) { return static_cast<int>(units < 1 ? 1 : units < kMaxBlocks ? units : kMaxBlocks); }
+
+__device__ __forceinline__ int64_t global_thread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+__device__ __forceinline__ bool unit_bit(const uint8_t* __restrict__ support, int64_t u) {
+  return (support[u >> 3] >> (u & 7)) & 1;
+}
+
+template <SketchValueType kType>
+__device__ __forceinline__ float load_value(const void* __restrict__ x, int64_t i) {
+  if constexpr (kType == SketchValueType::kFloat32) {
+    return static_cast<const float*>(x)[i];
+  } else if constexpr (kType == SketchValueType::kFloat64) {
+    return __double2float_rn(static_cast<const double*>(x)[i]);
+  } else if constexpr (kType == SketchValueType::kFloat16) {
+    return sketch_half_to_float(static_cast<const uint16_t*>(x)[i]);
+  } else {
+    return sketch_bfloat16_to_float(static_cast<const uint16_t*>(x)[i]);
+  }
+}
+
+// ---- nonzero bitmap ----
+
+template <typename U>
+__device__ __forceinline__ bool nonzero(U u) {
+  return static_cast<U>(u << 1) != 0;
+}
+
+// m == 1: one packed byte (8 values) per thread.
+template <typename U>
+__global__ void nonzero_elements_kernel(const U* __restrict__ x, int64_t n, uint8_t* __restrict__ out) {
+  const int64_t bytes = (n + 7) / 8;
+  for (int64_t k = global_thread(); k < bytes; k += grid_threads()) {
+    const int64_t begin = 8 * k;
+    const int count = n - begin < 8 ? static_cast<int>(n - begin) : 8;
+    uint32_t byte = 0;
+    for (int j = 0; j < count; ++j) byte |= static_cast<uint32_t>(nonzero(x[begin + j])) << j;
+    out[k] = static_cast<uint8_t>(byte);
+  }
+}
+
+// m > 1: one packed byte (8 units) per block of 8 warps, one warp per unit.
+template <typename U>
+__global__ void nonzero_rows_kernel(const U* __restrict__ x, int64_t n, int64_t m, uint8_t* __restrict__ out) {
+  __shared__ uint32_t bits[kThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t bytes = (n + 7) / 8;
+  for (int64_t k = blockIdx.x; k < bytes; k += gridDim.x) {
+    const int64_t u = 8 * k + warp;
+    U acc = 0;
+    if (u < n) {
+      const U* row = x + u * m;
+      for (int64_t e = lane; e < m; e += 32) acc |= static_cast<U>(row[e] << 1);
+    }
+    const bool any = __any_sync(0xFFFFFFFFu, acc != 0);
+    if (lane == 0) bits[warp] = any ? 1u << warp : 0u;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t byte = 0;
+      for (int w = 0; w < kThreads / 32; ++w) byte |= bits[w];
+      out[k] = static_cast<uint8_t>(byte);
+    }
+    __syncthreads();
+  }
+}
+static_assert(kThreads == 8 * 32, "nonzero_rows_kernel: one warp per unit of a packed byte");
+
+template <typename U>
+cudaError_t launch_nonzero(const void* x, int64_t n, int64_t m, uint8_t* out, cudaStream_t stream) {
+  const U* values = static_cast<const U*>(x);
+  const int64_t bytes = (n + 7) / 8;
+  if (m == 1) {
+    nonzero_elements_kernel<U><<<grid_for(bytes), kThreads, 0, stream>>>(values, n, out);
+  } else {
+    nonzero_rows_kernel<U><<<grid_for_units(bytes), kThreads, 0, stream>>>(values, n, m, out);
+  }
+  return cudaGetLastError();
+}
+
+// ---- count sketch ----
+
+__device__ __forceinline__ void add_value(const SketchHash& h, float* __restrict__ table, uint64_t i, float v) {
+  for (int j = 0; j < h.rows; ++j) {
+    atomicAdd(table + j * h.cols + h.bucket(j, i), h.negative(j, i) ? -v : v);
+  }
+}
+
+// One thread per value. support may be null (every value); otherwise value i belongs to unit i / m.
+template <SketchValueType kType>
+__global__ void sketch_elements_kernel(const void* __restrict__ x, int64_t total, int64_t m,
+                                       const uint8_t* __restrict__ support, const SketchHash h,
+                                       float* __restrict__ table) {
+  for (int64_t i = global_thread(); i < total; i += grid_threads()) {
+    if (support != nullptr && !unit_bit(support, m == 1 ? i : i / m)) continue;
+    const float v = load_value<kType>(x, i);
+    if (v != 0.0f) add_value(h, table, static_cast<uint64_t>(i), v);  // NaN != 0: added
+  }
+}
+
+// One block per supported unit.
+template <SketchValueType kType>
+__global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_t m,
+                                   const uint8_t* __restrict__ support, const SketchHash h,
+                                   float* __restrict__ table) {
+  for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
+    if (!unit_bit(support, u)) continue;
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
+      const int64_t i = u * m + e;
+      const float v = load_value<kType>(x, i);
+      if (v != 0.0f) add_value(h, table, static_cast<uint64_t>(i), v);
+    }
+  }
+}
+
+template <SketchValueType kType>
+void launch_sketch(const void* x, int64_t n, int64_t m, const uint8_t* support, const SketchHash& hash,
+                   float* table, cudaStream_t stream) {
+  if (support != nullptr && m >= kRowKernelMinValues) {
+    sketch_rows_kernel<kType><<<grid_for_units(n), kThreads, 0, stream>>>(x, n, m, support, hash, table);
+  } else {
+    sketch_elements_kernel<kType><<<grid_for(n * m), kThreads, 0, stream>>>(x, n * m, m, support, hash, table);
+  }
+}
+
+// ---- decode ----
+
+__device__ __forceinline__ float estimate(const SketchHash& h, const float* __restrict__ table, uint64_t i) {
+  float v[kSketchMaxRows];
+  for (int j = 0; j < h.rows; ++j) {
+    const float t = table[j * h.cols + h.bucket(j, i)];
+    v[j] = h.negative(j, i) ? -t : t;
+  }
+  return sketch_median(v, h.rows);
+}
+
+__global__ void decode_elements_kernel(const float* __restrict__ table, const uint8_t* __restrict__ support,
+                                       int64_t total, int64_t m, const SketchHash h, float* __restrict__ out) {
+  for (int64_t i = global_thread(); i < total; i += grid_threads()) {
+    out[i] = unit_bit(support, m == 1 ? i : i / m) ? estimate(h, table, static_cast<uint64_t>(i)) : 0.0f;
+  }
+}
+
+__global__ void decode_rows_kernel(const float* __restrict__ table, const uint8_t* __restrict__ support, int64_t n,
+                                   int64_t m, const SketchHash h, float* __restrict__ out) {
+  for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
+    const bool supported = unit_bit(support, u);
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
+      const int64_t i = u * m + e;
+      out[i] = supported ? estimate(h, table, static_cast<uint64_t>(i)) : 0.0f;
+    }
+  }
+}
+
+__global__ void hash_kernel(const int64_t* __restrict__ idx, int64_t len, const SketchHash h,
+                            int64_t* __restrict__ bucket, int8_t* __restrict__ sign) {
+  for (int64_t t = global_thread(); t < len; t += grid_threads()) {
+    const uint64_t i = static_cast<uint64_t>(idx[t]);
+    for (int j = 0; j < h.rows; ++j) {
+      bucket[j * len + t] = h.bucket(j, i);
+      sign[j * len + t] = h.negative(j, i) ? -1 : 1;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t nonzero_bitmap_cuda(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out,
+                                cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  switch (elem_bytes) {
+    case 2: return launch_nonzero<uint16_t>(x, n, m, out, stream);
+    case 4: return launch_nonzero<uint32_t>(x, n, m, out, stream);
+    case 8: return launch_nonzero<uint64_t>(x, n, m, out, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+                              const SketchHash& hash, float* table, cudaStream_t stream) {
+  const cudaError_t cleared = cudaMemsetAsync(table, 0, hash.rows * hash.cols * sizeof(float), stream);
+  if (cleared != cudaSuccess || n * m == 0) return cleared;
+  switch (type) {
+    case SketchValueType::kFloat32:
+      launch_sketch<SketchValueType::kFloat32>(x, n, m, support, hash, table, stream);
+      break;
+    case SketchValueType::kFloat64:
+      launch_sketch<SketchValueType::kFloat64>(x, n, m, support, hash, table, stream);
+      break;
+    case SketchValueType::kFloat16:
+      launch_sketch<SketchValueType::kFloat16>(x, n, m, support, hash, table, stream);
+      break;
+    case SketchValueType::kBFloat16:
+      launch_sketch<SketchValueType::kBFloat16>(x, n, m, support, hash, table, stream);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support, int64_t n, int64_t m,
+                                     const SketchHash& hash, float* out, cudaStream_t stream) {
+  if (n * m == 0) return cudaSuccess;
+  if (m >= kRowKernelMinValues) {
+    decode_rows_kernel<<<grid_for_units(n), kThreads, 0, stream>>>(table, support, n, m, hash, out);
+  } else {
+    decode_elements_kernel<<<grid_for(n * m), kThreads, 0, stream>>>(table, support, n * m, m, hash, out);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket, int8_t* sign,
+                             cudaStream_t stream) {
+  if (len == 0) return cudaSuccess;
+  hash_kernel<<<grid_for(len), kThreads, 0, stream>>>(idx, len, hash, bucket, sign);
+  return cudaGetLastError();
+}
+
+}  // namespace fastdist

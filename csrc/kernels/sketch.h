@@ -1,0 +1,258 @@
+// Count-sketch: nonzero bitmaps, sketching a tensor into a small table, and decoding it back.
+//
+// A tensor of N values is viewed as `n` units (rows) of `m` values, N = n * m, row-major: value `col` of unit
+// `u` has the flat index i = u * m + col. Row granularity is an embedding gradient [vocab, dim] seen as
+// n = vocab units of m = dim values; element granularity is n = N units of m = 1.
+//
+// A support is a packed bitmap of units, uint8 [ceil(n / 8)], in pack_bits' bit order (bitpack.h): bit j of
+// byte k is unit 8 * k + j. Padding bits past n are ignored.
+//
+// ---- The hash family (the one definition: CPU kernels, CUDA kernels and the sketch_hash op all use it) ----
+//
+//   p = 2^61 - 1 (a Mersenne prime).
+//   Per sketch row j < rows, four coefficients, drawn from a splitmix64 stream seeded with `seed`:
+//       state = seed;  next() { state += 0x9E3779B97F4A7C15; z = state;
+//                               z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
+//                               z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
+//                               return z ^ (z >> 31); }          (all arithmetic mod 2^64)
+//       for j = 0, 1, ..., rows - 1 in turn:
+//           a_j = 1 + next() % (p - 1);   b_j = next() % p;       (bucket hash, a_j in [1, p-1], b_j in [0, p-1])
+//           c_j = 1 + next() % (p - 1);   d_j = next() % p;       (sign hash, same ranges)
+//   so row j's coefficients do not depend on `rows` (a 3-row sketch is the first 3 rows of a 5-row one) nor on
+//   `cols`. For a flat index i (any 64-bit value; the ops pass i < 2^63):
+//       bucket  h_j(i) = ((a_j * i + b_j) mod p) mod cols
+//       sign    s_j(i) = -1 if bit kSketchSignBit (= 30) of ((c_j * i + d_j) mod p) is set, else +1
+//   Bit 30 rather than bit 0: every bit of a value uniform on [0, p) is within 2^-31 of fair, and a middle bit
+//   keeps that true even when the inputs are structured (consecutive indices step the value by c_j mod p).
+//   Products are exact: 64 x 64 -> 128-bit multiply (unsigned __int128 on the host, __umul64hi on the device)
+//   and Mersenne reduction x mod p = (x & p) + (x >> 61), then one conditional subtract.
+//
+// ---- The ops ----
+//   table[j, h_j(i)] = sum over sketched i of s_j(i) * x_i, in float32, summed in increasing i (CPU).
+//   decode: estimate_i = median over j of s_j(i) * table[j, h_j(i)] (sketch_median below).
+//
+// Torch-free: raw pointers and sizes only. Arrays are contiguous and row-major.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#include <cuda_runtime.h>
+#endif
+
+// Functions usable from host C++ and from CUDA device code. Another family may define it the same way.
+#ifndef FASTDIST_HOST_DEVICE
+#ifdef __CUDACC__
+#define FASTDIST_HOST_DEVICE __host__ __device__
+#else
+#define FASTDIST_HOST_DEVICE
+#endif
+#endif
+
+namespace fastdist {
+
+constexpr uint64_t kSketchPrime = (uint64_t{1} << 61) - 1;
+constexpr int kSketchMaxRows = 15;
+constexpr int64_t kSketchMaxCols = (int64_t{1} << 31) - 1;  // buckets fit 31 bits (the CPU kernel packs a sign bit)
+constexpr int kSketchSignBit = 30;
+
+// The value types the sketch reads; the table and the decoded values are always float32.
+enum class SketchValueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+// ---- exact modular arithmetic mod p = 2^61 - 1 ----
+
+// x mod p for any 64-bit x: x = hi * 2^61 + lo = hi + lo (mod p), hi + lo < p + 8, then one subtract.
+FASTDIST_HOST_DEVICE inline uint64_t sketch_mod_p(uint64_t x) {
+  const uint64_t folded = (x & kSketchPrime) + (x >> 61);
+  return folded >= kSketchPrime ? folded - kSketchPrime : folded;
+}
+
+// High 64 bits of the 128-bit product a * b.
+FASTDIST_HOST_DEVICE inline uint64_t sketch_mulhi(uint64_t a, uint64_t b) {
+#ifdef __CUDA_ARCH__
+  return __umul64hi(a, b);
+#else
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(a) * b) >> 64);
+#endif
+}
+
+// a * x mod p for a, x < p. The product is < 2^122 = hi * 2^64 + lo; split it at bit 61 instead:
+// low 61 bits (lo & p) + the rest ((hi << 3) | (lo >> 61)), each < 2^61, so the sum is < 2^62.
+FASTDIST_HOST_DEVICE inline uint64_t sketch_mulmod(uint64_t a, uint64_t x) {
+  const uint64_t lo = a * x;
+  const uint64_t hi = sketch_mulhi(a, x);
+  return sketch_mod_p((lo & kSketchPrime) + ((hi << 3) | (lo >> 61)));
+}
+
+// (a * i + b) mod p for a, b < p and any 64-bit i.
+FASTDIST_HOST_DEVICE inline uint64_t sketch_affine(uint64_t a, uint64_t b, uint64_t i) {
+  const uint64_t v = sketch_mulmod(a, sketch_mod_p(i)) + b;  // < 2p
+  return v >= kSketchPrime ? v - kSketchPrime : v;
+}
+
+// x mod d without a division, for x < 2^62 and 1 <= d < 2^32, given inv = floor((2^64 - 1) / d):
+// q = mulhi(x, inv) is floor(x / d) or one less, so x - q * d is in [0, 2d).
+FASTDIST_HOST_DEVICE inline uint64_t sketch_fastmod(uint64_t x, uint64_t d, uint64_t inv) {
+  const uint64_t r = x - sketch_mulhi(x, inv) * d;
+  return r >= d ? r - d : r;
+}
+
+// The coefficients of one sketch (computed on the host once per call, passed to kernels by value).
+struct SketchHash {
+  int32_t rows;        // 1..kSketchMaxRows
+  int64_t cols;        // 1..kSketchMaxCols
+  uint64_t cols_inv;   // floor((2^64 - 1) / cols), for sketch_fastmod
+  uint64_t a[kSketchMaxRows], b[kSketchMaxRows], c[kSketchMaxRows], d[kSketchMaxRows];
+
+  // h_j(i)
+  FASTDIST_HOST_DEVICE int64_t bucket(int j, uint64_t i) const {
+    return static_cast<int64_t>(sketch_fastmod(sketch_affine(a[j], b[j], i), static_cast<uint64_t>(cols), cols_inv));
+  }
+  // s_j(i) == -1
+  FASTDIST_HOST_DEVICE bool negative(int j, uint64_t i) const {
+    return (sketch_affine(c[j], d[j], i) >> kSketchSignBit) & 1;
+  }
+};
+
+// One step of the splitmix64 generator (see the header comment).
+inline uint64_t splitmix64_next(uint64_t& state) {
+  state += 0x9E3779B97F4A7C15ULL;
+  uint64_t z = state;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// The hash of a sketch with `rows` rows (1..kSketchMaxRows) and `cols` columns (1..kSketchMaxCols); the caller
+// checks the ranges. Unused rows' coefficients are zero.
+inline SketchHash make_sketch_hash(uint64_t seed, int rows, int64_t cols) {
+  SketchHash h{};
+  h.rows = rows;
+  h.cols = cols;
+  h.cols_inv = ~uint64_t{0} / static_cast<uint64_t>(cols);
+  uint64_t state = seed;
+  for (int j = 0; j < rows; ++j) {
+    h.a[j] = 1 + splitmix64_next(state) % (kSketchPrime - 1);
+    h.b[j] = splitmix64_next(state) % kSketchPrime;
+    h.c[j] = 1 + splitmix64_next(state) % (kSketchPrime - 1);
+    h.d[j] = splitmix64_next(state) % kSketchPrime;
+  }
+  return h;
+}
+
+// The decode estimate from the `rows` signed table values v[0..rows): their median; for an even count the mean
+// of the two middle values, computed as 0.5f * lo + 0.5f * hi. When any value is NaN, the first NaN. Reorders v.
+// Written with plain comparisons (not fminf/fmaxf) so that host and device give the same bits (0.5f * x is exact
+// but for subnormals, so a compiler's fused multiply-add changes nothing else).
+FASTDIST_HOST_DEVICE inline float sketch_median(float* v, int rows) {
+  for (int k = 0; k < rows; ++k) {
+    if (v[k] != v[k]) return v[k];  // the first NaN
+  }
+  if (rows == 1) return v[0];
+  if (rows == 3) {  // the common case, without the sort
+    const float lo = v[0] < v[1] ? v[0] : v[1];
+    const float hi = v[0] < v[1] ? v[1] : v[0];
+    const float mid = hi < v[2] ? hi : v[2];
+    return lo < mid ? mid : lo;
+  }
+  for (int k = 1; k < rows; ++k) {  // insertion sort: rows <= 15
+    const float x = v[k];
+    int t = k - 1;
+    while (t >= 0 && x < v[t]) {
+      v[t + 1] = v[t];
+      --t;
+    }
+    v[t + 1] = x;
+  }
+  return rows % 2 ? v[rows / 2] : 0.5f * v[rows / 2 - 1] + 0.5f * v[rows / 2];
+}
+
+inline constexpr int64_t sketch_support_bytes(int64_t n) { return (n + 7) / 8; }
+
+// ---- value conversion (the same bits on host and device) ----
+
+FASTDIST_HOST_DEVICE inline float sketch_float_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+FASTDIST_HOST_DEVICE inline uint32_t sketch_bits_of_float(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+// IEEE binary16 -> binary32, exact, NaN payloads kept. Branch-free, so a CPU loop of it vectorizes.
+FASTDIST_HOST_DEVICE inline float sketch_half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7FFFu;
+  const uint32_t inf_nan = 0u - static_cast<uint32_t>(em >= 0x7C00u);  // all ones or zero: masks, not branches
+  const uint32_t small = 0u - static_cast<uint32_t>(em < 0x0400u);
+  // Normal: rebias the exponent 15 -> 127; infinity and NaN: exponent all ones (rebias twice), payload kept.
+  const uint32_t normal = (em << 13) + 0x38000000u + (inf_nan & 0x38000000u);
+  // Zero and subnormals: em * 2^-24, exact (em < 2^10).
+  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;
+  const uint32_t subnormal = sketch_bits_of_float(scaled);
+  return sketch_float_from_bits(((normal & ~small) | (subnormal & small)) | sign);
+}
+
+FASTDIST_HOST_DEVICE inline float sketch_bfloat16_to_float(uint16_t h) {
+  return sketch_float_from_bits(static_cast<uint32_t>(h) << 16);
+}
+
+// ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel. ----
+
+// x: `n` units of `m` values, each `elem_bytes` (2, 4 or 8) wide, read as raw bits: a value is non-zero when any
+// bit other than the sign bit is set (so -0.0 is zero; NaN, infinities and subnormals are non-zero). out: the
+// packed support, bit u set when unit u has a non-zero value; writes out bytes [byte_begin, byte_end)
+// (0 <= byte_begin <= byte_end <= ceil(n / 8)), with padding bits zero.
+void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out, int64_t byte_begin,
+                        int64_t byte_end);
+
+// Sketch rows [row_begin, row_end) of the table (float32 [hash.rows, hash.cols]); overwrites those rows.
+// x: n * m values of `type`. support: packed units (nullptr: every unit). Adds s_j(i) * x_i into
+// table[j, h_j(i)] for every i of a supported unit, in increasing i, in float32 (float64 values are rounded to
+// float32 first). Zero values are skipped: adding a zero never changes a bucket (buckets start at +0.0 and
+// round-to-nearest never makes a sum -0.0 from a +0.0 operand), so the result is the same bits either way.
+// Each call reads the values once and hashes them once per sketch row of its range.
+void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+                      const SketchHash& hash, float* table, int row_begin, int row_end);
+
+// Decode units [unit_begin, unit_end) (0 <= unit_begin <= unit_end <= n) of out (float32 [n, m]): for each
+// supported unit, out[i] = sketch_median of s_j(i) * table[j, h_j(i)] over j < hash.rows; other units are 0.
+void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t n, int64_t m, const SketchHash& hash,
+                             float* out, int64_t unit_begin, int64_t unit_end);
+
+// For t in [begin, end): bucket[j * len + t] = h_j(idx[t]), sign[j * len + t] = s_j(idx[t]) for j < hash.rows.
+// idx values are taken as unsigned 64-bit.
+void sketch_hash_cpu(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket, int8_t* sign,
+                     int64_t begin, int64_t end);
+
+// ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
+// Declared only for nvcc-compiled sources. Hashes are the same functions as above, so buckets and signs are
+// bit-identical to the CPU's. count_sketch_cuda accumulates with float atomicAdd: each bucket is the same sum as
+// on the CPU in an unspecified order, so it differs from the CPU result by rounding only (at most
+// (k - 1) * 2^-24 * sum |s * x| for a bucket of k values) and may differ run to run.
+#ifdef __CUDACC__
+
+cudaError_t nonzero_bitmap_cuda(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out,
+                                cudaStream_t stream);
+cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+                              const SketchHash& hash, float* table, cudaStream_t stream);
+cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support, int64_t n, int64_t m,
+                                     const SketchHash& hash, float* out, cudaStream_t stream);
+cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket,
+                             int8_t* sign, cudaStream_t stream);
+
+#endif  // __CUDACC__
+
+}  // namespace fastdist

@@ -1,0 +1,112 @@
+// torch.ops.fastdist count-sketch ops: schemas and CPU kernels. See csrc/kernels/sketch.h for the hash family and
+// the layouts.
+//
+// Determinism: count_sketch runs in parallel over sketch rows (at::parallel_for hands each thread a range of rows),
+// and every row adds its values in increasing index, so each bucket is the same float32 sum, in the same order,
+// whatever the thread count: results are bit-identical from 1 thread to many and from run to run. The price: at most
+// `rows` threads work on one sketch (3 by default), unevenly when the thread count does not divide the rows.
+// Splitting a row's buckets between threads was measured and does not pay: each owner must hash every value, and
+// steering the other owners' values away (to a scratch slot, branch-free) costs about as much as adding them.
+// Decode, nonzero_bitmap and sketch_hash write disjoint outputs per thread and involve no sums.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "ops/sketch.h"
+
+namespace fastdist::sketch {
+namespace {
+
+// A chunk below this many bytes of memory traffic is not worth a thread: small inputs run on the calling thread.
+constexpr int64_t kGrainTrafficBytes = 256 * 1024;
+
+int64_t grain_for(int64_t bytes_per_item) {
+  return std::max<int64_t>(kGrainTrafficBytes / std::max<int64_t>(bytes_per_item, 1), 1);
+}
+
+at::Tensor nonzero_bitmap_cpu_op(const at::Tensor& x, c10::string_view granularity) {
+  const Units u = check_nonzero_bitmap(x, std::string(granularity));
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty({sketch_support_bytes(u.n)}, src.options().dtype(at::kByte));
+  const void* in = src.const_data_ptr();
+  const int elem_bytes = static_cast<int>(src.element_size());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, out.numel(), grain_for(8 * u.m * elem_bytes), [&](int64_t begin, int64_t end) {
+    fastdist::nonzero_bitmap_cpu(in, elem_bytes, u.n, u.m, dst, begin, end);
+  });
+  return out;
+}
+
+at::Tensor count_sketch_cpu_op(const at::Tensor& x, int64_t rows, int64_t cols, int64_t seed,
+                               const std::optional<at::Tensor>& support, c10::string_view granularity) {
+  const Units u = check_count_sketch(x, rows, cols, seed, support, std::string(granularity));
+  const at::Tensor src = x.contiguous();
+  const at::Tensor sup = support.has_value() ? support->contiguous() : at::Tensor();
+  at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
+  const SketchHash hash = hash_for(seed, rows, cols);
+  const void* in = src.const_data_ptr();
+  const uint8_t* sup_bytes = sup.defined() ? support_bytes(sup) : nullptr;
+  float* dst = table.data_ptr<float>();
+  const SketchValueType type = value_type_of(src);
+  // One sketch row per work item (see the top of this file). Below a few chunks of work (values to read plus table
+  // to clear), one thread does everything.
+  const int64_t work_bytes = (u.n * u.m * src.element_size() + cols * static_cast<int64_t>(sizeof(float))) * rows;
+  const int64_t grain = work_bytes < 2 * kGrainTrafficBytes ? rows : 1;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_cpu(in, type, u.n, u.m, sup_bytes, hash, dst, static_cast<int>(begin),
+                               static_cast<int>(end));
+  });
+  return table;
+}
+
+at::Tensor count_sketch_decode_cpu_op(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
+                                      int64_t seed) {
+  const Units u = check_count_sketch_decode(table, support, n, m, seed);
+  const at::Tensor tab = table.contiguous();
+  const at::Tensor sup = support.contiguous();
+  at::Tensor out = at::empty({u.n, u.m}, tab.options());
+  const SketchHash hash = hash_for(seed, tab.size(0), tab.size(1));
+  const float* t = tab.const_data_ptr<float>();
+  const uint8_t* sup_bytes = support_bytes(sup);
+  float* dst = out.data_ptr<float>();
+  // Work items are units; each writes its m outputs (reading rows table values each where supported).
+  at::parallel_for(0, u.n, grain_for(u.m * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_decode_cpu(t, sup_bytes, u.n, u.m, hash, dst, begin, end);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> sketch_hash_cpu_op(const at::Tensor& idx, int64_t rows, int64_t cols,
+                                                      int64_t seed) {
+  check_sketch_hash(idx, rows, cols, seed);
+  const at::Tensor src = idx.contiguous();
+  const int64_t len = src.numel();
+  at::Tensor bucket = at::empty({rows, len}, src.options());
+  at::Tensor sign = at::empty({rows, len}, src.options().dtype(at::kChar));
+  const SketchHash hash = hash_for(seed, rows, cols);
+  const int64_t* in = src.const_data_ptr<int64_t>();
+  int64_t* b = bucket.data_ptr<int64_t>();
+  int8_t* s = sign.data_ptr<int8_t>();
+  at::parallel_for(0, len, grain_for(rows * 64), [&](int64_t begin, int64_t end) {  // ~64 bytes' worth per hash
+    fastdist::sketch_hash_cpu(in, len, hash, b, s, begin, end);
+  });
+  return {bucket, sign};
+}
+
+}  // namespace
+}  // namespace fastdist::sketch
+
+TORCH_LIBRARY_FRAGMENT(fastdist, m) {
+  m.def("nonzero_bitmap(Tensor x, str granularity) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("count_sketch(Tensor x, int rows, int cols, int seed, Tensor? support, str granularity) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  m.def("count_sketch_decode(Tensor table, Tensor support, int n, int m, int seed) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  m.def("sketch_hash(Tensor idx, int rows, int cols, int seed) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
+  m.impl("nonzero_bitmap", &fastdist::sketch::nonzero_bitmap_cpu_op);
+  m.impl("count_sketch", &fastdist::sketch::count_sketch_cpu_op);
+  m.impl("count_sketch_decode", &fastdist::sketch::count_sketch_decode_cpu_op);
+  m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cpu_op);
+}

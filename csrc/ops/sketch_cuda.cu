@@ -1,0 +1,71 @@
+// CUDA kernels of the torch.ops.fastdist count-sketch ops (schemas in sketch.cpp). Work runs on the current stream of
+// the input's device. The hash coefficients are computed on the host and passed to the kernels by value.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "ops/sketch.h"
+
+namespace fastdist::sketch {
+namespace {
+
+at::Tensor nonzero_bitmap_cuda_op(const at::Tensor& x, c10::string_view granularity) {
+  const Units u = check_nonzero_bitmap(x, std::string(granularity));
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty({sketch_support_bytes(u.n)}, src.options().dtype(at::kByte));
+  C10_CUDA_CHECK(fastdist::nonzero_bitmap_cuda(src.const_data_ptr(), static_cast<int>(src.element_size()), u.n, u.m,
+                                               out.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor count_sketch_cuda_op(const at::Tensor& x, int64_t rows, int64_t cols, int64_t seed,
+                                const std::optional<at::Tensor>& support, c10::string_view granularity) {
+  const Units u = check_count_sketch(x, rows, cols, seed, support, std::string(granularity));
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor src = x.contiguous();
+  const at::Tensor sup = support.has_value() ? support->contiguous() : at::Tensor();
+  at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(fastdist::count_sketch_cuda(src.const_data_ptr(), value_type_of(src), u.n, u.m,
+                                             sup.defined() ? support_bytes(sup) : nullptr, hash_for(seed, rows, cols),
+                                             table.data_ptr<float>(), at::cuda::getCurrentCUDAStream()));
+  return table;
+}
+
+at::Tensor count_sketch_decode_cuda_op(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
+                                       int64_t seed) {
+  const Units u = check_count_sketch_decode(table, support, n, m, seed);
+  const c10::cuda::CUDAGuard guard(table.device());
+  const at::Tensor tab = table.contiguous();
+  const at::Tensor sup = support.contiguous();
+  at::Tensor out = at::empty({u.n, u.m}, tab.options());
+  C10_CUDA_CHECK(fastdist::count_sketch_decode_cuda(tab.const_data_ptr<float>(), support_bytes(sup), u.n, u.m,
+                                                    hash_for(seed, tab.size(0), tab.size(1)), out.data_ptr<float>(),
+                                                    at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> sketch_hash_cuda_op(const at::Tensor& idx, int64_t rows, int64_t cols,
+                                                       int64_t seed) {
+  check_sketch_hash(idx, rows, cols, seed);
+  const c10::cuda::CUDAGuard guard(idx.device());
+  const at::Tensor src = idx.contiguous();
+  const int64_t len = src.numel();
+  at::Tensor bucket = at::empty({rows, len}, src.options());
+  at::Tensor sign = at::empty({rows, len}, src.options().dtype(at::kChar));
+  C10_CUDA_CHECK(fastdist::sketch_hash_cuda(src.const_data_ptr<int64_t>(), len, hash_for(seed, rows, cols),
+                                            bucket.data_ptr<int64_t>(), sign.data_ptr<int8_t>(),
+                                            at::cuda::getCurrentCUDAStream()));
+  return {bucket, sign};
+}
+
+}  // namespace
+}  // namespace fastdist::sketch
+
+TORCH_LIBRARY_IMPL(fastdist, CUDA, m) {
+  m.impl("nonzero_bitmap", &fastdist::sketch::nonzero_bitmap_cuda_op);
+  m.impl("count_sketch", &fastdist::sketch::count_sketch_cuda_op);
+  m.impl("count_sketch_decode", &fastdist::sketch::count_sketch_decode_cuda_op);
+  m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cuda_op);
+}

@@ -1,0 +1,427 @@
+// The count-sketch hash against a naive reference that uses % on unsigned __int128, and the CPU kernels against
+// naive element-at-a-time references, over sizes, supports and split ranges that hit every path (direct hashing,
+// lane stepping forward and back, skipped chunks, partial chunks, runs of rows).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/sketch.h"
+#include "testing.h"
+
+namespace {
+
+using fastdist::SketchHash;
+using fastdist::SketchValueType;
+using u128 = unsigned __int128;
+constexpr uint64_t kP = (uint64_t{1} << 61) - 1;
+
+// ---- references ----
+
+uint64_t ref_splitmix(uint64_t& state) {
+  state += 0x9E3779B97F4A7C15ULL;
+  uint64_t z = state;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+struct RefHash {
+  int rows;
+  uint64_t cols;
+  std::vector<uint64_t> a, b, c, d;
+
+  RefHash(uint64_t seed, int rows_, uint64_t cols_) : rows(rows_), cols(cols_) {
+    uint64_t state = seed;
+    for (int j = 0; j < rows; ++j) {
+      a.push_back(1 + ref_splitmix(state) % (kP - 1));
+      b.push_back(ref_splitmix(state) % kP);
+      c.push_back(1 + ref_splitmix(state) % (kP - 1));
+      d.push_back(ref_splitmix(state) % kP);
+    }
+  }
+  int64_t bucket(int j, uint64_t i) const { return static_cast<int64_t>(((u128{a[j]} * i + b[j]) % kP) % cols); }
+  bool negative(int j, uint64_t i) const { return ((((u128{c[j]} * i + d[j]) % kP) >> 30) & 1) != 0; }
+};
+
+float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// binary16 -> float by its definition.
+float ref_half(uint16_t h) {
+  const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+  float v;
+  if (exponent == 31) {
+    v = mantissa ? std::nanf("") : INFINITY;
+  } else if (exponent == 0) {
+    v = std::ldexp(static_cast<float>(mantissa), -24);
+  } else {
+    v = std::ldexp(static_cast<float>(1024 + mantissa), exponent - 25);
+  }
+  return sign ? -v : v;
+}
+
+float ref_value(const void* x, SketchValueType type, int64_t i) {
+  switch (type) {
+    case SketchValueType::kFloat32: return static_cast<const float*>(x)[i];
+    case SketchValueType::kFloat64: return static_cast<float>(static_cast<const double*>(x)[i]);
+    case SketchValueType::kFloat16: return ref_half(static_cast<const uint16_t*>(x)[i]);
+    case SketchValueType::kBFloat16: return bits_float(uint32_t{static_cast<const uint16_t*>(x)[i]} << 16);
+  }
+  return 0;
+}
+
+bool bit(const std::vector<uint8_t>& bitmap, int64_t u) { return (bitmap[u >> 3] >> (u & 7)) & 1; }
+
+// Every value of every supported unit (or every non-zero value), in increasing index, in float32.
+std::vector<float> ref_sketch(const void* x, SketchValueType type, int64_t n, int64_t m,
+                              const std::vector<uint8_t>* support, const SketchHash& h) {
+  std::vector<float> table(h.rows * h.cols, 0.0f);
+  for (int64_t i = 0; i < n * m; ++i) {
+    if (support != nullptr && !bit(*support, i / m)) continue;
+    const float v = ref_value(x, type, i);
+    for (int j = 0; j < h.rows; ++j) table[j * h.cols + h.bucket(j, i)] += h.negative(j, i) ? -v : v;
+  }
+  return table;
+}
+
+std::vector<float> ref_decode(const std::vector<float>& table, const std::vector<uint8_t>& support, int64_t n,
+                              int64_t m, const SketchHash& h) {
+  std::vector<float> out(n * m, 0.0f);
+  for (int64_t i = 0; i < n * m; ++i) {
+    if (!bit(support, i / m)) continue;
+    std::vector<float> est;
+    for (int j = 0; j < h.rows; ++j) {
+      const float t = table[j * h.cols + h.bucket(j, i)];
+      est.push_back(h.negative(j, i) ? -t : t);
+    }
+    const auto first_nan = std::find_if(est.begin(), est.end(), [](float v) { return std::isnan(v); });
+    if (first_nan != est.end()) {
+      out[i] = *first_nan;
+      continue;
+    }
+    std::sort(est.begin(), est.end());
+    const size_t r = est.size();
+    out[i] = r % 2 ? est[r / 2] : 0.5f * est[r / 2 - 1] + 0.5f * est[r / 2];
+  }
+  return out;
+}
+
+// Bitwise equality, NaN equal to NaN.
+bool same_bits(float a, float b) { return float_bits(a) == float_bits(b) || (std::isnan(a) && std::isnan(b)); }
+
+int64_t first_mismatch(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return -2;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!same_bits(got[i], want[i])) return static_cast<int64_t>(i);
+  return -1;
+}
+
+std::vector<uint8_t> random_bitmap(int64_t n, double density, std::mt19937_64& rng) {
+  std::vector<uint8_t> bitmap((n + 7) / 8, 0);
+  std::bernoulli_distribution keep(density);
+  for (int64_t u = 0; u < n; ++u)
+    if (keep(rng)) bitmap[u >> 3] |= static_cast<uint8_t>(1 << (u & 7));
+  return bitmap;
+}
+
+// n * m float32 values, a fraction `density` of them non-zero.
+std::vector<float> random_values(int64_t count, double density, std::mt19937_64& rng) {
+  std::vector<float> v(count, 0.0f);
+  std::bernoulli_distribution keep(density);
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  for (auto& x : v)
+    if (keep(rng)) x = value(rng);
+  return v;
+}
+
+std::vector<int64_t> random_cuts(int64_t total, std::mt19937_64& rng) {
+  std::vector<int64_t> cuts = {0, total};
+  std::uniform_int_distribution<int64_t> dist(0, total);
+  for (int i = 0; i < 4; ++i) cuts.push_back(dist(rng));
+  std::sort(cuts.begin(), cuts.end());
+  return cuts;
+}
+
+const uint64_t kEdgeIndices[] = {0,          1,          2,          7,          8,          (1ULL << 31) - 1,
+                                 1ULL << 31, 1ULL << 32, kP - 1,     kP,         kP + 1,     2 * kP,
+                                 1ULL << 40, (1ULL << 40) - 1, (1ULL << 62), (1ULL << 63) - 1, 1ULL << 63,
+                                 ~0ULL};
+
+}  // namespace
+
+// ---- the hash ----
+
+FD_TEST(mersenne_arithmetic_matches_int128_remainders) {
+  std::mt19937_64 rng(1);
+  std::vector<uint64_t> xs(std::begin(kEdgeIndices), std::end(kEdgeIndices));
+  for (int k = 0; k < 2000; ++k) xs.push_back(rng());
+  for (uint64_t x : xs) {
+    FD_EXPECT(fastdist::sketch_mod_p(x) == x % kP, "x=" << x);
+    const uint64_t a = x % kP;
+    for (uint64_t y : {uint64_t{0}, uint64_t{1}, kP - 1, rng() % kP, rng() % kP}) {
+      FD_EXPECT(fastdist::sketch_mulmod(a, y) == static_cast<uint64_t>(u128{a} * y % kP), "a=" << a << " y=" << y);
+    }
+  }
+}
+
+FD_TEST(fastmod_matches_remainder) {
+  std::mt19937_64 rng(2);
+  const std::vector<uint64_t> divisors = {1, 2, 3, 7, 1000, 65536, 1000003, (uint64_t{1} << 31) - 1,
+                                          (uint64_t{1} << 32) - 1, rng() % (uint64_t{1} << 32) + 1};
+  for (uint64_t d : divisors) {
+    const uint64_t inv = ~uint64_t{0} / d;
+    for (uint64_t x : {uint64_t{0}, d - 1, d, kP - 1, (uint64_t{1} << 62) - 1, 2 * kP}) {
+      FD_EXPECT(fastdist::sketch_fastmod(x, d, inv) == x % d, "x=" << x << " d=" << d);
+    }
+    for (int k = 0; k < 2000; ++k) {
+      const uint64_t x = rng() >> 2;
+      FD_EXPECT(fastdist::sketch_fastmod(x, d, inv) == x % d, "x=" << x << " d=" << d);
+    }
+  }
+}
+
+FD_TEST(hash_matches_the_int128_reference) {
+  std::mt19937_64 rng(3);
+  const std::vector<uint64_t> seeds = {0, 1, 12345, (uint64_t{1} << 63) - 1, rng() >> 1};
+  for (uint64_t seed : seeds) {
+    for (int64_t cols : {int64_t{1}, int64_t{2}, int64_t{1000}, int64_t{65537}, fastdist::kSketchMaxCols}) {
+      const SketchHash h = fastdist::make_sketch_hash(seed, fastdist::kSketchMaxRows, cols);
+      const RefHash ref(seed, fastdist::kSketchMaxRows, static_cast<uint64_t>(cols));
+      std::vector<uint64_t> indices(std::begin(kEdgeIndices), std::end(kEdgeIndices));
+      for (int k = 0; k < 300; ++k) indices.push_back(rng() >> (k % 3 == 0 ? 1 : k % 3 == 1 ? 24 : 44));
+      for (int j = 0; j < h.rows; ++j) {
+        FD_EXPECT(h.a[j] == ref.a[j] && h.b[j] == ref.b[j] && h.c[j] == ref.c[j] && h.d[j] == ref.d[j],
+                  "coefficients of row " << j << " seed " << seed);
+        FD_EXPECT(h.a[j] >= 1 && h.a[j] < kP && h.b[j] < kP && h.c[j] >= 1 && h.c[j] < kP && h.d[j] < kP,
+                  "coefficient range, row " << j);
+        for (uint64_t i : indices) {
+          FD_EXPECT(h.bucket(j, i) == ref.bucket(j, i),
+                    "seed=" << seed << " cols=" << cols << " j=" << j << " i=" << i);
+          FD_EXPECT(h.negative(j, i) == ref.negative(j, i), "seed=" << seed << " j=" << j << " i=" << i);
+        }
+      }
+    }
+  }
+}
+
+FD_TEST(sketch_hash_cpu_writes_rows_by_len_over_split_ranges) {
+  std::mt19937_64 rng(4);
+  const SketchHash h = fastdist::make_sketch_hash(77, 5, 999);
+  std::vector<int64_t> idx(1000);
+  for (auto& i : idx) i = static_cast<int64_t>(rng());
+  const int64_t len = static_cast<int64_t>(idx.size());
+  std::vector<int64_t> bucket(5 * len, -1);
+  std::vector<int8_t> sign(5 * len, 0);
+  const std::vector<int64_t> cuts = random_cuts(len, rng);
+  for (size_t k = 0; k + 1 < cuts.size(); ++k)
+    fastdist::sketch_hash_cpu(idx.data(), len, h, bucket.data(), sign.data(), cuts[k], cuts[k + 1]);
+  for (int j = 0; j < 5; ++j)
+    for (int64_t t = 0; t < len; ++t) {
+      const uint64_t i = static_cast<uint64_t>(idx[t]);
+      FD_EXPECT(bucket[j * len + t] == h.bucket(j, i), "j=" << j << " t=" << t);
+      FD_EXPECT(sign[j * len + t] == (h.negative(j, i) ? -1 : 1), "j=" << j << " t=" << t);
+    }
+}
+
+FD_TEST(median_of_rows) {
+  float three[] = {3.0f, -1.0f, 2.0f};
+  FD_EXPECT(fastdist::sketch_median(three, 3) == 2.0f, "");
+  float four[] = {4.0f, 1.0f, 8.0f, 2.0f};
+  FD_EXPECT(fastdist::sketch_median(four, 4) == 3.0f, "mean of 2 and 4");
+  float one[] = {-5.0f};
+  FD_EXPECT(fastdist::sketch_median(one, 1) == -5.0f, "");
+  float with_nan[] = {1.0f, std::nanf(""), 2.0f};
+  FD_EXPECT(std::isnan(fastdist::sketch_median(with_nan, 3)), "");
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> value(-10.0f, 10.0f);
+  for (int rows = 1; rows <= fastdist::kSketchMaxRows; ++rows)
+    for (int k = 0; k < 200; ++k) {
+      std::vector<float> v(rows);
+      for (auto& x : v) x = k % 4 == 0 ? std::round(value(rng)) : value(rng);  // ties too
+      std::vector<float> sorted = v;
+      std::sort(sorted.begin(), sorted.end());
+      const float want = rows % 2 ? sorted[rows / 2] : 0.5f * sorted[rows / 2 - 1] + 0.5f * sorted[rows / 2];
+      FD_EXPECT(fastdist::sketch_median(v.data(), rows) == want, "rows=" << rows);
+    }
+}
+
+// ---- nonzero_bitmap_cpu ----
+
+template <typename U>
+void check_nonzero_bitmap(std::mt19937_64& rng) {
+  const U sign = U{1} << (8 * sizeof(U) - 1);
+  for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{7}, int64_t{1000}, int64_t{3000}})
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{100}}) {
+      std::vector<U> x(n * m, 0);
+      std::uniform_int_distribution<int> pick(0, 9);
+      for (auto& v : x) {
+        const int p = pick(rng);  // mostly +-0; some with one random bit set (subnormal, NaN, anything)
+        v = p == 0 ? static_cast<U>(U{1} << (rng() % (8 * sizeof(U) - 1))) : p == 1 ? sign : 0;
+        if (p == 0 && rng() % 2) v |= sign;
+      }
+      const int64_t bytes = (n + 7) / 8;
+      std::vector<uint8_t> want(bytes, 0);
+      for (int64_t u = 0; u < n; ++u) {
+        bool any = false;
+        for (int64_t k = 0; k < m; ++k) any |= (x[u * m + k] & ~sign) != 0;
+        if (any) want[u >> 3] |= static_cast<uint8_t>(1 << (u & 7));
+      }
+      std::vector<uint8_t> got(bytes, 0xAB);
+      const std::vector<int64_t> cuts = random_cuts(bytes, rng);
+      for (size_t k = 0; k + 1 < cuts.size(); ++k)
+        fastdist::nonzero_bitmap_cpu(x.data(), sizeof(U), n, m, got.data(), cuts[k], cuts[k + 1]);
+      FD_EXPECT(got == want, "elem_bytes=" << sizeof(U) << " n=" << n << " m=" << m);
+    }
+}
+
+FD_TEST(nonzero_bitmap_cpu_matches_reference_over_split_ranges) {
+  std::mt19937_64 rng(6);
+  check_nonzero_bitmap<uint16_t>(rng);
+  check_nonzero_bitmap<uint32_t>(rng);
+  check_nonzero_bitmap<uint64_t>(rng);
+}
+
+// ---- count_sketch_cpu ----
+
+FD_TEST(count_sketch_cpu_matches_in_order_reference) {
+  std::mt19937_64 rng(7);
+  struct Shape {
+    int64_t n, m;
+  };
+  for (Shape s : {Shape{0, 5}, Shape{1, 1}, Shape{7, 1}, Shape{300, 1}, Shape{5000, 1}, Shape{40, 2}, Shape{50, 3},
+                  Shape{9, 257}, Shape{30, 64}, Shape{3, 1000}})
+    for (double density : {0.002, 0.05, 0.5, 1.0})
+      for (int support_kind = 0; support_kind < 3; ++support_kind) {  // none, unit bitmap, all units
+        const std::vector<float> x = random_values(s.n * s.m, support_kind == 0 ? density : 1.0, rng);
+        const std::vector<uint8_t> support =
+            support_kind == 1 ? random_bitmap(s.n, density, rng) : random_bitmap(s.n, 1.0, rng);
+        const std::vector<uint8_t>* sup = support_kind == 0 ? nullptr : &support;
+        for (int rows : {1, 3}) {
+          const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 700));
+          std::vector<float> got(rows * h.cols, 1.0f);  // every row must be overwritten
+          fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup ? sup->data() : nullptr, h,
+                                     got.data(), 0, rows);
+          const int64_t bad = first_mismatch(got, ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h));
+          FD_EXPECT(bad == -1, "n=" << s.n << " m=" << s.m << " density=" << density << " support=" << support_kind
+                                    << " rows=" << rows << " first wrong bucket " << bad);
+        }
+      }
+}
+
+FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {
+  std::mt19937_64 rng(8);
+  const int rows = 7;
+  const int64_t cols = 501;
+  const SketchHash h = fastdist::make_sketch_hash(9, rows, cols);
+  for (double density : {0.01, 0.3}) {  // direct hashing and lane stepping
+    const std::vector<float> x = random_values(20000, density, rng);
+    const std::vector<float> want = ref_sketch(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h);
+    std::vector<float> got(rows * cols, -1.0f);
+    const std::vector<int64_t> cuts = random_cuts(rows, rng);
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h, got.data(),
+                                 static_cast<int>(cuts[k]), static_cast<int>(cuts[k + 1]));
+      for (int64_t b = 0; b < rows * cols; ++b) {
+        const bool written = b < cuts[k + 1] * cols;
+        FD_EXPECT(same_bits(got[b], written ? want[b] : -1.0f), "density=" << density << " rows [" << cuts[k]
+                  << ", " << cuts[k + 1] << ") bucket " << b);
+      }
+    }
+  }
+}
+
+FD_TEST(count_sketch_cpu_reads_every_value_type) {
+  std::mt19937_64 rng(9);
+  const int64_t count = 3000;
+  std::vector<uint16_t> halves(count), bf16(count);
+  std::vector<double> doubles(count);
+  for (int64_t i = 0; i < count; ++i) {
+    halves[i] = static_cast<uint16_t>(rng() % 4 ? rng() : 0);  // every bit pattern, NaN and subnormals included
+    bf16[i] = static_cast<uint16_t>(rng() % 4 ? rng() : 0x8000);
+    doubles[i] = rng() % 4 ? std::ldexp(static_cast<double>(static_cast<int64_t>(rng() >> 11)), -40) : 1e-300;
+  }
+  const SketchHash h = fastdist::make_sketch_hash(10, 3, 4096);
+  struct Case {
+    const void* x;
+    SketchValueType type;
+  };
+  for (Case c : {Case{halves.data(), SketchValueType::kFloat16}, Case{bf16.data(), SketchValueType::kBFloat16},
+                 Case{doubles.data(), SketchValueType::kFloat64}}) {
+    std::vector<float> got(3 * 4096);
+    fastdist::count_sketch_cpu(c.x, c.type, count, 1, nullptr, h, got.data(), 0, 3);
+    const int64_t bad = first_mismatch(got, ref_sketch(c.x, c.type, count, 1, nullptr, h));
+    FD_EXPECT(bad == -1, "type " << static_cast<int>(c.type) << " first wrong bucket " << bad);
+  }
+}
+
+FD_TEST(float16_values_convert_exactly_for_every_bit_pattern) {
+  // One value per call, one bucket: the table holds +-value exactly.
+  const SketchHash h = fastdist::make_sketch_hash(0, 1, 1);
+  const float sign = h.negative(0, 0) ? -1.0f : 1.0f;
+  int wrong = 0;
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const uint16_t half = static_cast<uint16_t>(bits);
+    float table = 123.0f;
+    fastdist::count_sketch_cpu(&half, SketchValueType::kFloat16, 1, 1, nullptr, h, &table, 0, 1);
+    const float want = sign * ref_half(half);
+    const bool ok = std::isnan(want) ? std::isnan(table) : table == want;
+    if (!ok && wrong++ < 5) FD_EXPECT(ok, "half bits 0x" << std::hex << bits << " got " << table << " want " << want);
+  }
+  FD_EXPECT(wrong == 0, wrong << " wrong conversions");
+}
+
+// ---- count_sketch_decode_cpu ----
+
+FD_TEST(count_sketch_decode_cpu_matches_reference_over_split_ranges) {
+  std::mt19937_64 rng(11);
+  struct Shape {
+    int64_t n, m;
+  };
+  for (Shape s : {Shape{0, 3}, Shape{1, 1}, Shape{9, 1}, Shape{5000, 1}, Shape{40, 2}, Shape{70, 3}, Shape{9, 257},
+                  Shape{20, 64}, Shape{3, 1000}, Shape{5, 0}})
+    for (double density : {0.002, 0.05, 0.5, 1.0})
+      for (int rows : {1, 2, 3, 4, 5, 15}) {
+        const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 500));
+        std::vector<float> table = random_values(rows * h.cols, 1.0, rng);
+        if (rows == 3) table[rng() % table.size()] = std::nanf("");
+        const std::vector<uint8_t> support = random_bitmap(s.n, density, rng);
+        const std::vector<float> want = ref_decode(table, support, s.n, s.m, h);
+        std::vector<float> got(s.n * s.m, 7.0f);
+        const std::vector<int64_t> cuts = random_cuts(s.n, rng);
+        for (size_t k = 0; k + 1 < cuts.size(); ++k)
+          fastdist::count_sketch_decode_cpu(table.data(), support.data(), s.n, s.m, h, got.data(), cuts[k],
+                                            cuts[k + 1]);
+        const int64_t bad = first_mismatch(got, want);
+        FD_EXPECT(bad == -1, "n=" << s.n << " m=" << s.m << " density=" << density << " rows=" << rows
+                                  << " first wrong value " << bad);
+      }
+}
+
+FD_TEST(decode_of_a_sketch_without_collisions_is_exact) {
+  std::mt19937_64 rng(12);
+  const int64_t n = 100000;
+  std::vector<float> x(n, 0.0f);
+  std::vector<uint8_t> support((n + 7) / 8, 0);
+  for (int k = 0; k < 10; ++k) {
+    const int64_t i = static_cast<int64_t>(rng() % n);
+    x[i] = static_cast<float>(k + 1) * 0.5f;
+    support[i >> 3] |= static_cast<uint8_t>(1 << (i & 7));
+  }
+  const SketchHash h = fastdist::make_sketch_hash(13, 3, 4096);
+  std::vector<float> table(3 * 4096), out(n);
+  fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3);
+  fastdist::count_sketch_decode_cpu(table.data(), support.data(), n, 1, h, out.data(), 0, n);
+  FD_EXPECT(out == x, "decoded values differ");
+}

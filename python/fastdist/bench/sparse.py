@@ -1,0 +1,426 @@
+"""`fastdist-bench sparse`: sketch_allreduce against the gradient reductions a user would otherwise pick.
+
+Embedding-shaped gradients (--shape, default 32768 x 1024 float32 = 128 MiB) at several row densities
+(--densities, percent of rows non-zero on each rank), drawn with realistic overlap between ranks: every
+rank takes the rows of distinct tokens sampled from one shared Zipf distribution (fastdist.comm.synthetic),
+so frequent rows are non-zero everywhere and rare ones on one rank. Per density, on N ranks, every method
+runs in the same run, interleaved (one call of each per repetition, the order rotated each repetition),
+warm-up first, each call on a fresh copy of the same gradient:
+
+  dense       dist.all_reduce
+  fp16, bf16  torch's fp16/bf16 compress hook steps (cast, all-reduce, cast back)
+  agsparse    all-gather of (index, value) row lists padded to the largest count (Horovod / PyTorch sparse)
+  omnireduce  sketch_allreduce(mode="exact"): union bitmap + all-reduce of the union's rows (lossless)
+  powersgd    torch's powerSGD_hook (rank --powersgd-rank, error feedback and warm start on)
+  topk        GRACE-style TopK + all-gather, k sized so its all-gather sends what the sketch's table
+              all-reduce sends (or --topk-ratio x numel)
+  sketch      sketch_allreduce(mode="sketch"), --sketch-rows x cols, cols = --sketch-ratio x the union's
+              non-zero values (default 0.5)
+  auto        sketch_allreduce(mode="auto") with the same sketch size; the table notes what it chose
+
+Columns: time is the median over repetitions of the slowest rank's time per call; speed-up is dense's
+median over the method's; wire B/rank is the method's model of what a rank sends (ring all-reduce
+2(P-1)/P x payload, ring all-gather (P-1) x block, largest over ranks); tx B/rank is what the busiest
+rank's interface really sent during the call (simulated network only); rel.err is ||g_hat - g|| / ||g||
+against the exact sum, which every rank computes locally (the synthetic values make every float32 sum
+exact, so lossless methods show exactly 0); eff.algbw is the uncompressed size / time.
+powersgd keeps its warm-start matrices across repetitions, as in training; its error-feedback residual
+is zeroed before every call (outside the timing), so that each call compresses the same gradient as
+every other method and its error is the compression error of one call (the hook still adds and
+updates the residual, at full cost).
+"""
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from fastdist.bench import report
+
+METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
+EXTRA_METHODS = ["bf16"]
+SKETCH_METHODS = {"omnireduce", "sketch", "auto"}
+LOSSLESS = {"dense", "agsparse", "omnireduce"}
+
+
+def parse_shape(text):
+    """'32768x1024' -> (32768, 1024)."""
+    parts = text.lower().replace("*", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--shape must look like ROWSxDIM, e.g. 32768x1024; got {text!r}")
+    rows, dim = (int(p) for p in parts)
+    if rows < 1 or dim < 1:
+        raise ValueError(f"--shape: both sizes must be >= 1, got {text!r}")
+    return rows, dim
+
+
+def parse_densities(text):
+    """'0.5,2,10' (percent) -> [0.005, 0.02, 0.1]."""
+    out = []
+    for p in text.split(","):
+        if p.strip():
+            d = float(p.strip().rstrip("%")) / 100
+            if not (0 < d <= 1):
+                raise ValueError(f"--densities are percentages in (0, 100], got {p!r}")
+            out.append(d)
+    if not out:
+        raise ValueError("--densities: give at least one density")
+    return out
+
+
+def add_arguments(p):
+    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
+    p.add_argument("--net", default="loopback",
+                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root)")
+    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    p.add_argument("--shape", default="32768x1024", help="gradient rows x dim, float32 (default 32768x1024 = 128 MiB)")
+    p.add_argument("--densities", default="0.5,2,10", help="row densities per rank in percent (default 0.5,2,10)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of " + ",".join(METHODS + EXTRA_METHODS))
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per method, >= 5 for a claim (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions of every method first (default 1)")
+    p.add_argument("--sketch-ratio", type=float, default=0.5,
+                   help="sketch columns as a fraction of the union's non-zero values (default 0.5)")
+    p.add_argument("--sketch-rows", type=int, default=3, help="sketch rows r (default 3)")
+    p.add_argument("--topk-ratio", type=float, default=None,
+                   help="topk keeps this fraction of each rank's elements (default: k whose all-gather "
+                        "sends what the sketch's table all-reduce sends)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank (default 4)")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the token distribution (default 1.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients and the sketch hashes")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the whole run is aborted")
+
+
+def _config_from(args):
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS + EXTRA_METHODS))
+    if unknown or not methods:
+        raise SystemExit(f"fastdist-bench sparse: unknown method(s) {unknown}; choose from {METHODS + EXTRA_METHODS}")
+    if args.reps < 1 or args.warmup < 0:
+        raise SystemExit("fastdist-bench sparse: --reps must be >= 1 and --warmup >= 0")
+    if not (0 < args.sketch_ratio):
+        raise SystemExit("fastdist-bench sparse: --sketch-ratio must be positive")
+    if args.topk_ratio is not None and not (0 < args.topk_ratio <= 1):
+        raise SystemExit("fastdist-bench sparse: --topk-ratio must be in (0, 1]")
+    try:
+        rows, dim = parse_shape(args.shape)
+        densities = parse_densities(args.densities)
+    except ValueError as e:
+        raise SystemExit(f"fastdist-bench sparse: {e}") from None
+    return {"methods": methods, "rows": rows, "dim": dim, "densities": densities, "reps": args.reps,
+            "warmup": args.warmup, "sketch_ratio": args.sketch_ratio, "sketch_rows": args.sketch_rows,
+            "topk_ratio": args.topk_ratio, "powersgd_rank": args.powersgd_rank, "zipf": args.zipf,
+            "seed": args.seed, "measure_tx": False}
+
+
+def _require_sketch_ops(methods):
+    wanted = sorted(SKETCH_METHODS & set(methods))
+    if not wanted:
+        return
+    from fastdist import ops
+    missing = [name for name in ("nonzero_bitmap", "count_sketch", "count_sketch_decode") if not hasattr(ops, name)]
+    if missing:
+        raise SystemExit(f"fastdist-bench sparse: {', '.join(wanted)} need the sketch ops, which this build lacks "
+                         f"(fastdist.ops.{', fastdist.ops.'.join(missing)}); rebuild fastdist, or leave them "
+                         f"out with --methods")
+
+
+# --- one rank --------------------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_max(values, device):
+    if not values:
+        return []
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _tx_counter(measure_tx):
+    if not measure_tx:
+        return 0
+    from fastdist import netsim
+    return netsim.tx_bytes()
+
+
+class _Gradient:
+    """One density's gradient on this rank, its exact sum, and the sizes every method is configured with."""
+
+    def __init__(self, config, density, world, rank, device):
+        from fastdist.comm import baselines, synthetic
+
+        self.spec = synthetic.GradientSpec(rows=config["rows"], dim=config["dim"], density=density,
+                                           exponent=config["zipf"], seed=config["seed"])
+        grad, _ = synthetic.zipf_embedding_grad(self.spec, rank)
+        self.grad = grad.to(device)
+        self.ref = synthetic.exact_sum(self.spec, world).to(device)
+        self.ref_norm = float(torch.linalg.vector_norm(self.ref, dtype=torch.float64))
+        self.local_rows = self.spec.local_rows
+        self.union_rows = int(synthetic.union_rows(self.spec, world).numel())
+        numel = self.grad.numel()
+        self.sketch_rows = config["sketch_rows"]
+        self.sketch_cols = max(1, math.ceil(config["sketch_ratio"] * self.union_rows * config["dim"]))
+        if config["topk_ratio"] is not None:
+            self.topk_k = baselines.topk_k(numel, ratio=config["topk_ratio"])
+        else:
+            table_bytes = baselines.ring_allreduce_bytes(self.sketch_rows * self.sketch_cols * 4, world)
+            self.topk_k = baselines.topk_for_wire_budget(table_bytes, world, numel, self.grad.element_size())
+        self.powersgd = baselines.make_powersgd_state(rank=config["powersgd_rank"], start_iter=2,
+                                                      seed=config["seed"])
+        self.work = torch.empty_like(self.grad)
+
+    def error(self, result):
+        diff = torch.linalg.vector_norm(result - self.ref, dtype=torch.float64)
+        return float(diff) / self.ref_norm if self.ref_norm else float(diff)
+
+    def call(self, name):
+        """Reduces self.work with method `name`; returns (wire bytes model, what ran)."""
+        from fastdist.comm import baselines as bl
+        from fastdist.comm import last_stats, sketch_allreduce
+
+        w = self.work
+        if name in SKETCH_METHODS:
+            mode = {"omnireduce": "exact", "sketch": "sketch", "auto": "auto"}[name]
+            sketch_allreduce(w, mode=mode, cols=self.sketch_cols, rows=self.sketch_rows, seed=self.spec.seed)
+            s = last_stats()
+            return s.wire_bytes, s.method
+        if name == "dense":
+            bl.dense_allreduce(w)
+        elif name == "fp16":
+            bl.fp16_allreduce(w)
+        elif name == "bf16":
+            bl.bf16_allreduce(w)
+        elif name == "agsparse":
+            bl.agsparse_allreduce(w, granularity="row")
+        elif name == "topk":
+            bl.topk_allgather(w, k=self.topk_k)
+        elif name == "powersgd":
+            bl.powersgd_allreduce(self.powersgd, w)
+        else:
+            raise ValueError(f"unknown method {name!r}")
+        s = bl.last_baseline_stats()
+        return s.wire_bytes, s.method
+
+
+def _bench_density(config, density, world, rank, device, progress):
+    g = _Gradient(config, density, world, rank, device)
+    methods = config["methods"]
+    if "powersgd" in methods:  # torch's hook all-reduces densely for its first start_powerSGD_iter calls
+        while g.powersgd.iter < g.powersgd.start_powerSGD_iter:
+            g.work.copy_(g.grad)
+            g.call("powersgd")
+    samples = {m: [] for m in methods}
+    tx = {m: [] for m in methods}
+    wire = {m: [] for m in methods}
+    errors = {m: [] for m in methods}
+    chose = {m: [] for m in methods}
+    for it in range(config["warmup"] + config["reps"]):
+        shift = it % len(methods)
+        for name in methods[shift:] + methods[:shift]:
+            g.work.copy_(g.grad)
+            for residual in g.powersgd.error_dict.values():
+                residual.zero_()
+            _sync(device)
+            dist.barrier()
+            tx0 = _tx_counter(config["measure_tx"])
+            t0 = time.perf_counter()
+            wire_bytes, ran = g.call(name)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            sent = _tx_counter(config["measure_tx"]) - tx0
+            if it >= config["warmup"]:
+                samples[name].append(dt)
+                tx[name].append(sent)
+                wire[name].append(wire_bytes)
+                errors[name].append(g.error(g.work))
+                chose[name].append(ran)
+            if progress is not None:
+                phase = "warm-up" if it < config["warmup"] else f"rep {it - config['warmup'] + 1}"
+                progress.step(f"{density * 100:g}% {phase} {name}")
+    rows = []
+    nbytes = g.grad.numel() * g.grad.element_size()
+    for name in methods:
+        times = _all_max(samples[name], device)  # a call lasts until its slowest rank is done
+        tx_max = _all_max(tx[name], device)
+        wire_max = _all_max(wire[name], device)
+        err_max = _all_max(errors[name], device)
+        t = statistics.median(times)
+        rows.append({
+            "method": name, "density": density, "local_rows": g.local_rows, "union_rows": g.union_rows,
+            "density_union": g.union_rows / config["rows"], "time_ms": t * 1e3,
+            "samples_ms": [s * 1e3 for s in times], "wire_bytes": statistics.median(wire_max),
+            "tx_bytes": statistics.median(tx_max) if config["measure_tx"] else None,
+            "tx_samples": tx_max if config["measure_tx"] else None,
+            "rel_error": statistics.median(err_max), "error_samples": err_max,
+            "algbw": nbytes / t / 1e9, "size": nbytes, "ran": sorted(set(chose[name])),
+            "sketch_shape": [g.sketch_rows, g.sketch_cols] if name in ("sketch", "auto") else None,
+            "topk_k": g.topk_k if name == "topk" else None,
+        })
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    for r in rows:
+        r["speedup"] = dense["time_ms"] / r["time_ms"] if dense else None
+    gradient = {"density": density, "local_rows": g.local_rows, "union_rows": g.union_rows,
+                "union_density": g.union_rows / config["rows"], "union_values": g.union_rows * config["dim"],
+                "sketch_shape": [g.sketch_rows, g.sketch_cols], "topk_k": g.topk_k, "bytes": nbytes}
+    del g
+    return rows, gradient
+
+
+def bench_rank(config):
+    """Runs every density on this rank; returns (rows, gradients) on rank 0, None elsewhere. A collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    steps = len(config["densities"]) * (config["warmup"] + config["reps"]) * len(config["methods"])
+    progress = report.Progress(steps, "sparse") if rank == 0 else None
+    rows, gradients = [], []
+    for density in config["densities"]:
+        r, g = _bench_density(config, density, world, rank, device, progress)
+        rows += r
+        gradients.append(g)
+    return (rows, gradients) if rank == 0 else None
+
+
+# --- driver ----------------------------------------------------------------------------------------
+
+def _spawned_rank(config):
+    return bench_rank(config), (dist.get_backend(), dist.get_world_size())
+
+
+def _torchrun_main(config):
+    import os
+
+    from fastdist.distributed import resolve_backend
+
+    if not dist.is_initialized():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        backend = resolve_backend("auto", local_world)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    out = bench_rank(config)
+    info = (dist.get_backend(), dist.get_world_size())
+    dist.destroy_process_group()
+    return out, info
+
+
+def run(args):
+    """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
+    from fastdist import netsim
+    from fastdist.bench.collectives import _under_torchrun
+    from fastdist.distributed import spawn
+
+    config = _config_from(args)
+    _require_sketch_ops(config["methods"])
+    if _under_torchrun():
+        out, (backend, world) = _torchrun_main(config)
+        if out is None:
+            return None
+        network, link_gbps = "real network (launched by torchrun)", None
+    else:
+        cluster, network, link_gbps = None, "loopback (one host, no shaping)", None
+        if args.net != "loopback":
+            rate = netsim.parse_rate(args.net)
+            ok, why = netsim.available()
+            if ok:
+                cluster = netsim.Cluster(args.ranks, rate=args.net, delay=args.delay)
+                network, link_gbps = cluster.label, rate / 8e9
+                config["measure_tx"] = True
+            else:
+                print(f"fastdist-bench: cannot simulate a {args.net} network here ({why}); "
+                      "running on loopback instead", flush=True)
+                network = f"loopback (requested {args.net}: netsim unavailable: {why})"
+        if cluster is not None:
+            with cluster:
+                results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout, cluster=cluster)
+        else:
+            results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout)
+        out, (backend, world) = results[0]
+    rows, gradients = out
+
+    env = report.environment(backend=backend, device="cuda" if backend == "nccl" else "cpu",
+                             ranks=world, network=network)
+    print(report.format_environment(env))
+    nbytes = gradients[0]["bytes"]
+    print(f"# gradient     {config['rows']} x {config['dim']} float32 ({report.human_bytes(nbytes)}), "
+          f"Zipf({config['zipf']}) rows, seed {config['seed']}; sketch {config['sketch_rows']} rows x "
+          f"{config['sketch_ratio']:g} x union values; powersgd rank {config['powersgd_rank']}; "
+          f"median of {config['reps']} after {config['warmup']} warm-up")
+    print(format_rows(rows))
+    bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
+           if r["method"] in LOSSLESS and r["rel_error"] != 0]
+    print("# lossless methods (dense, agsparse, omnireduce) exact: " + ("yes" if not bad else f"NO: {bad}"))
+    return {"suite": "sparse", "env": env, "link_gbps": link_gbps, "config": config, "gradients": gradients,
+            "rows": rows}
+
+
+def _note(r):
+    notes = []
+    if r["method"] == "auto":
+        notes.append("chose " + "/".join(r["ran"]))
+    if r["sketch_shape"]:
+        notes.append(f"{r['sketch_shape'][0]}x{r['sketch_shape'][1]}")
+    if r["topk_k"]:
+        notes.append(f"k={r['topk_k']}")
+    return ", ".join(notes)
+
+
+def format_rows(rows):
+    headers = ["method", "density loc/union", "time(ms)", "speed-up", "wire B/rank", "tx B/rank", "rel.err",
+               "eff.algbw(GB/s)", "note"]
+    table = [[r["method"], f"{r['density'] * 100:g}% / {r['density_union'] * 100:.2f}%", r["time_ms"],
+              "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", int(r["wire_bytes"]),
+              "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), float(r["rel_error"]), r["algbw"], _note(r)]
+             for r in rows]
+    return report.format_table(headers, table, align=["l", "l", "r", "r", "r", "r", "r", "r", "l"])
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, config, env = result["rows"], result["config"], result["env"]
+    methods, densities = config["methods"], config["densities"]
+    fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.8 / len(methods)
+    cmap = plt.get_cmap("tab10")
+    for i, m in enumerate(methods):
+        times = [next(r["time_ms"] for r in rows if r["method"] == m and r["density"] == d) for d in densities]
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(densities))]
+        ax_t.bar(xs, times, width, label=m, color=cmap(i % 10))
+    ax_t.set_xticks(range(len(densities)))
+    ax_t.set_xticklabels([f"{d * 100:g}% rows/rank\n"
+                          f"union {next(g['union_density'] for g in result['gradients'] if g['density'] == d) * 100:.1f}%"
+                          for d in densities])
+    ax_t.set_yscale("log")
+    lo, hi = min(r["time_ms"] for r in rows), max(r["time_ms"] for r in rows)
+    ax_t.set_ylim(lo / 2, hi * 8)  # room above the bars for the legend
+    ax_t.set_ylabel("time per call (ms, median; log scale)")
+    ax_t.grid(True, axis="y", which="both", alpha=0.3)
+    ax_t.legend(fontsize=8, ncol=4, loc="upper center")
+    markers = "osD^v<>"
+    for i, m in enumerate(methods):
+        for j, d in enumerate(densities):
+            r = next(r for r in rows if r["method"] == m and r["density"] == d)
+            ax_e.scatter(r["wire_bytes"], r["rel_error"], color=cmap(i % 10), marker=markers[j % len(markers)],
+                         label=m if j == 0 else None, s=40)
+    for j, d in enumerate(densities):
+        ax_e.scatter([], [], facecolors="none", edgecolors="black", marker=markers[j % len(markers)],
+                     label=f"{d * 100:g}% rows")
+    ax_e.set_xscale("log")
+    ax_e.set_xlabel("wire bytes per rank (model)")
+    ax_e.set_ylabel("relative L2 error ||g' - g|| / ||g||")
+    ax_e.grid(True, which="both", alpha=0.3)
+    ax_e.legend(fontsize=7, ncol=2)
+    rows_, dim = config["rows"], config["dim"]
+    fig.suptitle(f"fastdist-bench sparse: {rows_} x {dim} float32, {env['ranks']} ranks, {env['backend']}, "
+                 f"{env['network']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

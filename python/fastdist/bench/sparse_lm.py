@@ -1,0 +1,721 @@
+"""`fastdist-bench sparse-lm`: convergence of a large-vocabulary language model under each gradient reducer.
+
+Trains the same model from the same initialization on the same data for the same number of steps on N ranks
+(default 4; `--net 1gbit` for the simulated cluster), once per method, the methods interleaved step by step so
+that machine noise hits all of them alike:
+
+  dense        plain DDP all-reduce                       lossless
+  fp16         torch's fp16_compress_hook
+  agsparse     nn.Embedding(sparse=True): gloo's sparse all-reduce (all-gather of index/value lists)  lossless
+  powersgd     torch's powerSGD_hook, rank 4, error feedback, start_iter 2
+  omnireduce   fastdist sketch_hook, mode "exact": union bitmap + all-reduce of the union's rows          lossless
+  auto         fastdist sketch_hook, mode "auto": dense, exact or sketch, chosen per call from |U|
+  sketch-Fx    fastdist sketch_hook, mode "sketch", table of F x the union's non-zeros (F = 0.1, 0.2, 0.5, 1)
+  sketch-Fx+ef the same with sketch-space error feedback
+
+The model (`SparseLM`): Embedding(V, d) -> LSTM(d, d) -> output embedding (V, d + 1: the last column is the
+output bias), trained with a sampled softmax: each position scores its target against a set of negatives drawn
+per step from the unigram^0.75 distribution, identically on every rank, with the usual log-expected-count
+correction. So both V-row matrices get row-sparse gradients (input: the tokens seen; output: targets and
+negatives). The reported loss is the FULL-softmax cross-entropy on a fixed held-out batch, computed on rank 0
+without communication. Every parameter has its own DDP bucket, in every method, so the hook sees each
+V-row matrix alone and reduces it per row; the LSTM's small dense buckets take a plain all-reduce. DDP's
+first step uses one bucket for everything (the hook then works per element). PowerSGD alone gets a single
+bucket: torch's hook issues collectives from future callbacks, which with several buckets in flight on gloo
+can run in different orders on different ranks and deadlock.
+
+The optimizer is Adagrad (per-row adaptive steps suit Zipf-distributed rows). For every method it updates
+only the rows of the two V-row matrices whose reduced gradient is non-zero (the gradient is handed to it
+row-sparse, `row_sparse`), which is the same update as the dense one -- a zero row leaves Adagrad's state
+and the parameter unchanged -- without sweeping 2 x V x d values per step; agsparse's gradients are sparse
+already. `--dense-update` turns this off.
+
+Sketch sizes: before training, the union of the rows each matrix touches across ranks is measured from the
+data of the first `--calibration-steps` steps (no communication: every rank can regenerate every rank's
+batch); a sketch of size F has r x c = F x |U| x row width values, so F = 1 is as many values as the lossless
+union all-reduce sends, and F = 0.2 a fifth of them.
+
+Columns: final held-out loss, its difference from dense, median step time (max over ranks, warm-up steps
+excluded), speed-up vs dense, wire bytes per rank per step (ours: what sketch_hook reports; baselines: a ring
+/ all-gather model of what they must send from the busiest rank), and on the simulated cluster the bytes each
+rank's interface really sent (busiest rank, median step). A second table orders the methods by wire bytes:
+the Pareto front of bytes vs final loss.
+"""
+import math
+import os
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastdist.bench import report
+from fastdist.bench.corpus import ZipfMarkovCorpus, generator
+
+BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
+OURS = ["omnireduce", "auto"]
+SKETCH_SIZES = (0.1, 0.2, 0.5, 1.0)
+LOSSLESS = {"dense", "agsparse", "omnireduce"}  # auto is lossless when it chooses exact/dense (reported)
+POWERSGD_RANK = 4
+POWERSGD_START = 2  # torch requires > 1 with error feedback
+LOSS_TIE = 1e-4  # final losses closer than this are equal for the Pareto front
+
+
+# --- the model ---------------------------------------------------------------------------------------------
+
+class NegativeSampler:
+    """Negatives for the sampled softmax: `count` draws (with replacement) from unigram^power, from a
+    generator seeded by (seed, step), so every rank draws the same set at the same step.
+    log_expected[k] = log(count * q(k)), the correction subtracted from sampled logits."""
+
+    def __init__(self, unigram, count, power=0.75, seed=0):
+        q = unigram.double().pow(power)
+        q /= q.sum()
+        self.count, self.seed = int(count), int(seed)
+        self._cdf = torch.cumsum(q, 0)
+        self._cdf[-1] = 1.0
+        self.log_expected = torch.log(self.count * q).float()
+
+    def draw(self, step):
+        u = torch.rand(self.count, generator=generator("negatives", self.seed, int(step)), dtype=torch.float64)
+        return torch.searchsorted(self._cdf, u).clamp_(max=self._cdf.numel() - 1)
+
+
+class SparseLM(nn.Module):
+    """Embedding(V, d) -> LSTM(d, d) -> output embedding V x (d + 1) (the last column is the bias).
+
+    forward() is the sampled-softmax training loss (row-sparse gradients in both V-row matrices);
+    full_loss() the full-softmax cross-entropy, for evaluation. sparse=True makes both embeddings produce
+    torch.sparse_coo gradients (for DDP's sparse all-reduce)."""
+
+    def __init__(self, vocab, dim, sparse=False):
+        super().__init__()
+        self.vocab, self.dim = int(vocab), int(dim)
+        self.embed = nn.Embedding(vocab, dim, sparse=sparse)
+        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.out = nn.Embedding(vocab, dim + 1, sparse=sparse)
+        nn.init.normal_(self.embed.weight, std=0.1)
+        nn.init.zeros_(self.out.weight)  # uniform predictions at first: the loss starts at log(V)
+
+    def hidden(self, inputs):
+        """[B, T] token ids -> [B*T, d + 1] features (LSTM output with a constant 1 for the bias column)."""
+        h, _ = self.lstm(self.embed(inputs))
+        h = h.reshape(-1, self.dim)
+        return torch.cat([h, torch.ones_like(h[:, :1])], 1)
+
+    def forward(self, inputs, targets, negatives, log_expected):
+        h = self.hidden(inputs)
+        t = targets.reshape(-1)
+        true_logit = (h * self.out(t)).sum(1) - log_expected[t]
+        neg_logits = h @ self.out(negatives).t() - log_expected[negatives]
+        neg_logits = neg_logits.masked_fill(negatives.unsqueeze(0) == t.unsqueeze(1), float("-inf"))
+        logits = torch.cat([true_logit.unsqueeze(1), neg_logits], 1)
+        return (torch.logsumexp(logits, 1) - true_logit).mean()
+
+    @torch.no_grad()
+    def full_loss(self, inputs, targets, chunk=256):
+        """Full-softmax cross-entropy (nats per token), no communication."""
+        h = self.hidden(inputs)
+        t = targets.reshape(-1)
+        total = 0.0
+        for lo in range(0, t.numel(), chunk):
+            logits = h[lo:lo + chunk] @ self.out.weight.t()
+            total += float(F.cross_entropy(logits, t[lo:lo + chunk], reduction="sum"))
+        return total / max(1, t.numel())
+
+    @staticmethod
+    def touched_rows(inputs, targets, negatives):
+        """The rows of (embed, out) that a step's gradient can be non-zero in."""
+        return inputs.unique(), torch.cat([targets.reshape(-1), negatives]).unique()
+
+
+def row_sparse(grad):
+    """The rows of a dense [n, m] gradient that hold a non-zero, as a coalesced sparse_coo tensor: the same
+    gradient, but Adagrad then updates only those rows. Exact: Adagrad leaves a row whose gradient is zero
+    unchanged (state += 0, parameter += -lr * 0 / std), so the sparse and dense updates agree."""
+    from fastdist import ops
+
+    rows = ops.unpack_bits(ops.nonzero_bitmap(grad, "row"), grad.shape[0]).nonzero().flatten()
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.index_select(0, rows), grad.shape,
+                                   is_coalesced=True, check_invariants=False)
+
+
+# --- the data a step sees, the same for every method ------------------------------------------------------
+
+def make_data(config):
+    corpus = ZipfMarkovCorpus(config["vocab"], exponent=config["exponent"], seed=config["seed"])
+    sampler = NegativeSampler(corpus.unigram, config["negatives"], seed=config["seed"])
+    return corpus, sampler
+
+
+def step_batch(corpus, sampler, rank, step, config):
+    tokens = corpus.batch(rank, step, config["batch"], config["seq"])
+    return tokens[:, :-1], tokens[:, 1:], sampler.draw(step)
+
+
+def calibrate(corpus, sampler, config, world):
+    """Union sizes (rows) of (embed, out) over the first calibration steps, from the data alone."""
+    unions, locals_ = {"embed": [], "out": []}, {"embed": [], "out": []}
+    for step in range(config["calibration_steps"]):
+        per_rank = [SparseLM.touched_rows(*step_batch(corpus, sampler, r, step, config)) for r in range(world)]
+        for i, name in enumerate(("embed", "out")):
+            unions[name].append(int(torch.cat([rows[i] for rows in per_rank]).unique().numel()))
+            locals_[name].append(statistics.mean(int(rows[i].numel()) for rows in per_rank))
+    return {name: {"union_rows": statistics.median(unions[name]), "union_rows_samples": unions[name],
+                   "local_rows": statistics.mean(locals_[name]),
+                   "union_fraction": statistics.median(unions[name]) / config["vocab"]}
+            for name in ("embed", "out")}
+
+
+# --- routing DDP buckets to sketch_hook ---------------------------------------------------------------------
+
+class _NotLast:
+    """A GradBucket seen through sketch_hook without advancing its step counter (the router does that)."""
+
+    def __init__(self, bucket):
+        self._bucket = bucket
+
+    def buffer(self):
+        return self._bucket.buffer()
+
+    def index(self):
+        return self._bucket.index()
+
+    def parameters(self):
+        return self._bucket.parameters()
+
+    def is_last(self):
+        return False
+
+
+class SketchRouter:
+    """State of `routed_sketch_hook`: each V-row matrix alone in its bucket goes through sketch_hook with its
+    own SketchState (its own sketch size); every other bucket takes a plain averaged all-reduce. Counts the
+    bytes of both."""
+
+    def __init__(self, states, process_group=None):
+        self.states = states  # {parameter: SketchState}
+        self.process_group = process_group
+        self.plain_wire_bytes = 0
+        self.index_of = {}  # id(state) -> the bucket index it was last used for
+
+    def state_for(self, bucket):
+        params = bucket.parameters()
+        if len(params) != 1:
+            return None
+        for param, state in self.states.items():
+            if params[0].data_ptr() == param.data_ptr():
+                return state
+        return None
+
+    def wire_bytes(self):
+        return self.plain_wire_bytes + sum(b.wire_bytes for s in self.states.values() for b in s.buckets.values())
+
+    def last_methods(self):
+        out = {}
+        for name, state in zip(("embed", "out"), self.states.values()):
+            b = state.buckets.get(self.index_of.get(id(state)))
+            out[name] = b.last_method if b is not None else "dense"
+        return out
+
+
+def routed_sketch_hook(router, bucket):
+    from fastdist.comm.hooks import sketch_hook
+
+    state = router.state_for(bucket)
+    if state is None:
+        buffer = bucket.buffer()
+        world = dist.get_world_size(router.process_group)
+        router.plain_wire_bytes += _ring_bytes(buffer.numel() * buffer.element_size(), world)
+        fut = dist.all_reduce(buffer.div_(world), group=router.process_group, async_op=True).get_future()
+        fut = fut.then(lambda f: f.value()[0])
+    else:
+        router.index_of[id(state)] = bucket.index()
+        fut = sketch_hook(state, _NotLast(bucket))
+    if bucket.is_last():
+        for s in router.states.values():
+            s.iter += 1
+    return fut
+
+
+# --- methods ---------------------------------------------------------------------------------------------------
+
+def _ring_bytes(nbytes, world):
+    return int(2 * (world - 1) / world * nbytes)
+
+
+def sketch_methods(sizes):
+    names = []
+    for f in sizes:
+        names += [f"sketch-{f:g}x", f"sketch-{f:g}x+ef"]
+    return names
+
+
+def all_methods(sizes=SKETCH_SIZES):
+    return BASELINES + OURS + sketch_methods(sizes)
+
+
+def parse_methods(text, sizes):
+    known = all_methods(sizes)
+    groups = {"all": known, "baselines": BASELINES, "ours": OURS + sketch_methods(sizes),
+              "sketch": sketch_methods(sizes)}
+    names = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        for name in groups.get(item, [item]):
+            if name not in known:
+                raise SystemExit(f"fastdist-bench sparse-lm: unknown method {name!r}; choose from "
+                                 f"{', '.join(known)} or a group ({', '.join(groups)})")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise SystemExit("fastdist-bench sparse-lm: no methods given")
+    return names
+
+
+class Method:
+    """One training run: its DDP model, optimizer, communication hook, and how it counts wire bytes."""
+
+    def __init__(self, name, config, calib, world):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.name, self.world, self.config = name, world, config
+        self.lossless = name in LOSSLESS
+        torch.manual_seed(config["seed"])  # the same initialization for every method
+        self.model = SparseLM(config["vocab"], config["dim"], sparse=(name == "agsparse"))
+        # One bucket per parameter, so that the hook sees each V-row matrix alone -- except for PowerSGD:
+        # torch's hook issues its second and third all-reduces from future callbacks, which gloo runs on
+        # its own threads, so with several buckets in flight ranks can issue them in different orders and
+        # deadlock. It gets one bucket (it still compresses each matrix of the bucket on its own).
+        self.ddp = DDP(self.model, bucket_cap_mb=1 << 16 if name == "powersgd" else 1e-6)
+        self.opt = torch.optim.Adagrad(self.model.parameters(), lr=config["lr"])
+        self.router = self.powersgd = None
+        self.ratios = None
+        if name == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                fp16_compress_hook,
+            )
+            self.ddp.register_comm_hook(None, fp16_compress_hook)
+        elif name == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import (
+                powerSGD_hook as psgd,
+            )
+            self.powersgd = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                               start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
+                                               warm_start=True, random_seed=config["seed"])
+            self.ddp.register_comm_hook(self.powersgd, psgd.powerSGD_hook)
+        elif name in OURS or name.startswith("sketch-"):
+            from fastdist.comm.hooks import SketchState
+
+            kwargs = {"rows": config["sketch_rows"], "seed": config["seed"]}
+            if name == "omnireduce":
+                kwargs.update(mode="exact")
+            elif name == "auto":
+                kwargs.update(mode="auto", ratio=config["auto_ratio"])
+            else:
+                size = float(name[len("sketch-"):].split("x")[0])
+                kwargs.update(mode="sketch", error_feedback=name.endswith("+ef"))
+                self.ratios = {m: min(1.0, size * calib[m]["union_rows"] / (config["vocab"] * config["sketch_rows"]))
+                               for m in ("embed", "out")}
+            states = {}
+            for i, (mname, param) in enumerate((("embed", self.model.embed.weight), ("out", self.model.out.weight))):
+                kw = dict(kwargs, seed=kwargs["seed"] * 2 + i)
+                if self.ratios is not None:
+                    kw["ratio"] = self.ratios[mname]
+                states[param] = SketchState(**kw)
+            self.router = SketchRouter(states)
+            self.ddp.register_comm_hook(self.router, routed_sketch_hook)
+        elif name not in ("dense", "agsparse"):
+            raise ValueError(f"unknown method {name!r}")
+        self.numels = [p.numel() for p in self.model.parameters()]
+        self.shapes = [tuple(p.shape) for p in self.model.parameters()]
+
+    def train_step(self, inputs, targets, negatives, log_expected):
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.ddp(inputs, targets, negatives, log_expected)
+        loss.backward()
+        if self.config["sparse_update"]:
+            for p in (self.model.embed.weight, self.model.out.weight):
+                if p.grad is not None and not p.grad.is_sparse:
+                    p.grad = row_sparse(p.grad)
+        self.opt.step()
+        return float(loss.detach())
+
+    def wire_counter(self):
+        """Running total of bytes sent, for methods that report it themselves (ours)."""
+        return self.router.wire_bytes() if self.router is not None else 0
+
+    def modelled_wire(self, step, local_rows):
+        """Bytes the busiest rank must send in `step`, for the baselines. local_rows: [world, 2] unique rows
+        of (embed, out) on each rank at this step."""
+        w, esize = self.world, 4
+        if self.name == "dense":
+            return _ring_bytes(sum(self.numels) * esize, w)
+        if self.name == "fp16":
+            return _ring_bytes(sum(self.numels) * 2, w)
+        if self.name == "agsparse":
+            dense = sum(self.numels) - self.model.embed.weight.numel() - self.model.out.weight.numel()
+            total = _ring_bytes(dense * esize, w)
+            for i, width in enumerate((self.config["dim"], self.config["dim"] + 1)):
+                chunks = [int(r) * (8 + width * esize) for r in local_rows[:, i].tolist()]  # int64 index + row
+                total += sum(chunks) - min(chunks)  # ring all-gatherv: the busiest rank forwards all but one
+            return total
+        if self.name == "powersgd":
+            if step < POWERSGD_START:  # torch's hook all-reduces densely until start_powerSGD_iter
+                return _ring_bytes(sum(self.numels) * esize, w)
+            values = 0
+            for shape in self.shapes:
+                n = shape[0]
+                m = math.prod(shape[1:]) if len(shape) > 1 else 1
+                r = min(n, m, POWERSGD_RANK)
+                compress = (n + m) * r * 2 < n * m  # torch's _should_compress, min_compression_rate 2
+                values += (n + m) * r if compress else n * m
+            return _ring_bytes(values * esize, w)
+        raise AssertionError(self.name)
+
+
+# --- one rank --------------------------------------------------------------------------------------------------
+
+def _tx(measure):
+    if not measure:
+        return 0
+    from fastdist import netsim
+    return netsim.tx_bytes()
+
+
+def train_rank(config):
+    """Trains every method on this rank, interleaved per step; returns the results on rank 0, else None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Adagrad's sparse path builds sparse tensors without invariant checks and says so once per process
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    corpus, sampler = make_data(config)
+    calib = calibrate(corpus, sampler, config, world)
+    methods = [Method(name, config, calib, world) for name in config["methods"]]
+    held = corpus.heldout(config["eval_batch"], config["seq"])
+    held_in, held_tgt = held[:, :-1], held[:, 1:]
+    steps, k = config["steps"], len(methods)
+    times = torch.zeros(k, steps, dtype=torch.float64)
+    wire = torch.zeros(k, steps, dtype=torch.float64)
+    tx = torch.zeros(k, steps, dtype=torch.float64)
+    train_loss = [[] for _ in methods]
+    curves = [[] for _ in methods]
+    chosen = [[] for _ in methods]
+    local_rows = torch.zeros(steps, 2, dtype=torch.int64)
+    eval_steps = set(range(0, steps + 1, max(1, config["eval_every"]))) | {steps}
+
+    def evaluate(step):
+        if rank == 0:
+            for i, m in enumerate(methods):
+                curves[i].append((step, m.model.full_loss(held_in, held_tgt)))
+        dist.barrier()
+
+    progress = report.Progress(steps, "sparse-lm", stream=None) if rank == 0 else None
+    evaluate(0)
+    for step in range(steps):
+        inputs, targets, negatives = step_batch(corpus, sampler, rank, step, config)
+        rows = SparseLM.touched_rows(inputs, targets, negatives)
+        local_rows[step] = torch.tensor([rows[0].numel(), rows[1].numel()])
+        for i, m in enumerate(methods):
+            dist.barrier()
+            tx0, w0 = _tx(config["measure_tx"]), m.wire_counter()
+            t0 = time.perf_counter()
+            train_loss[i].append(m.train_step(inputs, targets, negatives, sampler.log_expected))
+            times[i, step] = time.perf_counter() - t0
+            tx[i, step] = _tx(config["measure_tx"]) - tx0
+            wire[i, step] = m.wire_counter() - w0
+            if m.router is not None:
+                chosen[i].append(m.router.last_methods())
+        if step + 1 in eval_steps:
+            evaluate(step + 1)
+        if progress is not None:
+            last = " ".join(f"{m.name}={c[-1][1]:.3f}" for m, c in zip(methods, curves) if c)
+            progress.step(f"held-out loss at step {curves[0][-1][0] if curves[0] else 0}: {last}"[:400])
+
+    # every rank's samples -> per step, the busiest rank (slowest, most bytes)
+    stacked = torch.stack([times, wire, tx])
+    gathered = [torch.zeros_like(stacked) for _ in range(world)]
+    dist.all_gather(gathered, stacked)
+    rows_all = [torch.zeros_like(local_rows) for _ in range(world)]
+    dist.all_gather(rows_all, local_rows)
+    if rank != 0:
+        return None
+    per_rank = torch.stack(gathered)                 # [world, 3, k, steps]
+    busiest = per_rank.max(0).values
+    rows_all = torch.stack(rows_all, 1)              # [steps, world, 2]
+    results = []
+    for i, m in enumerate(methods):
+        if m.router is not None:
+            wire_steps = busiest[1, i].tolist()
+        else:
+            wire_steps = [m.modelled_wire(s, rows_all[s]) for s in range(steps)]
+        results.append({
+            "method": m.name, "lossless": m.lossless, "ratios": m.ratios,
+            "curve": curves[i], "final_loss": curves[i][-1][1],
+            "train_loss": train_loss[i],
+            "step_s": busiest[0, i].tolist(), "step_s_per_rank": per_rank[:, 0, i].tolist(),
+            "wire_bytes": wire_steps, "wire_source": "sketch_hook stats" if m.router is not None else "model",
+            "tx_bytes": busiest[2, i].tolist() if config["measure_tx"] else None,
+            "chosen": chosen[i],
+        })
+    return {"calibration": calib, "methods": results, "local_rows": rows_all.tolist(),
+            "backend": dist.get_backend(), "world": world}
+
+
+# --- driver ----------------------------------------------------------------------------------------------------
+
+def add_arguments(p):
+    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
+    p.add_argument("--net", default="loopback",
+                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit (needs root)")
+    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    p.add_argument("--steps", type=int, default=300, help="training steps per method (default 300)")
+    p.add_argument("--methods", default="all",
+                   help="comma-separated methods or groups (all, baselines, ours, sketch); default all: "
+                        + ", ".join(all_methods()))
+    p.add_argument("--sketch-sizes", default=",".join(f"{f:g}" for f in SKETCH_SIZES),
+                   help="sketch sizes as multiples of the union's non-zeros (default 0.1,0.2,0.5,1)")
+    p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V (default 32768)")
+    p.add_argument("--dim", type=int, default=64, help="embedding and LSTM width d (default 64)")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--negatives", type=int, default=1024, help="sampled-softmax negatives per step (default 1024)")
+    p.add_argument("--exponent", type=float, default=1.1, help="Zipf exponent of the corpus (default 1.1)")
+    p.add_argument("--lr", type=float, default=0.1, help="Adagrad learning rate (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the corpus, the init, negatives and hashes")
+    p.add_argument("--eval-every", type=int, default=None, help="held-out evaluation period (default steps/20)")
+    p.add_argument("--eval-batch", type=int, default=16, help="held-out sequences (default 16)")
+    p.add_argument("--sketch-rows", type=int, default=3, help="count-sketch rows r (default 3)")
+    p.add_argument("--auto-ratio", type=float, default=0.05,
+                   help="sketch ratio that 'auto' weighs against the lossless union (default 0.05, SketchState's)")
+    p.add_argument("--calibration-steps", type=int, default=8, help="steps whose union sizes set the sketch sizes")
+    p.add_argument("--dense-update", action="store_true",
+                   help="let Adagrad update the whole V-row matrices every step (default: only the rows whose "
+                        "reduced gradient is non-zero, the same update; agsparse is always row-sparse)")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median (default 3)")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds before the whole run is aborted")
+
+
+def make_config(args):
+    sizes = tuple(float(x) for x in args.sketch_sizes.split(",") if x.strip())
+    if any(not 0 < f <= 10 for f in sizes):
+        raise SystemExit(f"fastdist-bench sparse-lm: sketch sizes must be in (0, 10], got {sizes}")
+    if args.steps < 1 or args.ranks < 1 or args.vocab < 2 or args.dim < 1:
+        raise SystemExit("fastdist-bench sparse-lm: steps, ranks, dim must be >= 1 and vocab >= 2")
+    return {
+        "methods": parse_methods(args.methods, sizes), "sketch_sizes": sizes, "steps": args.steps,
+        "vocab": args.vocab, "dim": args.dim, "seq": args.seq, "batch": args.batch, "negatives": args.negatives,
+        "exponent": args.exponent, "lr": args.lr, "optimizer": "adagrad", "seed": args.seed,
+        "eval_every": args.eval_every or max(1, args.steps // 20), "eval_batch": args.eval_batch,
+        "sketch_rows": args.sketch_rows, "auto_ratio": args.auto_ratio,
+        "calibration_steps": args.calibration_steps, "warmup": args.warmup, "measure_tx": False,
+        "sparse_update": not args.dense_update,
+    }
+
+
+def _under_torchrun():
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def run(args):
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload."""
+    from fastdist import netsim
+    from fastdist.distributed import spawn
+
+    config = make_config(args)
+    if _under_torchrun():
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        out = train_rank(config)
+        dist.destroy_process_group()
+        if out is None:
+            return None
+        network = "real network (launched by torchrun)"
+    else:
+        cluster, network = None, "loopback (one host, no shaping)"
+        if args.net != "loopback":
+            netsim.parse_rate(args.net)
+            ok, why = netsim.available()
+            if ok:
+                cluster = netsim.Cluster(args.ranks, rate=args.net, delay=args.delay)
+                network = cluster.label
+                config["measure_tx"] = True
+            else:
+                print(f"fastdist-bench: cannot simulate a {args.net} network here ({why}); "
+                      "running on loopback instead", flush=True)
+                network = f"loopback (requested {args.net}: netsim unavailable: {why})"
+        if cluster is not None:
+            with cluster:
+                out = spawn(train_rank, args.ranks, config, backend="gloo", timeout=args.timeout, cluster=cluster)[0]
+        else:
+            out = spawn(train_rank, args.ranks, config, backend="gloo", timeout=args.timeout)[0]
+
+    env = report.environment(backend=out["backend"], device="cpu", ranks=out["world"], network=network)
+    result = {"suite": "sparse-lm", "env": env, "config": config, "calibration": out["calibration"],
+              "methods": out["methods"], "local_rows": out["local_rows"]}
+    summarize(result)
+    print(report.format_environment(env))
+    print(format_setup(result))
+    print(format_methods(result))
+    print()
+    print(format_pareto(result))
+    for line in result["notes"]:
+        print(f"# {line}")
+    return result
+
+
+# --- summary and tables ----------------------------------------------------------------------------------------
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(result):
+    """Adds per-method medians, speed-ups, Pareto flags and notes to `result` (in place)."""
+    warm = result["config"]["warmup"]
+    methods = result["methods"]
+    for m in methods:
+        timed = m["step_s"][warm:] or m["step_s"]
+        m["median_step_s"] = _median(timed)
+        m["median_wire_bytes"] = _median(m["wire_bytes"][warm:] or m["wire_bytes"])
+        m["median_tx_bytes"] = _median(m["tx_bytes"][warm:] or m["tx_bytes"]) if m["tx_bytes"] else None
+        picks = {}
+        for c in m["chosen"][warm:]:
+            for k, v in c.items():
+                picks.setdefault(k, {}).setdefault(v, 0)
+                picks[k][v] += 1
+        m["chosen_counts"] = picks
+        if m["method"] == "auto" and picks:
+            m["lossless"] = all(v in ("exact", "dense") for p in picks.values() for v in p)
+    dense = next((m for m in methods if m["method"] == "dense"), None)
+    for m in methods:
+        m["speedup_vs_dense"] = dense["median_step_s"] / m["median_step_s"] if dense else None
+        m["loss_vs_dense"] = (m["final_loss"] / dense["final_loss"] - 1) if dense else None
+    def dominates(o, m):  # losses closer than LOSS_TIE count as equal (lossless runs differ by rounding)
+        no_worse = o["median_wire_bytes"] <= m["median_wire_bytes"] and o["final_loss"] <= m["final_loss"] + LOSS_TIE
+        better = o["median_wire_bytes"] < m["median_wire_bytes"] or o["final_loss"] < m["final_loss"] - LOSS_TIE
+        return no_worse and better
+
+    for m in methods:
+        m["pareto"] = not any(dominates(o, m) for o in methods if o is not m)
+    notes = []
+    sparse_lossless = [m for m in methods if m["method"] in ("agsparse", "omnireduce")]
+    best = min(sparse_lossless, key=lambda m: m["median_wire_bytes"]) if sparse_lossless else None
+    if best is not None:
+        for m in methods:
+            m["bytes_vs_best_lossless_sparse"] = m["median_wire_bytes"] / best["median_wire_bytes"]
+        notes.append(f"best lossless sparse baseline: {best['method']} "
+                     f"({report.human_bytes(best['median_wire_bytes'])} per rank per step)")
+    if dense is not None and best is not None:
+        hits = [m["method"] for m in methods if m["method"].startswith("sketch-")
+                and m["loss_vs_dense"] <= 0.02 and m["bytes_vs_best_lossless_sparse"] <= 0.5]
+        notes.append("target (final loss within 2% of dense with <= 50% of the best lossless sparse bytes): "
+                     + (f"met by {', '.join(hits)}" if hits else "NOT met by any sketch configuration"))
+    auto = next((m for m in methods if m["method"] == "auto"), None)
+    if auto is not None and auto["chosen_counts"]:
+        notes.append("auto chose: " + "; ".join(f"{k}: " + ", ".join(f"{v} x{n}" for v, n in sorted(p.items()))
+                                                for k, p in sorted(auto["chosen_counts"].items())))
+    result["notes"] = notes
+    return result
+
+
+def format_setup(result):
+    c, cal = result["config"], result["calibration"]
+    model = (f"# model         Embedding({c['vocab']}, {c['dim']}) + LSTM({c['dim']}) + output embedding "
+             f"({c['vocab']}, {c['dim'] + 1}); sampled softmax, {c['negatives']} negatives; Adagrad lr {c['lr']}, "
+             + ("row-sparse" if c["sparse_update"] else "dense") + " update")
+    data = (f"# data          Zipf({c['exponent']}) Markov corpus, {c['batch']} x {c['seq']} tokens per rank per "
+            f"step, {c['steps']} steps, seed {c['seed']}; loss = full softmax on {c['eval_batch']} x {c['seq']} "
+            "held-out tokens")
+    lines = [model, data]
+    for name in ("embed", "out"):
+        lines.append(f"# union {name:<7} {cal[name]['union_rows']:.0f} rows of {c['vocab']} "
+                     f"({100 * cal[name]['union_fraction']:.2f}%), {cal[name]['local_rows']:.0f} per rank")
+    return "\n".join(lines)
+
+
+def format_methods(result):
+    has_tx = any(m["median_tx_bytes"] is not None for m in result["methods"])
+    headers = ["method", "final loss", "vs dense", "step(ms)", "speed-up", "wire B/rank/step"] + \
+              (["tx B/rank/step"] if has_tx else []) + ["lossless", "reduced as"]
+    rows = []
+    for m in result["methods"]:
+        how = "; ".join(f"{k}: " + "/".join(sorted(p)) for k, p in sorted(m["chosen_counts"].items())) or "-"
+        row = [m["method"], m["final_loss"], _pct(m["loss_vs_dense"]), m["median_step_s"] * 1e3,
+               _times(m["speedup_vs_dense"]), int(m["median_wire_bytes"])]
+        if has_tx:
+            row.append("-" if m["median_tx_bytes"] is None else int(m["median_tx_bytes"]))
+        row += ["yes" if m["lossless"] else "no", how]
+        rows.append(row)
+    align = ["l", "r", "r", "r", "r", "r"] + (["r"] if has_tx else []) + ["l", "l"]
+    return report.format_table(headers, rows, align=align)
+
+
+def format_pareto(result):
+    headers = ["method", "wire B/rank/step", "vs best lossless sparse", "final loss", "vs dense", "lossless", "pareto"]
+    rows = []
+    for m in sorted(result["methods"], key=lambda m: (m["median_wire_bytes"], m["final_loss"])):
+        rows.append([m["method"], report.human_bytes(m["median_wire_bytes"]),
+                     _pct(m.get("bytes_vs_best_lossless_sparse"), signed=False), m["final_loss"],
+                     _pct(m["loss_vs_dense"]), "yes" if m["lossless"] else "no", "*" if m["pareto"] else ""])
+    return "wire bytes vs final loss (Pareto front marked *)\n" + report.format_table(
+        headers, rows, align=["l", "r", "r", "r", "r", "l", "l"])
+
+
+def _pct(x, signed=True):
+    if x is None:
+        return "-"
+    return f"{100 * x:+.2f}%" if signed else f"{100 * x:.1f}%"
+
+
+def _times(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    colors = {m["method"]: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5.5))
+    steps_total = result["config"]["steps"]
+    for m in methods:
+        steps, losses = zip(*m["curve"])
+        style = "-" if m["lossless"] else "--"
+        for ax in (ax1, ax2):
+            ax.plot(steps, losses, style, color=colors[m["method"]], label=m["method"], linewidth=1.2)
+    late = [loss for m in methods for step, loss in m["curve"] if step >= steps_total / 2]
+    if late:
+        ax2.set_xlim(steps_total / 2, steps_total)
+        pad = 0.05 * (max(late) - min(late) or 1.0)
+        ax2.set_ylim(min(late) - pad, max(late) + pad)
+    ax1.set_title("held-out loss", fontsize=9)
+    ax2.set_title("second half of training (zoom)", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (full softmax, nats)")
+        ax.grid(True, alpha=0.3)
+    ax1.legend(fontsize=7, ncol=2)
+    for m in methods:
+        c = colors[m["method"]]
+        ax3.scatter(m["median_wire_bytes"], m["final_loss"], marker="s" if m["lossless"] else "o", s=45,
+                    facecolors=c if m["pareto"] else "none", edgecolors=c, linewidths=1.5)
+        ax3.annotate(m["method"], (m["median_wire_bytes"], m["final_loss"]), fontsize=7,
+                     xytext=(4, 2), textcoords="offset points")
+    front = sorted((m["median_wire_bytes"], m["final_loss"]) for m in methods if m["pareto"])
+    if len(front) > 1:
+        ax3.step(*zip(*front), where="post", color="grey", linewidth=0.8, alpha=0.6)
+    ax3.set_xscale("log")
+    ax3.set_xlabel("wire bytes per rank per step (median)")
+    ax3.set_ylabel("final held-out loss")
+    ax3.set_title("squares: lossless, circles: lossy; filled: on the Pareto front", fontsize=9)
+    ax3.grid(True, which="both", alpha=0.3)
+    env, c = result["env"], result["config"]
+    fig.suptitle(f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, d={c['dim']}, "
+                 f"{c['steps']} steps\n{env['network']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

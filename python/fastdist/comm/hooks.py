@@ -1,0 +1,127 @@
+"""DDP communication hooks built on sketch_allreduce.
+
+    state = SketchState(ratio=0.05)
+    ddp.register_comm_hook(state, sketch_hook)
+
+Each bucket is reduced with sketch_allreduce(mode=state.mode), averaged: per row when the bucket holds a
+single 2-D parameter (an embedding in its own bucket), per element otherwise. Whether a
+bucket goes dense, exact or sketched is decided after the bitmap exchange, from the union's size, so every
+rank takes the same path. The hash seed changes per (bucket, step), identically on every rank, so the same
+coordinates do not collide step after step.
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from fastdist.comm.sketch import _sketch_cols, sketch_allreduce
+from fastdist.distributed.fingerprint import fingerprint
+
+
+@dataclasses.dataclass
+class BucketState:
+    """What the hook keeps per bucket; re-created when DDP rebuilds its buckets (the size changes)."""
+    numel: int
+    dtype: str
+    calls: int = 0
+    last_method: str = ""
+    wire_bytes: int = 0
+    dense_wire_bytes: int = 0
+    residual: torch.Tensor = None  # the error-feedback sketch (error_feedback=True only)
+
+
+class SketchState:
+    """Configuration and per-bucket state of sketch_hook. Pickles without its process group.
+
+    process_group:     the group to reduce over (None: the default group).
+    ratio, rows, seed: sketch width as a fraction of the bucket's elements, sketch rows, base hash seed.
+    mode:              "auto" (default), "sketch" or "exact" — see sketch_allreduce.
+    density_threshold: in auto mode, a bucket whose union covers at least this fraction of its elements
+                       is all-reduced densely.
+    start_iter:        plain all-reduce for the first start_iter steps (dense warm-up, as PowerSGD does).
+    error_feedback:    keep a residual sketch per bucket (FetchSGD-style, see sketch_allreduce); the hash
+                       seed then stays fixed per bucket instead of changing every step.
+    """
+
+    def __init__(self, process_group=None, ratio=0.05, rows=3, seed=0, mode="auto", density_threshold=0.5,
+                 start_iter=0, error_feedback=False):
+        self.process_group = process_group
+        self.ratio, self.rows, self.seed, self.mode = float(ratio), int(rows), int(seed), mode
+        self.density_threshold, self.start_iter = float(density_threshold), int(start_iter)
+        self.error_feedback = bool(error_feedback)
+        self.iter = 0
+        self.buckets = {}
+
+    def bucket_state(self, index, buffer):
+        state = self.buckets.get(index)
+        if state is None or state.numel != buffer.numel() or state.dtype != str(buffer.dtype):
+            state = self.buckets[index] = BucketState(buffer.numel(), str(buffer.dtype))
+        return state
+
+    def seed_for(self, index, step):
+        """The hash seed of a bucket at a step, the same on every rank, in [0, 2^62): fixed per bucket with
+        error feedback (the residual lives in one hash space), else new every step."""
+        return fingerprint((self.seed, index, 0 if self.error_feedback else step)) & ((1 << 62) - 1)
+
+    def residual_for(self, bucket_state, buffer):
+        if not self.error_feedback:
+            return None
+        if bucket_state.residual is None:
+            cols = _sketch_cols(self.ratio, None, buffer.numel())
+            bucket_state.residual = torch.zeros(self.rows, cols, dtype=torch.float32, device=buffer.device)
+        return bucket_state.residual
+
+    def stats(self):
+        """Per-bucket totals: calls, last method, wire bytes vs a dense all-reduce."""
+        return {i: {k: v for k, v in dataclasses.asdict(s).items() if k != "residual"}
+                for i, s in sorted(self.buckets.items())}
+
+    _CONFIG = ("ratio", "rows", "seed", "mode", "density_threshold", "start_iter", "error_feedback", "iter")
+
+    def state_dict(self):
+        buckets = {i: dict(s, residual=self.buckets[i].residual) for i, s in self.stats().items()}
+        return {**{k: getattr(self, k) for k in self._CONFIG}, "buckets": buckets}
+
+    def load_state_dict(self, state):
+        for key in self._CONFIG:
+            setattr(self, key, state[key])
+        self.buckets = {int(i): BucketState(**b) for i, b in state["buckets"].items()}
+
+    def __getstate__(self):
+        return self.state_dict()
+
+    def __setstate__(self, state):
+        self.process_group = None
+        self.buckets = {}
+        self.load_state_dict(state)
+
+
+def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: averages the bucket with sketch_allreduce; returns a future of the buffer."""
+    buffer, index, step = bucket.buffer(), bucket.index(), state.iter
+    if bucket.is_last():
+        state.iter += 1
+    if step < state.start_iter:
+        world = dist.get_world_size(state.process_group)
+        work = dist.all_reduce(buffer.div_(world), group=state.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    bucket_state = state.bucket_state(index, buffer)
+    params = bucket.parameters()
+    if len(params) == 1 and params[0].dim() == 2:  # e.g. an embedding alone in its bucket: support per row
+        view, granularity = buffer.view(params[0].shape), "row"
+    else:
+        view, granularity = buffer, "element"
+    handle = sketch_allreduce(view, ratio=state.ratio, rows=state.rows, seed=state.seed_for(index, step),
+                              granularity=granularity, mode=state.mode, op="avg", group=state.process_group,
+                              async_op=True, dense_fraction=state.density_threshold,
+                              residual=state.residual_for(bucket_state, buffer))
+
+    def record(fut):
+        stats = handle.stats
+        bucket_state.calls += 1
+        bucket_state.last_method = stats.method
+        bucket_state.wire_bytes += stats.wire_bytes
+        bucket_state.dense_wire_bytes += stats.dense_wire_bytes
+        return buffer
+
+    return handle.get_future().then(record)

@@ -1,0 +1,232 @@
+"""Count-sketch: support bitmaps, sketching a tensor into a small table, decoding it back.
+
+A tensor ``x`` is viewed as ``n`` units (rows) of ``m`` values: ``granularity="row"`` gives ``n = x.shape[0]`` and
+``m = x.numel() // n`` (an embedding gradient ``[vocab, dim]`` is ``vocab`` units of ``dim`` values);
+``granularity="element"`` gives ``n = x.numel()`` and ``m = 1`` (a 0-d tensor is one element). Value ``col`` of unit
+``r`` has the flat index ``i = r * m + col``. A *support* is a packed bitmap of units, uint8 ``[ceil(n / 8)]``, in
+:func:`fastdist.ops.pack_bits` order (bit ``j`` of byte ``k`` is unit ``8 k + j``).
+
+The hash family (defined once, in csrc/kernels/sketch.h, and reimplemented independently in
+tests/ops/test_sketch.py): with ``p = 2**61 - 1``, sketch row ``j`` draws ``a_j, b_j, c_j, d_j`` from a splitmix64
+stream seeded with ``seed`` (``a_j, c_j`` in ``[1, p-1]``, ``b_j, d_j`` in ``[0, p-1]``; row ``j``'s coefficients do
+not depend on ``rows`` or ``cols``), and
+
+* bucket ``h_j(i) = ((a_j * i + b_j) mod p) mod cols``
+* sign ``s_j(i) = -1`` if bit 30 of ``(c_j * i + d_j) mod p`` is set, else ``+1``.
+
+:func:`sketch_hash` evaluates it for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
+count_sketch_decode, sketch_hash}`` with CPU and CUDA kernels and fake kernels for ``torch.compile``. Inputs may be
+non-contiguous (they are made contiguous first); outputs are contiguous and on the input's device.
+
+Determinism: on CPU a table is the float32 sum of each bucket's values in increasing index, whatever the thread
+count, bit for bit. On CUDA, count_sketch accumulates with atomic adds: the same sums in an unspecified order, so
+they match the CPU's to rounding (at most ``(k - 1) * 2**-24 * sum |x|`` for a bucket of ``k`` values) and may
+vary run to run in the last bits. Hashes, supports and decoding are exact on both.
+"""
+import torch
+
+__all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "nonzero_bitmap", "sketch_hash"]
+
+MAX_ROWS = 15
+MAX_COLS = 2**31 - 1
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _seed_in_range(seed: int) -> int:
+    # int64 covers [-2^63, 2^63); a Python int outside it cannot reach the op, so it gets the op's message here.
+    if not 0 <= seed < 2**63:
+        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+    return seed
+
+
+def nonzero_bitmap(x: torch.Tensor, granularity: str = "element") -> torch.Tensor:
+    """The support of ``x``: which units hold a non-zero value, packed 8 per byte.
+
+    Args:
+        x: float32, float16, bfloat16 or float64 tensor of any shape (``numel >= 0``; row granularity needs at least
+            1 dimension).
+        granularity: ``"element"`` (one bit per value) or ``"row"`` (one bit per ``x[r]``: set when any value of the
+            row is non-zero).
+
+    Returns:
+        uint8 tensor ``[ceil(n / 8)]``; padding bits are zero. NaN, infinities and subnormals count as non-zero,
+        ``-0.0`` as zero.
+
+    Raises:
+        RuntimeError: ``x`` is not floating point, ``granularity`` is neither ``"element"`` nor ``"row"``, or
+            ``granularity="row"`` with a 0-d ``x``.
+    """
+    return torch.ops.fastdist.nonzero_bitmap.default(x, granularity)
+
+
+def count_sketch(x: torch.Tensor, rows: int, cols: int, seed: int, support: torch.Tensor | None = None,
+                 granularity: str = "row") -> torch.Tensor:
+    """Count-sketch of ``x``: ``table[j, h_j(i)] += s_j(i) * x_i`` for every sketch row ``j < rows``.
+
+    The sum runs over the non-zero values of ``x`` when ``support`` is None (granularity then changes nothing), or
+    over every value of the units whose bit is set in ``support`` (values outside it are ignored, zero or not).
+    Accumulation is in float32; float16 and bfloat16 values are exact in it, float64 values are rounded to float32
+    first. The sketch is linear: ``count_sketch(a) + count_sketch(b)`` equals ``count_sketch(a + b)`` up to float32
+    rounding, which is why ranks can SUM-all-reduce their tables.
+
+    Args:
+        x: float32, float16, bfloat16 or float64 tensor, viewed as ``n`` units of ``m`` values (module docstring).
+        rows: sketch rows, ``1 <= rows <= 15`` (odd recommended: the decode takes a median over rows).
+        cols: buckets per row, ``1 <= cols <= 2**31 - 1``.
+        seed: hash seed, ``0 <= seed < 2**63``; every rank must use the same one.
+        support: optional uint8 ``[ceil(n / 8)]`` packed unit bitmap on ``x``'s device (e.g. from
+            :func:`nonzero_bitmap` with the same granularity, OR-ed over ranks).
+        granularity: ``"row"`` or ``"element"``: how ``support`` maps to values.
+
+    Returns:
+        float32 tensor ``[rows, cols]`` on ``x``'s device.
+
+    Raises:
+        RuntimeError: ``x`` not floating point; ``rows``, ``cols`` or ``seed`` out of range; ``support`` not uint8,
+            not of shape ``[ceil(n / 8)]`` or on another device; ``granularity`` invalid (or ``"row"`` with 0-d ``x``).
+    """
+    return torch.ops.fastdist.count_sketch.default(x, rows, cols, _seed_in_range(seed), support, granularity)
+
+
+def count_sketch_decode(table: torch.Tensor, support: torch.Tensor, n: int, m: int, seed: int) -> torch.Tensor:
+    """Estimates the sketched values on a support: ``out[r, col] = median_j s_j(i) * table[j, h_j(i)]``.
+
+    ``i = r * m + col``, for every unit ``r`` whose bit is set in ``support``; every other unit is zero. The median
+    of an even number of rows is the mean of the two middle values. When any of the ``rows`` estimates is NaN, the
+    result is NaN. Exact for a value whose bucket holds no other value in more than half of the rows; otherwise an
+    estimate (unbiased for one row, symmetric noise for more) whose error shrinks as ``cols`` grows relative to the
+    number of sketched values.
+
+    Args:
+        table: float32 ``[rows, cols]`` (from :func:`count_sketch`, usually summed over ranks), ``1 <= rows <= 15``.
+        support: uint8 ``[ceil(n / 8)]`` packed unit bitmap, on ``table``'s device.
+        n, m: the units and values per unit that were sketched (``m = 1`` for element granularity), ``>= 0``.
+        seed: the seed the table was built with.
+
+    Returns:
+        float32 tensor ``[n, m]`` on ``table``'s device (reshape it to the original shape).
+
+    Raises:
+        RuntimeError: ``table`` not float32 2-D or with an invalid number of rows or columns; ``support`` not uint8
+            ``[ceil(n / 8)]`` or on another device; ``n`` or ``m`` negative or ``n * m`` past int64; ``seed`` out of
+            range.
+    """
+    return torch.ops.fastdist.count_sketch_decode.default(table, support, n, m, _seed_in_range(seed))
+
+
+def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sketch's hash functions at the flat indices ``idx``, for oracles and tests.
+
+    Args:
+        idx: int64 ``[len]`` flat indices (taken as unsigned 64-bit).
+        rows, cols, seed: as for :func:`count_sketch`.
+
+    Returns:
+        ``(bucket, sign)``: int64 ``[rows, len]`` with ``bucket[j, t] = h_j(idx[t])`` and int8 ``[rows, len]`` with
+        ``sign[j, t] = s_j(idx[t])`` (+1 or -1).
+
+    Raises:
+        RuntimeError: ``idx`` not int64 1-D; ``rows``, ``cols`` or ``seed`` out of range.
+    """
+    return torch.ops.fastdist.sketch_hash.default(idx, rows, cols, _seed_in_range(seed))
+
+
+# Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the same
+# messages as the C++ kernels (csrc/ops/sketch.h).
+
+def _dtype_name(dtype):
+    return str(dtype)
+
+
+def _check_float(x):
+    if x.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError("fastdist: 'x' must have a floating dtype (torch.float32, torch.float16, torch.bfloat16 "
+                           f"or torch.float64), got {_dtype_name(x.dtype)}")
+
+
+def _check_granularity(granularity):
+    if granularity not in ("row", "element"):
+        raise RuntimeError(f"fastdist: 'granularity' must be \"element\" or \"row\", got \"{granularity}\"")
+
+
+def _units(x, granularity):
+    _check_granularity(granularity)
+    if granularity == "row":
+        if x.dim() < 1:
+            raise RuntimeError("fastdist: 'x' must have at least 1 dimension(s) for granularity \"row\", "
+                               f"got shape {list(x.shape)}")
+        m = 1
+        for s in x.shape[1:]:
+            m *= s
+        return x.shape[0], m
+    return x.numel(), 1
+
+
+def _check_rows_cols_seed(rows, cols, seed):
+    if not 1 <= rows <= MAX_ROWS:
+        raise RuntimeError(f"fastdist: 'rows' must be in [1, {MAX_ROWS}], got {rows}")
+    if not 1 <= cols <= MAX_COLS:
+        raise RuntimeError(f"fastdist: 'cols' must be in [1, {MAX_COLS}], got {cols}")
+    if seed < 0:
+        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+
+
+def _check_support(support, other, other_name, n, units):
+    if support.dtype != torch.uint8:
+        raise RuntimeError(f"fastdist: 'support' must have dtype torch.uint8, got {_dtype_name(support.dtype)}")
+    if support.device != other.device:
+        raise RuntimeError(f"fastdist: 'support' and '{other_name}' must be on the same device, got "
+                           f"{support.device} and {other.device}")
+    expected = (n + 7) // 8
+    torch._check(support.dim() == 1 and support.shape[0] == expected,
+                 lambda: f"fastdist: 'support' must have shape [{expected}] (ceil(n / 8) for n = {n} {units}), "
+                         f"got shape {list(support.shape)}")
+
+
+@torch.library.register_fake("fastdist::nonzero_bitmap")
+def _nonzero_bitmap_fake(x, granularity):
+    _check_float(x)
+    n, _ = _units(x, granularity)
+    return x.new_empty(((n + 7) // 8,), dtype=torch.uint8)
+
+
+@torch.library.register_fake("fastdist::count_sketch")
+def _count_sketch_fake(x, rows, cols, seed, support, granularity):
+    _check_float(x)
+    _check_rows_cols_seed(rows, cols, seed)
+    n, _ = _units(x, granularity)
+    if support is not None:
+        _check_support(support, x, "x", n, "rows of x" if granularity == "row" else "elements of x")
+    return x.new_empty((rows, cols), dtype=torch.float32)
+
+
+@torch.library.register_fake("fastdist::count_sketch_decode")
+def _count_sketch_decode_fake(table, support, n, m, seed):
+    if table.dtype != torch.float32:
+        raise RuntimeError(f"fastdist: 'table' must have dtype torch.float32, got {_dtype_name(table.dtype)}")
+    if table.dim() != 2:
+        raise RuntimeError(f"fastdist: 'table' must have 2 dimension(s), got shape {list(table.shape)}")
+    torch._check(1 <= table.shape[0] <= MAX_ROWS,
+                 lambda: f"fastdist: 'table' must have 1 to {MAX_ROWS} rows, got shape {list(table.shape)}")
+    torch._check(1 <= table.shape[1] <= MAX_COLS,
+                 lambda: f"fastdist: 'table' must have 1 to {MAX_COLS} columns, got shape {list(table.shape)}")
+    if n < 0:
+        raise RuntimeError(f"fastdist: 'n' must be >= 0, got {n}")
+    if m < 0:
+        raise RuntimeError(f"fastdist: 'm' must be >= 0, got {m}")
+    if m and n > (2**63 - 1) // m:
+        raise RuntimeError(f"fastdist: 'n' * 'm' must fit in int64, got n = {n}, m = {m}")
+    if seed < 0:
+        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+    _check_support(support, table, "table", n, "units")
+    return table.new_empty((n, m))
+
+
+@torch.library.register_fake("fastdist::sketch_hash")
+def _sketch_hash_fake(idx, rows, cols, seed):
+    if idx.dtype != torch.int64:
+        raise RuntimeError(f"fastdist: 'idx' must have dtype torch.int64, got {_dtype_name(idx.dtype)}")
+    if idx.dim() != 1:
+        raise RuntimeError(f"fastdist: 'idx' must have 1 dimension(s), got shape {list(idx.shape)}")
+    _check_rows_cols_seed(rows, cols, seed)
+    return idx.new_empty((rows, idx.shape[0])), idx.new_empty((rows, idx.shape[0]), dtype=torch.int8)

@@ -1,0 +1,184 @@
+"""fastdist.comm.sketch_allreduce: exact where it says lossless, close where it sketches, same on every rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastdist.comm import last_stats, sketch_allreduce
+from fastdist.distributed import MismatchError, spawn
+
+
+def _embedding_grad(rank, vocab=512, dim=16, density=0.05, integer=True, seed=0):
+    """A row-sparse gradient whose rows overlap across ranks (a shared hot set plus rank-own rows)."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    hot = torch.arange(0, vocab, 37)[: max(1, int(vocab * density / 2))]
+    own = torch.randperm(vocab, generator=g)[: max(1, int(vocab * density / 2))]
+    rows = torch.unique(torch.cat([hot, own]))
+    grad = torch.zeros(vocab, dim)
+    values = torch.randint(-8, 9, (rows.numel(), dim), generator=g).float() if integer \
+        else torch.randn(rows.numel(), dim, generator=g)
+    grad[rows] = values
+    return grad
+
+
+def _dense_sum(t):
+    ref = t.clone()
+    dist.all_reduce(ref)
+    return ref
+
+
+def _modes_against_dense():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    g = _embedding_grad(rank)
+    ref = _dense_sum(g)
+    x = g.clone()
+    sketch_allreduce(x, mode="exact")
+    out["exact_equal"] = torch.equal(x, ref)
+    out["exact_stats"] = last_stats()
+
+    x = g.clone()
+    sketch_allreduce(x, mode="sketch", cols=64 * x.numel())  # far wider than the union: no collisions
+    out["wide_sketch_err"] = float((x - ref).norm() / ref.norm())
+
+    errs = []
+    for ratio in (0.02, 0.1, 0.5):
+        x = _embedding_grad(rank, integer=False)
+        r = _dense_sum(x)
+        sketch_allreduce(x, mode="sketch", ratio=ratio, seed=7)
+        errs.append(float((x - r).norm() / r.norm()))
+        out.setdefault("sketch_zero_outside_union", True)
+        out["sketch_zero_outside_union"] &= bool((x[r.abs().sum(1) == 0] == 0).all())
+    out["sketch_errs"] = errs
+
+    x = g.clone()
+    sketch_allreduce(x, mode="exact", op="avg")
+    out["avg_equal"] = torch.allclose(x, ref / world)
+
+    # element granularity, non-contiguous input: written back through the view
+    base = _embedding_grad(rank).t()
+    r = _dense_sum(base.contiguous())
+    sketch_allreduce(base, mode="exact", granularity="element")
+    out["noncontig_equal"] = torch.equal(base, r)
+
+    # async: the payload reduce is in flight until wait(); the future resolves to the tensor
+    x = g.clone()
+    handle = sketch_allreduce(x, mode="exact", async_op=True)
+    fut = handle.get_future()
+    out["async_equal"] = torch.equal(fut.wait(), ref) and torch.equal(x, ref) and handle.is_completed()
+
+    # row-sparse COO gradients come back as COO with the same values
+    sp = g.to_sparse(1)
+    res = sketch_allreduce(sp, mode="exact")
+    out["sparse_layout"] = res.is_sparse and res.sparse_dim() == 1
+    out["sparse_equal"] = torch.equal(res.to_dense(), ref)
+
+    # NaN propagates as in a dense all-reduce
+    x = g.clone()
+    if rank == 1:
+        x[3, 2] = float("nan")
+    sketch_allreduce(x, mode="exact")
+    out["nan_propagated"] = bool(torch.isnan(x[3, 2])) and int(torch.isnan(x).sum()) == 1
+
+    # empty tensor and all-zero tensor
+    e = torch.zeros(0, 4)
+    sketch_allreduce(e, mode="auto")
+    z = torch.zeros(64, 4)
+    sketch_allreduce(z, mode="sketch")
+    out["zeros_stay_zero"] = bool((z == 0).all()) and last_stats().union_units == 0
+
+    # error feedback: over repeated calls the summed estimates track the summed truth when the sketch is
+    # as wide as the union; narrower, it is skipped (it would diverge) and changes nothing
+    g = _embedding_grad(rank, integer=False)
+    ref = _dense_sum(g)
+    union_values = int((ref != 0).sum())
+    out["ef_errs"], out["ef_applied"] = {}, {}
+    for width in (1.0, 0.5):
+        cols = int(width * union_values)
+        for ef in (False, True):
+            residual = torch.zeros(3, cols) if ef else None
+            total = torch.zeros_like(g)
+            for _ in range(12):
+                x = g.clone()
+                sketch_allreduce(x, mode="sketch", cols=cols, seed=11, residual=residual)
+                total += x
+            out["ef_errs"][width, ef] = float((total - 12 * ref).norm() / (12 * ref).norm())
+            out["ef_applied"][width, ef] = last_stats().error_feedback
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_mode_reduces_like_a_dense_all_reduce_on_every_rank(world_size):
+    for rank, out in enumerate(spawn(_modes_against_dense, world_size, timeout=240)):
+        assert out["exact_equal"], rank
+        s = out["exact_stats"]
+        assert s.method == "exact" and 0 < s.union_units < s.units
+        assert s.wire_bytes < s.dense_wire_bytes
+        assert out["wide_sketch_err"] < 1e-5
+        e = out["sketch_errs"]
+        assert e[0] > e[1] > e[2] > 0, e  # lossy, and better as the sketch widens
+        assert out["sketch_zero_outside_union"]
+        assert out["avg_equal"] and out["noncontig_equal"] and out["async_equal"]
+        assert out["sparse_layout"] and out["sparse_equal"]
+        assert out["nan_propagated"]
+        assert out["zeros_stay_zero"]
+        e, applied = out["ef_errs"], out["ef_applied"]
+        assert applied[1.0, True] and not applied[1.0, False] and not applied[0.5, True]
+        assert e[1.0, True] < 0.6 * e[1.0, False], e
+        assert e[0.5, True] == e[0.5, False], e
+
+
+def _auto_choices():
+    rank = dist.get_rank()
+    picks = {}
+    for name, density, ratio in [("sparse", 0.02, 0.05), ("medium", 0.2, 0.01), ("dense", 0.9, 0.05)]:
+        g = _embedding_grad(rank, vocab=1024, dim=8, density=density, integer=False, seed=3)
+        ref = _dense_sum(g)
+        sketch_allreduce(g, mode="auto", ratio=ratio)
+        s = last_stats()
+        picks[name] = (s.method, float((g - ref).norm() / ref.norm()))
+    return picks
+
+
+def test_auto_chooses_identically_on_every_rank_and_stays_lossless_when_the_union_is_small():
+    results = spawn(_auto_choices, 4, timeout=240)
+    per_rank = [{k: v[0] for k, v in r.items()} for r in results]
+    assert all(m == per_rank[0] for m in per_rank)
+    methods = per_rank[0]
+    assert methods["sparse"] == "exact" and methods["dense"] == "dense" and methods["medium"] == "sketch"
+    for r in results:
+        assert r["sparse"][1] < 1e-6 and r["dense"][1] < 1e-6
+
+
+def _mismatch(kind):
+    rank = dist.get_rank()
+    x = torch.zeros(64 + (kind == "shape" and rank == 1), 4)
+    x[1] = 1.0
+    try:
+        sketch_allreduce(x, mode="sketch", seed=1 + (kind == "seed" and rank == 0), cols=32)
+        return None
+    except MismatchError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("kind", ["seed", "shape"])
+def test_ranks_that_disagree_on_configuration_all_raise_naming_it_without_hanging(kind):
+    for msg in spawn(_mismatch, 2, kind, timeout=120):
+        assert msg is not None and "sketch_allreduce configuration" in msg and "rank 1" in msg
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(tensor=torch.zeros(4, dtype=torch.int64)), TypeError, "floating-point"),
+    (dict(ratio=0.0), ValueError, "ratio must be in"),
+    (dict(ratio=1.5), ValueError, "ratio must be in"),
+    (dict(cols=0), ValueError, "cols must be >= 1"),
+    (dict(ratio=0.1, cols=4), ValueError, "either ratio or cols"),
+    (dict(rows=0), ValueError, "rows must be >= 1"),
+    (dict(mode="fast"), ValueError, "mode must be one of"),
+    (dict(op="max"), ValueError, "op must be"),
+    (dict(granularity="col"), ValueError, "granularity must be one of"),
+])
+def test_bad_arguments_are_rejected_before_any_communication(kwargs, error, text):
+    args = {"tensor": torch.zeros(8, 2)}
+    args.update(kwargs)
+    with pytest.raises(error, match=text):
+        sketch_allreduce(args.pop("tensor"), **args)
