@@ -130,23 +130,27 @@ def test_each_mode_reduces_like_a_dense_all_reduce_on_every_rank(world_size):
 def _auto_choices():
     rank = dist.get_rank()
     picks = {}
-    for name, density, ratio in [("sparse", 0.02, 0.05), ("medium", 0.2, 0.01), ("dense", 0.9, 0.05)]:
+    cases = [("sparse", 0.02, 0.05, 1.0), ("narrow-sketch", 0.2, 0.01, 1.0), ("allowed-sketch", 0.2, 0.01, 50.0),
+             ("dense", 0.9, 0.05, 1.0)]
+    for name, density, ratio, load in cases:
         g = _embedding_grad(rank, vocab=1024, dim=8, density=density, integer=False, seed=3)
         ref = _dense_sum(g)
-        sketch_allreduce(g, mode="auto", ratio=ratio)
+        sketch_allreduce(g, mode="auto", ratio=ratio, max_sketch_load=load)
         s = last_stats()
         picks[name] = (s.method, float((g - ref).norm() / ref.norm()))
     return picks
 
 
-def test_auto_chooses_identically_on_every_rank_and_stays_lossless_when_the_union_is_small():
+def test_auto_chooses_identically_on_every_rank_and_never_picks_a_sketch_too_narrow_to_decode():
     results = spawn(_auto_choices, 4, timeout=240)
     per_rank = [{k: v[0] for k, v in r.items()} for r in results]
     assert all(m == per_rank[0] for m in per_rank)
     methods = per_rank[0]
-    assert methods["sparse"] == "exact" and methods["dense"] == "dense" and methods["medium"] == "sketch"
+    assert methods["sparse"] == "exact" and methods["dense"] == "dense"
+    assert methods["narrow-sketch"] == "exact"  # cheaper on the wire, but outside the error budget
+    assert methods["allowed-sketch"] == "sketch"  # a looser budget lets auto take it
     for r in results:
-        assert r["sparse"][1] < 1e-6 and r["dense"][1] < 1e-6
+        assert r["sparse"][1] < 1e-6 and r["dense"][1] < 1e-6 and r["narrow-sketch"][1] < 1e-6
 
 
 def _mismatch(kind):
