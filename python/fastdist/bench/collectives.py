@@ -10,7 +10,6 @@ busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others (broa
 (netsim only; barriers included), so the two side by side show where a backend exceeds the optimum —
 e.g. gloo's reduce_scatter is an all-reduce in disguise and sends twice the optimum.
 """
-import os
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.bench.launch import run_ranks, tx_counter
 from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
@@ -154,13 +154,6 @@ def _all_sum(values, device):
     return t.tolist()
 
 
-def _tx_counter(measure_tx):
-    if not measure_tx:
-        return 0
-    from fastdist import netsim
-    return netsim.tx_bytes()
-
-
 def _timed_iterations(case, count, device):
     """Runs the collective `count` times from fresh inputs; returns (seconds per call, #wrong elements)."""
     samples, wrong = [], 0
@@ -189,10 +182,10 @@ def bench_rank(config):
         warm, wrong = _timed_iterations(case, config["warmup"], device)
         estimate = _all_max([max(warm) if warm else 1e-3], device)[0]
         reps = int(min(config["max_iters"], max(config["iters"], config["min_time"] / max(estimate, 1e-9))))
-        tx0 = _tx_counter(config["measure_tx"])
+        tx0 = tx_counter(config["measure_tx"])
         samples, wrong_timed = _timed_iterations(case, reps, device)
         wrong += wrong_timed
-        tx = (_tx_counter(config["measure_tx"]) - tx0) / reps
+        tx = (tx_counter(config["measure_tx"]) - tx0) / reps
         times = _all_max(samples, device)  # an iteration lasts until its slowest rank is done
         wire_max, tx_max = _all_max([case.wire, tx], device)
         wrong_total = int(_all_sum([wrong], device)[0])
@@ -212,74 +205,25 @@ def bench_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def _under_torchrun():
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                                   and "MASTER_ADDR" in os.environ)
-
-
-def _torchrun_main(config):
-    from fastdist.distributed import resolve_backend
-
-    if not dist.is_initialized():
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        backend = resolve_backend("auto", local_world)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    rows = bench_rank(config)
-    info = (dist.get_backend(), dist.get_world_size())
-    dist.destroy_process_group()
-    return rows, info
-
-
-def _spawned_rank(config):
-    return bench_rank(config), (dist.get_backend(), dist.get_world_size())
-
-
 def run(args):
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
-    from fastdist import netsim
-    from fastdist.distributed import spawn
-
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = sorted(set(ops) - set(COLLECTIVES))
     if unknown:
         raise SystemExit(f"fastdist-bench collectives: unknown collective(s) {unknown}; choose from {COLLECTIVES}")
     config = {"ops": ops, "sizes": sizes_from(args), "dtype": args.dtype, "iters": args.iters,
-              "warmup": args.warmup, "min_time": args.min_time, "max_iters": 200, "measure_tx": False}
-
-    if _under_torchrun():
-        rows, (backend, world) = _torchrun_main(config)
-        if rows is None:
-            return None
-        network, link_gbps = "real network (launched by torchrun)", None
-    else:
-        cluster, network, link_gbps = None, "loopback (one host, no shaping)", None
-        if args.net != "loopback":
-            rate = netsim.parse_rate(args.net)
-            ok, why = netsim.available()
-            if ok:
-                cluster = netsim.Cluster(args.ranks, rate=args.net, delay=args.delay)
-                network, link_gbps = cluster.label, rate / 8e9
-                config["measure_tx"] = True
-            else:
-                print(f"fastdist-bench: cannot simulate a {args.net} network here ({why}); "
-                      "running on loopback instead", flush=True)
-                network = f"loopback (requested {args.net}: netsim unavailable: {why})"
-        if cluster is not None:
-            with cluster:
-                results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout, cluster=cluster)
-        else:
-            results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout)
-        rows, (backend, world) = results[0]
-
-    env = report.environment(backend=backend, device="cuda" if backend == "nccl" else "cpu",
-                             ranks=world, network=network)
+              "warmup": args.warmup, "min_time": args.min_time, "max_iters": 200}
+    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
+    if launch.result is None:
+        return None
+    rows = launch.result
+    env = report.environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
+                             ranks=launch.world, network=launch.network)
     print(report.format_environment(env))
     print(format_rows(rows))
     wrong = sum(r["wrong"] for r in rows)
     print(f"# checked every result of every iteration: {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
-    return {"suite": "collectives", "env": env, "link_gbps": link_gbps, "config": config, "rows": rows}
+    return {"suite": "collectives", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows}
 
 
 def format_rows(rows):

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.bench.launch import run_ranks, tx_counter
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 EXTRA_METHODS = ["bf16"]
@@ -141,13 +142,6 @@ def _all_max(values, device):
     return t.tolist()
 
 
-def _tx_counter(measure_tx):
-    if not measure_tx:
-        return 0
-    from fastdist import netsim
-    return netsim.tx_bytes()
-
-
 class _Gradient:
     """One density's gradient on this rank, its exact sum, and the sizes every method is configured with."""
 
@@ -227,12 +221,12 @@ def _bench_density(config, density, world, rank, device, progress):
                 residual.zero_()
             _sync(device)
             dist.barrier()
-            tx0 = _tx_counter(config["measure_tx"])
+            tx0 = tx_counter(config["measure_tx"])
             t0 = time.perf_counter()
             wire_bytes, ran = g.call(name)
             _sync(device)
             dt = time.perf_counter() - t0
-            sent = _tx_counter(config["measure_tx"]) - tx0
+            sent = tx_counter(config["measure_tx"]) - tx0
             if it >= config["warmup"]:
                 samples[name].append(dt)
                 tx[name].append(sent)
@@ -288,63 +282,16 @@ def bench_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def _spawned_rank(config):
-    return bench_rank(config), (dist.get_backend(), dist.get_world_size())
-
-
-def _torchrun_main(config):
-    import os
-
-    from fastdist.distributed import resolve_backend
-
-    if not dist.is_initialized():
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        backend = resolve_backend("auto", local_world)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    out = bench_rank(config)
-    info = (dist.get_backend(), dist.get_world_size())
-    dist.destroy_process_group()
-    return out, info
-
-
 def run(args):
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
-    from fastdist import netsim
-    from fastdist.bench.collectives import _under_torchrun
-    from fastdist.distributed import spawn
-
     config = _config_from(args)
     _require_sketch_ops(config["methods"])
-    if _under_torchrun():
-        out, (backend, world) = _torchrun_main(config)
-        if out is None:
-            return None
-        network, link_gbps = "real network (launched by torchrun)", None
-    else:
-        cluster, network, link_gbps = None, "loopback (one host, no shaping)", None
-        if args.net != "loopback":
-            rate = netsim.parse_rate(args.net)
-            ok, why = netsim.available()
-            if ok:
-                cluster = netsim.Cluster(args.ranks, rate=args.net, delay=args.delay)
-                network, link_gbps = cluster.label, rate / 8e9
-                config["measure_tx"] = True
-            else:
-                print(f"fastdist-bench: cannot simulate a {args.net} network here ({why}); "
-                      "running on loopback instead", flush=True)
-                network = f"loopback (requested {args.net}: netsim unavailable: {why})"
-        if cluster is not None:
-            with cluster:
-                results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout, cluster=cluster)
-        else:
-            results = spawn(_spawned_rank, args.ranks, config, timeout=args.timeout)
-        out, (backend, world) = results[0]
-    rows, gradients = out
-
-    env = report.environment(backend=backend, device="cuda" if backend == "nccl" else "cpu",
-                             ranks=world, network=network)
+    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
+    if launch.result is None:
+        return None
+    rows, gradients = launch.result
+    env = report.environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
+                             ranks=launch.world, network=launch.network)
     print(report.format_environment(env))
     nbytes = gradients[0]["bytes"]
     print(f"# gradient     {config['rows']} x {config['dim']} float32 ({report.human_bytes(nbytes)}), "
@@ -355,7 +302,7 @@ def run(args):
     bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
            if r["method"] in LOSSLESS and r["rel_error"] != 0]
     print("# lossless methods (dense, agsparse, omnireduce) exact: " + ("yes" if not bad else f"NO: {bad}"))
-    return {"suite": "sparse", "env": env, "link_gbps": link_gbps, "config": config, "gradients": gradients,
+    return {"suite": "sparse", "env": env, "link_gbps": launch.link_gbps, "config": config, "gradients": gradients,
             "rows": rows}
 
 

@@ -42,7 +42,6 @@ rank's interface really sent (busiest rank, median step). A second table orders 
 the Pareto front of bytes vs final loss.
 """
 import math
-import os
 import statistics
 import time
 import warnings
@@ -53,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.launch import run_ranks, tx_counter
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
@@ -378,13 +378,6 @@ class Method:
 
 # --- one rank --------------------------------------------------------------------------------------------------
 
-def _tx(measure):
-    if not measure:
-        return 0
-    from fastdist import netsim
-    return netsim.tx_bytes()
-
-
 def train_rank(config):
     """Trains every method on this rank, interleaved per step; returns the results on rank 0, else None."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -419,11 +412,11 @@ def train_rank(config):
         local_rows[step] = torch.tensor([rows[0].numel(), rows[1].numel()])
         for i, m in enumerate(methods):
             dist.barrier()
-            tx0, w0 = _tx(config["measure_tx"]), m.wire_counter()
+            tx0, w0 = tx_counter(config["measure_tx"]), m.wire_counter()
             t0 = time.perf_counter()
             train_loss[i].append(m.train_step(inputs, targets, negatives, sampler.log_expected))
             times[i, step] = time.perf_counter() - t0
-            tx[i, step] = _tx(config["measure_tx"]) - tx0
+            tx[i, step] = tx_counter(config["measure_tx"]) - tx0
             wire[i, step] = m.wire_counter() - w0
             if m.router is not None:
                 chosen[i].append(m.router.last_methods())
@@ -514,43 +507,14 @@ def make_config(args):
     }
 
 
-def _under_torchrun():
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
 def run(args):
     """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload."""
-    from fastdist import netsim
-    from fastdist.distributed import spawn
-
     config = make_config(args)
-    if _under_torchrun():
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        out = train_rank(config)
-        dist.destroy_process_group()
-        if out is None:
-            return None
-        network = "real network (launched by torchrun)"
-    else:
-        cluster, network = None, "loopback (one host, no shaping)"
-        if args.net != "loopback":
-            netsim.parse_rate(args.net)
-            ok, why = netsim.available()
-            if ok:
-                cluster = netsim.Cluster(args.ranks, rate=args.net, delay=args.delay)
-                network = cluster.label
-                config["measure_tx"] = True
-            else:
-                print(f"fastdist-bench: cannot simulate a {args.net} network here ({why}); "
-                      "running on loopback instead", flush=True)
-                network = f"loopback (requested {args.net}: netsim unavailable: {why})"
-        if cluster is not None:
-            with cluster:
-                out = spawn(train_rank, args.ranks, config, backend="gloo", timeout=args.timeout, cluster=cluster)[0]
-        else:
-            out = spawn(train_rank, args.ranks, config, backend="gloo", timeout=args.timeout)[0]
-
+    launch = run_ranks(train_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
+                       backend="gloo")
+    out, network = launch.result, launch.network
+    if out is None:
+        return None
     env = report.environment(backend=out["backend"], device="cpu", ranks=out["world"], network=network)
     result = {"suite": "sparse-lm", "env": env, "config": config, "calibration": out["calibration"],
               "methods": out["methods"], "local_rows": out["local_rows"]}

@@ -1,0 +1,70 @@
+"""Where a suite's ranks run: torchrun's processes, or local ranks on the simulated network or loopback."""
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from fastdist import netsim
+from fastdist.distributed import resolve_backend, spawn
+
+
+@dataclasses.dataclass
+class Launch:
+    result: object          # what fn returned on rank 0 (None on the other torchrun ranks)
+    backend: str
+    world: int
+    network: str            # the label every figure carries
+    link_gbps: float = None  # the simulated link rate in GB/s, None when not shaped
+
+
+def under_torchrun():
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def tx_counter(enabled):
+    """Bytes this rank's interface has sent (its own namespace on the simulated cluster); 0 when not measured."""
+    return netsim.tx_bytes() if enabled else 0
+
+
+def _with_group(fn, config):
+    return fn(config), (dist.get_backend(), dist.get_world_size())
+
+
+def _torchrun(fn, config, backend):
+    if not dist.is_initialized():
+        backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    result, (backend, world) = _with_group(fn, config)
+    dist.destroy_process_group()
+    return Launch(result, backend, world, "real network (launched by torchrun)")
+
+
+def run_ranks(fn, config, *, ranks, net="loopback", delay=None, timeout=1800.0, backend="auto"):
+    """Runs fn(config) on every rank; returns a Launch with rank 0's result.
+
+    Under torchrun: in this process, on the process group torchrun's environment describes.
+    Otherwise: `ranks` local processes, each on its own host of a simulated cluster whose links run at
+    `net` (e.g. "1gbit") when one can be built here — config["measure_tx"] is then True, so ranks can
+    read their own interface counters — or on loopback, which is said on stdout and in the label.
+    """
+    config["measure_tx"] = False
+    if under_torchrun():
+        return _torchrun(fn, config, backend)
+    if net == "loopback":
+        results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout)
+        return Launch(results[0][0], *results[0][1], "loopback (one host, no shaping)")
+    rate = netsim.parse_rate(net)
+    ok, why = netsim.available()
+    if not ok:
+        print(f"fastdist-bench: cannot simulate a {net} network here ({why}); running on loopback instead",
+              flush=True)
+        results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout)
+        return Launch(results[0][0], *results[0][1], f"loopback (requested {net}: netsim unavailable: {why})")
+    config["measure_tx"] = True
+    with netsim.Cluster(ranks, rate=net, delay=delay) as cluster:
+        label = cluster.label
+        results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout, cluster=cluster)
+    return Launch(results[0][0], *results[0][1], label, rate / 8e9)
