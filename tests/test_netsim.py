@@ -34,9 +34,12 @@ _LOAD = textwrap.dedent(f"""\
 
 def _helper(code, *args, env=None):
     """A Python process running `code` (after the preamble) with sys.argv[1:] = args."""
+    # SIGINT back to its default: a test runner started as a background job has it ignored, and an
+    # ignored SIGINT is (rightly) left alone by the cluster, which would defeat the Ctrl-C tests.
     return subprocess.Popen([sys.executable, "-c", _LOAD + textwrap.dedent(code), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=None if env is None else {**os.environ, **env})
+                            env=None if env is None else {**os.environ, **env},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _finish(proc, timeout=60):
