@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
-from fastdist.bench.launch import run_ranks, tx_counter
+from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
@@ -35,10 +35,7 @@ def parse_size(text):
 
 
 def add_arguments(p):
-    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
-    p.add_argument("--net", default="loopback",
-                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root)")
-    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    add_launch_arguments(p, timeout=1800.0)
     p.add_argument("--min-size", default="1K", help="smallest per-rank buffer (default 1K)")
     p.add_argument("--max-size", default="64M", help="largest per-rank buffer (default 64M)")
     p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
@@ -48,7 +45,6 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size (default 2)")
     p.add_argument("--min-time", type=float, default=0.25,
                    help="keep repeating small sizes until this many seconds are timed (default 0.25)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is aborted")
 
 
 def sizes_from(args):

@@ -18,6 +18,16 @@ class Launch:
     link_gbps: float = None  # the simulated link rate in GB/s, None when not shaped
 
 
+def add_launch_arguments(p, timeout):
+    """The options run_ranks takes, shared by every multi-rank suite."""
+    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
+    p.add_argument("--net", default="loopback",
+                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root)")
+    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    p.add_argument("--timeout", type=float, default=timeout,
+                   help=f"seconds before the whole run is aborted (default {timeout:g})")
+
+
 def under_torchrun():
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 

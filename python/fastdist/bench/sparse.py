@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
-from fastdist.bench.launch import run_ranks, tx_counter
+from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 EXTRA_METHODS = ["bf16"]
@@ -71,10 +71,7 @@ def parse_densities(text):
 
 
 def add_arguments(p):
-    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
-    p.add_argument("--net", default="loopback",
-                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root)")
-    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    add_launch_arguments(p, timeout=3600.0)
     p.add_argument("--shape", default="32768x1024", help="gradient rows x dim, float32 (default 32768x1024 = 128 MiB)")
     p.add_argument("--densities", default="0.5,2,10", help="row densities per rank in percent (default 0.5,2,10)")
     p.add_argument("--methods", default=",".join(METHODS),
@@ -90,7 +87,6 @@ def add_arguments(p):
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank (default 4)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the token distribution (default 1.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients and the sketch hashes")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the whole run is aborted")
 
 
 def _config_from(args):

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdist.bench import report
-from fastdist.bench.launch import run_ranks, tx_counter
+from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
@@ -459,10 +459,7 @@ def train_rank(config):
 # --- driver ----------------------------------------------------------------------------------------------------
 
 def add_arguments(p):
-    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
-    p.add_argument("--net", default="loopback",
-                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit (needs root)")
-    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    add_launch_arguments(p, timeout=7200.0)
     p.add_argument("--steps", type=int, default=300, help="training steps per method (default 300)")
     p.add_argument("--methods", default="all",
                    help="comma-separated methods or groups (all, baselines, ours, sketch); default all: "
@@ -487,7 +484,6 @@ def add_arguments(p):
                    help="let Adagrad update the whole V-row matrices every step (default: only the rows whose "
                         "reduced gradient is non-zero, the same update; agsparse is always row-sparse)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median (default 3)")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds before the whole run is aborted")
 
 
 def make_config(args):
