@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.comm import last_stats, sketch_allreduce
+from fastdist.comm.sketch import HEADER_BITMAP_BYTES
 from fastdist.distributed import MismatchError, spawn
 
 
@@ -125,6 +126,47 @@ def test_each_mode_reduces_like_a_dense_all_reduce_on_every_rank(world_size):
         assert applied[1.0, True] and not applied[1.0, False] and not applied[0.5, True]
         assert e[1.0, True] < 0.6 * e[1.0, False], e
         assert e[0.5, True] == e[0.5, False], e
+
+
+def _lossless_collectives():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    vocab, dim = 1024, 8
+    g = torch.Generator().manual_seed(rank)
+    for overlap in ("disjoint", "shared"):
+        rows = torch.arange(rank * 16, rank * 16 + 16) if overlap == "disjoint" else torch.arange(0, 64, 4)
+        x = torch.zeros(vocab, dim)
+        x[rows] = torch.randint(-8, 9, (rows.numel(), dim), generator=g).float()
+        ref = _dense_sum(x)
+        for op, async_op in (("sum", False), ("avg", True)):
+            y = x.clone()
+            handle = sketch_allreduce(y, mode="exact", op=op, async_op=async_op)
+            if async_op:
+                handle.wait()
+            want = ref / world if op == "avg" else ref
+            out[overlap, op] = (torch.equal(y, want), last_stats().exact_collective, last_stats().union_method,
+                                y.sum().item())
+    # a support bitmap too large for the header is exchanged by its own collective
+    x = torch.zeros(8 * HEADER_BITMAP_BYTES + 40)
+    x[rank::97] = rank + 1.0
+    ref = _dense_sum(x)
+    sketch_allreduce(x, mode="exact", granularity="element")
+    out["large"] = (torch.equal(x, ref), last_stats().union_method)
+    return out
+
+
+def test_lossless_mode_gathers_own_rows_when_supports_are_disjoint_and_reduces_the_union_when_shared():
+    outs = spawn(_lossless_collectives, 4, timeout=120)
+    for rank, out in enumerate(outs):
+        for op in ("sum", "avg"):
+            equal, collective, union_method, _ = out["disjoint", op]
+            assert equal and collective == "allgather-local" and union_method == "header", (rank, op)
+            equal, collective, union_method, _ = out["shared", op]
+            assert equal and collective == "allreduce-union" and union_method == "header", (rank, op)
+        equal, union_method = out["large"]
+        assert equal and union_method in ("allgather-or", "allreduce-max")
+    sums = [[v[3] for k, v in out.items() if k != "large"] for out in outs]
+    assert all(s == sums[0] for s in sums), sums  # every rank holds the same result
 
 
 def _auto_choices():

@@ -1,14 +1,19 @@
 """sketch_allreduce: sparse gradient all-reduce with a union bitmap and a count-sketch (S2 Reducer).
 
 Per call, on every rank of the group, in this order:
-  1. header: one 16-byte all-gather of (configuration fingerprint, local support size). Ranks that
-     disagree on shape, dtype, seed, rows, cols, mode or op raise MismatchError together, every call.
-  2. union support U: all-gather of the packed local bitmaps + OR, or a MAX all-reduce of a uint8 mask,
-     whichever sends fewer bytes for (n, P). Every rank now knows U and |U| identically.
-  3. method: "exact" sums the union's values with one all-reduce (lossless, OmniReduce-style); "sketch"
-     sums an r x c count-sketch and decodes the union's coordinates from it; "dense" is a plain all-reduce;
-     "auto" picks one from |U| — lossless whenever it costs at most `lossless_slack` times the sketch.
-  4. the payload all-reduce (asynchronous with async_op=True), then write-back into the tensor.
+  1. header: one fixed-size all-gather of (configuration fingerprint, local support size, the packed local
+     bitmap when it fits in HEADER_BITMAP_BYTES, e.g. 65536 embedding rows). Fixed size, so ranks that
+     disagree on shape, dtype, seed, rows, cols, mode or op meet in the same collective and raise
+     MismatchError together, every call, before any collective whose size depends on the configuration.
+  2. union support U: the OR of the gathered bitmaps — from the header when they fit in it, else from an
+     all-gather of the bitmaps or a MAX all-reduce of a uint8 mask, whichever sends fewer bytes for (n, P).
+     Every rank now knows U and |U| identically, and every rank's support where the bitmaps were gathered.
+  3. method: "exact" sums the union's values losslessly — one all-reduce of the |U| rows (OmniReduce-style),
+     or, when it sends fewer bytes and the supports are known, one all-gather of each rank's own rows
+     (AGsparse without indices: the bitmaps are the indices), summed in rank order identically on every rank;
+     "sketch" sums an r x c count-sketch and decodes the union's coordinates from it; "dense" is a plain
+     all-reduce; "auto" picks one from |U| — lossless whenever it costs at most `lossless_slack` times the sketch.
+  4. the payload collective (asynchronous with async_op=True), then write-back into the tensor.
 NaN/Inf count as non-zero: they are in U and propagate as a dense all-reduce would propagate them
 (for "sketch" also into the coordinates that share their buckets).
 """
@@ -26,6 +31,7 @@ from fastdist.distributed.fingerprint import MismatchError, fingerprint
 
 MODES = ("sketch", "exact", "auto")
 GRANULARITIES = ("row", "element")
+HEADER_BITMAP_BYTES = 8192  # bitmaps up to 65536 units ride in the header: one collective fewer per call
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -38,12 +44,13 @@ class SketchStats:
     unit_size: int           # m: values per unit
     local_units: int         # |support| on this rank
     union_units: int         # |U|
-    union_method: str        # "allgather-or" or "allreduce-max"
+    union_method: str        # "header" (bitmaps in the header), "allgather-or" or "allreduce-max"
     sketch_shape: tuple      # (rows, cols) of the table (also when not used)
     wire_bytes: int          # bytes this rank sends, all steps (ring model for all-reduces)
     dense_wire_bytes: int    # what a dense ring all-reduce of the tensor would send
     seconds: float           # wall time of the synchronous part
     error_feedback: bool = False  # the residual sketch was used and updated by this call
+    exact_collective: str = ""    # method "exact": "allreduce-union" or "allgather-local"
 
     @property
     def union_fraction(self):
@@ -109,34 +116,46 @@ def _collective_device(tensor, group):
     return torch.device("cpu")
 
 
-def _exchange_header(config, local_units, group, world, device):
-    """All-gathers (fingerprint, local support size); raises MismatchError on every rank on disagreement."""
-    mine = torch.tensor([fingerprint(config), local_units], dtype=torch.int64, device=device)
-    out = torch.empty(world * 2, dtype=torch.int64, device=device)
-    compat.all_gather_single(out, mine, group=group)
-    out = out.view(world, 2).cpu()
-    if len(set(out[:, 0].tolist())) > 1:
+def _exchange_header(config, local_units, local_bits, group, world, device):
+    """All-gathers (fingerprint, local support size, local bitmap if it fits) in a buffer of fixed size;
+    raises MismatchError on every rank on disagreement. Returns the local sizes of all ranks and their
+    bitmaps as a uint8 [world, ceil(n / 8)] tensor, or None when the bitmaps did not fit."""
+    nbytes = local_bits.numel()
+    inline = nbytes <= HEADER_BITMAP_BYTES
+    mine = torch.zeros(16 + HEADER_BITMAP_BYTES, dtype=torch.uint8)
+    mine[:16] = torch.tensor([fingerprint(config), local_units], dtype=torch.int64).view(torch.uint8)
+    if inline:
+        mine[16:16 + nbytes] = local_bits.cpu()
+    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+    compat.all_gather_single(out, mine.to(device), group=group)
+    out = out.view(world, mine.numel()).cpu()
+    head = out[:, :16].contiguous().view(torch.int64)
+    if len(set(head[:, 0].tolist())) > 1:
         reprs = [None] * world
         dist.all_gather_object(reprs, repr(config), group=group)
         ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
         raise MismatchError("sketch_allreduce configuration (shape, dtype, granularity, rows, cols, seed, "
                             "mode, op)", dict(zip(ranks, reprs)))
-    return out[:, 1].tolist()
+    bitmaps = out[:, 16:16 + nbytes].contiguous().to(local_bits.device) if inline else None
+    return head[:, 1].tolist(), bitmaps
 
 
-def _union(local_bits, n, group, world, device):
-    """The packed union bitmap of all ranks, and how it was computed."""
+def _union(local_bits, bitmaps, n, group, world, device):
+    """The packed union bitmap of all ranks, every rank's bitmap ([world, bytes], or None when not
+    gathered), how the union was computed, and the bytes that sent beyond the header."""
+    if bitmaps is not None:
+        return ops.bitwise_or_reduce(bitmaps), bitmaps, "header", 0
     nbytes = local_bits.numel()
     gather_bytes = (world - 1) * nbytes
     max_bytes = _ring_bytes(n, world)
     if gather_bytes <= max_bytes:
         gathered = torch.empty(world * nbytes, dtype=torch.uint8, device=device)
         compat.all_gather_single(gathered, local_bits.to(device), group=group)
-        return ops.bitwise_or_reduce(gathered.view(world, nbytes).to(local_bits.device)), "allgather-or", \
-            gather_bytes
+        bitmaps = gathered.view(world, nbytes).to(local_bits.device)
+        return ops.bitwise_or_reduce(bitmaps), bitmaps, "allgather-or", gather_bytes
     mask = ops.unpack_bits(local_bits, n).to(torch.uint8).to(device)
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
-    return ops.pack_bits(mask.to(local_bits.device).bool()), "allreduce-max", max_bytes
+    return ops.pack_bits(mask.to(local_bits.device).bool()), None, "allreduce-max", max_bytes
 
 
 def _choose(mode, union_values, total_values, rows, cols, lossless_slack, dense_fraction, max_sketch_load):
@@ -236,9 +255,9 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
 
     local_bits = ops.nonzero_bitmap(work_buf, granularity)
     local_units = int(ops.unpack_bits(local_bits, n).sum()) if n else 0
-    _exchange_header(config, local_units, group, world, device)
-    header_bytes = 16 * (world - 1)
-    union_bits, union_method, union_bytes = _union(local_bits, n, group, world, device)
+    counts, bitmaps = _exchange_header(config, local_units, local_bits, group, world, device)
+    header_bytes = (16 + HEADER_BITMAP_BYTES) * (world - 1)
+    union_bits, bitmaps, union_method, union_bytes = _union(local_bits, bitmaps, n, group, world, device)
     union_mask = ops.unpack_bits(union_bits, n)
     union_idx = union_mask.nonzero().flatten()
     union_units = int(union_idx.numel())
@@ -246,6 +265,14 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     method = _choose(mode, union_units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
     rows2d = work_buf.view(n, m) if n else work_buf.view(0, 0)
     use_ef = residual is not None and method == "sketch" and union_units * m <= c
+    # Lossless: all-reduce the union's rows, or all-gather every rank's own rows padded to the largest
+    # support, whichever sends fewer bytes (the gather needs every rank's bitmap: its row indices).
+    max_local = max(counts)
+    gather_bytes = (world - 1) * max_local * m * esize
+    exact_collective = ""
+    if method == "exact":
+        exact_collective = "allgather-local" if bitmaps is not None and gather_bytes < _ring_bytes(
+            union_units * m * esize, world) else "allreduce-union"
 
     divisor = world if op == "avg" else 1  # divide, as DDP does: 1/world is inexact for most world sizes
     if method == "dense":
@@ -257,13 +284,27 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
                 work_buf.copy_(payload)
             if divisor != 1:
                 work_buf.div_(divisor)
-    elif method == "exact":
+    elif exact_collective == "allreduce-union":
         payload = rows2d.index_select(0, union_idx).to(device)
         payload_bytes = _ring_bytes(payload.numel() * esize, world)
 
         def finish():  # rows outside U are zero on every rank already: only the union's rows change
             reduced = payload.to(work_buf.device)
             rows2d.index_copy_(0, union_idx, reduced.div_(divisor) if divisor != 1 else reduced)
+    elif exact_collective == "allgather-local":
+        mine = torch.zeros(max_local, m, dtype=work_buf.dtype, device=work_buf.device)
+        mine[:local_units] = rows2d.index_select(0, ops.unpack_bits(local_bits, n).nonzero().flatten())
+        gathered = torch.empty(world * max_local * m, dtype=work_buf.dtype, device=device)
+        payload_bytes = gather_bytes
+
+        def finish():  # the same sum, in rank order, on every rank
+            rows = gathered.view(world, max_local, m).to(work_buf.device)
+            position = union_mask.cumsum(0) - 1  # a unit's row in the compact union
+            total = torch.zeros(union_units, m, dtype=work_buf.dtype, device=work_buf.device)
+            for r in range(world):
+                own = ops.unpack_bits(bitmaps[r], n).nonzero().flatten()
+                total.index_add_(0, position[own], rows[r, :counts[r]])
+            rows2d.index_copy_(0, union_idx, total.div_(divisor) if divisor != 1 else total)
     else:
         support = local_bits if granularity == "row" else None
         payload = ops.count_sketch(work_buf, rows, c, seed, support=support, granularity=granularity).to(device)
@@ -296,12 +337,17 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             union_method=union_method, sketch_shape=(rows, c),
             wire_bytes=header_bytes + union_bytes + payload_bytes,
             dense_wire_bytes=_ring_bytes(n * m * esize, world), seconds=time.perf_counter() - start,
-            error_feedback=use_ef)
+            error_feedback=use_ef, exact_collective=exact_collective)
         _last = stats
         return result, stats
 
-    # the payload's size is the same on every rank (|U| * m, r * c or n * m): all skip an empty one together
-    handle = dist.all_reduce(payload, group=group, async_op=async_op) if payload.numel() else None
+    # the payload's size is the same on every rank (|U| * m, P * max_local * m, r * c or n * m): all skip an
+    # empty one together
+    if exact_collective == "allgather-local":
+        handle = compat.all_gather_single(gathered, mine.view(-1).to(device), group=group, async_op=async_op) \
+            if gathered.numel() else None
+    else:
+        handle = dist.all_reduce(payload, group=group, async_op=async_op) if payload.numel() else None
     if async_op:
         return _Pending(handle, complete)
     return complete()[0]
