@@ -222,6 +222,7 @@ def test_ranks_that_disagree_on_configuration_all_raise_naming_it_without_hangin
     (dict(mode="fast"), ValueError, "mode must be one of"),
     (dict(op="max"), ValueError, "op must be"),
     (dict(granularity="col"), ValueError, "granularity must be one of"),
+    (dict(exact_collective="ring"), ValueError, "exact_collective must be one of"),
 ])
 def test_bad_arguments_are_rejected_before_any_communication(kwargs, error, text):
     args = {"tensor": torch.zeros(8, 2)}

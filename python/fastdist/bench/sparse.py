@@ -176,7 +176,8 @@ class _Gradient:
         w = self.work
         if name in SKETCH_METHODS:
             mode = {"omnireduce": "exact", "sketch": "sketch", "auto": "auto"}[name]
-            sketch_allreduce(w, mode=mode, cols=self.sketch_cols, rows=self.sketch_rows, seed=self.spec.seed)
+            sketch_allreduce(w, mode=mode, cols=self.sketch_cols, rows=self.sketch_rows, seed=self.spec.seed,
+                             exact_collective="allreduce-union" if name == "omnireduce" else "auto")
             s = last_stats()
             return s.wire_bytes, s.method
         if name == "dense":

@@ -311,7 +311,7 @@ class Method:
 
             kwargs = {"rows": config["sketch_rows"], "seed": config["seed"]}
             if name == "omnireduce":
-                kwargs.update(mode="exact")
+                kwargs.update(mode="exact", exact_collective="allreduce-union")
             elif name == "auto":
                 kwargs.update(mode="auto", ratio=config["auto_ratio"])
             else:

@@ -41,14 +41,16 @@ class SketchState:
     start_iter:        plain all-reduce for the first start_iter steps (dense warm-up, as PowerSGD does).
     error_feedback:    keep a residual sketch per bucket (FetchSGD-style, see sketch_allreduce); the hash
                        seed then stays fixed per bucket instead of changing every step.
+    exact_collective:  how the lossless path sums the union — see sketch_allreduce.
     """
 
     def __init__(self, process_group=None, ratio=0.05, rows=3, seed=0, mode="auto", density_threshold=0.5,
-                 start_iter=0, error_feedback=False):
+                 start_iter=0, error_feedback=False, exact_collective="auto"):
         self.process_group = process_group
         self.ratio, self.rows, self.seed, self.mode = float(ratio), int(rows), int(seed), mode
         self.density_threshold, self.start_iter = float(density_threshold), int(start_iter)
         self.error_feedback = bool(error_feedback)
+        self.exact_collective = exact_collective
         self.iter = 0
         self.buckets = {}
 
@@ -76,7 +78,8 @@ class SketchState:
         return {i: {k: v for k, v in dataclasses.asdict(s).items() if k != "residual"}
                 for i, s in sorted(self.buckets.items())}
 
-    _CONFIG = ("ratio", "rows", "seed", "mode", "density_threshold", "start_iter", "error_feedback", "iter")
+    _CONFIG = ("ratio", "rows", "seed", "mode", "density_threshold", "start_iter", "error_feedback",
+               "exact_collective", "iter")
 
     def state_dict(self):
         buckets = {i: dict(s, residual=self.buckets[i].residual) for i, s in self.stats().items()}
@@ -114,7 +117,8 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
     handle = sketch_allreduce(view, ratio=state.ratio, rows=state.rows, seed=state.seed_for(index, step),
                               granularity=granularity, mode=state.mode, op="avg", group=state.process_group,
                               async_op=True, dense_fraction=state.density_threshold,
-                              residual=state.residual_for(bucket_state, buffer))
+                              residual=state.residual_for(bucket_state, buffer),
+                              exact_collective=state.exact_collective)
 
     def record(fut):
         stats = handle.stats

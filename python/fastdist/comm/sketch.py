@@ -83,7 +83,10 @@ def _sketch_cols(ratio, cols, total):
     return max(1, math.ceil(ratio * total))
 
 
-def _check_args(tensor, ratio, cols, rows, granularity, mode, op):
+EXACT_COLLECTIVES = ("auto", "allreduce-union", "allgather-local")
+
+
+def _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"sketch_allreduce: expected a tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -93,6 +96,9 @@ def _check_args(tensor, ratio, cols, rows, granularity, mode, op):
         raise ValueError(f"sketch_allreduce: mode must be one of {MODES}, got {mode!r}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"sketch_allreduce: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if exact_collective not in EXACT_COLLECTIVES:
+        raise ValueError(f"sketch_allreduce: exact_collective must be one of {EXACT_COLLECTIVES}, "
+                         f"got {exact_collective!r}")
     if op not in ("sum", "avg"):
         raise ValueError(f"sketch_allreduce: op must be 'sum' or 'avg', got {op!r}")
     if ratio is not None and cols is not None:
@@ -212,7 +218,7 @@ class _Pending:
 
 def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granularity="row", mode="sketch",
                      op="sum", group=None, async_op=False, lossless_slack=2.0, dense_fraction=0.5,
-                     max_sketch_load=1.0, residual=None):
+                     max_sketch_load=1.0, residual=None, exact_collective="auto"):
     """Sums `tensor` over the ranks of `group`, sending only its union support (exact) or a sketch of it.
 
     tensor:      float32/float16/bfloat16/float64, dense (reduced in place, like dist.all_reduce) or a
@@ -234,9 +240,11 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
                  that, decoding all of U is too noisy and re-sketching it makes R grow without bound
                  (measured: cumulative error 1.4 at c = 0.85 |U| m vs 0.03 at c = |U| m after 64 calls).
                  Calls that skip it, or end up exact or dense, leave R unchanged (see last_stats().error_feedback).
+    exact_collective: how "exact" sums the union: "allreduce-union", "allgather-local" (needs every rank's
+                 bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto" (fewer bytes sent).
     Returns the result tensor (the input itself when dense), or a handle when async_op.
     """
-    _check_args(tensor, ratio, cols, rows, granularity, mode, op)
+    _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective)
     if ratio is None and cols is None:
         ratio = 0.05
     rows = int(rows)
@@ -248,7 +256,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     c = _sketch_cols(ratio, cols, n * m)
     device = _collective_device(work_buf, group)
     config = (tuple(work_buf.shape), str(work_buf.dtype), granularity, rows, c, int(seed), mode, op,
-              residual is not None)
+              residual is not None, exact_collective)
     if residual is not None and (residual.dtype != torch.float32 or tuple(residual.shape) != (rows, c)):
         raise ValueError(f"sketch_allreduce: 'residual' must be float32 of shape {(rows, c)}, got "
                          f"{residual.dtype} {tuple(residual.shape)}")
@@ -269,10 +277,11 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     # support, whichever sends fewer bytes (the gather needs every rank's bitmap: its row indices).
     max_local = max(counts)
     gather_bytes = (world - 1) * max_local * m * esize
-    exact_collective = ""
-    if method == "exact":
-        exact_collective = "allgather-local" if bitmaps is not None and gather_bytes < _ring_bytes(
-            union_units * m * esize, world) else "allreduce-union"
+    if method != "exact":
+        exact_collective = ""
+    elif exact_collective == "auto" or bitmaps is None:
+        gather_wins = bitmaps is not None and gather_bytes < _ring_bytes(union_units * m * esize, world)
+        exact_collective = "allgather-local" if gather_wins else "allreduce-union"
 
     divisor = world if op == "avg" else 1  # divide, as DDP does: 1/world is inexact for most world sizes
     if method == "dense":
