@@ -419,12 +419,10 @@ class Sketcher {
 
 class Decoder {
  public:
-  Decoder(const SketchHash& hash, const float* table, float* out) : hasher_(hash, 0, hash.rows), table_(table),
-                                                                   out_(out) {}
+  Decoder(const SketchHash& hash, const float* table) : hasher_(hash, 0, hash.rows), table_(table) {}
 
-  // Writes out[s, s + len): the estimate where active (null: everywhere), 0 elsewhere.
-  void chunk(int64_t s, int64_t len, const uint64_t* active, int64_t count) {
-    float* out = out_ + s;
+  // Writes out[0, len) for the indices [s, s + len): the estimate where active (null: everywhere), 0 elsewhere.
+  void chunk(int64_t s, int64_t len, const uint64_t* active, int64_t count, float* out) {
     const int rows = hasher_.rows();
     const int64_t cols = hasher_.cols();
     if (go_direct(count, len)) {
@@ -464,7 +462,6 @@ class Decoder {
  private:
   Hasher hasher_;
   const float* table_;
-  float* out_;
   alignas(64) uint32_t code_[kChunk];
   alignas(64) float est_[kSketchMaxRows][kChunk];
 };
@@ -600,14 +597,14 @@ void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t
                              float* out, int64_t unit_begin, int64_t unit_end) {
   (void)n;
   if (unit_begin >= unit_end || m == 0) return;
-  Decoder decoder(hash, table, out);
+  Decoder decoder(hash, table);
   if (m > 1) {
     for_each_run(
         support, unit_begin, unit_end,
         [&](int64_t u0, int64_t u1) {
           for (int64_t s = u0 * m; s < u1 * m; s += kChunk) {
             const int64_t len = std::min(kChunk, u1 * m - s);
-            decoder.chunk(s, len, nullptr, len);
+            decoder.chunk(s, len, nullptr, len, out + s);
           }
         },
         [&](int64_t g0, int64_t g1) { std::memset(out + g0 * m, 0, (g1 - g0) * m * sizeof(float)); });
@@ -621,7 +618,32 @@ void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t
     if (count == 0) {
       std::memset(out + s, 0, len * sizeof(float));
     } else {
-      decoder.chunk(s, len, count == len ? nullptr : sup, count);
+      decoder.chunk(s, len, count == len ? nullptr : sup, count, out + s);
+    }
+  }
+}
+
+void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int64_t m, const SketchHash& hash,
+                                   float* out, int64_t begin, int64_t end) {
+  if (begin >= end || m == 0) return;
+  Decoder decoder(hash, table);
+  if (m == 1) {  // one value per unit: runs of consecutive units decode as one chunk (lane stepping when long)
+    for (int64_t t = begin; t < end;) {
+      int64_t len = 1;
+      while (t + len < end && len < kChunk &&
+             static_cast<uint64_t>(units[t + len]) == static_cast<uint64_t>(units[t]) + static_cast<uint64_t>(len)) {
+        ++len;
+      }
+      decoder.chunk(units[t], len, nullptr, len, out + t);
+      t += len;
+    }
+    return;
+  }
+  for (int64_t t = begin; t < end; ++t) {
+    const uint64_t base = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m);
+    for (int64_t e = 0; e < m; e += kChunk) {
+      const int64_t len = std::min(kChunk, m - e);
+      decoder.chunk(static_cast<int64_t>(base + static_cast<uint64_t>(e)), len, nullptr, len, out + t * m + e);
     }
   }
 }

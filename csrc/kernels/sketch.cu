@@ -180,6 +180,26 @@ __global__ void decode_rows_kernel(const float* __restrict__ table, const uint8_
   }
 }
 
+// Listed units: one unit per block when units are long, else one value per thread.
+__global__ void decode_units_rows_kernel(const float* __restrict__ table, const int64_t* __restrict__ units,
+                                         int64_t k, int64_t m, const SketchHash h, float* __restrict__ out) {
+  for (int64_t t = blockIdx.x; t < k; t += gridDim.x) {
+    const uint64_t base = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m);
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
+      out[t * m + e] = estimate(h, table, base + static_cast<uint64_t>(e));
+    }
+  }
+}
+
+__global__ void decode_units_elements_kernel(const float* __restrict__ table, const int64_t* __restrict__ units,
+                                             int64_t total, int64_t m, const SketchHash h, float* __restrict__ out) {
+  for (int64_t i = global_thread(); i < total; i += grid_threads()) {
+    const int64_t t = m == 1 ? i : i / m;
+    const uint64_t index = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m) + static_cast<uint64_t>(i - t * m);
+    out[i] = estimate(h, table, index);
+  }
+}
+
 __global__ void hash_kernel(const int64_t* __restrict__ idx, int64_t len, const SketchHash h,
                             int64_t* __restrict__ bucket, int8_t* __restrict__ sign) {
   for (int64_t t = global_thread(); t < len; t += grid_threads()) {
@@ -232,6 +252,17 @@ cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support,
     decode_rows_kernel<<<grid_for_units(n), kThreads, 0, stream>>>(table, support, n, m, hash, out);
   } else {
     decode_elements_kernel<<<grid_for(n * m), kThreads, 0, stream>>>(table, support, n * m, m, hash, out);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* units, int64_t k, int64_t m,
+                                           const SketchHash& hash, float* out, cudaStream_t stream) {
+  if (k * m == 0) return cudaSuccess;
+  if (m >= kRowKernelMinValues) {
+    decode_units_rows_kernel<<<grid_for_units(k), kThreads, 0, stream>>>(table, units, k, m, hash, out);
+  } else {
+    decode_units_elements_kernel<<<grid_for(k * m), kThreads, 0, stream>>>(table, units, k * m, m, hash, out);
   }
   return cudaGetLastError();
 }

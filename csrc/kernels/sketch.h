@@ -232,6 +232,12 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
 void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t n, int64_t m, const SketchHash& hash,
                              float* out, int64_t unit_begin, int64_t unit_end);
 
+// Decode listed units: for t in [begin, end), out[t * m + e] (float32 [k, m]) = sketch_median of
+// s_j(i) * table[j, h_j(i)] over j < hash.rows, i = units[t] * m + e (unsigned 64-bit arithmetic). The same values
+// count_sketch_decode_cpu writes for a supported unit, without touching the rest of [n, m].
+void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int64_t m, const SketchHash& hash,
+                                   float* out, int64_t begin, int64_t end);
+
 // For t in [begin, end): bucket[j * len + t] = h_j(idx[t]), sign[j * len + t] = s_j(idx[t]) for j < hash.rows.
 // idx values are taken as unsigned 64-bit.
 void sketch_hash_cpu(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket, int8_t* sign,
@@ -250,6 +256,8 @@ cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, in
                               const SketchHash& hash, float* table, cudaStream_t stream);
 cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support, int64_t n, int64_t m,
                                      const SketchHash& hash, float* out, cudaStream_t stream);
+cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* units, int64_t k, int64_t m,
+                                           const SketchHash& hash, float* out, cudaStream_t stream);
 cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket,
                              int8_t* sign, cudaStream_t stream);
 

@@ -75,6 +75,22 @@ at::Tensor count_sketch_decode_cpu_op(const at::Tensor& table, const at::Tensor&
   return out;
 }
 
+at::Tensor count_sketch_decode_units_cpu_op(const at::Tensor& table, const at::Tensor& units, int64_t m,
+                                            int64_t seed) {
+  const int64_t k = check_count_sketch_decode_units(table, units, m, seed);
+  const at::Tensor tab = table.contiguous();
+  const at::Tensor idx = units.contiguous();
+  at::Tensor out = at::empty({k, m}, tab.options());
+  const SketchHash hash = hash_for(seed, tab.size(0), tab.size(1));
+  const float* t = tab.const_data_ptr<float>();
+  const int64_t* u = idx.const_data_ptr<int64_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, k, grain_for(m * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_decode_units_cpu(t, u, m, hash, dst, begin, end);
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> sketch_hash_cpu_op(const at::Tensor& idx, int64_t rows, int64_t cols,
                                                       int64_t seed) {
   check_sketch_hash(idx, rows, cols, seed);
@@ -101,6 +117,8 @@ TORCH_LIBRARY_FRAGMENT(fastdist, m) {
         {at::Tag::pt2_compliant_tag});
   m.def("count_sketch_decode(Tensor table, Tensor support, int n, int m, int seed) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  m.def("count_sketch_decode_units(Tensor table, Tensor units, int m, int seed) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
   m.def("sketch_hash(Tensor idx, int rows, int cols, int seed) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
 }
 
@@ -108,5 +126,6 @@ TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
   m.impl("nonzero_bitmap", &fastdist::sketch::nonzero_bitmap_cpu_op);
   m.impl("count_sketch", &fastdist::sketch::count_sketch_cpu_op);
   m.impl("count_sketch_decode", &fastdist::sketch::count_sketch_decode_cpu_op);
+  m.impl("count_sketch_decode_units", &fastdist::sketch::count_sketch_decode_units_cpu_op);
   m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cpu_op);
 }

@@ -110,6 +110,19 @@ inline Units check_count_sketch_decode(const at::Tensor& table, const at::Tensor
   return u;
 }
 
+// count_sketch_decode_units(table, units, m, seed) -> float32 [k, m]; returns k
+inline int64_t check_count_sketch_decode_units(const at::Tensor& table, const at::Tensor& units, int64_t m,
+                                               int64_t seed) {
+  check_count_sketch_decode(table, at::empty({0}, table.options().dtype(at::kByte)), 0, m, seed);
+  FD_CHECK_DTYPE(units, at::kLong);
+  FD_CHECK_DIM(units, 1);
+  TORCH_CHECK(units.device() == table.device(), "fastdist: 'units' and 'table' must be on the same device, got ",
+              units.device(), " and ", table.device());
+  TORCH_CHECK(m == 0 || units.size(0) <= std::numeric_limits<int64_t>::max() / m,
+              "fastdist: 'units' length * 'm' must fit in int64, got ", units.size(0), " * ", m);
+  return units.size(0);
+}
+
 // sketch_hash(idx, rows, cols, seed) -> (int64 [rows, len], int8 [rows, len])
 inline void check_sketch_hash(const at::Tensor& idx, int64_t rows, int64_t cols, int64_t seed) {
   FD_CHECK_DTYPE(idx, at::kLong);

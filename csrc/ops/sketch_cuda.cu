@@ -46,6 +46,19 @@ at::Tensor count_sketch_decode_cuda_op(const at::Tensor& table, const at::Tensor
   return out;
 }
 
+at::Tensor count_sketch_decode_units_cuda_op(const at::Tensor& table, const at::Tensor& units, int64_t m,
+                                             int64_t seed) {
+  const int64_t k = check_count_sketch_decode_units(table, units, m, seed);
+  const c10::cuda::CUDAGuard guard(table.device());
+  const at::Tensor tab = table.contiguous();
+  const at::Tensor idx = units.contiguous();
+  at::Tensor out = at::empty({k, m}, tab.options());
+  C10_CUDA_CHECK(fastdist::count_sketch_decode_units_cuda(tab.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
+                                                          k, m, hash_for(seed, tab.size(0), tab.size(1)),
+                                                          out.data_ptr<float>(), at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> sketch_hash_cuda_op(const at::Tensor& idx, int64_t rows, int64_t cols,
                                                        int64_t seed) {
   check_sketch_hash(idx, rows, cols, seed);
@@ -67,5 +80,6 @@ TORCH_LIBRARY_IMPL(fastdist, CUDA, m) {
   m.impl("nonzero_bitmap", &fastdist::sketch::nonzero_bitmap_cuda_op);
   m.impl("count_sketch", &fastdist::sketch::count_sketch_cuda_op);
   m.impl("count_sketch_decode", &fastdist::sketch::count_sketch_decode_cuda_op);
+  m.impl("count_sketch_decode_units", &fastdist::sketch::count_sketch_decode_units_cuda_op);
   m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cuda_op);
 }

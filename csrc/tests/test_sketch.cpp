@@ -409,6 +409,30 @@ FD_TEST(count_sketch_decode_cpu_matches_reference_over_split_ranges) {
       }
 }
 
+FD_TEST(count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed_unit) {
+  std::mt19937_64 rng(21);
+  for (int64_t m : {1, 2, 7, 300, 1000}) {
+    const int64_t n = 3000 / m + 20;
+    const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, 3, 97);
+    const std::vector<float> table = random_values(3 * h.cols, 1.0, rng);
+    const std::vector<uint8_t> all(static_cast<size_t>((n + 7) / 8), 0xFF);
+    std::vector<float> full(n * m);
+    fastdist::count_sketch_decode_cpu(table.data(), all.data(), n, m, h, full.data(), 0, n);
+    std::vector<int64_t> units;
+    for (int64_t u = 3; u < std::min<int64_t>(n, 300); ++u) units.push_back(u);  // a long run
+    for (int k = 0; k < 50; ++k) units.push_back(static_cast<int64_t>(rng() % n));  // scattered, repeats
+    const int64_t k = static_cast<int64_t>(units.size());
+    std::vector<float> got(k * m, 7.0f);
+    const std::vector<int64_t> cuts = random_cuts(k, rng);
+    for (size_t c = 0; c + 1 < cuts.size(); ++c)
+      fastdist::count_sketch_decode_units_cpu(table.data(), units.data(), m, h, got.data(), cuts[c], cuts[c + 1]);
+    int64_t wrong = 0;
+    for (int64_t t = 0; t < k; ++t)
+      for (int64_t e = 0; e < m; ++e) wrong += std::memcmp(&got[t * m + e], &full[units[t] * m + e], sizeof(float)) != 0;
+    FD_EXPECT(wrong == 0, "m=" << m << ": " << wrong << " wrong values");
+  }
+}
+
 FD_TEST(decode_of_a_sketch_without_collisions_is_exact) {
   std::mt19937_64 rng(12);
   const int64_t n = 100000;

@@ -1,4 +1,4 @@
-"""fastdist.ops.nonzero_bitmap / count_sketch / count_sketch_decode / sketch_hash: the spec, checked against an
+"""fastdist.ops.nonzero_bitmap / count_sketch / count_sketch_decode(_units) / sketch_hash: the spec, checked against an
 independent pure-Python hash, numpy oracles (np.add.at sums in index order, in float32) and the sketch's
 mathematical properties."""
 import math
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fastdist
-from fastdist.ops import count_sketch, count_sketch_decode, nonzero_bitmap, pack_bits, sketch_hash
+from fastdist.ops import (count_sketch, count_sketch_decode, count_sketch_decode_units, nonzero_bitmap, pack_bits,
+                          sketch_hash)
 
 needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
                                 reason="needs a CUDA device and fastdist built with CUDA kernels")
@@ -411,6 +412,29 @@ def test_decode_of_every_row_length_and_support_density(device, m, density):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [1, 3, 64, 1000])
+def test_decode_units_are_the_full_decode_rows_of_those_units_in_any_order_with_repeats(device, m):
+    n = max(20_000 // m, 40)
+    g = torch.Generator().manual_seed(m)
+    table = torch.randn(3, 501, generator=g)
+    table[1, 7] = float("nan")
+    runs = torch.arange(5, 5 + min(n - 5, 600))  # consecutive units (lane-stepped for m = 1)
+    scattered = torch.randperm(n, generator=g)[:300]
+    units = torch.cat([runs, scattered, scattered[:10], torch.tensor([n - 1, 0])])
+    full = count_sketch_decode(table, pack_bits(torch.ones(n, dtype=torch.bool)), n, m, 9)
+    got = count_sketch_decode_units(table.to(device), units.to(device), m, 9)
+    assert got.shape == (units.numel(), m)
+    assert_same(got.cpu(), full[units])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_units_of_nothing_and_of_empty_units(device):
+    table = torch.randn(3, 16, device=device)
+    assert count_sketch_decode_units(table, torch.zeros(0, dtype=torch.int64, device=device), 5, 1).shape == (0, 5)
+    assert count_sketch_decode_units(table, torch.arange(4, device=device), 0, 1).shape == (4, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_is_exact_when_no_values_collide(device):
     g = torch.Generator().manual_seed(0)
     x = torch.zeros(100_000)
@@ -556,6 +580,15 @@ def test_opcheck_count_sketch_decode(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_count_sketch_decode_units(device):
+    table = torch.randn(3, 16, device=device)
+    for args in ((table, torch.tensor([4, 0, 9, 9], device=device), 7, 1), (table[:1], torch.arange(5, device=device),
+                 1, 0), (table, torch.arange(20, device=device)[::3], 2, 5),
+                 (table, torch.zeros(0, dtype=torch.int64, device=device), 4, 1)):
+        torch.library.opcheck(torch.ops.fastdist.count_sketch_decode_units.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_sketch_hash(device):
     for idx in (torch.arange(10), torch.tensor([2**40, 2**62], dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                 torch.arange(20)[::2]):
@@ -638,6 +671,18 @@ BAD_INPUTS = {
                             "'support' must have dtype torch.uint8, got torch.bool"),
     "decode_negative_seed": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d), _sup(d), 20, 3, -5),
                              r"'seed' must be in \[0, 2\^63\), got -5"),
+    "decode_units_int32": (lambda d: count_sketch_decode_units(torch.zeros(3, 8, device=d),
+                                                               torch.zeros(3, dtype=torch.int32, device=d), 3, 0),
+                           "'units' must have dtype torch.int64, got torch.int32"),
+    "decode_units_2d": (lambda d: count_sketch_decode_units(torch.zeros(3, 8, device=d),
+                                                            torch.zeros(1, 3, dtype=torch.int64, device=d), 3, 0),
+                        r"'units' must have 1 dimension\(s\), got shape \[1, 3\]"),
+    "decode_units_negative_m": (lambda d: count_sketch_decode_units(torch.zeros(3, 8, device=d),
+                                                                    torch.zeros(3, dtype=torch.int64, device=d), -1, 0),
+                                "'m' must be >= 0, got -1"),
+    "decode_units_half_table": (lambda d: count_sketch_decode_units(torch.zeros(3, 8, dtype=torch.half, device=d),
+                                                                    torch.zeros(3, dtype=torch.int64, device=d), 3, 0),
+                                "'table' must have dtype torch.float32, got torch.float16"),
     "hash_int32_idx": (lambda d: sketch_hash(torch.zeros(3, dtype=torch.int32, device=d), 3, 8, 0),
                        "'idx' must have dtype torch.int64, got torch.int32"),
     "hash_2d_idx": (lambda d: sketch_hash(torch.zeros(2, 3, dtype=torch.int64, device=d), 3, 8, 0),

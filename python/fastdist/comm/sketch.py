@@ -229,7 +229,8 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     mode:        "sketch" (lossy, r*c values on the wire), "exact" (lossless union all-reduce),
                  "auto" (per call from |U|: the sketch only if it is wide enough to decode well,
                  c >= |U| m / max_sketch_load, and cheaper than exact by lossless_slack; else exact — on
-                 the workloads measured so far this means auto is lossless). In every mode a union covering >= dense_fraction of the units is
+                 the workloads measured so far this means auto is lossless). In every mode a union covering
+                 >= dense_fraction of the units is
                  reduced densely (set dense_fraction > 1 to never do so). Identical on every rank.
     op:          "sum" or "avg".
     async_op:    return a handle whose wait() completes the reduction (the payload all-reduce is asynchronous).
@@ -319,18 +320,17 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
         payload = ops.count_sketch(work_buf, rows, c, seed, support=support, granularity=granularity).to(device)
         payload_bytes = _ring_bytes(payload.numel() * 4, world)
 
-        def finish():
+        def finish():  # decodes only U's rows: rows outside U are zero on every rank already
             table = payload.to(work_buf.device)
             if use_ef:
                 table = table + residual
-            est = ops.count_sketch_decode(table, union_bits, n, m, seed)
-            if use_ef:
-                sketched = ops.count_sketch(est, rows, c, seed, support=union_bits, granularity="row")
-                residual.copy_(table - sketched)
-            union_est = est.index_select(0, union_idx)
+            rows2d.index_copy_(0, union_idx, ops.count_sketch_decode_units(table, union_idx, m, seed)
+                               .to(work_buf.dtype))
+            if use_ef:  # re-sketch what the ranks apply, in the tensor's dtype: the residual keeps the rounding too
+                residual.copy_(table - ops.count_sketch(work_buf, rows, c, seed, support=union_bits,
+                                                        granularity=granularity))
             if divisor != 1:
-                union_est.div_(divisor)
-            rows2d.index_copy_(0, union_idx, union_est.to(work_buf.dtype))
+                rows2d.index_copy_(0, union_idx, rows2d.index_select(0, union_idx).div_(divisor))
 
     def complete():
         global _last

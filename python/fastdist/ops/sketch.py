@@ -15,8 +15,8 @@ not depend on ``rows`` or ``cols``), and
 * sign ``s_j(i) = -1`` if bit 30 of ``(c_j * i + d_j) mod p`` is set, else ``+1``.
 
 :func:`sketch_hash` evaluates it for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
-count_sketch_decode, sketch_hash}`` with CPU and CUDA kernels and fake kernels for ``torch.compile``. Inputs may be
-non-contiguous (they are made contiguous first); outputs are contiguous and on the input's device.
+count_sketch_decode, count_sketch_decode_units, sketch_hash}`` with CPU and CUDA kernels and fake kernels for
+``torch.compile``. Inputs may be non-contiguous (they are made contiguous first); outputs are contiguous and on the input's device.
 
 Determinism: on CPU a table is the float32 sum of each bucket's values in increasing index, whatever the thread
 count, bit for bit. On CUDA, count_sketch accumulates with atomic adds: the same sums in an unspecified order, so
@@ -25,7 +25,8 @@ vary run to run in the last bits. Hashes, supports and decoding are exact on bot
 """
 import torch
 
-__all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "nonzero_bitmap", "sketch_hash"]
+__all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "count_sketch_decode_units", "nonzero_bitmap",
+           "sketch_hash"]
 
 MAX_ROWS = 15
 MAX_COLS = 2**31 - 1
@@ -114,6 +115,28 @@ def count_sketch_decode(table: torch.Tensor, support: torch.Tensor, n: int, m: i
     return torch.ops.fastdist.count_sketch_decode.default(table, support, n, m, _seed_in_range(seed))
 
 
+def count_sketch_decode_units(table: torch.Tensor, units: torch.Tensor, m: int, seed: int) -> torch.Tensor:
+    """The estimates of the listed units only: ``out[t] = count_sketch_decode(table, support, n, m, seed)[units[t]]``
+    for a support holding ``units[t]``, without materializing (or zeroing) the other units — what a sparse
+    all-reduce needs when the union is a few percent of a large embedding.
+
+    Args:
+        table: float32 ``[rows, cols]``, as for :func:`count_sketch_decode`.
+        units: int64 ``[k]`` unit indices on ``table``'s device, any order, repeats allowed; the flat index
+            ``units[t] * m + col`` is formed in unsigned 64-bit arithmetic.
+        m: values per unit, ``>= 0``.
+        seed: the seed the table was built with.
+
+    Returns:
+        float32 tensor ``[k, m]`` on ``table``'s device.
+
+    Raises:
+        RuntimeError: ``table`` invalid as for :func:`count_sketch_decode`; ``units`` not int64 1-D or on another
+            device; ``m`` negative or ``k * m`` past int64; ``seed`` out of range.
+    """
+    return torch.ops.fastdist.count_sketch_decode_units.default(table, units, m, _seed_in_range(seed))
+
+
 def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sketch's hash functions at the flat indices ``idx``, for oracles and tests.
 
@@ -200,8 +223,7 @@ def _count_sketch_fake(x, rows, cols, seed, support, granularity):
     return x.new_empty((rows, cols), dtype=torch.float32)
 
 
-@torch.library.register_fake("fastdist::count_sketch_decode")
-def _count_sketch_decode_fake(table, support, n, m, seed):
+def _check_table(table):
     if table.dtype != torch.float32:
         raise RuntimeError(f"fastdist: 'table' must have dtype torch.float32, got {_dtype_name(table.dtype)}")
     if table.dim() != 2:
@@ -210,6 +232,11 @@ def _count_sketch_decode_fake(table, support, n, m, seed):
                  lambda: f"fastdist: 'table' must have 1 to {MAX_ROWS} rows, got shape {list(table.shape)}")
     torch._check(1 <= table.shape[1] <= MAX_COLS,
                  lambda: f"fastdist: 'table' must have 1 to {MAX_COLS} columns, got shape {list(table.shape)}")
+
+
+@torch.library.register_fake("fastdist::count_sketch_decode")
+def _count_sketch_decode_fake(table, support, n, m, seed):
+    _check_table(table)
     if n < 0:
         raise RuntimeError(f"fastdist: 'n' must be >= 0, got {n}")
     if m < 0:
@@ -220,6 +247,23 @@ def _count_sketch_decode_fake(table, support, n, m, seed):
         raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
     _check_support(support, table, "table", n, "units")
     return table.new_empty((n, m))
+
+
+@torch.library.register_fake("fastdist::count_sketch_decode_units")
+def _count_sketch_decode_units_fake(table, units, m, seed):
+    _check_table(table)
+    if m < 0:
+        raise RuntimeError(f"fastdist: 'm' must be >= 0, got {m}")
+    if seed < 0:
+        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+    if units.dtype != torch.int64:
+        raise RuntimeError(f"fastdist: 'units' must have dtype torch.int64, got {_dtype_name(units.dtype)}")
+    if units.dim() != 1:
+        raise RuntimeError(f"fastdist: 'units' must have 1 dimension(s), got shape {list(units.shape)}")
+    if units.device != table.device:
+        raise RuntimeError(f"fastdist: 'units' and 'table' must be on the same device, got {units.device} and "
+                           f"{table.device}")
+    return table.new_empty((units.shape[0], m))
 
 
 @torch.library.register_fake("fastdist::sketch_hash")
