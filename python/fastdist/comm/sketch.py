@@ -230,8 +230,8 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
                  "auto" (per call from |U|: the sketch only if it is wide enough to decode well,
                  c >= |U| m / max_sketch_load, and cheaper than exact by lossless_slack; else exact — on
                  the workloads measured so far this means auto is lossless). In every mode a union covering
-                 >= dense_fraction of the units is
-                 reduced densely (set dense_fraction > 1 to never do so). Identical on every rank.
+                 >= dense_fraction of the units is reduced densely (set dense_fraction > 1 to never do so).
+                 Identical on every rank.
     op:          "sum" or "avg".
     async_op:    return a handle whose wait() completes the reduction (the payload all-reduce is asynchronous).
     residual:    sketch-space error feedback (FetchSGD): a float32 [rows, cols] tensor, zeros at first, kept by

@@ -16,7 +16,8 @@ not depend on ``rows`` or ``cols``), and
 
 :func:`sketch_hash` evaluates it for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
 count_sketch_decode, count_sketch_decode_units, sketch_hash}`` with CPU and CUDA kernels and fake kernels for
-``torch.compile``. Inputs may be non-contiguous (they are made contiguous first); outputs are contiguous and on the input's device.
+``torch.compile``. Inputs may be non-contiguous (they are made contiguous first); outputs are contiguous and on the
+input's device.
 
 Determinism: on CPU a table is the float32 sum of each bucket's values in increasing index, whatever the thread
 count, bit for bit. On CUDA, count_sketch accumulates with atomic adds: the same sums in an unspecified order, so
