@@ -593,6 +593,25 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
   sketcher->flush();
 }
 
+void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
+                            const SketchHash& hash, float* table, int row_begin, int row_end) {
+  if (row_begin >= row_end) return;
+  std::memset(table + row_begin * hash.cols, 0, (row_end - row_begin) * hash.cols * sizeof(float));
+  if (k * m == 0) return;
+  std::unique_ptr<Sketcher> sketcher(new Sketcher(hash, table, row_begin, row_end));
+  uint64_t active[kChunkWords];
+  for (int64_t t = 0; t < k; ++t) {
+    const uint64_t base = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m);
+    for (int64_t e = 0; e < m; e += kChunk) {
+      const int64_t len = std::min(kChunk, m - e);
+      const float* vals = chunk_values(values, type, t * m + e, len, sketcher->slot());
+      nonzero_words(vals, len, active);
+      sketcher->push(static_cast<int64_t>(base + static_cast<uint64_t>(e)), len, vals, active, popcount_words(active));
+    }
+  }
+  sketcher->flush();
+}
+
 void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t n, int64_t m, const SketchHash& hash,
                              float* out, int64_t unit_begin, int64_t unit_end) {
   (void)n;

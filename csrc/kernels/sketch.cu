@@ -151,6 +151,18 @@ void launch_sketch(const void* x, int64_t n, int64_t m, const uint8_t* support, 
   }
 }
 
+// Listed units: one thread per value; value i is value i % m of unit units[i / m].
+template <SketchValueType kType>
+__global__ void sketch_units_kernel(const void* __restrict__ values, const int64_t* __restrict__ units, int64_t total,
+                                    int64_t m, const SketchHash h, float* __restrict__ table) {
+  for (int64_t i = global_thread(); i < total; i += grid_threads()) {
+    const float v = load_value<kType>(values, i);
+    if (v == 0.0f) continue;
+    const int64_t t = m == 1 ? i : i / m;
+    add_value(h, table, static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m) + static_cast<uint64_t>(i - t * m), v);
+  }
+}
+
 // ---- decode ----
 
 __device__ __forceinline__ float estimate(const SketchHash& h, const float* __restrict__ table, uint64_t i) {
@@ -252,6 +264,29 @@ cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support,
     decode_rows_kernel<<<grid_for_units(n), kThreads, 0, stream>>>(table, support, n, m, hash, out);
   } else {
     decode_elements_kernel<<<grid_for(n * m), kThreads, 0, stream>>>(table, support, n * m, m, hash, out);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t count_sketch_units_cuda(const void* values, SketchValueType type, const int64_t* units, int64_t k,
+                                    int64_t m, const SketchHash& hash, float* table, cudaStream_t stream) {
+  const cudaError_t cleared = cudaMemsetAsync(table, 0, hash.rows * hash.cols * sizeof(float), stream);
+  if (cleared != cudaSuccess || k * m == 0) return cleared;
+  const int grid = grid_for(k * m);
+  switch (type) {
+    case SketchValueType::kFloat32:
+      sketch_units_kernel<SketchValueType::kFloat32><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+      break;
+    case SketchValueType::kFloat64:
+      sketch_units_kernel<SketchValueType::kFloat64><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+      break;
+    case SketchValueType::kFloat16:
+      sketch_units_kernel<SketchValueType::kFloat16><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+      break;
+    case SketchValueType::kBFloat16:
+      sketch_units_kernel<SketchValueType::kBFloat16><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash,
+                                                                                     table);
+      break;
   }
   return cudaGetLastError();
 }

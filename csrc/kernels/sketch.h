@@ -227,6 +227,12 @@ void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uin
 void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
                       const SketchHash& hash, float* table, int row_begin, int row_end);
 
+// values: k units of m values of `type`, unit t being unit units[t] of a larger tensor (flat indices units[t] * m + e,
+// unsigned 64-bit arithmetic). The same table count_sketch_cpu builds from that tensor with the units' support, bit
+// for bit, when units are strictly increasing (values are added in the order listed). Zero values are skipped.
+void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
+                            const SketchHash& hash, float* table, int row_begin, int row_end);
+
 // Decode units [unit_begin, unit_end) (0 <= unit_begin <= unit_end <= n) of out (float32 [n, m]): for each
 // supported unit, out[i] = sketch_median of s_j(i) * table[j, h_j(i)] over j < hash.rows; other units are 0.
 void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t n, int64_t m, const SketchHash& hash,
@@ -256,6 +262,8 @@ cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, in
                               const SketchHash& hash, float* table, cudaStream_t stream);
 cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support, int64_t n, int64_t m,
                                      const SketchHash& hash, float* out, cudaStream_t stream);
+cudaError_t count_sketch_units_cuda(const void* values, SketchValueType type, const int64_t* units, int64_t k,
+                                    int64_t m, const SketchHash& hash, float* table, cudaStream_t stream);
 cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* units, int64_t k, int64_t m,
                                            const SketchHash& hash, float* out, cudaStream_t stream);
 cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket,

@@ -75,6 +75,26 @@ at::Tensor count_sketch_decode_cpu_op(const at::Tensor& table, const at::Tensor&
   return out;
 }
 
+at::Tensor count_sketch_units_cpu_op(const at::Tensor& values, const at::Tensor& units, int64_t rows, int64_t cols,
+                                     int64_t seed) {
+  const Units u = check_count_sketch_units(values, units, rows, cols, seed);
+  const at::Tensor src = values.contiguous();
+  const at::Tensor idx = units.contiguous();
+  at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
+  const SketchHash hash = hash_for(seed, rows, cols);
+  const void* in = src.const_data_ptr();
+  const SketchValueType type = value_type_of(src);
+  const int64_t* unit_ids = idx.const_data_ptr<int64_t>();
+  float* dst = table.data_ptr<float>();
+  // As count_sketch: one sketch row per work item, one thread for little work.
+  const int64_t work_bytes = (u.n * u.m * src.element_size() + cols * static_cast<int64_t>(sizeof(float))) * rows;
+  at::parallel_for(0, rows, work_bytes < 2 * kGrainTrafficBytes ? rows : 1, [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_units_cpu(in, type, unit_ids, u.n, u.m, hash, dst, static_cast<int>(begin),
+                                     static_cast<int>(end));
+  });
+  return table;
+}
+
 at::Tensor count_sketch_decode_units_cpu_op(const at::Tensor& table, const at::Tensor& units, int64_t m,
                                             int64_t seed) {
   const int64_t k = check_count_sketch_decode_units(table, units, m, seed);
@@ -117,6 +137,8 @@ TORCH_LIBRARY_FRAGMENT(fastdist, m) {
         {at::Tag::pt2_compliant_tag});
   m.def("count_sketch_decode(Tensor table, Tensor support, int n, int m, int seed) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  m.def("count_sketch_units(Tensor values, Tensor units, int rows, int cols, int seed) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
   m.def("count_sketch_decode_units(Tensor table, Tensor units, int m, int seed) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   m.def("sketch_hash(Tensor idx, int rows, int cols, int seed) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
@@ -126,6 +148,7 @@ TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
   m.impl("nonzero_bitmap", &fastdist::sketch::nonzero_bitmap_cpu_op);
   m.impl("count_sketch", &fastdist::sketch::count_sketch_cpu_op);
   m.impl("count_sketch_decode", &fastdist::sketch::count_sketch_decode_cpu_op);
+  m.impl("count_sketch_units", &fastdist::sketch::count_sketch_units_cpu_op);
   m.impl("count_sketch_decode_units", &fastdist::sketch::count_sketch_decode_units_cpu_op);
   m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cpu_op);
 }

@@ -36,6 +36,11 @@ inline Units units_of(const at::Tensor& x, const std::string& granularity) {
   return {x.numel(), 1};
 }
 
+inline bool is_floating_sketch_type(const at::Tensor& x) {
+  const at::ScalarType t = x.scalar_type();
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
 inline SketchValueType value_type_of(const at::Tensor& x) {
   switch (x.scalar_type()) {
     case at::kFloat: return SketchValueType::kFloat32;
@@ -108,6 +113,24 @@ inline Units check_count_sketch_decode(const at::Tensor& table, const at::Tensor
   const Units u{n, m};
   check_support(support, table, "table", u, "units");
   return u;
+}
+
+// count_sketch_units(values, units, rows, cols, seed) -> float32 [rows, cols]; returns (k, m) of values
+inline Units check_count_sketch_units(const at::Tensor& values, const at::Tensor& units, int64_t rows, int64_t cols,
+                                      int64_t seed) {
+  TORCH_CHECK(values.dim() >= 1, "fastdist: 'values' must have at least 1 dimension(s), got shape ", values.sizes());
+  TORCH_CHECK(is_floating_sketch_type(values), "fastdist: 'values' must have a floating dtype (torch.float32, "
+              "torch.float16, torch.bfloat16 or torch.float64), got ", dtype_name(values.scalar_type()));
+  check_rows(rows);
+  check_cols(cols);
+  check_seed(seed);
+  FD_CHECK_DTYPE(units, at::kLong);
+  FD_CHECK_DIM(units, 1);
+  TORCH_CHECK(units.device() == values.device(), "fastdist: 'units' and 'values' must be on the same device, got ",
+              units.device(), " and ", values.device());
+  TORCH_CHECK(units.size(0) == values.size(0), "fastdist: 'units' must have one entry per row of 'values' (",
+              values.size(0), "), got shape ", units.sizes());
+  return units_of(values, "row");
 }
 
 // count_sketch_decode_units(table, units, m, seed) -> float32 [k, m]; returns k

@@ -46,6 +46,20 @@ at::Tensor count_sketch_decode_cuda_op(const at::Tensor& table, const at::Tensor
   return out;
 }
 
+at::Tensor count_sketch_units_cuda_op(const at::Tensor& values, const at::Tensor& units, int64_t rows, int64_t cols,
+                                      int64_t seed) {
+  const Units u = check_count_sketch_units(values, units, rows, cols, seed);
+  const c10::cuda::CUDAGuard guard(values.device());
+  const at::Tensor src = values.contiguous();
+  const at::Tensor idx = units.contiguous();
+  at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(fastdist::count_sketch_units_cuda(src.const_data_ptr(), value_type_of(src),
+                                                   idx.const_data_ptr<int64_t>(), u.n, u.m,
+                                                   hash_for(seed, rows, cols), table.data_ptr<float>(),
+                                                   at::cuda::getCurrentCUDAStream()));
+  return table;
+}
+
 at::Tensor count_sketch_decode_units_cuda_op(const at::Tensor& table, const at::Tensor& units, int64_t m,
                                              int64_t seed) {
   const int64_t k = check_count_sketch_decode_units(table, units, m, seed);
@@ -80,6 +94,7 @@ TORCH_LIBRARY_IMPL(fastdist, CUDA, m) {
   m.impl("nonzero_bitmap", &fastdist::sketch::nonzero_bitmap_cuda_op);
   m.impl("count_sketch", &fastdist::sketch::count_sketch_cuda_op);
   m.impl("count_sketch_decode", &fastdist::sketch::count_sketch_decode_cuda_op);
+  m.impl("count_sketch_units", &fastdist::sketch::count_sketch_units_cuda_op);
   m.impl("count_sketch_decode_units", &fastdist::sketch::count_sketch_decode_units_cuda_op);
   m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cuda_op);
 }

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fastdist
-from fastdist.ops import (count_sketch, count_sketch_decode, count_sketch_decode_units, nonzero_bitmap, pack_bits,
-                          sketch_hash)
+from fastdist.ops import (count_sketch, count_sketch_decode, count_sketch_decode_units, count_sketch_units,
+                          nonzero_bitmap, pack_bits, sketch_hash)
 
 needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
                                 reason="needs a CUDA device and fastdist built with CUDA kernels")
@@ -350,6 +350,27 @@ def assert_same_table(got, want, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(500, 1), (300, 7), (64, 300), (40, 3, 5)], ids=str)
+def test_count_sketch_of_listed_rows_is_the_dense_row_sketch_bit_for_bit(device, dtype, shape):
+    x = random_sparse(shape, 0.1, "row", seed=shape[1], dtype=dtype)
+    support = nonzero_bitmap(x, "row")
+    units = unit_mask(support, shape[0]).nonzero().flatten()
+    got = count_sketch_units(x[units].to(device), units.to(device), 3, 97, 4)
+    assert_same_table(got, count_sketch(x, 3, 97, 4, support, "row"), device)
+
+
+def test_count_sketch_of_listed_rows_in_any_order_sums_the_same_values():
+    x = random_sparse((200, 9), 0.2, "row", seed=3)
+    units = unit_mask(nonzero_bitmap(x, "row"), 200).nonzero().flatten()
+    shuffled = units[torch.randperm(units.numel(), generator=torch.Generator().manual_seed(0))]
+    want = count_sketch(x, 5, 41, 8, nonzero_bitmap(x, "row"), "row")
+    torch.testing.assert_close(count_sketch_units(x[shuffled], shuffled, 5, 41, 8), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(count_sketch_units(torch.zeros(0, 9), torch.zeros(0, dtype=torch.int64), 3, 5, 1),
+                       torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_count_sketch_of_non_contiguous_input(device):
     x = random_sparse((50, 80), 0.3, "element", seed=8).to(device)
     for view in (x.t(), x[:, ::3], x[5:, 7:]):
@@ -580,6 +601,15 @@ def test_opcheck_count_sketch_decode(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_count_sketch_units(device):
+    v = torch.randn(6, 4, device=device)
+    for args in ((v, torch.tensor([1, 4, 5, 9, 20, 21], device=device), 3, 16, 1),
+                 (v.t(), torch.arange(4, device=device), 1, 5, 0),
+                 (v[:0], torch.zeros(0, dtype=torch.int64, device=device), 3, 4, 2)):
+        torch.library.opcheck(torch.ops.fastdist.count_sketch_units.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_count_sketch_decode_units(device):
     table = torch.randn(3, 16, device=device)
     for args in ((table, torch.tensor([4, 0, 9, 9], device=device), 7, 1), (table[:1], torch.arange(5, device=device),
@@ -671,6 +701,20 @@ BAD_INPUTS = {
                             "'support' must have dtype torch.uint8, got torch.bool"),
     "decode_negative_seed": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d), _sup(d), 20, 3, -5),
                              r"'seed' must be in \[0, 2\^63\), got -5"),
+    "units_sketch_int_values": (lambda d: count_sketch_units(torch.ones(3, 2, dtype=torch.int32, device=d),
+                                                             torch.arange(3, device=d), 3, 8, 0),
+                                "'values' must have a floating dtype .* got torch.int32"),
+    "units_sketch_0d_values": (lambda d: count_sketch_units(torch.tensor(1.0, device=d), torch.arange(1, device=d), 3,
+                                                            8, 0),
+                               r"'values' must have at least 1 dimension\(s\), got shape \[\]"),
+    "units_sketch_length": (lambda d: count_sketch_units(torch.ones(3, 2, device=d), torch.arange(4, device=d), 3, 8, 0),
+                            r"'units' must have one entry per row of 'values' \(3\), got shape \[4\]"),
+    "units_sketch_int32_units": (lambda d: count_sketch_units(torch.ones(3, 2, device=d),
+                                                              torch.arange(3, dtype=torch.int32, device=d), 3, 8, 0),
+                                 "'units' must have dtype torch.int64, got torch.int32"),
+    "units_sketch_zero_cols": (lambda d: count_sketch_units(torch.ones(3, 2, device=d), torch.arange(3, device=d), 3,
+                                                            0, 0),
+                               r"'cols' must be in \[1, 2147483647\], got 0"),
     "decode_units_int32": (lambda d: count_sketch_decode_units(torch.zeros(3, 8, device=d),
                                                                torch.zeros(3, dtype=torch.int32, device=d), 3, 0),
                            "'units' must have dtype torch.int64, got torch.int32"),

@@ -15,7 +15,7 @@ not depend on ``rows`` or ``cols``), and
 * sign ``s_j(i) = -1`` if bit 30 of ``(c_j * i + d_j) mod p`` is set, else ``+1``.
 
 :func:`sketch_hash` evaluates it for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
-count_sketch_decode, count_sketch_decode_units, sketch_hash}`` with CPU and CUDA kernels and fake kernels for
+count_sketch_units, count_sketch_decode, count_sketch_decode_units, sketch_hash}`` with CPU and CUDA kernels and fake kernels for
 ``torch.compile``. Inputs may be non-contiguous (they are made contiguous first); outputs are contiguous and on the
 input's device.
 
@@ -26,8 +26,8 @@ vary run to run in the last bits. Hashes, supports and decoding are exact on bot
 """
 import torch
 
-__all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "count_sketch_decode_units", "nonzero_bitmap",
-           "sketch_hash"]
+__all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "count_sketch_decode_units",
+           "count_sketch_units", "nonzero_bitmap", "sketch_hash"]
 
 MAX_ROWS = 15
 MAX_COLS = 2**31 - 1
@@ -88,6 +88,28 @@ def count_sketch(x: torch.Tensor, rows: int, cols: int, seed: int, support: torc
             not of shape ``[ceil(n / 8)]`` or on another device; ``granularity`` invalid (or ``"row"`` with 0-d ``x``).
     """
     return torch.ops.fastdist.count_sketch.default(x, rows, cols, _seed_in_range(seed), support, granularity)
+
+
+def count_sketch_units(values: torch.Tensor, units: torch.Tensor, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """The count-sketch of a row-sparse tensor given as its rows: ``values[t]`` is unit ``units[t]`` of the tensor
+    (e.g. the ``indices()[0]`` and ``values()`` of a coalesced ``sparse_coo`` gradient), so nothing dense is built.
+
+    With strictly increasing ``units`` the table equals, bit for bit, :func:`count_sketch` of the dense tensor with
+    the units' support at row granularity (values are added in the order listed; zeros are skipped).
+
+    Args:
+        values: float32, float16, bfloat16 or float64 ``[k, ...]``: k units of ``m = prod(shape[1:])`` values.
+        units: int64 ``[k]`` unit indices on ``values``' device; flat index ``units[t] * m + col`` (unsigned 64-bit).
+        rows, cols, seed: as for :func:`count_sketch`.
+
+    Returns:
+        float32 tensor ``[rows, cols]`` on ``values``' device.
+
+    Raises:
+        RuntimeError: ``values`` not floating point or 0-d; ``units`` not int64 1-D of length ``k`` or on another
+            device; ``rows``, ``cols`` or ``seed`` out of range.
+    """
+    return torch.ops.fastdist.count_sketch_units.default(values, units, rows, cols, _seed_in_range(seed))
 
 
 def count_sketch_decode(table: torch.Tensor, support: torch.Tensor, n: int, m: int, seed: int) -> torch.Tensor:
@@ -248,6 +270,27 @@ def _count_sketch_decode_fake(table, support, n, m, seed):
         raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
     _check_support(support, table, "table", n, "units")
     return table.new_empty((n, m))
+
+
+@torch.library.register_fake("fastdist::count_sketch_units")
+def _count_sketch_units_fake(values, units, rows, cols, seed):
+    if values.dim() < 1:
+        raise RuntimeError(f"fastdist: 'values' must have at least 1 dimension(s), got shape {list(values.shape)}")
+    if values.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError("fastdist: 'values' must have a floating dtype (torch.float32, torch.float16, "
+                           f"torch.bfloat16 or torch.float64), got {_dtype_name(values.dtype)}")
+    _check_rows_cols_seed(rows, cols, seed)
+    if units.dtype != torch.int64:
+        raise RuntimeError(f"fastdist: 'units' must have dtype torch.int64, got {_dtype_name(units.dtype)}")
+    if units.dim() != 1:
+        raise RuntimeError(f"fastdist: 'units' must have 1 dimension(s), got shape {list(units.shape)}")
+    if units.device != values.device:
+        raise RuntimeError(f"fastdist: 'units' and 'values' must be on the same device, got {units.device} and "
+                           f"{values.device}")
+    torch._check(units.shape[0] == values.shape[0],
+                 lambda: f"fastdist: 'units' must have one entry per row of 'values' ({values.shape[0]}), got shape "
+                         f"{list(units.shape)}")
+    return values.new_empty((rows, cols), dtype=torch.float32)
 
 
 @torch.library.register_fake("fastdist::count_sketch_decode_units")
