@@ -169,6 +169,39 @@ def test_lossless_mode_gathers_own_rows_when_supports_are_disjoint_and_reduces_t
     assert all(s == sums[0] for s in sums), sums  # every rank holds the same result
 
 
+def _sparse_like_dense():
+    rank = dist.get_rank()
+    out = {}
+    g = _embedding_grad(rank, vocab=700, dim=6, integer=False).view(700, 2, 3)
+    for name, kw in {"exact-union": dict(mode="exact", exact_collective="allreduce-union"),
+                     "exact-gather": dict(mode="exact", exact_collective="allgather-local"),
+                     "sketch": dict(mode="sketch", ratio=0.3, seed=5),
+                     "sketch-avg": dict(mode="sketch", ratio=0.3, seed=5, op="avg"),
+                     "dense": dict(mode="exact", dense_fraction=0.0)}.items():
+        dense = g.clone()
+        sketch_allreduce(dense, **kw)
+        got = sketch_allreduce(g.to_sparse(1), **kw)
+        out[name] = (got.is_sparse and got.is_coalesced() and got.shape == g.shape, torch.equal(got.to_dense(), dense),
+                     last_stats().method)
+    cols = int((_dense_sum(g) != 0).sum())  # as wide as the union's values: error feedback applies
+    r_dense, r_sparse = torch.zeros(3, cols), torch.zeros(3, cols)
+    for _ in range(3):
+        dense = g.clone()
+        sketch_allreduce(dense, mode="sketch", cols=cols, seed=2, residual=r_dense)
+        got = sketch_allreduce(g.to_sparse(1), mode="sketch", cols=cols, seed=2, residual=r_sparse)
+    out["ef"] = (torch.equal(got.to_dense(), dense), torch.equal(r_dense, r_sparse), last_stats().error_feedback)
+    return out
+
+
+def test_sparse_coo_gradients_reduce_to_exactly_what_their_dense_form_reduces_to_in_every_mode():
+    for out in spawn(_sparse_like_dense, 2, timeout=120):
+        for name in ("exact-union", "exact-gather", "sketch", "sketch-avg", "dense"):
+            layout_ok, equal, method = out[name]
+            assert layout_ok and equal, name
+            assert method == {"sketch": "sketch", "sketch-avg": "sketch", "dense": "dense"}.get(name, "exact")
+        assert out["ef"] == (True, True, True)
+
+
 def _auto_choices():
     rank = dist.get_rank()
     picks = {}

@@ -222,7 +222,9 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     """Sums `tensor` over the ranks of `group`, sending only its union support (exact) or a sketch of it.
 
     tensor:      float32/float16/bfloat16/float64, dense (reduced in place, like dist.all_reduce) or a
-                 row-sparse torch.sparse_coo tensor (the result is returned as a new coalesced sparse tensor).
+                 row-sparse torch.sparse_coo tensor, e.g. an nn.Embedding(sparse=True) gradient: reduced from its
+                 rows without a dense copy (unless the union is dense) and returned as a new coalesced sparse
+                 tensor whose rows are U; the values are exactly those of reducing its dense form.
     ratio, cols: sketch width c = ceil(ratio * numel) or cols directly (default ratio 0.05); rows r (odd).
     seed:        the hash seed; must be the same on every rank (checked).
     granularity: "row" (support per row of dim 0: embedding gradients) or "element".
@@ -252,27 +254,39 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     start = time.perf_counter()
     world = dist.get_world_size(group)
     sparse_input = tensor.is_sparse
-    work_buf = tensor.coalesce().to_dense() if sparse_input else tensor.contiguous()
-    n, m = _view_rows(work_buf, granularity)
+    if sparse_input:  # its rows as they are: nothing dense unless the union itself is dense
+        sp = tensor.coalesce()
+        shape, dtype, dev = tuple(sp.shape), sp.dtype, sp.device
+        n, m = shape[0], math.prod(shape[1:])
+        local_idx = sp.indices()[0]
+        local_rows = sp.values().reshape(local_idx.numel(), m)
+        mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        mask[local_idx] = True
+        local_bits = ops.pack_bits(mask)
+    else:
+        work_buf = tensor.contiguous()
+        shape, dtype, dev = tuple(work_buf.shape), work_buf.dtype, work_buf.device
+        n, m = _view_rows(work_buf, granularity)
+        rows2d = work_buf.view(n, m) if n else work_buf.view(0, 0)
+        local_bits = ops.nonzero_bitmap(work_buf, granularity)
     c = _sketch_cols(ratio, cols, n * m)
-    device = _collective_device(work_buf, group)
-    config = (tuple(work_buf.shape), str(work_buf.dtype), granularity, rows, c, int(seed), mode, op,
-              residual is not None, exact_collective)
+    device = _collective_device(tensor, group)
+    config = (shape, str(dtype), granularity, rows, c, int(seed), mode, op, residual is not None, exact_collective)
     if residual is not None and (residual.dtype != torch.float32 or tuple(residual.shape) != (rows, c)):
         raise ValueError(f"sketch_allreduce: 'residual' must be float32 of shape {(rows, c)}, got "
                          f"{residual.dtype} {tuple(residual.shape)}")
 
-    local_bits = ops.nonzero_bitmap(work_buf, granularity)
-    local_units = int(ops.unpack_bits(local_bits, n).sum()) if n else 0
+    if not sparse_input:
+        local_idx = ops.unpack_bits(local_bits, n).nonzero().flatten() if n else torch.zeros(0, dtype=torch.int64)
+    local_units = int(local_idx.numel())
     counts, bitmaps = _exchange_header(config, local_units, local_bits, group, world, device)
     header_bytes = (16 + HEADER_BITMAP_BYTES) * (world - 1)
     union_bits, bitmaps, union_method, union_bytes = _union(local_bits, bitmaps, n, group, world, device)
     union_mask = ops.unpack_bits(union_bits, n)
     union_idx = union_mask.nonzero().flatten()
     union_units = int(union_idx.numel())
-    esize = work_buf.element_size()
+    esize = torch.empty(0, dtype=dtype).element_size()
     method = _choose(mode, union_units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
-    rows2d = work_buf.view(n, m) if n else work_buf.view(0, 0)
     use_ef = residual is not None and method == "sketch" and union_units * m <= c
     # Lossless: all-reduce the union's rows, or all-gather every rank's own rows padded to the largest
     # support, whichever sends fewer bytes (the gather needs every rank's bitmap: its row indices).
@@ -284,8 +298,17 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
         gather_wins = bitmaps is not None and gather_bytes < _ring_bytes(union_units * m * esize, world)
         exact_collective = "allgather-local" if gather_wins else "allreduce-union"
 
+    def own_rows():
+        return local_rows if sparse_input else rows2d.index_select(0, local_idx)
+
+    def union_position():  # a unit's row in the compact union
+        return union_mask.cumsum(0) - 1
+
     divisor = world if op == "avg" else 1  # divide, as DDP does: 1/world is inexact for most world sizes
     if method == "dense":
+        if sparse_input:
+            work_buf = sp.to_dense()
+            rows2d = work_buf.view(n, m)
         payload = work_buf if device == work_buf.device else work_buf.to(device)
         payload_bytes = _ring_bytes(payload.numel() * esize, world)
 
@@ -294,53 +317,63 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
                 work_buf.copy_(payload)
             if divisor != 1:
                 work_buf.div_(divisor)
+            return rows2d.index_select(0, union_idx) if sparse_input else None
     elif exact_collective == "allreduce-union":
-        payload = rows2d.index_select(0, union_idx).to(device)
+        if sparse_input:
+            payload = torch.zeros(union_units, m, dtype=dtype, device=dev)
+            payload.index_copy_(0, union_position()[local_idx], local_rows)
+            payload = payload.to(device)
+        else:
+            payload = rows2d.index_select(0, union_idx).to(device)
         payload_bytes = _ring_bytes(payload.numel() * esize, world)
 
         def finish():  # rows outside U are zero on every rank already: only the union's rows change
-            reduced = payload.to(work_buf.device)
-            rows2d.index_copy_(0, union_idx, reduced.div_(divisor) if divisor != 1 else reduced)
+            reduced = payload.to(dev)
+            return reduced.div_(divisor) if divisor != 1 else reduced
     elif exact_collective == "allgather-local":
-        mine = torch.zeros(max_local, m, dtype=work_buf.dtype, device=work_buf.device)
-        mine[:local_units] = rows2d.index_select(0, ops.unpack_bits(local_bits, n).nonzero().flatten())
-        gathered = torch.empty(world * max_local * m, dtype=work_buf.dtype, device=device)
+        mine = torch.zeros(max_local, m, dtype=dtype, device=dev)
+        mine[:local_units] = own_rows()
+        gathered = torch.empty(world * max_local * m, dtype=dtype, device=device)
         payload_bytes = gather_bytes
 
         def finish():  # the same sum, in rank order, on every rank
-            rows = gathered.view(world, max_local, m).to(work_buf.device)
-            position = union_mask.cumsum(0) - 1  # a unit's row in the compact union
-            total = torch.zeros(union_units, m, dtype=work_buf.dtype, device=work_buf.device)
+            rows_of = gathered.view(world, max_local, m).to(dev)
+            position = union_position()
+            total = torch.zeros(union_units, m, dtype=dtype, device=dev)
             for r in range(world):
                 own = ops.unpack_bits(bitmaps[r], n).nonzero().flatten()
-                total.index_add_(0, position[own], rows[r, :counts[r]])
-            rows2d.index_copy_(0, union_idx, total.div_(divisor) if divisor != 1 else total)
+                total.index_add_(0, position[own], rows_of[r, :counts[r]])
+            return total.div_(divisor) if divisor != 1 else total
     else:
-        support = local_bits if granularity == "row" else None
-        payload = ops.count_sketch(work_buf, rows, c, seed, support=support, granularity=granularity).to(device)
+        if sparse_input:
+            table = ops.count_sketch_units(local_rows, local_idx, rows, c, seed)
+        else:
+            support = local_bits if granularity == "row" else None
+            table = ops.count_sketch(work_buf, rows, c, seed, support=support, granularity=granularity)
+        payload = table.to(device)
         payload_bytes = _ring_bytes(payload.numel() * 4, world)
 
         def finish():  # decodes only U's rows: rows outside U are zero on every rank already
-            table = payload.to(work_buf.device)
+            table = payload.to(dev)
             if use_ef:
                 table = table + residual
-            rows2d.index_copy_(0, union_idx, ops.count_sketch_decode_units(table, union_idx, m, seed)
-                               .to(work_buf.dtype))
+            est = ops.count_sketch_decode_units(table, union_idx, m, seed).to(dtype)
             if use_ef:  # re-sketch what the ranks apply, in the tensor's dtype: the residual keeps the rounding too
-                residual.copy_(table - ops.count_sketch(work_buf, rows, c, seed, support=union_bits,
-                                                        granularity=granularity))
-            if divisor != 1:
-                rows2d.index_copy_(0, union_idx, rows2d.index_select(0, union_idx).div_(divisor))
+                residual.copy_(table - ops.count_sketch_units(est, union_idx, rows, c, seed))
+            return est.div_(divisor) if divisor != 1 else est
 
     def complete():
         global _last
-        finish()
-        if work_buf is not tensor and not sparse_input:
-            tensor.copy_(work_buf)
-        result = tensor
+        union_rows = finish()  # the reduced rows of U ([|U|, m]), or None when written in place
         if sparse_input:
-            values = work_buf.index_select(0, union_idx)
-            result = torch.sparse_coo_tensor(union_idx.view(1, -1), values, work_buf.shape).coalesce()
+            result = torch.sparse_coo_tensor(union_idx.view(1, -1), union_rows.view(union_units, *shape[1:]), shape,
+                                             is_coalesced=True)
+        else:
+            if union_rows is not None:
+                rows2d.index_copy_(0, union_idx, union_rows)
+            if work_buf is not tensor:
+                tensor.copy_(work_buf)
+            result = tensor
         stats = SketchStats(
             method=method, mode=mode, units=n, unit_size=m, local_units=local_units, union_units=union_units,
             union_method=union_method, sketch_shape=(rows, c),
