@@ -646,14 +646,22 @@ void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int
                                    float* out, int64_t begin, int64_t end) {
   if (begin >= end || m == 0) return;
   Decoder decoder(hash, table);
-  if (m == 1) {  // one value per unit: runs of consecutive units decode as one chunk (lane stepping when long)
+  if (m == 1) {
+    // One value per unit: the units that fall in one aligned chunk of kChunk indices (consecutive in the list,
+    // as in a sorted union) decode together through the chunk's active mask — lane-stepped when they are dense
+    // in it — into a scratch chunk, then move to their places.
+    alignas(64) float scratch[kChunk];
     for (int64_t t = begin; t < end;) {
-      int64_t len = 1;
-      while (t + len < end && len < kChunk &&
-             static_cast<uint64_t>(units[t + len]) == static_cast<uint64_t>(units[t]) + static_cast<uint64_t>(len)) {
-        ++len;
+      const uint64_t s = static_cast<uint64_t>(units[t]) & ~static_cast<uint64_t>(kChunk - 1);
+      uint64_t active[kChunkWords] = {};
+      int64_t len = 0;
+      for (; t + len < end; ++len) {
+        const uint64_t offset = static_cast<uint64_t>(units[t + len]) - s;
+        if (offset >= static_cast<uint64_t>(kChunk)) break;
+        active[offset >> 6] |= uint64_t{1} << (offset & 63);
       }
-      decoder.chunk(units[t], len, nullptr, len, out + t);
+      decoder.chunk(static_cast<int64_t>(s), kChunk, active, popcount_words(active), scratch);
+      for (int64_t q = 0; q < len; ++q) out[t + q] = scratch[static_cast<uint64_t>(units[t + q]) - s];
       t += len;
     }
     return;

@@ -43,7 +43,7 @@ def test_cli_run_has_every_method_and_density_exact_lossless_lossy_sketches_and_
     for g in result["gradients"]:
         assert g["local_rows"] == round(g["density"] * 512)
         assert g["local_rows"] < g["union_rows"] <= 2 * g["local_rows"]
-        assert g["sketch_shape"] == [3, -(-g["union_values"] // 2)]  # cols = 0.5 x union values
+        assert g["sketch_shape"] == [3, -(-g["union_values"] // 6)]  # 3 x cols = 0.5 x union values
     for r in rows:
         assert len(r["samples_ms"]) == len(r["error_samples"]) == 5
         assert r["time_ms"] > 0 and r["algbw"] > 0 and r["wire_bytes"] > 0

@@ -13,8 +13,9 @@ count_sketch and count_sketch_decode with a row support at row densities 0.5 %, 
 granularity on a tensor whose values are half non-zero (--sketch-element-shape); nonzero_bitmap reads the whole
 tensor. Their GB/s count the values the op must read (nonzero_bitmap: all; count_sketch: the supported rows' with a
 row support, all without one) or produce (count_sketch_decode: the supported values; it also zero-fills the rest of
-its n x m output). A sketch has 3 rows and as many columns as values sketched. The torch peer of count_sketch is sketch_hash + index_add_ (it stores the
-hashes, which fastdist's kernel never does); of decode, sketch_hash + gather + median.
+its n x m output; count_sketch_decode_units: the same values, written compactly, as sketch_allreduce uses it).
+A sketch has 3 rows and as many columns as values sketched. The torch peer of count_sketch is sketch_hash +
+index_add_ (it stores the hashes, which fastdist's kernel never does); of decode, sketch_hash + gather + median.
 """
 import functools
 import math
@@ -25,11 +26,11 @@ import torch
 
 import fastdist
 from fastdist.bench import report
-from fastdist.ops import (bitwise_or_reduce, count_sketch, count_sketch_decode, nonzero_bitmap, pack_bits,
-                          sketch_hash, unpack_bits)
+from fastdist.ops import (bitwise_or_reduce, count_sketch, count_sketch_decode, count_sketch_decode_units,
+                          nonzero_bitmap, pack_bits, sketch_hash, unpack_bits)
 
 SWEEP_OPS = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]  # timed over --sizes
-SKETCH_OPS = ["nonzero_bitmap", "count_sketch", "count_sketch_decode"]  # timed on --sketch-shape
+SKETCH_OPS = ["nonzero_bitmap", "count_sketch", "count_sketch_decode", "count_sketch_decode_units"]  # --sketch-shape
 OPS = SWEEP_OPS + SKETCH_OPS
 SKETCH_ROWS = 3
 SKETCH_SEED = 1234
@@ -122,6 +123,13 @@ def torch_count_sketch_decode(table, support, n, m, seed):
     out = torch.zeros(n * m, device=table.device)
     out[idx] = est.median(dim=0).values
     return out.reshape(n, m)
+
+
+def torch_count_sketch_decode_units(table, units, m, seed):
+    idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
+    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed)
+    est = torch.stack([table[j][bucket[j]] * sign[j] for j in range(table.shape[0])])
+    return est.median(dim=0).values.reshape(units.numel(), m)
 
 
 def torch_nonzero_bitmap(x, granularity):
@@ -226,6 +234,12 @@ def _sketch_cases(op, shape, element_shape, densities, device):
                           (lambda x=x, c=cols, s=sup, gr=granularity: torch_count_sketch(x, SKETCH_ROWS, c,
                                                                                          SKETCH_SEED, s, gr)),
                           (values if sup is not None else x.numel()) * x.element_size(), _tables_close))
+        elif op == "count_sketch_decode_units":
+            table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
+            units = torch_unpack_bits(support, n).nonzero().flatten()
+            cases.append((label, (lambda t=table, u=units, m=m: count_sketch_decode_units(t, u, m, SKETCH_SEED)),
+                          (lambda t=table, u=units, m=m: torch_count_sketch_decode_units(t, u, m, SKETCH_SEED)),
+                          values * 4, torch.equal))
         else:
             table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
             cases.append((label, (lambda t=table, s=support, n=n, m=m: count_sketch_decode(t, s, n, m, SKETCH_SEED)),

@@ -14,8 +14,8 @@ warm-up first, each call on a fresh copy of the same gradient:
   powersgd    torch's powerSGD_hook (rank --powersgd-rank, error feedback and warm start on)
   topk        GRACE-style TopK + all-gather, k sized so its all-gather sends what the sketch's table
               all-reduce sends (or --topk-ratio x numel)
-  sketch      sketch_allreduce(mode="sketch"), --sketch-rows x cols, cols = --sketch-ratio x the union's
-              non-zero values (default 0.5)
+  sketch      sketch_allreduce(mode="sketch"), a table of --sketch-rows x cols holding --sketch-size x the
+              union's non-zero values in all (default 0.5; as in sparse-lm: 1.0 sends what the union does)
   auto        sketch_allreduce(mode="auto") with the same sketch size; the table notes what it chose
 
 Columns: time is the median over repetitions of the slowest rank's time per call; speed-up is dense's
@@ -78,8 +78,8 @@ def add_arguments(p):
                    help="comma-separated subset of " + ",".join(METHODS + EXTRA_METHODS))
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per method, >= 5 for a claim (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions of every method first (default 1)")
-    p.add_argument("--sketch-ratio", type=float, default=0.5,
-                   help="sketch columns as a fraction of the union's non-zero values (default 0.5)")
+    p.add_argument("--sketch-size", type=float, default=0.5,
+                   help="sketch table values (rows x cols) as a multiple of the union's non-zero values (default 0.5)")
     p.add_argument("--sketch-rows", type=int, default=3, help="sketch rows r (default 3)")
     p.add_argument("--topk-ratio", type=float, default=None,
                    help="topk keeps this fraction of each rank's elements (default: k whose all-gather "
@@ -96,8 +96,8 @@ def _config_from(args):
         raise SystemExit(f"fastdist-bench sparse: unknown method(s) {unknown}; choose from {METHODS + EXTRA_METHODS}")
     if args.reps < 1 or args.warmup < 0:
         raise SystemExit("fastdist-bench sparse: --reps must be >= 1 and --warmup >= 0")
-    if not (0 < args.sketch_ratio):
-        raise SystemExit("fastdist-bench sparse: --sketch-ratio must be positive")
+    if not (0 < args.sketch_size):
+        raise SystemExit("fastdist-bench sparse: --sketch-size must be positive")
     if args.topk_ratio is not None and not (0 < args.topk_ratio <= 1):
         raise SystemExit("fastdist-bench sparse: --topk-ratio must be in (0, 1]")
     try:
@@ -106,7 +106,7 @@ def _config_from(args):
     except ValueError as e:
         raise SystemExit(f"fastdist-bench sparse: {e}") from None
     return {"methods": methods, "rows": rows, "dim": dim, "densities": densities, "reps": args.reps,
-            "warmup": args.warmup, "sketch_ratio": args.sketch_ratio, "sketch_rows": args.sketch_rows,
+            "warmup": args.warmup, "sketch_size": args.sketch_size, "sketch_rows": args.sketch_rows,
             "topk_ratio": args.topk_ratio, "powersgd_rank": args.powersgd_rank, "zipf": args.zipf,
             "seed": args.seed, "measure_tx": False}
 
@@ -154,7 +154,8 @@ class _Gradient:
         self.union_rows = int(synthetic.union_rows(self.spec, world).numel())
         numel = self.grad.numel()
         self.sketch_rows = config["sketch_rows"]
-        self.sketch_cols = max(1, math.ceil(config["sketch_ratio"] * self.union_rows * config["dim"]))
+        self.sketch_cols = max(1, math.ceil(config["sketch_size"] * self.union_rows * config["dim"]
+                                            / self.sketch_rows))
         if config["topk_ratio"] is not None:
             self.topk_k = baselines.topk_k(numel, ratio=config["topk_ratio"])
         else:
@@ -293,7 +294,7 @@ def run(args):
     nbytes = gradients[0]["bytes"]
     print(f"# gradient     {config['rows']} x {config['dim']} float32 ({report.human_bytes(nbytes)}), "
           f"Zipf({config['zipf']}) rows, seed {config['seed']}; sketch {config['sketch_rows']} rows x "
-          f"{config['sketch_ratio']:g} x union values; powersgd rank {config['powersgd_rank']}; "
+          f"{config['sketch_size']:g} x union values in all; powersgd rank {config['powersgd_rank']}; "
           f"median of {config['reps']} after {config['warmup']} warm-up")
     print(format_rows(rows))
     bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
