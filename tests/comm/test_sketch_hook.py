@@ -10,19 +10,19 @@ from fastdist.distributed import spawn
 
 
 class TinyLM(torch.nn.Module):
-    def __init__(self, vocab=512, dim=16):
+    def __init__(self, vocab=512, dim=16, sparse=False):
         super().__init__()
-        self.emb = torch.nn.Embedding(vocab, dim)
+        self.emb = torch.nn.Embedding(vocab, dim, sparse=sparse)
         self.out = torch.nn.Linear(dim, vocab)
 
     def forward(self, tokens):
         return self.out(self.emb(tokens).mean(1))
 
 
-def _train(hook_mode, steps=6, error_feedback=False):
+def _train(hook_mode, steps=6, error_feedback=False, sparse=False):
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DDP(TinyLM(), bucket_cap_mb=0.01)  # small buckets: the embedding and the head land apart
+    model = DDP(TinyLM(sparse=sparse), bucket_cap_mb=0.01)  # small buckets: the embedding and the head land apart
     state = None
     if hook_mode is not None:
         state = SketchState(ratio=0.2, mode=hook_mode, seed=5, error_feedback=error_feedback)
@@ -41,6 +41,25 @@ def _train(hook_mode, steps=6, error_feedback=False):
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"params": params, "losses": losses,
             "state": None if state is None else (pickle.dumps(state), state.state_dict(), state.stats())}
+
+
+def _sparse_embedding_variants():
+    runs = {mode: _train(mode, sparse=True) for mode in (None, "exact", "sketch")}
+    runs["dense-exact"] = _train("exact")
+    return runs
+
+
+def test_sparse_embedding_gradients_go_through_the_hook_sparse_and_exact_mode_trains_like_plain_ddp():
+    results = spawn(_sparse_embedding_variants, 2, timeout=300)
+    for r in results:
+        plain = r[None]["params"]
+        assert torch.allclose(r["exact"]["params"], plain, atol=1e-6)
+        assert torch.allclose(r["dense-exact"]["params"], plain, atol=1e-6)  # same model, dense gradients
+        assert r["sketch"]["losses"][-1] < r["sketch"]["losses"][0]
+        stats = pickle.loads(r["exact"]["state"][0]).stats()
+        assert {b["last_method"] for b in stats.values()} >= {"exact"}
+    for mode in (None, "exact", "sketch"):
+        assert torch.equal(results[0][mode]["params"], results[1][mode]["params"]), mode
 
 
 def _all_variants():

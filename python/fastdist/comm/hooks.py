@@ -100,7 +100,8 @@ class SketchState:
 
 
 def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: averages the bucket with sketch_allreduce; returns a future of the buffer."""
+    """DDP comm hook: averages the bucket with sketch_allreduce; returns a future of the buffer (of the reduced
+    sparse gradient for a sparse bucket, e.g. nn.Embedding(sparse=True), which is never densified)."""
     buffer, index, step = bucket.buffer(), bucket.index(), state.iter
     if bucket.is_last():
         state.iter += 1
@@ -110,7 +111,9 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
         return work.get_future().then(lambda fut: fut.value()[0])
     bucket_state = state.bucket_state(index, buffer)
     params = bucket.parameters()
-    if len(params) == 1 and params[0].dim() == 2:  # e.g. an embedding alone in its bucket: support per row
+    if buffer.is_sparse:  # nn.Embedding(sparse=True): DDP hands over the row-sparse gradient itself
+        view, granularity = buffer, "row"
+    elif len(params) == 1 and params[0].dim() == 2:  # e.g. an embedding alone in its bucket: support per row
         view, granularity = buffer.view(params[0].shape), "row"
     else:
         view, granularity = buffer, "element"
@@ -126,6 +129,6 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
         bucket_state.last_method = stats.method
         bucket_state.wire_bytes += stats.wire_bytes
         bucket_state.dense_wire_bytes += stats.dense_wire_bytes
-        return buffer
+        return fut.value() if buffer.is_sparse else buffer  # sparse: a new tensor holding U's rows
 
     return handle.get_future().then(record)
