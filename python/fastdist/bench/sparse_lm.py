@@ -12,6 +12,8 @@ that machine noise hits all of them alike:
   auto         fastdist sketch_hook, mode "auto": dense, exact or sketch, chosen per call from |U|
   sketch-Fx    fastdist sketch_hook, mode "sketch", table of F x the union's non-zeros (F = 0.1, 0.2, 0.5, 1)
   sketch-Fx+ef the same with sketch-space error feedback
+agsparse and every sketch_hook method train on nn.Embedding(sparse=True) gradients (the hook reduces them
+sparse, without a dense copy); dense, fp16 and powersgd on dense gradients, as those hooks need.
 
 The model (`SparseLM`): Embedding(V, d) -> LSTM(d, d) -> output embedding (V, d + 1: the last column is the
 output bias), trained with a sampled softmax: each position scores its target against a set of negatives drawn
@@ -254,6 +256,10 @@ def sketch_methods(sizes):
     return names
 
 
+def uses_sketch_hook(name):
+    return name in OURS or name.startswith("sketch-")
+
+
 def all_methods(sizes=SKETCH_SIZES):
     return BASELINES + OURS + sketch_methods(sizes)
 
@@ -284,7 +290,9 @@ class Method:
         self.name, self.world, self.config = name, world, config
         self.lossless = name in LOSSLESS
         torch.manual_seed(config["seed"])  # the same initialization for every method
-        self.model = SparseLM(config["vocab"], config["dim"], sparse=(name == "agsparse"))
+        # agsparse and ours get nn.Embedding(sparse=True) gradients (what a user with a large vocabulary has);
+        # DDP hands sparse buckets to the hook as they are
+        self.model = SparseLM(config["vocab"], config["dim"], sparse=name == "agsparse" or uses_sketch_hook(name))
         # One bucket per parameter, so that the hook sees each V-row matrix alone -- except for PowerSGD:
         # torch's hook issues its second and third all-reduces from future callbacks, which gloo runs on
         # its own threads, so with several buckets in flight ranks can issue them in different orders and
@@ -306,7 +314,7 @@ class Method:
                                                start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
                                                warm_start=True, random_seed=config["seed"])
             self.ddp.register_comm_hook(self.powersgd, psgd.powerSGD_hook)
-        elif name in OURS or name.startswith("sketch-"):
+        elif uses_sketch_hook(name):
             from fastdist.comm.hooks import SketchState
 
             kwargs = {"rows": config["sketch_rows"], "seed": config["seed"]}
