@@ -4,13 +4,14 @@
 #   make test  [PYTEST_ARGS="-k bitpack"]                     runs the test suite
 # and for the torch-free kernel layer:
 #   make kernel-check                                         C++ kernel tests + nvcc compile check
+#   make cuda-glue-check                                      nvcc compile check of the CUDA glue (csrc/ops/*_cuda.cu)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BUILD_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 CMAKE_DIR := build/cmake
 
-.PHONY: bench test kernel-check env clean
+.PHONY: bench test kernel-check cuda-glue-check env clean
 
 $(VENV)/.deps: requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,9 @@ kernel-check:
 	@if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then \
 	  cmake --build $(CMAKE_DIR) --target cuda_compile_check; \
 	else echo "kernel-check: no nvcc on this machine; CUDA compile check skipped"; fi
+
+cuda-glue-check: $(VENV)/.deps
+	scripts/cuda-glue-check.sh $(PY)
 
 clean:
 	rm -rf build dist $(VENV) python/fastdist/_C*.so python/fastdist/_build_info.py

@@ -1,8 +1,8 @@
 // CUDA kernels of the torch.ops.fastdist bit-packing ops (schemas in bitpack.cpp). Work runs on the current
 // stream of the input's device.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "ops/bitpack.h"
@@ -16,7 +16,7 @@ at::Tensor pack_bits_cuda_op(const at::Tensor& mask) {
   const at::Tensor src = mask.contiguous();
   at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kByte));
   C10_CUDA_CHECK(fastdist::pack_bits_cuda(bytes_of(src), v.rows, v.n, out.data_ptr<uint8_t>(),
-                                          at::cuda::getCurrentCUDAStream()));
+                                          c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -26,7 +26,7 @@ at::Tensor unpack_bits_cuda_op(const at::Tensor& packed, int64_t n) {
   const at::Tensor src = packed.contiguous();
   at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kBool));
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
-  C10_CUDA_CHECK(fastdist::unpack_bits_cuda(bytes_of(src), v.rows, v.n, dst, at::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(fastdist::unpack_bits_cuda(bytes_of(src), v.rows, v.n, dst, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -36,7 +36,7 @@ at::Tensor bitwise_or_reduce_cuda_op(const at::Tensor& packed) {
   const at::Tensor src = packed.contiguous();
   at::Tensor out = at::empty({src.size(1)}, src.options());
   C10_CUDA_CHECK(fastdist::bitwise_or_reduce_cuda(bytes_of(src), src.size(0), src.size(1), out.data_ptr<uint8_t>(),
-                                                  at::cuda::getCurrentCUDAStream()));
+                                                  c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 

@@ -1,8 +1,8 @@
 // CUDA kernels of the torch.ops.fastdist count-sketch ops (schemas in sketch.cpp). Work runs on the current stream of
 // the input's device. The hash coefficients are computed on the host and passed to the kernels by value.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "ops/sketch.h"
@@ -16,7 +16,7 @@ at::Tensor nonzero_bitmap_cuda_op(const at::Tensor& x, c10::string_view granular
   const at::Tensor src = x.contiguous();
   at::Tensor out = at::empty({sketch_support_bytes(u.n)}, src.options().dtype(at::kByte));
   C10_CUDA_CHECK(fastdist::nonzero_bitmap_cuda(src.const_data_ptr(), static_cast<int>(src.element_size()), u.n, u.m,
-                                               out.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream()));
+                                               out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -29,7 +29,7 @@ at::Tensor count_sketch_cuda_op(const at::Tensor& x, int64_t rows, int64_t cols,
   at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
   C10_CUDA_CHECK(fastdist::count_sketch_cuda(src.const_data_ptr(), value_type_of(src), u.n, u.m,
                                              sup.defined() ? support_bytes(sup) : nullptr, hash_for(seed, rows, cols),
-                                             table.data_ptr<float>(), at::cuda::getCurrentCUDAStream()));
+                                             table.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
   return table;
 }
 
@@ -42,7 +42,7 @@ at::Tensor count_sketch_decode_cuda_op(const at::Tensor& table, const at::Tensor
   at::Tensor out = at::empty({u.n, u.m}, tab.options());
   C10_CUDA_CHECK(fastdist::count_sketch_decode_cuda(tab.const_data_ptr<float>(), support_bytes(sup), u.n, u.m,
                                                     hash_for(seed, tab.size(0), tab.size(1)), out.data_ptr<float>(),
-                                                    at::cuda::getCurrentCUDAStream()));
+                                                    c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -56,7 +56,7 @@ at::Tensor count_sketch_units_cuda_op(const at::Tensor& values, const at::Tensor
   C10_CUDA_CHECK(fastdist::count_sketch_units_cuda(src.const_data_ptr(), value_type_of(src),
                                                    idx.const_data_ptr<int64_t>(), u.n, u.m,
                                                    hash_for(seed, rows, cols), table.data_ptr<float>(),
-                                                   at::cuda::getCurrentCUDAStream()));
+                                                   c10::cuda::getCurrentCUDAStream()));
   return table;
 }
 
@@ -69,7 +69,7 @@ at::Tensor count_sketch_decode_units_cuda_op(const at::Tensor& table, const at::
   at::Tensor out = at::empty({k, m}, tab.options());
   C10_CUDA_CHECK(fastdist::count_sketch_decode_units_cuda(tab.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
                                                           k, m, hash_for(seed, tab.size(0), tab.size(1)),
-                                                          out.data_ptr<float>(), at::cuda::getCurrentCUDAStream()));
+                                                          out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> sketch_hash_cuda_op(const at::Tensor& idx, in
   at::Tensor sign = at::empty({rows, len}, src.options().dtype(at::kChar));
   C10_CUDA_CHECK(fastdist::sketch_hash_cuda(src.const_data_ptr<int64_t>(), len, hash_for(seed, rows, cols),
                                             bucket.data_ptr<int64_t>(), sign.data_ptr<int8_t>(),
-                                            at::cuda::getCurrentCUDAStream()));
+                                            c10::cuda::getCurrentCUDAStream()));
   return {bucket, sign};
 }
 
