@@ -121,7 +121,7 @@ def _check(counts, max_replicas_per_rank):
 
 
 def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=0.05):
-    """Pro-Prophet's greedy search. Returns (best plan, [predicted time after each step, starting with no replicas]).
+    """Pro-Prophet's greedy search. Returns (best plan, [(plan, predicted time) after each step, from no replicas]).
 
     Each step takes the most loaded rank (ties: lower rank), its expert with the most tokens from other ranks (ties:
     lower id) that some sender can still take, and replicates it on the rank sending it the most tokens (ties: lower
@@ -135,7 +135,7 @@ def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=
     per_rank = experts // world
     plan = Plan()
     best_plan, best_time = plan, cost.time(counts, plan)[0]
-    history = [best_time]
+    history = [(plan, best_time)]
     held = np.zeros(world, dtype=np.int64)
     for _ in range(budget):
         h, _, _ = loads(counts, plan)
@@ -159,7 +159,7 @@ def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=
         plan = plan.with_replica(*choice)
         held[choice[1]] += 1
         t = cost.time(counts, plan)[0]
-        history.append(t)
+        history.append((plan, t))
         if t < best_time:
             best_plan, best_time = plan, t
     return best_plan, history
