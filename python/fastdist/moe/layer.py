@@ -234,6 +234,7 @@ class MoELayer(nn.Module):
         self.expert_numel = 2 * d_model * d_ff + d_model + d_ff
         self.aux_loss = None
         self._stats = {}
+        self._prefetched = None
 
     # ---- helpers for the replica traffic ----
 
@@ -260,6 +261,16 @@ class MoELayer(nn.Module):
     def plan(self):
         return self.planner.plan
 
+    def prefetch_replicas(self):
+        """Starts sending this step's replica parameters now, so that they travel while earlier work runs.
+
+        Call it after the optimizer step and before the layer's input is ready (e.g. at the start of the block, so
+        the transfer overlaps the attention); forward() starts the transfer itself when nobody did. Every rank of
+        the group must call it for the same steps (it issues point-to-point messages on the replica group).
+        """
+        if self.world > 1 and self.plan.replicas and self._prefetched is None:
+            self._prefetched = _ReplicaTraffic(self, self.plan)
+
     def _ensure_cost_model(self):
         if self.planner.cost is None and self.balance != "none":
             from fastdist.moe.calibrate import calibrate
@@ -285,7 +296,8 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, self.d_model)
         tokens = x.shape[0]
         plan = self.plan if self.world > 1 else Plan()
-        traffic = _ReplicaTraffic(self, plan) if plan.replicas else None
+        self.prefetch_replicas()
+        traffic, self._prefetched = self._prefetched, None
 
         logits = self.gate(x).float()
         probs, _, topk_idx, topk_weight = moe_route(logits, self.k)
