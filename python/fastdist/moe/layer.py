@@ -18,8 +18,10 @@ One forward, on every rank of `group` (R ranks, E experts, rank r owns experts [
    i.e. before any optimizer step.
 
 The plan for step n+1 is computed from step n's counts (expert load changes slowly; Pro-Prophet's observation), by
-the same deterministic planner on every rank.
+the same deterministic planner on every rank, on a CPU thread while step n's all-to-alls and experts run. Step 1's
+transfer can start earlier than the layer's forward: MoELayer.prefetch_replicas() (e.g. before the block's attention).
 """
+import concurrent.futures
 import math
 import time
 
@@ -86,7 +88,7 @@ class _ReplicaTraffic:
         out = []
         for e, handle, buf in self.pending:
             handle.wait()
-            out.append((e, *self.layer.unpack_expert(buf)))
+            out.append((e, *self.layer.split_expert(buf)))  # views: the buffer is ours alone
         for handle in self.sends:
             handle.wait()
         self.sends = []
@@ -148,6 +150,16 @@ class _ReplicaExchange(torch.autograd.Function):
         traffic.post_grad_receives()
         torch.autograd.Variable._execution_engine.queue_callback(traffic.finish_grads)
         return None, gw1, gb1, gw2, gb2
+
+
+_PLANNER_THREAD = []
+
+
+def _planner_thread():
+    """One background thread shared by every layer of the process (plans are small; they never overlap)."""
+    if not _PLANNER_THREAD:
+        _PLANNER_THREAD.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdist-plan"))
+    return _PLANNER_THREAD[0]
 
 
 def _segments_index(starts, lengths, device):
@@ -254,8 +266,6 @@ class MoELayer(nn.Module):
         w1, b1, w2, b2 = flat.split([d * f, f, f * d, d])
         return w1.view(d, f), b1, w2.view(f, d), b2
 
-    def unpack_expert(self, flat):
-        return tuple(t.clone() for t in self.split_expert(flat))
 
     @property
     def plan(self):
@@ -314,6 +324,8 @@ class MoELayer(nn.Module):
             gathered = mine
         both = gathered.view(self.world, 2, self.num_experts).cpu().numpy()
         cnt, all_counts = both[:, 0], both[:, 1]
+        # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
+        planning = _planner_thread().submit(self.planner.update, cnt) if self.world > 1 else None
 
         replicated_here = set(plan.replicated_on(self.rank))
         my_kept = cnt[self.rank]
@@ -375,8 +387,8 @@ class MoELayer(nn.Module):
         else:
             self.aux_loss = probs.sum() * 0.0
         self._record(cnt, all_counts, plan, time.perf_counter() - start, send_splits, recv_splits)
-        if self.world > 1:
-            next_plan = self.planner.update(cnt)
+        if planning is not None:
+            next_plan = planning.result()
             if self.planner.steps % self.planner.plan_interval == 0:
                 check_same("MoELayer plan", next_plan, self.group)  # equal inputs must have given equal plans
         return out.reshape(shape)
