@@ -18,8 +18,8 @@ median over the method's; tok max/mean is the tokens computed on the busiest ran
 steps); a2a max/mean the same for all-to-all bytes (max of sent and received); std before/after is the std of
 tokens per rank without and with the method's replicas; dropped is the total over the timed steps; predicted is the
 cost model's time for the plan on the step's counts and err its mean |predicted - measured| / measured.
-Then the projection: the calibrated cost model evaluated on synthetic Zipf count matrices for 8 to 64 ranks
-(labelled as a projection; nothing there is measured). Also: moe_layout against a torch sort/bincount layout at
+Then the projection: the calibrated cost model evaluated on synthetic Zipf count matrices for 8 to 64 ranks, with
+the popularity over a random expert order (labelled as a projection; nothing there is measured). Also: moe_layout against a torch sort/bincount layout at
 T * k = --layout-size assignments.
 """
 import math
@@ -287,7 +287,8 @@ def run(args):
               f"{100 * r['model_error']:.0f}%"] for r in rows]
     print(report.format_table(headers, table, align=["l"] + ["r"] * 9))
     proj = projection(launch.result["cost_model"], config)
-    print("# PROJECTION from the calibrated cost model (not measured): predicted layer fwd+bwd, tokens max/mean")
+    print("# PROJECTION from the calibrated cost model (not measured; Zipf popularity over a random expert order): "
+          "predicted layer fwd+bwd, tokens max/mean")
     print(report.format_table(
         ["ranks", "experts", "dropless(ms)", "shadow(ms)", "prophet(ms)", "prophet vs dropless", "prophet vs shadow",
          "tok max/mean dropless -> prophet"],

@@ -120,45 +120,69 @@ def _check(counts, max_replicas_per_rank):
     return counts
 
 
-def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=0.05):
-    """Pro-Prophet's greedy search. Returns (best plan, [(plan, predicted time) after each step, from no replicas]).
+def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=0.05, width=4, from_shadow=True):
+    """Pro-Prophet's greedy search. Returns (best plan, [(plan, predicted time) of every state visited]).
 
-    Each step takes the most loaded rank (ties: lower rank), its expert with the most tokens from other ranks (ties:
-    lower id) that some sender can still take, and replicates it on the rank sending it the most tokens (ties: lower
-    rank) among those below `max_replicas_per_rank`. The best prefix by predicted time wins (the empty plan included),
-    so more budget never predicts worse. Stops after `budget` steps (default ranks * max_replicas_per_rank), when
+    Each step takes the most loaded rank (ties: lower rank) and its `width` experts with the most tokens from other
+    ranks. For each such expert the candidate moves are: a replica on the rank sending it the most tokens, one on
+    the second, or replicas on every sender (among ranks below `max_replicas_per_rank`). The step makes the move
+    with the lowest predicted time (ties: more tokens moved, then lower expert id, then lower ranks) -- the paper's
+    choice of expert and senders, refined by the cost model so that replicas whose traffic costs more than they
+    save are passed over. The best state by predicted time wins (the starting plan included), so more budget never
+    predicts worse. A search stops after `budget` steps (default ranks * max_replicas_per_rank), when
     max(H) - min(H) < stop_alpha * sum(counts) / ranks, or when no replica can be added.
+
+    With `from_shadow`, a second search starts from the FasterMoE-style shadowing plan, so the search space includes
+    it and the result never predicts worse than shadowing (a greedy step can be myopic where whole-expert
+    broadcasts pay off together).
     """
+    best_plan, history = _greedy(counts, cost, Plan(), max_replicas_per_rank, budget, stop_alpha, width)
+    if from_shadow:
+        seeded_plan, seeded = _greedy(counts, cost, plan_shadow(counts, cost, max_replicas_per_rank),
+                                      max_replicas_per_rank, budget, stop_alpha, width)
+        if cost.time(counts, seeded_plan)[0] < cost.time(counts, best_plan)[0]:
+            best_plan = seeded_plan
+        history = history + seeded
+    return best_plan, history
+
+
+def _greedy(counts, cost, start, max_replicas_per_rank, budget, stop_alpha, width):
     counts = _check(counts, max_replicas_per_rank)
     world, experts = counts.shape
     budget = world * max_replicas_per_rank if budget is None else budget
     per_rank = experts // world
-    plan = Plan()
+    plan = start
     best_plan, best_time = plan, cost.time(counts, plan)[0]
     history = [(plan, best_time)]
-    held = np.zeros(world, dtype=np.int64)
+    held = np.bincount(np.array([r for _, r in plan.replicas], dtype=np.int64), minlength=world)
     for _ in range(budget):
         h, _, _ = loads(counts, plan)
         if h.max() - h.min() < stop_alpha * counts.sum() / world:
             break
         busiest = int(np.argmax(h))
         dest = destinations(counts.shape, plan)
-        choice = None
-        # Candidate experts computed on the busiest rank, by their tokens from other ranks, most first.
+        # Experts computed on the busiest rank, by their tokens from other ranks, most first.
         remote_tokens = np.where((dest == busiest) & (np.arange(world)[:, None] != busiest), counts, 0).sum(axis=0)
+        candidates = []
         for e in sorted(range(experts), key=lambda e: (-remote_tokens[e], e)):
-            if remote_tokens[e] == 0:
+            if remote_tokens[e] == 0 or len({c[1] for c in candidates}) >= width:
                 break
             senders = [s for s in range(world) if dest[s, e] == busiest and s != busiest and s != e // per_rank
                        and held[s] < max_replicas_per_rank and counts[s, e] > 0]
-            if senders:
-                choice = (e, min(senders, key=lambda s: (-counts[s, e], s)))
-                break
-        if choice is None:
+            ranked = sorted(senders, key=lambda s: (-counts[s, e], s))
+            groups = [ranked[:1], ranked[1:2], ranked] if len(ranked) > 2 else [[s] for s in ranked]
+            for group in groups:
+                if not group:
+                    continue
+                trial = plan
+                for s in group:
+                    trial = trial.with_replica(e, s)
+                moved = int(sum(counts[s, e] for s in group))
+                candidates.append((cost.time(counts, trial)[0], -moved, e, tuple(group), trial))
+        if not candidates:
             break
-        plan = plan.with_replica(*choice)
-        held[choice[1]] += 1
-        t = cost.time(counts, plan)[0]
+        t, _, _, holders, plan = min(candidates, key=lambda c: c[:4])
+        held[list(holders)] += 1
         history.append((plan, t))
         if t < best_time:
             best_plan, best_time = plan, t
