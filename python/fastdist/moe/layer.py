@@ -95,12 +95,13 @@ class _ReplicaTraffic:
         return out
 
     def send_grads(self, expert_grads):
-        """Holder side: expert_grads[(e)] = flat gradient of the replica of e; sent to the owners."""
+        """Holder side: sends each (expert, flat gradient of its replica here) to the expert's owner."""
         for e, grad in expert_grads:
             self.sends.append(dist.isend(grad, self.layer.global_rank(self.layer.owner(e)),
                                          group=self.layer.replica_group, tag=e))
 
     def post_grad_receives(self):
+        """Owner side: posts a receive for the gradient of every replica of an expert it owns."""
         layer = self.layer
         for e, holder in self.plan.replicas:
             if layer.owner(e) == layer.rank:
