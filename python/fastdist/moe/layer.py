@@ -72,6 +72,7 @@ class _ReplicaTraffic:
         self.pending = []            # forward receives: (expert, handle, buffer)
         self.sends = []
         self.grad_recvs = []         # backward: (local expert index, handle, buffer)
+        self.finish_queued = False
         rank = layer.rank
         for e, holder in plan.replicas:
             owner = layer.owner(e)
@@ -109,6 +110,11 @@ class _ReplicaTraffic:
                 handle = dist.irecv(buf, layer.global_rank(holder), group=layer.replica_group, tag=e)
                 self.grad_recvs.append((e - layer.first_expert, handle, buf))
 
+    def finish_at_end_of_backward(self):
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
+
     def finish_grads(self):
         """End of backward: adds the received replica gradients into the owner's .grad (in plan order)."""
         layer = self.layer
@@ -124,33 +130,45 @@ class _ReplicaTraffic:
         self.grad_recvs, self.sends = [], []
 
 
-class _ReplicaExchange(torch.autograd.Function):
-    """Identity on the owned expert parameters, plus the received replica parameters as new differentiable tensors.
+class _OwnedExperts(torch.autograd.Function):
+    """Identity on the owned expert parameters; its backward posts the receives for their replicas' gradients.
 
-    Backward sends the replicas' gradients to their owners and posts the receives for the owned experts' replica
-    gradients; the owners add them at the end of the backward pass (queue_callback), so no rank blocks inside
-    autograd on a peer that may still be running a different part of its backward.
+    The owners add those gradients at the end of the backward pass (queue_callback), so no rank blocks inside
+    autograd on a peer that may still be running another part of its backward.
     """
 
     @staticmethod
     def forward(ctx, traffic, w1, b1, w2, b2):
+        ctx.traffic = traffic
+        return w1.view_as(w1), b1.view_as(b1), w2.view_as(w2), b2.view_as(b2)
+
+    @staticmethod
+    def backward(ctx, gw1, gb1, gw2, gb2):
+        ctx.traffic.post_grad_receives()
+        ctx.traffic.finish_at_end_of_backward()
+        return None, gw1, gb1, gw2, gb2
+
+
+class _ReplicaParams(torch.autograd.Function):
+    """Waits for this rank's replica parameters and returns them as differentiable tensors; backward sends their
+    gradients to the owners. `anchor` (an owned parameter) only makes autograd record the node."""
+
+    @staticmethod
+    def forward(ctx, traffic, anchor):
         replicas = traffic.replica_params()
         ctx.traffic = traffic
         ctx.replica_experts = [r[0] for r in replicas]
-        flat = [t for r in replicas for t in r[1:]]
-        return (w1.view_as(w1), b1.view_as(b1), w2.view_as(w2), b2.view_as(b2), *flat)
+        return tuple(t for r in replicas for t in r[1:])
 
     @staticmethod
-    def backward(ctx, gw1, gb1, gw2, gb2, *replica_grads):
-        traffic = ctx.traffic
+    def backward(ctx, *replica_grads):
         grads = []
         for i, e in enumerate(ctx.replica_experts):
             parts = replica_grads[4 * i:4 * i + 4]
             grads.append((e, torch.cat([p.reshape(-1) for p in parts]).contiguous()))
-        traffic.send_grads(grads)
-        traffic.post_grad_receives()
-        torch.autograd.Variable._execution_engine.queue_callback(traffic.finish_grads)
-        return None, gw1, gb1, gw2, gb2
+        ctx.traffic.send_grads(grads)
+        ctx.traffic.finish_at_end_of_backward()
+        return None, None
 
 
 _PLANNER_THREAD = []
@@ -361,19 +379,22 @@ class MoELayer(nn.Module):
         to_expert_major = _segments_index(src_starts[flat], recv_counts.reshape(-1)[flat], x.device)
         by_expert = received.index_select(0, to_expert_major)
 
+        # Owned experts first (their rows have arrived), then the replicas (their parameters had the longest to
+        # arrive), both before the combine all-to-all so that owners and holders compute at the same time.
         owned = (self.w1, self.b1, self.w2, self.b2)
         if traffic is not None:
-            exchanged = _ReplicaExchange.apply(traffic, *owned)
-            owned, replica_flat = exchanged[:4], exchanged[4:]
-        else:
-            replica_flat = ()
+            owned = _OwnedExperts.apply(traffic, *owned)
         owned_params = [tuple(p[i] for p in owned) for i in range(self.experts_per_rank)]
         y_by_expert = self._experts(by_expert, recv_counts.sum(axis=0).tolist(), owned_params)
+        if local_experts:
+            replica_flat = _ReplicaParams.apply(traffic, self.b2)
+            replica_params = [tuple(replica_flat[4 * i:4 * i + 4]) for i in range(len(local_experts))]
+            y_local = self._experts(local_rows, [int(my_kept[e]) for e in local_experts], replica_params)
+        elif traffic is not None:
+            traffic.replica_params()  # no replica here; completes this rank's parameter sends
         y_received = torch.empty_like(y_by_expert).index_copy(0, to_expert_major, y_by_expert) \
             if y_by_expert.shape[0] else y_by_expert
         y_sent = _AllToAll.apply(y_received, send_splits, recv_splits, self.group) if self.world > 1 else y_received
-        replica_params = [tuple(replica_flat[4 * i:4 * i + 4]) for i in range(len(local_experts))]
-        y_local = self._experts(local_rows, [int(my_kept[e]) for e in local_experts], replica_params)
         if local_experts:
             y_rows = torch.empty_like(rows).index_copy(0, torch.cat([send_index, local_index]),
                                                        torch.cat([y_sent, y_local]))
