@@ -21,9 +21,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from fastdist.moe import MoELayer
+from torch import nn
 
 
 def parse_args(argv=None):

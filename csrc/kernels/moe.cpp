@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace fastdist {
 namespace {
@@ -57,37 +59,124 @@ int64_t route_rows(const T* logits, int64_t num_experts, int64_t k, float* probs
   return nan_rows;
 }
 
-template <typename T>
-void permute_rows(const T* x, int64_t d, int64_t k, const int64_t* row_of_slot, const T* weight, T* out,
-                  int64_t t_begin, int64_t t_end) {
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Storage formats: load to the compute type, store with one rounding (to nearest, ties to even).
+struct F32 {
+  using Storage = float;
+  using Acc = float;
+  static Acc load(Storage v) { return v; }
+  static Storage store(Acc v) { return v; }
+};
+
+struct F64 {
+  using Storage = double;
+  using Acc = double;
+  static Acc load(Storage v) { return v; }
+  static Storage store(Acc v) { return v; }
+};
+
+struct BF16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc load(Storage v) { return float_of(static_cast<uint32_t>(v) << 16); }
+  static Storage store(Acc f) {
+    const uint32_t u = bits_of(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<Storage>((u >> 16) | 0x40u);  // quiet NaN
+    return static_cast<Storage>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+
+struct F16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc load(Storage h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7FFFu;
+    if (em >= 0x7C00u) return float_of(sign | 0x7F800000u | ((em & 0x3FFu) << 13));  // infinity, NaN
+    if (em < 0x0400u) {                                                               // zero, subnormal: em * 2^-24
+      const float v = static_cast<float>(em) * 5.9604644775390625e-8f;
+      return sign ? -v : v;
+    }
+    return float_of(sign | ((em << 13) + 0x38000000u));  // rebias the exponent 15 -> 127
+  }
+  static Storage store(Acc f) {
+    const uint32_t u = bits_of(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return static_cast<Storage>(sign | 0x7E00u);  // NaN
+    if (a >= 0x477FF000u) return static_cast<Storage>(sign | 0x7C00u);  // >= 65520 rounds to infinity
+    if (a < 0x38800000u) {  // below 2^-14: a half subnormal, round(|f| * 2^24) (exact scaling, default rounding)
+      return static_cast<Storage>(sign | static_cast<uint32_t>(std::nearbyint(float_of(a) * 16777216.0f)));
+    }
+    return static_cast<Storage>(sign | ((a + 0x0FFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+  }
+};
+
+template <typename Format>
+void permute_rows(const void* x_raw, int64_t d, int64_t k, const int64_t* row_of_slot, const void* weight_raw,
+                  void* out_raw, int64_t t_begin, int64_t t_end) {
+  using S = typename Format::Storage;
+  using Acc = typename Format::Acc;
+  const S* x = static_cast<const S*>(x_raw);
+  const S* weight = static_cast<const S*>(weight_raw);
+  S* out = static_cast<S*>(out_raw);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const T* src = x + t * d;
+    const S* src = x + t * d;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = row_of_slot[t * k + j];
       if (r < 0) continue;
-      T* dst = out + r * d;
+      S* dst = out + r * d;
       if (weight == nullptr) {
         std::copy(src, src + d, dst);
       } else {
-        const T w = weight[t * k + j];
-        for (int64_t c = 0; c < d; ++c) dst[c] = w * src[c];
+        const Acc w = Format::load(weight[t * k + j]);
+        for (int64_t c = 0; c < d; ++c) dst[c] = Format::store(w * Format::load(src[c]));
       }
     }
   }
 }
 
-template <typename T>
-void unpermute_rows(const T* y, int64_t d, int64_t k, const int64_t* row_of_slot, const T* weight, T* out,
-                    int64_t t_begin, int64_t t_end) {
+template <typename Format>
+void unpermute_rows(const void* y_raw, int64_t d, int64_t k, const int64_t* row_of_slot, const void* weight_raw,
+                    void* out_raw, int64_t t_begin, int64_t t_end) {
+  using S = typename Format::Storage;
+  using Acc = typename Format::Acc;
+  const S* y = static_cast<const S*>(y_raw);
+  const S* weight = static_cast<const S*>(weight_raw);
+  S* out = static_cast<S*>(out_raw);
+  std::vector<Acc> acc(static_cast<size_t>(std::is_same_v<S, Acc> ? 0 : d));
   for (int64_t t = t_begin; t < t_end; ++t) {
-    T* dst = out + t * d;
-    std::fill(dst, dst + d, T(0));
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t r = row_of_slot[t * k + j];
-      if (r < 0) continue;
-      const T* src = y + r * d;
-      const T w = weight == nullptr ? T(1) : weight[t * k + j];
-      for (int64_t c = 0; c < d; ++c) dst[c] += w * src[c];
+    S* dst = out + t * d;
+    if constexpr (std::is_same_v<S, Acc>) {  // float32 / float64: accumulate in place
+      std::fill(dst, dst + d, Acc(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = row_of_slot[t * k + j];
+        if (r < 0) continue;
+        const S* src = y + r * d;
+        const Acc w = weight == nullptr ? Acc(1) : weight[t * k + j];
+        for (int64_t c = 0; c < d; ++c) dst[c] += w * src[c];
+      }
+    } else {  // 16-bit rows: accumulate in float32, round once
+      std::fill(acc.begin(), acc.end(), Acc(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = row_of_slot[t * k + j];
+        if (r < 0) continue;
+        const S* src = y + r * d;
+        const Acc w = weight == nullptr ? Acc(1) : Format::load(weight[t * k + j]);
+        for (int64_t c = 0; c < d; ++c) acc[c] += w * Format::load(src[c]);
+      }
+      for (int64_t c = 0; c < d; ++c) dst[c] = Format::store(acc[c]);
     }
   }
 }
@@ -166,23 +255,21 @@ void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t tokens, int64_t k, 
 
 void moe_permute_cpu(const void* x, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                      const void* weight, void* out, int64_t t_begin, int64_t t_end) {
-  if (type == MoeValueType::kFloat64) {
-    permute_rows(static_cast<const double*>(x), d, k, row_of_slot, static_cast<const double*>(weight),
-                 static_cast<double*>(out), t_begin, t_end);
-  } else {
-    permute_rows(static_cast<const float*>(x), d, k, row_of_slot, static_cast<const float*>(weight),
-                 static_cast<float*>(out), t_begin, t_end);
+  switch (type) {
+    case MoeValueType::kFloat64: return permute_rows<F64>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kFloat16: return permute_rows<F16>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kBFloat16: return permute_rows<BF16>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    default: return permute_rows<F32>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
   }
 }
 
 void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                        const void* weight, void* out, int64_t t_begin, int64_t t_end) {
-  if (type == MoeValueType::kFloat64) {
-    unpermute_rows(static_cast<const double*>(y), d, k, row_of_slot, static_cast<const double*>(weight),
-                   static_cast<double*>(out), t_begin, t_end);
-  } else {
-    unpermute_rows(static_cast<const float*>(y), d, k, row_of_slot, static_cast<const float*>(weight),
-                   static_cast<float*>(out), t_begin, t_end);
+  switch (type) {
+    case MoeValueType::kFloat64: return unpermute_rows<F64>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kFloat16: return unpermute_rows<F16>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kBFloat16: return unpermute_rows<BF16>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    default: return unpermute_rows<F32>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
   }
 }
 

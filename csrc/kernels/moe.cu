@@ -15,6 +15,9 @@
 //      assigns, on any GPU and any launch configuration.
 // Permute and unpermute: one block per token (grid-stride), threads over the row's columns; unpermute gathers the
 // token's k rows in increasing j, so it needs no atomics either.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "kernels/moe.h"
@@ -221,37 +224,96 @@ __global__ void layout_scatter_kernel(const int64_t* __restrict__ topk_idx, int6
   }
 }
 
-template <typename T>
-__global__ void permute_kernel(const T* __restrict__ x, int64_t tokens, int64_t d, int64_t k,
-                               const int64_t* __restrict__ row_of_slot, const T* __restrict__ weight,
-                               T* __restrict__ out) {
+// Storage formats: load to the compute type, store with one rounding to nearest even.
+struct F32 {
+  using Storage = float;
+  using Acc = float;
+  __device__ static Acc load(Storage v) { return v; }
+  __device__ static Storage store(Acc v) { return v; }
+};
+
+struct F64 {
+  using Storage = double;
+  using Acc = double;
+  __device__ static Acc load(Storage v) { return v; }
+  __device__ static Storage store(Acc v) { return v; }
+};
+
+struct F16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  __device__ static Acc load(Storage v) { return __half2float(__ushort_as_half(v)); }
+  __device__ static Storage store(Acc v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+struct BF16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  __device__ static Acc load(Storage v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
+  __device__ static Storage store(Acc v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+
+template <typename Format>
+__global__ void permute_kernel(const typename Format::Storage* __restrict__ x, int64_t tokens, int64_t d, int64_t k,
+                               const int64_t* __restrict__ row_of_slot,
+                               const typename Format::Storage* __restrict__ weight,
+                               typename Format::Storage* __restrict__ out) {
+  using Acc = typename Format::Acc;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const T* src = x + t * d;
+    const typename Format::Storage* src = x + t * d;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = row_of_slot[t * k + j];
       if (r < 0) continue;
-      const T w = weight == nullptr ? T(1) : weight[t * k + j];
-      T* dst = out + r * d;
-      for (int64_t col = threadIdx.x; col < d; col += blockDim.x) dst[col] = w * src[col];
+      typename Format::Storage* dst = out + r * d;
+      if (weight == nullptr) {
+        for (int64_t col = threadIdx.x; col < d; col += blockDim.x) dst[col] = src[col];
+      } else {
+        const Acc w = Format::load(weight[t * k + j]);
+        for (int64_t col = threadIdx.x; col < d; col += blockDim.x) {
+          dst[col] = Format::store(w * Format::load(src[col]));
+        }
+      }
     }
   }
 }
 
-template <typename T>
-__global__ void unpermute_kernel(const T* __restrict__ y, int64_t tokens, int64_t d, int64_t k,
-                                 const int64_t* __restrict__ row_of_slot, const T* __restrict__ weight,
-                                 T* __restrict__ out) {
+template <typename Format>
+__global__ void unpermute_kernel(const typename Format::Storage* __restrict__ y, int64_t tokens, int64_t d,
+                                 int64_t k, const int64_t* __restrict__ row_of_slot,
+                                 const typename Format::Storage* __restrict__ weight,
+                                 typename Format::Storage* __restrict__ out) {
+  using Acc = typename Format::Acc;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    T* dst = out + t * d;
+    typename Format::Storage* dst = out + t * d;
     for (int64_t col = threadIdx.x; col < d; col += blockDim.x) {
-      T acc = 0;
+      Acc acc = 0;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = row_of_slot[t * k + j];
-        if (r >= 0) acc += (weight == nullptr ? T(1) : weight[t * k + j]) * y[r * d + col];
+        if (r < 0) continue;
+        const Acc w = weight == nullptr ? Acc(1) : Format::load(weight[t * k + j]);
+        acc += w * Format::load(y[r * d + col]);
       }
-      dst[col] = acc;
+      dst[col] = Format::store(acc);
     }
   }
+}
+
+template <typename Format>
+cudaError_t launch_permute(const void* x, int64_t tokens, int64_t d, int64_t k, const int64_t* row_of_slot,
+                           const void* weight, void* out, int grid, int threads, cudaStream_t stream) {
+  using S = typename Format::Storage;
+  permute_kernel<Format><<<grid, threads, 0, stream>>>(static_cast<const S*>(x), tokens, d, k, row_of_slot,
+                                                       static_cast<const S*>(weight), static_cast<S*>(out));
+  return cudaGetLastError();
+}
+
+template <typename Format>
+cudaError_t launch_unpermute(const void* y, int64_t tokens, int64_t d, int64_t k, const int64_t* row_of_slot,
+                             const void* weight, void* out, int grid, int threads, cudaStream_t stream) {
+  using S = typename Format::Storage;
+  unpermute_kernel<Format><<<grid, threads, 0, stream>>>(static_cast<const S*>(y), tokens, d, k, row_of_slot,
+                                                         static_cast<const S*>(weight), static_cast<S*>(out));
+  return cudaGetLastError();
 }
 
 int grid_for(int64_t items, int64_t per_block) {
@@ -314,32 +376,34 @@ cudaError_t moe_permute_cuda(const void* x, MoeValueType type, int64_t tokens, i
                              const int64_t* row_of_slot, const void* weight, void* out, cudaStream_t stream) {
   if (tokens == 0 || d == 0) return cudaSuccess;
   const int grid = grid_for(tokens, 1);
-  if (type == MoeValueType::kFloat64) {
-    permute_kernel<double><<<grid, row_threads(d), 0, stream>>>(static_cast<const double*>(x), tokens, d, k,
-                                                                row_of_slot, static_cast<const double*>(weight),
-                                                                static_cast<double*>(out));
-  } else {
-    permute_kernel<float><<<grid, row_threads(d), 0, stream>>>(static_cast<const float*>(x), tokens, d, k,
-                                                               row_of_slot, static_cast<const float*>(weight),
-                                                               static_cast<float*>(out));
+  const int threads = row_threads(d);
+  switch (type) {
+    case MoeValueType::kFloat64:
+      return launch_permute<F64>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+    case MoeValueType::kFloat16:
+      return launch_permute<F16>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+    case MoeValueType::kBFloat16:
+      return launch_permute<BF16>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+    default:
+      return launch_permute<F32>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
   }
-  return cudaGetLastError();
 }
 
 cudaError_t moe_unpermute_cuda(const void* y, MoeValueType type, int64_t tokens, int64_t d, int64_t k,
                                const int64_t* row_of_slot, const void* weight, void* out, cudaStream_t stream) {
   if (tokens == 0 || d == 0) return cudaSuccess;
   const int grid = grid_for(tokens, 1);
-  if (type == MoeValueType::kFloat64) {
-    unpermute_kernel<double><<<grid, row_threads(d), 0, stream>>>(static_cast<const double*>(y), tokens, d, k,
-                                                                  row_of_slot, static_cast<const double*>(weight),
-                                                                  static_cast<double*>(out));
-  } else {
-    unpermute_kernel<float><<<grid, row_threads(d), 0, stream>>>(static_cast<const float*>(y), tokens, d, k,
-                                                                 row_of_slot, static_cast<const float*>(weight),
-                                                                 static_cast<float*>(out));
+  const int threads = row_threads(d);
+  switch (type) {
+    case MoeValueType::kFloat64:
+      return launch_unpermute<F64>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+    case MoeValueType::kFloat16:
+      return launch_unpermute<F16>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+    case MoeValueType::kBFloat16:
+      return launch_unpermute<BF16>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+    default:
+      return launch_unpermute<F32>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace fastdist

@@ -37,8 +37,10 @@
 
 namespace fastdist {
 
-// Value types of the row data moved by permute / unpermute (and the gate logits).
-enum class MoeValueType : int32_t { kFloat32 = 0, kFloat64 = 1 };
+// Value types of the row data. The gate logits are float32 or float64; permute / unpermute also move float16 and
+// bfloat16 rows (16-bit storage): they compute in float32 (float64 for float64 rows) and round to nearest even once
+// per output value, so unpermute's k-way sum is rounded once, not k times.
+enum class MoeValueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel ----
 

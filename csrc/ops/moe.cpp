@@ -98,7 +98,7 @@ at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot
   const int64_t d = src.size(1);
   const int64_t k = rows.size(1);
   at::Tensor out = at::zeros({num_rows, d}, src.options());
-  const MoeValueType type = value_type_of(src, "x");
+  const MoeValueType type = row_type_of(src, "x");
   at::parallel_for(0, src.size(0), grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
     fastdist::moe_permute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
                               w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);
@@ -117,7 +117,7 @@ at::Tensor moe_unpermute_cpu_op(const at::Tensor& y, const at::Tensor& row_of_sl
   const int64_t d = src.size(1);
   const int64_t k = rows.size(1);
   at::Tensor out = at::empty({tokens, d}, src.options());
-  const MoeValueType type = value_type_of(src, "y");
+  const MoeValueType type = row_type_of(src, "y");
   at::parallel_for(0, tokens, grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
     fastdist::moe_unpermute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
                                 w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);

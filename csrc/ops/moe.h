@@ -14,6 +14,7 @@ namespace fastdist::moe {
 constexpr int64_t kMaxK = 16;
 constexpr int64_t kMaxExpertsCuda = 4096;
 
+// Gate logits: float32 or float64.
 inline MoeValueType value_type_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return MoeValueType::kFloat32;
@@ -21,6 +22,19 @@ inline MoeValueType value_type_of(const at::Tensor& t, const char* name) {
     default:
       TORCH_CHECK(false, "fastdist: '", name, "' must have dtype torch.float32 or torch.float64, got ",
                   dtype_name(t.scalar_type()));
+  }
+}
+
+// Row data of permute / unpermute: float32, float64, float16 or bfloat16.
+inline MoeValueType row_type_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return MoeValueType::kFloat32;
+    case at::kDouble: return MoeValueType::kFloat64;
+    case at::kHalf: return MoeValueType::kFloat16;
+    case at::kBFloat16: return MoeValueType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "fastdist: '", name, "' must have a floating dtype (torch.float32, torch.float64, "
+                  "torch.float16 or torch.bfloat16), got ", dtype_name(t.scalar_type()));
   }
 }
 
@@ -66,7 +80,7 @@ inline void check_slots(const at::Tensor& x, const char* x_name, const at::Tenso
 // moe_permute(x [T, d], row_of_slot [T, k], num_rows, weight?)
 inline void check_permute(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
                           const std::optional<at::Tensor>& weight) {
-  value_type_of(x, "x");
+  row_type_of(x, "x");
   FD_CHECK_DIM(x, 2);
   FD_CHECK_NONNEGATIVE(num_rows);
   check_slots(x, "x", row_of_slot, weight, x.size(0));
@@ -75,7 +89,7 @@ inline void check_permute(const at::Tensor& x, const at::Tensor& row_of_slot, in
 // moe_unpermute(y [N, d], row_of_slot [T, k], weight?)
 inline void check_unpermute(const at::Tensor& y, const at::Tensor& row_of_slot,
                             const std::optional<at::Tensor>& weight) {
-  value_type_of(y, "y");
+  row_type_of(y, "y");
   FD_CHECK_DIM(y, 2);
   FD_CHECK_DIM(row_of_slot, 2);
   check_slots(y, "y", row_of_slot, weight, row_of_slot.size(0));

@@ -71,7 +71,7 @@ at::Tensor moe_permute_cuda_op(const at::Tensor& x, const at::Tensor& row_of_slo
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
   at::Tensor out = at::zeros({num_rows, src.size(1)}, src.options());
-  C10_CUDA_CHECK(fastdist::moe_permute_cuda(src.const_data_ptr(), value_type_of(src, "x"), src.size(0), src.size(1),
+  C10_CUDA_CHECK(fastdist::moe_permute_cuda(src.const_data_ptr(), row_type_of(src, "x"), src.size(0), src.size(1),
                                             rows.size(1), rows.const_data_ptr<int64_t>(),
                                             w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(),
                                             at::cuda::getCurrentCUDAStream()));
@@ -87,7 +87,7 @@ at::Tensor moe_unpermute_cuda_op(const at::Tensor& y, const at::Tensor& row_of_s
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
   at::Tensor out = at::empty({rows.size(0), src.size(1)}, src.options());
-  C10_CUDA_CHECK(fastdist::moe_unpermute_cuda(src.const_data_ptr(), value_type_of(src, "y"), rows.size(0),
+  C10_CUDA_CHECK(fastdist::moe_unpermute_cuda(src.const_data_ptr(), row_type_of(src, "y"), rows.size(0),
                                               src.size(1), rows.size(1), rows.const_data_ptr<int64_t>(),
                                               w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(),
                                               at::cuda::getCurrentCUDAStream()));

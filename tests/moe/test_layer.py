@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from fastdist.distributed import MismatchError, spawn
 from fastdist.moe import CostModel, MoELayer
 
@@ -187,3 +186,17 @@ def test_single_process_layer_runs_without_a_process_group():
     out.sum().backward()
     assert out.shape == x.shape and x.grad is not None and layer.w1.grad is not None
     assert layer.stats()["replicas"] == [] and layer.aux_loss.item() > 0
+
+
+def test_single_process_layer_in_bfloat16_agrees_with_float32():
+    torch.manual_seed(0)
+    layer = MoELayer(D, F_DIM, E, k=K, balance="none", dropless=True).to(torch.bfloat16)
+    reference = MoELayer(D, F_DIM, E, k=K, balance="none", dropless=True)
+    reference.load_state_dict({n: t.float() if isinstance(t, torch.Tensor) else t  # _extra_state is a dict
+                               for n, t in layer.state_dict().items()})
+    x = torch.randn(40, D).to(torch.bfloat16)
+    x[:, 0] = 1.0
+    out = layer(x.requires_grad_())
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and layer.w1.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(x.detach().float()), rtol=2e-2, atol=2e-2)

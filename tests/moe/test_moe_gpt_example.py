@@ -13,8 +13,8 @@ def _train(argv):
 
 
 def test_moe_gpt_example_loss_falls_on_two_ranks():
-    results = spawn(_train, 2, ["--steps", "25", "--layers", "1", "--dim", "32", "--batch", "4", "--lr", "1e-2"], backend="gloo",
-                    timeout=240, threads_per_rank=1)
+    argv = ["--steps", "25", "--layers", "1", "--dim", "32", "--batch", "4", "--lr", "1e-2"]
+    results = spawn(_train, 2, argv, backend="gloo", timeout=240, threads_per_rank=1)
     log, entropy = results[0]
     losses = [loss for _, loss, _ in log]
     assert results[1][0] == log  # every rank reports the same averaged loss

@@ -4,7 +4,6 @@ import pickle
 
 import numpy as np
 import pytest
-
 from fastdist.moe import CostModel, Plan, Planner, loads, plan_prophet, plan_replicate_topk, plan_shadow
 
 COMPUTE_BOUND = CostModel(d_model=256, d_ff=1024, a2a_alpha_s=2e-5, a2a_bytes_per_s=5e9, flops_per_s=5e10,
@@ -51,7 +50,7 @@ def test_cost_model_of_the_empty_plan_follows_the_formula():
 def test_prophet_predicted_time_never_grows_with_budget_and_balance_improves(ranks, experts, seed):
     counts = zipf_counts(ranks, experts, seed=seed)
     times, balance = [], []
-    for budget in range(0, 3 * ranks + 1):
+    for budget in range(3 * ranks + 1):
         plan, history = plan_prophet(counts, COMPUTE_BOUND, max_replicas_per_rank=3, budget=budget)
         times.append(COMPUTE_BOUND.time(counts, plan)[0])
         assert times[-1] == min(t for _, t in history)  # the best prefix

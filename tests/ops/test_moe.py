@@ -1,9 +1,8 @@
 """fastdist.ops.moe_route / moe_layout / moe_permute / moe_unpermute against plain-Python and torch oracles, their
 autograd (gradcheck and a torch reference), opcheck, determinism across thread counts, and bad inputs."""
+import fastdist
 import pytest
 import torch
-
-import fastdist
 from fastdist.ops import moe_layout, moe_permute, moe_route, moe_unpermute
 from fastdist.ops.moe import capacity_for
 
@@ -39,31 +38,38 @@ def oracle_layout(topk_idx, num_experts, num_ranks, capacity):
                 row_of_slot[t][j] = offsets[e] + pos
     per_rank = num_experts // num_ranks
     rank_counts = [offsets[(r + 1) * per_rank] - offsets[r * per_rank] for r in range(num_ranks)]
-    as_long = lambda v: torch.tensor(v, dtype=torch.int64).reshape(-1)  # noqa: E731
+    as_long = lambda v: torch.tensor(v, dtype=torch.int64).reshape(-1)
     return (as_long(counts), as_long(offsets), as_long(rank_counts), as_long(permutation),
             as_long(row_of_slot).reshape(tokens, k), as_long(position).reshape(tokens, k),
             (as_long(row_of_slot).reshape(tokens, k) >= 0))
 
 
+def compute_dtype(dtype):
+    """16-bit rows are computed in float32 and rounded once, as the kernels document."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def oracle_permute(x, row_of_slot, num_rows, weight=None):
+    acc = compute_dtype(x.dtype)
     out = torch.zeros(num_rows, x.shape[1], dtype=x.dtype)
     for t in range(x.shape[0]):
         for j in range(row_of_slot.shape[1]):
             r = int(row_of_slot[t, j])
             if r >= 0:
-                out[r] = x[t] * (1 if weight is None else weight[t, j])
+                out[r] = (x[t].to(acc) * (1 if weight is None else weight[t, j].to(acc))).to(x.dtype)
     return out
 
 
 def oracle_unpermute(y, row_of_slot, weight=None):
     tokens, k = row_of_slot.shape
-    out = torch.zeros(tokens, y.shape[1], dtype=y.dtype)
+    acc = compute_dtype(y.dtype)
+    out = torch.zeros(tokens, y.shape[1], dtype=acc)
     for t in range(tokens):
         for j in range(k):
             r = int(row_of_slot[t, j])
             if r >= 0:
-                out[t] += y[r] * (1 if weight is None else weight[t, j])
-    return out
+                out[t] += y[r].to(acc) * (1 if weight is None else weight[t, j].to(acc))
+    return out.to(y.dtype)
 
 
 def random_ids(tokens, k, num_experts, seed=0, skew=None):
@@ -144,7 +150,7 @@ def test_layout_drops_second_choices_before_any_first_choice():
     counts, offsets, _, permutation, row_of_slot, position, keep = moe_layout(ids, 2, 1, 2)
     # Expert 0: first choices of tokens 0, 1 (positions 0, 1), then second choices of tokens 2, 3 (dropped).
     assert position[:, 0].tolist() == [0, 1, 0, 1] and position[:, 1].tolist() == [2, 3, 2, 3]
-    assert keep[:, 0].all() and not keep[:, 1].any()
+    assert keep[:, 0].all() and not keep[:, 1].any() and (row_of_slot[:, 1] == -1).all()
     assert counts.tolist() == [4, 4] and offsets.tolist() == [0, 2, 4]
     assert permutation[:4].tolist() == [0, 2, 4, 6]
 
@@ -175,23 +181,39 @@ def layout_case(tokens, k, experts, capacity, d, dtype, seed=0):
     ids = random_ids(tokens, k, experts, seed=seed, skew=1.0)
     _, offsets, _, _, row_of_slot, _, _ = moe_layout(ids, experts, 1, capacity)
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, d, generator=g, dtype=dtype)
-    w = torch.rand(tokens, k, generator=g, dtype=dtype)
-    y = torch.randn(int(offsets[-1]), d, generator=g, dtype=dtype)
+    x = torch.randn(tokens, d, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.rand(tokens, k, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.randn(int(offsets[-1]), d, generator=g, dtype=torch.float64).to(dtype)
     return x, y, w, row_of_slot, int(offsets[-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_rows_round_to_nearest_even_and_keep_special_values(dtype):
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-7, -3e-6, 65504.0, 1 / 3],
+                            dtype=torch.float32)
+    x = specials.to(dtype).reshape(-1, 1)
+    row_of_slot = torch.arange(x.shape[0]).reshape(-1, 1)
+    weight = torch.full((x.shape[0], 1), 1.5, dtype=dtype)
+    got = moe_permute(x, row_of_slot, x.shape[0], weight)
+    want = (x.float() * 1.5).to(dtype)  # torch's float -> 16-bit conversion rounds to nearest even
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+    back = moe_unpermute(x, row_of_slot, weight)
+    assert torch.equal(back.isnan(), want.isnan()) and torch.equal(back[~back.isnan()], want[~want.isnan()])
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens, k, experts, capacity, d", [(0, 2, 4, -1, 8), (1, 1, 1, -1, 1), (17, 2, 4, 3, 5),
                                                              (64, 2, 8, -1, 33), (40, 4, 8, 12, 16), (10, 2, 4, 0, 3)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_permute_and_unpermute_match_the_oracles(device, dtype, tokens, k, experts, capacity, d, weighted):
     x, y, w, row_of_slot, rows = layout_case(tokens, k, experts, capacity, d, dtype)
     weight = w if weighted else None
-    to = (lambda t: None if t is None else t.to(device))  # noqa: E731
+    to = (lambda t: None if t is None else t.to(device))
     got_p = moe_permute(to(x), to(row_of_slot), rows, to(weight))
     got_u = moe_unpermute(to(y), to(row_of_slot), to(weight))
+    assert got_p.dtype == dtype and got_u.dtype == dtype
     torch.testing.assert_close(got_p.cpu(), oracle_permute(x, row_of_slot, rows, weight), rtol=0, atol=0)
     torch.testing.assert_close(got_u.cpu(), oracle_unpermute(y, row_of_slot, weight))
 
@@ -213,7 +235,7 @@ def test_permute_and_unpermute_of_non_contiguous_inputs():
 
 
 def test_unpermute_does_not_depend_on_the_thread_count():
-    x, y, w, row_of_slot, rows = layout_case(4000, 2, 16, -1, 64, torch.float32, seed=5)
+    _, y, w, row_of_slot, _ = layout_case(4000, 2, 16, -1, 64, torch.float32, seed=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -244,7 +266,7 @@ def test_route_gradcheck_in_float64():
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     x, y, w, row_of_slot, rows = layout_case(11, 2, 4, 3, 5, torch.float32)
-    to = (lambda t: t.to(device))  # noqa: E731
+    to = (lambda t: t.to(device))
     logits = torch.randn(11, 4, device=device)
     cases = [
         (torch.ops.fastdist.moe_route.default, (logits, 2)),
@@ -252,6 +274,7 @@ def test_opcheck(device):
         (torch.ops.fastdist.moe_permute.default, (to(x).requires_grad_(), to(row_of_slot), rows, to(w))),
         (torch.ops.fastdist.moe_permute.default, (to(x), to(row_of_slot), rows, None)),
         (torch.ops.fastdist.moe_unpermute.default, (to(y).requires_grad_(), to(row_of_slot), to(w).requires_grad_())),
+        (torch.ops.fastdist.moe_unpermute.default, (to(y).bfloat16(), to(row_of_slot), to(w).bfloat16())),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -269,8 +292,9 @@ def test_opcheck(device):
     (lambda: moe_layout(torch.zeros(3, 2, dtype=torch.int64), 4, 1, -2), "'capacity' must be >= 0, or -1"),
     (lambda: moe_layout(torch.full((3, 2), 4, dtype=torch.int64), 4), r"'topk_idx' entries must be in \[0, num_"),
     (lambda: moe_layout(torch.full((3, 2), -1, dtype=torch.int64), 4), r"'topk_idx' entries must be in \[0, num_"),
-    (lambda: moe_permute(torch.zeros(3, 2, dtype=torch.float16), torch.zeros(3, 1, dtype=torch.int64), 3),
-     "'x' must have dtype torch.float32 or torch.float64"),
+    (lambda: moe_permute(torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int64), 3),
+     r"'x' must have a floating dtype \(torch.float32, torch.float64, torch.float16 or torch.bfloat16\)"),
+    (lambda: moe_route(torch.zeros(3, 4, dtype=torch.bfloat16), 1), "'logits' must have dtype torch.float32 or"),
     (lambda: moe_permute(torch.zeros(3, 2), torch.zeros(4, 1, dtype=torch.int64), 3), "'row_of_slot' must have 3 rows"),
     (lambda: moe_permute(torch.zeros(3, 2), torch.full((3, 1), 3, dtype=torch.int64), 3),
      r"'row_of_slot' entries must be in \[-1, 3\)"),

@@ -19,8 +19,8 @@ steps); a2a max/mean the same for all-to-all bytes (max of sent and received); s
 tokens per rank without and with the method's replicas; dropped is the total over the timed steps; predicted is the
 cost model's time for the plan on the step's counts and err its mean |predicted - measured| / measured.
 Then the projection: the calibrated cost model evaluated on synthetic Zipf count matrices for 8 to 64 ranks, with
-the popularity over a random expert order (labelled as a projection; nothing there is measured). Also: moe_layout against a torch sort/bincount layout at
-T * k = --layout-size assignments.
+the popularity over a random expert order (labelled as a projection; nothing there is measured). Also: moe_layout
+against a torch sort/bincount layout at T * k = --layout-size assignments.
 """
 import math
 import statistics
@@ -281,7 +281,8 @@ def run(args):
           f"{config['warmup']} warm-up; shared machine: timings are noisy")
     headers = ["method", "fwd+bwd(ms)", "speed-up", "tok max/mean", "a2a max/mean", "std before/after", "dropped",
                "replicas", "predicted(ms)", "model err"]
-    table = [[r["method"], r["time_ms"], "-" if r["speedup_vs_dropless"] is None else f"{r['speedup_vs_dropless']:.2f}x",
+    speedup = (lambda r: "-" if r["speedup_vs_dropless"] is None else f"{r['speedup_vs_dropless']:.2f}x")
+    table = [[r["method"], r["time_ms"], speedup(r),
               f"{r['tokens_max_over_mean']:.2f}", f"{r['a2a_max_over_mean']:.2f}",
               f"{r['std_before']:.0f}/{r['std_after']:.0f}", r["dropped"], r["replicas"], r["predicted_ms"],
               f"{100 * r['model_error']:.0f}%"] for r in rows]

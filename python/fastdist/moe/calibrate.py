@@ -1,8 +1,9 @@
 """Start-up micro-benchmark for the planner's cost model, run once per (group, shape) and cached.
 
 Measures on every rank of `group`: the expert GEMM rate (forward and backward of an FFN-shaped pair of matmuls, a
-third of it charged to the forward as the cost model's 3 T_fec does), and all-to-all time at two message sizes, fitted as ``alpha + bytes / bandwidth``. Replica traffic goes over the same links, so the
-point-to-point rate is taken to be the all-to-all bandwidth. Each measurement is the fastest of a few repetitions;
+third of it charged to the forward as the cost model's 3 T_fec does), and all-to-all time at two message sizes,
+fitted as ``alpha + bytes / bandwidth``. Replica traffic goes over the same links, so the point-to-point rate is
+taken to be the all-to-all bandwidth. Each measurement is the fastest of a few repetitions;
 then the slowest rank's figure is taken (an all-reduce MAX), so every rank holds identical constants, as the
 planner's determinism requires.
 """

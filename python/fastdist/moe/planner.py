@@ -266,12 +266,13 @@ class Planner:
         if self.steps % self.plan_interval:
             return self.plan
         proposal = self.propose(counts)
-        if proposal != self.plan and self.cost is not None:
-            if self.strategy == "replicate_topk" or \
-                    self.cost.time(counts, proposal)[0] < (1 - self.replan_gain) * self.cost.time(counts, self.plan)[0]:
-                self.plan = proposal
-                self.replans += 1
+        if proposal != self.plan and (self.strategy == "replicate_topk" or self._clearly_better(counts, proposal)):
+            self.plan = proposal
+            self.replans += 1
         return self.plan
+
+    def _clearly_better(self, counts, proposal):
+        return self.cost.time(counts, proposal)[0] < (1 - self.replan_gain) * self.cost.time(counts, self.plan)[0]
 
     def state_dict(self):
         return {"plan": [list(p) for p in self.plan.replicas], "steps": self.steps, "replans": self.replans,

@@ -9,7 +9,8 @@ expert-ordered buffer holds the kept rows grouped by expert (increasing id, prio
 ones; ``row_of_slot[t, j]`` is a kept slot's row (``-1`` when dropped) and ``permutation[row]`` the slot of a row.
 
 Ops: ``torch.ops.fastdist.{moe_route, moe_layout, moe_permute, moe_unpermute}`` with CPU and CUDA kernels, fake
-kernels for ``torch.compile``, and autograd for route, permute and unpermute. Row data is float32 or float64.
+kernels for ``torch.compile``, and autograd for route, permute and unpermute. Gate logits are float32 or float64;
+row data may also be float16 or bfloat16 (computed in float32, rounded once per output value).
 Every CPU result is bit-identical whatever the thread count; the CUDA layout is the same stable sort (no atomics on
 positions), so CPU and CUDA layouts are equal.
 """
@@ -20,7 +21,8 @@ import torch
 __all__ = ["MAX_K", "capacity_for", "moe_layout", "moe_permute", "moe_route", "moe_unpermute"]
 
 MAX_K = 16
-_ROW_DTYPES = (torch.float32, torch.float64)
+_LOGIT_DTYPES = (torch.float32, torch.float64)
+_ROW_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def capacity_for(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 4) -> int:
@@ -73,7 +75,7 @@ def moe_permute(x: torch.Tensor, row_of_slot: torch.Tensor, num_rows: int,
     """Copies token rows into expert order: ``out[row_of_slot[t, j]] = x[t]`` (times ``weight[t, j]`` if given).
 
     Args:
-        x: float32/float64 ``[T, d]``.
+        x: float32/float64/float16/bfloat16 ``[T, d]``.
         row_of_slot: int64 ``[T, k]``, entries in ``[-1, num_rows)``; every row named at most once (as moe_layout
             makes it).
         num_rows: rows of the output, ``>= 0``; rows no slot names are zero.
@@ -91,7 +93,8 @@ def moe_unpermute(y: torch.Tensor, row_of_slot: torch.Tensor, weight: torch.Tens
     The sum runs in increasing ``j`` for each token (a gather, not an atomic scatter-add), so it is deterministic.
 
     Args:
-        y: float32/float64 ``[N, d]`` rows in expert order.
+        y: float32/float64/float16/bfloat16 ``[N, d]`` rows in expert order (16-bit rows: summed in float32,
+            rounded once).
         row_of_slot: int64 ``[T, k]``, entries in ``[-1, N)``.
         weight: optional ``[T, k]`` of y's dtype (ones when None).
 
@@ -103,9 +106,15 @@ def moe_unpermute(y: torch.Tensor, row_of_slot: torch.Tensor, weight: torch.Tens
 
 # ---- fake kernels (same checks and messages as csrc/ops/moe.h) ----
 
+def _check_logits_dtype(name, t):
+    if t.dtype not in _LOGIT_DTYPES:
+        raise RuntimeError(f"fastdist: '{name}' must have dtype torch.float32 or torch.float64, got {t.dtype}")
+
+
 def _check_rows_dtype(name, t):
     if t.dtype not in _ROW_DTYPES:
-        raise RuntimeError(f"fastdist: '{name}' must have dtype torch.float32 or torch.float64, got {t.dtype}")
+        raise RuntimeError(f"fastdist: '{name}' must have a floating dtype (torch.float32, torch.float64, "
+                           f"torch.float16 or torch.bfloat16), got {t.dtype}")
 
 
 def _check_dim(name, t, d):
@@ -129,14 +138,14 @@ def _check_slots(x, x_name, row_of_slot, weight, tokens):
 
 @torch.library.register_fake("fastdist::moe_route")
 def _moe_route_fake(logits, k):
-    _check_rows_dtype("logits", logits)
+    _check_logits_dtype("logits", logits)
     _check_dim("logits", logits, 2)
     tokens, experts = logits.shape
     torch._check(experts >= 1, lambda: "fastdist: 'logits' must have at least 1 expert (column)")
     if not 1 <= k <= MAX_K:
         raise RuntimeError(f"fastdist: 'k' must be in [1, min({MAX_K}, num_experts = {experts})], got {k}")
     torch._check(k <= experts, lambda: f"fastdist: 'k' must be in [1, min({MAX_K}, num_experts = {experts})], got {k}")
-    f32 = dict(dtype=torch.float32)
+    f32 = {"dtype": torch.float32}
     return (logits.new_empty((tokens, experts), **f32), logits.new_empty((tokens,), **f32),
             logits.new_empty((tokens, k), dtype=torch.int64), logits.new_empty((tokens, k), **f32))
 
