@@ -223,14 +223,16 @@ def projection(cost_model, config):
     return rows
 
 
-def layout_timing(size, k=2, num_experts=64, reps=5):
+def layout_timing(size, k=2, num_experts=64, reps=5, device="cpu"):
     """moe_layout against the torch path (stable argsort + bincount + cumsum) on T * k = size assignments."""
     from fastdist.ops import moe_layout
 
+    device = torch.device(device)
     tokens = size // k
     g = torch.Generator().manual_seed(0)
     pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
-    ids = torch.multinomial(pop.float(), tokens * k, replacement=True, generator=g).view(tokens, k)
+    ids = torch.multinomial(pop.float(), tokens * k, replacement=True, generator=g).view(tokens, k).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def torch_layout():
         flat = ids.t().reshape(-1)  # priority order: choice-major
@@ -238,10 +240,10 @@ def layout_timing(size, k=2, num_experts=64, reps=5):
         counts = torch.bincount(flat, minlength=num_experts)
         offsets = torch.cumsum(counts, 0) - counts
         sorted_ids = flat[order]
-        position = torch.arange(flat.numel()) - offsets[sorted_ids]
+        position = torch.arange(flat.numel(), device=device) - offsets[sorted_ids]
         slot = (order % tokens) * k + order // tokens
         row_of_slot = torch.empty_like(slot)
-        row_of_slot[slot] = torch.arange(flat.numel())
+        row_of_slot[slot] = torch.arange(flat.numel(), device=device)
         return counts, slot, row_of_slot, position
 
     def ours():
@@ -250,15 +252,18 @@ def layout_timing(size, k=2, num_experts=64, reps=5):
     result = {}
     for name, fn in (("fastdist", ours), ("torch", torch_layout)):
         fn()
+        sync()
         times = []
         for _ in range(reps):
             start = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - start)
         result[name] = {"median_ms": statistics.median(times) * 1e3, "samples_ms": [t * 1e3 for t in times]}
     result["speedup"] = result["torch"]["median_ms"] / result["fastdist"]["median_ms"]
     result["assignments"] = tokens * k
     result["threads"] = torch.get_num_threads()
+    result["device"] = str(device)
     return result
 
 
