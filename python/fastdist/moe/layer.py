@@ -22,6 +22,7 @@ the same deterministic planner on every rank, on a CPU thread while step n's all
 transfer can start earlier than the layer's forward: MoELayer.prefetch_replicas() (e.g. before the block's attention).
 """
 import concurrent.futures
+import dataclasses
 import math
 import time
 
@@ -169,6 +170,19 @@ class _ReplicaParams(torch.autograd.Function):
         ctx.traffic.send_grads(grads)
         ctx.traffic.finish_at_end_of_backward()
         return None, None
+
+
+@dataclasses.dataclass
+class _DispatchPlan:
+    kept_rows: int            # rows this rank routes (kept assignments)
+    local_experts: list       # experts replicated here, computed here
+    send_index: torch.Tensor  # rows to send, in send order
+    local_index: torch.Tensor  # rows computed here, in local_experts order
+    send_splits: list
+    recv_splits: list
+    to_expert_major: torch.Tensor  # received (source-major) rows -> owned-expert-major order
+    owned_sizes: list         # received rows per owned expert
+    local_sizes: list         # local rows per replicated expert
 
 
 _PLANNER_THREAD = []
@@ -346,38 +360,18 @@ class MoELayer(nn.Module):
         # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
         planning = _planner_thread().submit(self.planner.update, cnt) if self.world > 1 else None
 
-        replicated_here = set(plan.replicated_on(self.rank))
-        my_kept = cnt[self.rank]
-        my_offsets = np.cumsum(my_kept) - my_kept
-        rows = moe_permute(x, row_of_slot, int(my_kept.sum()))
-        # Send buffer: for each destination rank, its experts' rows that stay off this rank, in expert order.
-        send_experts = [e for e in range(self.num_experts) if e not in replicated_here]
-        local_experts = sorted(replicated_here)
-        send_splits = [int(sum(my_kept[e] for e in range(r * self.experts_per_rank, (r + 1) * self.experts_per_rank)
-                               if e not in replicated_here)) for r in range(self.world)]
-        if local_experts:
-            send_index = _segments_index(my_offsets[send_experts], my_kept[send_experts], x.device)
-            local_index = _segments_index(my_offsets[local_experts], my_kept[local_experts], x.device)
-            send_rows = rows.index_select(0, send_index)
-            local_rows = rows.index_select(0, local_index)
+        route = self._dispatch_plan(cnt, plan, x.device)
+        rows = moe_permute(x, row_of_slot, route.kept_rows)
+        if route.local_experts:
+            send_rows = rows.index_select(0, route.send_index)
+            local_rows = rows.index_select(0, route.local_index)
         else:
             send_rows, local_rows = rows, rows[:0]
-        # What each source sends here: its rows for my experts it does not replicate.
-        mine_experts = range(self.first_expert, self.first_expert + self.experts_per_rank)
-        not_replicated = [[e not in plan.replicated_on(s) for e in mine_experts] for s in range(self.world)]
-        recv_counts = np.array([[cnt[s, e] if not_replicated[s][i] else 0 for i, e in enumerate(mine_experts)]
-                                for s in range(self.world)], dtype=np.int64)      # [R, E_local]
-        recv_splits = [int(v) for v in recv_counts.sum(axis=1)]
         if self.world > 1:
-            received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group)
+            received = _AllToAll.apply(send_rows, route.recv_splits, route.send_splits, self.group)
         else:
             received = send_rows
-        # Received rows are source-major; the experts want them expert-major.
-        src_starts = np.cumsum(recv_counts.reshape(-1)) - recv_counts.reshape(-1)
-        order = [(s, i) for i in range(self.experts_per_rank) for s in range(self.world)]
-        flat = [s * self.experts_per_rank + i for s, i in order]
-        to_expert_major = _segments_index(src_starts[flat], recv_counts.reshape(-1)[flat], x.device)
-        by_expert = received.index_select(0, to_expert_major)
+        by_expert = received.index_select(0, route.to_expert_major)
 
         # Owned experts first (their rows have arrived), then the replicas (their parameters had the longest to
         # arrive), both before the combine all-to-all so that owners and holders compute at the same time.
@@ -385,18 +379,19 @@ class MoELayer(nn.Module):
         if traffic is not None:
             owned = _OwnedExperts.apply(traffic, *owned)
         owned_params = [tuple(p[i] for p in owned) for i in range(self.experts_per_rank)]
-        y_by_expert = self._experts(by_expert, recv_counts.sum(axis=0).tolist(), owned_params)
-        if local_experts:
+        y_by_expert = self._experts(by_expert, route.owned_sizes, owned_params)
+        if route.local_experts:
             replica_flat = _ReplicaParams.apply(traffic, self.b2)
-            replica_params = [tuple(replica_flat[4 * i:4 * i + 4]) for i in range(len(local_experts))]
-            y_local = self._experts(local_rows, [int(my_kept[e]) for e in local_experts], replica_params)
+            replica_params = [tuple(replica_flat[4 * i:4 * i + 4]) for i in range(len(route.local_experts))]
+            y_local = self._experts(local_rows, route.local_sizes, replica_params)
         elif traffic is not None:
             traffic.replica_params()  # no replica here; completes this rank's parameter sends
-        y_received = torch.empty_like(y_by_expert).index_copy(0, to_expert_major, y_by_expert) \
+        y_received = torch.empty_like(y_by_expert).index_copy(0, route.to_expert_major, y_by_expert) \
             if y_by_expert.shape[0] else y_by_expert
-        y_sent = _AllToAll.apply(y_received, send_splits, recv_splits, self.group) if self.world > 1 else y_received
-        if local_experts:
-            y_rows = torch.empty_like(rows).index_copy(0, torch.cat([send_index, local_index]),
+        y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group) \
+            if self.world > 1 else y_received
+        if route.local_experts:
+            y_rows = torch.empty_like(rows).index_copy(0, torch.cat([route.send_index, route.local_index]),
                                                        torch.cat([y_sent, y_local]))
         else:
             y_rows = y_sent
@@ -408,12 +403,45 @@ class MoELayer(nn.Module):
             self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * probs.mean(0)).sum()
         else:
             self.aux_loss = probs.sum() * 0.0
-        self._record(cnt, all_counts, plan, time.perf_counter() - start, send_splits, recv_splits)
+        self._record(cnt, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
         if planning is not None:
             next_plan = planning.result()
             if self.planner.steps % self.planner.plan_interval == 0:
                 check_same("MoELayer plan", next_plan, self.group)  # equal inputs must have given equal plans
         return out.reshape(shape)
+
+    def _dispatch_plan(self, cnt, plan, device):
+        """Where this rank's rows go and where the received rows come from, from the count matrix and the plan.
+
+        Rows (kept assignments, grouped by expert) of experts this rank replicates stay here (local_index, in expert
+        order); the others go to their owners (send_index: destination-major, expert order inside). The received
+        rows are source-major; to_expert_major reorders them for the owned experts.
+        """
+        replicated_here = set(plan.replicated_on(self.rank))
+        my_kept = cnt[self.rank]
+        my_offsets = np.cumsum(my_kept) - my_kept
+        send_experts = [e for e in range(self.num_experts) if e not in replicated_here]
+        local_experts = sorted(replicated_here)
+        per = self.experts_per_rank
+        send_splits = [int(sum(my_kept[e] for e in range(r * per, (r + 1) * per) if e not in replicated_here))
+                       for r in range(self.world)]
+        # What each source sends here: its rows for my experts it does not replicate. [R, E_local]
+        mine = range(self.first_expert, self.first_expert + per)
+        recv_counts = np.array([[0 if e in plan.replicated_on(s) else cnt[s, e] for e in mine]
+                                for s in range(self.world)], dtype=np.int64)
+        flat_counts = recv_counts.reshape(-1)
+        src_starts = np.cumsum(flat_counts) - flat_counts
+        expert_major = [s * per + i for i in range(per) for s in range(self.world)]
+        return _DispatchPlan(
+            kept_rows=int(my_kept.sum()),
+            local_experts=local_experts,
+            send_index=_segments_index(my_offsets[send_experts], my_kept[send_experts], device),
+            local_index=_segments_index(my_offsets[local_experts], my_kept[local_experts], device),
+            send_splits=send_splits,
+            recv_splits=[int(v) for v in recv_counts.sum(axis=1)],
+            to_expert_major=_segments_index(src_starts[expert_major], flat_counts[expert_major], device),
+            owned_sizes=[int(v) for v in recv_counts.sum(axis=0)],
+            local_sizes=[int(my_kept[e]) for e in local_experts])
 
     def _record(self, cnt, all_counts, plan, seconds, send_splits, recv_splits):
         h, inbound, outbound = loads(cnt, plan)
