@@ -46,8 +46,14 @@ def inputs(world, rank, step):
 
 def _run(config):
     world, rank = dist.get_world_size(), dist.get_rank()
+    group = None
+    if config.get("ep_size"):  # data parallel x expert parallel: one MoE group per block of ep_size ranks
+        ep = config["ep_size"]
+        groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(world // ep)]
+        group, world, rank = groups[rank // ep], ep, rank % ep
     layer = MoELayer(D, F_DIM, E, k=K, capacity_factor=config["capacity_factor"], dropless=config["dropless"],
-                     balance=config["balance"], cost_model=COST, min_capacity=MIN_CAPACITY, max_replicas_per_rank=2)
+                     balance=config["balance"], cost_model=COST, min_capacity=MIN_CAPACITY, max_replicas_per_rank=2,
+                     group=group)
     w = full_weights()
     per = E // world
     with torch.no_grad():
@@ -69,7 +75,7 @@ def _run(config):
     if config.get("state_dict"):
         state = pickle.loads(pickle.dumps(layer.state_dict()))
         twin = MoELayer(D, F_DIM, E, k=K, capacity_factor=config["capacity_factor"], dropless=config["dropless"],
-                        balance=config["balance"], cost_model=COST, min_capacity=MIN_CAPACITY)
+                        balance=config["balance"], cost_model=COST, min_capacity=MIN_CAPACITY, group=group)
         twin.load_state_dict(state)
         result["twin_plan"] = twin.plan.replicas
         result["plan"] = layer.plan.replicas
@@ -150,6 +156,26 @@ def test_distributed_layer_equals_the_dense_reference(world, balance, dropless):
         assert last["tokens_max_over_mean_unbalanced"] >= 1.6
         assert last["tokens_max_over_mean"] < last["tokens_max_over_mean_unbalanced"]
         assert last["std_tokens_per_rank_after"] < last["std_tokens_per_rank_before"]
+
+
+def test_expert_parallel_subgroups_each_equal_the_dense_reference():
+    # 4 ranks = 2 data-parallel replicas x 2-rank expert-parallel groups {0, 1} and {2, 3}, both fed the same data:
+    # each group must reproduce the 2-rank dense reference, replicas and all (global vs group ranks in the p2p).
+    config = {"balance": "prophet", "dropless": True, "capacity_factor": 1.0, "ep_size": 2}
+    results = spawn(_run, 4, config, backend="gloo", timeout=120, threads_per_rank=1)
+    replicated = 0
+    for step in range(STEPS):
+        xs, gs = zip(*(inputs(2, r, step) for r in range(2)))
+        outs, x_grads, w_grads = dense_reference(list(xs), list(gs), config)
+        for global_rank in range(4):
+            r = global_rank % 2
+            got = results[global_rank]["steps"][step]
+            torch.testing.assert_close(got["out"], outs[r], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["x_grad"], x_grads[r], rtol=1e-5, atol=1e-6)
+            for n in ("w1", "b1", "w2", "b2"):
+                torch.testing.assert_close(got[n], w_grads[n][r * 4:(r + 1) * 4], rtol=1e-5, atol=1e-6)
+        replicated += bool(results[2]["steps"][step]["stats"]["replicas"])
+    assert replicated >= 1
 
 
 MISMATCHES = {"k": 1, "capacity_factor": 2.0, "num_experts": 2 * E}
