@@ -472,7 +472,8 @@ class MoELayer(nn.Module):
         }
 
     def stats(self):
-        """Metrics of the last forward (count-derived figures are global; a2a_bytes_this_rank is [sent, received])."""
+        """Metrics of the last forward. Count-derived figures are global over the group and count token-expert
+        assignments (a token routed to k experts counts k times); a2a_bytes_this_rank is [sent, received]."""
         return dict(self._stats)
 
     def get_extra_state(self):
