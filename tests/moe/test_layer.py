@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fastdist.distributed import MismatchError, spawn
-from fastdist.moe import CostModel, MoELayer
+from fastdist.moe import CostModel, MoELayer, Plan
 
 D, F_DIM, E, K = 8, 16, 8, 2
 MIN_CAPACITY = 2
@@ -194,6 +194,23 @@ def _mismatched():
         except MismatchError as err:
             messages[field] = str(err)
     return messages
+
+
+def _diverged_plan():
+    layer = MoELayer(D, F_DIM, E, k=K, balance="prophet", cost_model=COST)
+    if dist.get_rank() == 1:  # as if rank 1's planner had gone its own way: it owns expert 4, "replicated" on 0
+        layer.planner.plan = Plan(((4, 0),))
+    x, _ = inputs(2, dist.get_rank(), 0)
+    try:
+        layer(x)
+    except MismatchError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_disagree_on_the_plan_raise_on_every_rank():
+    messages = spawn(_diverged_plan, 2, backend="gloo", timeout=60, threads_per_rank=1)
+    assert all(m is not None and "'MoELayer plan' differs across ranks" in m for m in messages), messages
 
 
 def test_mismatched_configuration_raises_on_every_rank():

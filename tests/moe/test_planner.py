@@ -1,5 +1,6 @@
 """fastdist.moe planner and cost model on synthetic Zipf count matrices: loads, the greedy search's monotonicity,
 determinism, stop rule and replica limits, the baselines' plans, hysteresis and state_dict."""
+import itertools
 import pickle
 
 import numpy as np
@@ -55,7 +56,7 @@ def test_prophet_predicted_time_never_grows_with_budget_and_balance_improves(ran
         times.append(COMPUTE_BOUND.time(counts, plan)[0])
         assert times[-1] == min(t for _, t in history)  # the best prefix
         balance.append(max_over_mean(counts, plan))
-    assert all(b <= a + 1e-15 for a, b in zip(times, times[1:])), times
+    assert all(b <= a + 1e-15 for a, b in itertools.pairwise(times)), times
     unbalanced = max_over_mean(counts, Plan())
     assert unbalanced >= 1.25  # the Zipf skew is real
     assert balance[-1] < unbalanced and times[-1] < COMPUTE_BOUND.time(counts, Plan())[0]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fastdist.distributed import check_same, compat, fingerprint
+from fastdist.distributed import MismatchError, check_same, compat, fingerprint
 from fastdist.moe.planner import Plan, Planner, loads
 from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
 
@@ -348,15 +348,21 @@ class MoELayer(nn.Module):
                                                          self.min_capacity)
         counts, offsets, _, _, row_of_slot, _, _ = moe_layout(topk_idx, self.num_experts, 1, capacity)
         kept = offsets[1:] - offsets[:-1]
-        # The count matrix [R, E] of kept (and all) assignments: one all-gather, the layer's host sync.
-        mine = torch.cat([kept, counts]).to(x.device)
+        # The count matrix [R, E] of kept (and all) assignments: one all-gather, the layer's host sync. It also
+        # carries each rank's plan fingerprint, so every rank checks that all used the same plan at no extra cost.
+        plan_print = torch.tensor([fingerprint(plan)], dtype=torch.int64, device=counts.device)
+        mine = torch.cat([kept, counts, plan_print]).to(x.device)
         if self.world > 1:
             gathered = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=x.device)
             compat.all_gather_single(gathered, mine, group=self.group)
         else:
             gathered = mine
-        both = gathered.view(self.world, 2, self.num_experts).cpu().numpy()
-        cnt, all_counts = both[:, 0], both[:, 1]
+        gathered = gathered.view(self.world, -1).cpu().numpy()
+        if len(set(gathered[:, -1].tolist())) > 1:
+            raise MismatchError("MoELayer plan", {r: f"plan fingerprint {int(v):#x}"
+                                                  for r, v in enumerate(gathered[:, -1])})
+        cnt = gathered[:, :self.num_experts]
+        all_counts = gathered[:, self.num_experts:2 * self.num_experts]
         # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
         planning = _planner_thread().submit(self.planner.update, cnt) if self.world > 1 else None
 
@@ -405,9 +411,7 @@ class MoELayer(nn.Module):
             self.aux_loss = probs.sum() * 0.0
         self._record(cnt, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
         if planning is not None:
-            next_plan = planning.result()
-            if self.planner.steps % self.planner.plan_interval == 0:
-                check_same("MoELayer plan", next_plan, self.group)  # equal inputs must have given equal plans
+            planning.result()  # the next forward's all-gather checks that every rank planned alike
         return out.reshape(shape)
 
     def _dispatch_plan(self, cnt, plan, device):
