@@ -6,8 +6,9 @@ One forward, on every rank of `group` (R ranks, E experts, rank r owns experts [
    group, asynchronous), so they travel while the gate, the layout and the dispatch all-to-all run.
 2. Gate: fp32 softmax top-k (fastdist.ops.moe_route); layout: stable counting sort by expert with capacity or
    dropless (moe_layout); token rows copied into expert order (moe_permute).
-3. One all-gather of the per-expert kept counts (E int64 per rank, the only host sync): it gives every rank the
-   count matrix, hence the all-to-all split sizes and the next plan, identically everywhere.
+3. One all-gather of the per-expert kept and total counts and the plan's fingerprint (2 E + 1 int64 per rank, the
+   only host sync): it gives every rank the count matrix, hence the all-to-all split sizes and the next plan,
+   identically everywhere, and checks that every rank ran this step's plan.
 4. Rows for experts this rank holds a replica of stay here; the rest go to their owners in one variable-size
    all_to_all_single (autograd backward swaps the splits). Ranks with no tokens still take part.
 5. Owned experts compute first (their inputs have arrived), then the replica parameters are waited for and the
