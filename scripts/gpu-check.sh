@@ -34,6 +34,8 @@ log "kernel benchmarks"
 $PY -m fastdist.bench kernels --device cuda --json "$out/kernels-cuda.json" --plot "$out/kernels-cuda.png" \
   2>&1 | tee "$out/kernels-cuda.txt"
 $PY -m fastdist.bench kernels --device cpu --quick --json "$out/kernels-cpu.json" 2>&1 | tee "$out/kernels-cpu.txt"
+$PY -c "from fastdist.bench.moe import layout_timing; print(layout_timing(1 << 20, device='cuda'))" \
+  2>&1 | tee "$out/moe-layout-cuda.txt"
 
 log "done: results in $out (op tests exit code $tests_rc)"
 exit "$tests_rc"

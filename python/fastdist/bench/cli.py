@@ -5,6 +5,7 @@
   fastdist-bench kernels [opts]          fastdist's kernels vs the machine's copy bandwidth
   fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
+  fastdist-bench moe [opts]              MoE layer: static/dropless/shadow/top-k replication vs Pro-Prophet planner
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -18,6 +19,7 @@ import time
 SUITES = {
     "collectives": "fastdist.bench.collectives",
     "kernels": "fastdist.bench.kernels",
+    "moe": "fastdist.bench.moe",
     "sparse": "fastdist.bench.sparse",
     "sparse-lm": "fastdist.bench.sparse_lm",
 }
@@ -27,6 +29,8 @@ TOUR = {
     "collectives": ["--ranks", "4", "--net", "10gbit", "--max-size", "16M", "--min-time", "0.1"],
     "kernels": ["--quick"],
     "sparse": ["--ranks", "2", "--net", "10gbit", "--shape", "8192x256", "--densities", "2"],
+    "moe": ["--ranks", "2", "--tokens", "512", "--d-ff", "512", "--steps", "5", "--warmup", "2",
+            "--layout-size", "262144"],
     "sparse-lm": ["--ranks", "4", "--net", "10gbit", "--steps", "40", "--vocab", "8192", "--dim", "32",
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],
 }

@@ -1,0 +1,146 @@
+// torch.ops.fastdist MoE routing ops: schemas and CPU kernels. See csrc/kernels/moe.h for the layouts.
+//
+// Determinism: route, permute and unpermute run in parallel over tokens and each token's outputs are computed by one
+// thread from its own inputs (unpermute gathers a token's k rows in increasing j instead of scatter-adding into
+// it). The layout's chunks are histogrammed and scattered in parallel, but it computes the unique stable sort, so
+// its outputs do not depend on the chunking. Every result is bit-identical from 1 thread to many.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "ops/moe.h"
+
+namespace fastdist::moe {
+namespace {
+
+// Work below this many bytes of memory traffic is not worth a thread.
+constexpr int64_t kGrainTrafficBytes = 64 * 1024;
+constexpr int64_t kLayoutChunk = 32 * 1024;  // assignments per layout chunk, at least
+
+int64_t grain_for(int64_t bytes_per_item) {
+  return std::max<int64_t>(kGrainTrafficBytes / std::max<int64_t>(bytes_per_item, 1), 1);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_cpu_op(const at::Tensor& logits, int64_t k) {
+  check_route(logits, k);
+  const at::Tensor src = logits.contiguous();
+  const int64_t tokens = src.size(0);
+  const int64_t experts = src.size(1);
+  const auto f32 = src.options().dtype(at::kFloat);
+  at::Tensor probs = at::empty({tokens, experts}, f32);
+  at::Tensor lse = at::empty({tokens}, f32);
+  at::Tensor idx = at::empty({tokens, k}, src.options().dtype(at::kLong));
+  at::Tensor weight = at::empty({tokens, k}, f32);
+  const MoeValueType type = value_type_of(src, "logits");
+  std::atomic<int64_t> nan_rows{0};
+  at::parallel_for(0, tokens, grain_for(experts * (8 + 4 * k)), [&](int64_t begin, int64_t end) {
+    nan_rows += fastdist::moe_route_cpu(src.const_data_ptr(), type, experts, k, probs.data_ptr<float>(),
+                                        lse.data_ptr<float>(), idx.data_ptr<int64_t>(), weight.data_ptr<float>(),
+                                        begin, end);
+  });
+  TORCH_CHECK(nan_rows.load() == 0, "fastdist: 'logits' must not contain NaN, got ", nan_rows.load(),
+              " row(s) with NaN");
+  return {probs, lse, idx, weight};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_layout_cpu_op(
+    const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks, int64_t capacity) {
+  check_layout(topk_idx, num_experts, num_ranks, capacity);
+  const at::Tensor idx = topk_idx.contiguous();
+  const int64_t tokens = idx.size(0);
+  const int64_t k = idx.size(1);
+  const int64_t n = tokens * k;
+  const auto i64 = idx.options();
+  at::Tensor counts = at::empty({num_experts}, i64);
+  at::Tensor offsets = at::empty({num_experts + 1}, i64);
+  at::Tensor rank_counts = at::empty({num_ranks}, i64);
+  at::Tensor permutation = at::empty({n}, i64);
+  at::Tensor row_of_slot = at::empty({tokens, k}, i64);
+  at::Tensor position = at::empty({tokens, k}, i64);
+  at::Tensor keep = at::empty({tokens, k}, i64.dtype(at::kBool));
+  // Chunks of consecutive priorities; how many changes nothing in the result (moe.h), only the parallelism.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kLayoutChunk));
+  std::vector<int64_t> hist(static_cast<size_t>(chunks * num_experts), 0);
+  std::vector<int64_t> dropped_offsets(static_cast<size_t>(num_experts));
+  const int64_t* in = idx.const_data_ptr<int64_t>();
+  auto chunk_begin = [&](int64_t c) { return c * n / chunks; };
+  std::atomic<int64_t> invalid{0};
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      invalid += fastdist::moe_layout_histogram_cpu(in, tokens, k, num_experts, chunk_begin(c), chunk_begin(c + 1),
+                                                    hist.data() + c * num_experts);
+    }
+  });
+  TORCH_CHECK(invalid.load() == 0, "fastdist: 'topk_idx' entries must be in [0, num_experts = ", num_experts,
+              "), got ", invalid.load(), " outside");
+  fastdist::moe_layout_scan_cpu(hist.data(), chunks, num_experts, num_ranks, capacity, counts.data_ptr<int64_t>(),
+                                offsets.data_ptr<int64_t>(), dropped_offsets.data(), rank_counts.data_ptr<int64_t>());
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      fastdist::moe_layout_scatter_cpu(in, tokens, k, num_experts, capacity, offsets.const_data_ptr<int64_t>(),
+                                       dropped_offsets.data(), chunk_begin(c), chunk_begin(c + 1),
+                                       hist.data() + c * num_experts, permutation.data_ptr<int64_t>(),
+                                       row_of_slot.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
+                                       reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()));
+    }
+  });
+  return {counts, offsets, rank_counts, permutation, row_of_slot, position, keep};
+}
+
+at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
+                              const std::optional<at::Tensor>& weight) {
+  check_permute(x, row_of_slot, num_rows, weight);
+  check_rows_in_range(row_of_slot, num_rows);
+  const at::Tensor src = x.contiguous();
+  const at::Tensor rows = row_of_slot.contiguous();
+  const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const int64_t d = src.size(1);
+  const int64_t k = rows.size(1);
+  at::Tensor out = at::zeros({num_rows, d}, src.options());
+  const MoeValueType type = row_type_of(src, "x");
+  at::parallel_for(0, src.size(0), grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
+    fastdist::moe_permute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
+                              w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);
+  });
+  return out;
+}
+
+at::Tensor moe_unpermute_cpu_op(const at::Tensor& y, const at::Tensor& row_of_slot,
+                                const std::optional<at::Tensor>& weight) {
+  check_unpermute(y, row_of_slot, weight);
+  check_rows_in_range(row_of_slot, y.size(0));
+  const at::Tensor src = y.contiguous();
+  const at::Tensor rows = row_of_slot.contiguous();
+  const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const int64_t tokens = rows.size(0);
+  const int64_t d = src.size(1);
+  const int64_t k = rows.size(1);
+  at::Tensor out = at::empty({tokens, d}, src.options());
+  const MoeValueType type = row_type_of(src, "y");
+  at::parallel_for(0, tokens, grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
+    fastdist::moe_unpermute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
+                                w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace fastdist::moe
+
+TORCH_LIBRARY_FRAGMENT(fastdist, m) {
+  m.def("moe_route(Tensor logits, int k) -> (Tensor, Tensor, Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
+  m.def("moe_layout(Tensor topk_idx, int num_experts, int num_ranks, int capacity) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("moe_permute(Tensor x, Tensor row_of_slot, int num_rows, Tensor? weight) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  m.def("moe_unpermute(Tensor y, Tensor row_of_slot, Tensor? weight) -> Tensor", {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
+  m.impl("moe_route", &fastdist::moe::moe_route_cpu_op);
+  m.impl("moe_layout", &fastdist::moe::moe_layout_cpu_op);
+  m.impl("moe_permute", &fastdist::moe::moe_permute_cpu_op);
+  m.impl("moe_unpermute", &fastdist::moe::moe_unpermute_cpu_op);
+}

@@ -1,0 +1,345 @@
+"""`fastdist-bench moe`: one MoE layer under five load-balancing policies, same model, same routing, same run.
+
+Routing is skewed the way real MoE layers are: expert popularity follows Zipf(--zipf, default 1.2), heaviest
+experts first (so they share an owner), stable across steps with a slow drift (every --drift-every steps two experts
+adjacent in popularity swap places). The gate makes that routing: feature 0 of every token is 1, gate column 0
+holds log popularity and the other columns add per-token noise, so every method routes the same tokens to the same
+experts. Methods (all MoELayer, interleaved per step with the
+order rotated, warm-up steps first so that the planners have seen the load):
+
+  static      capacity factor --capacity-factor with token dropping, no balancing (DeepSpeed-MoE semantics)
+  dropless    no capacity, no balancing (MegaBlocks semantics)
+  shadow      dropless + FasterMoE-style shadowing (heaviest experts broadcast to all ranks while the model says so)
+  topk-all    dropless + the --max-replicas heaviest experts replicated on every rank, always
+  prophet     dropless + fastdist's planner (Pro-Prophet greedy placement, cost model from calibrate())
+
+Columns: fwd+bwd is the median over steps of the slowest rank's layer forward + backward; speed-up is dropless's
+median over the method's; tok max/mean is the tokens computed on the busiest rank over the mean (median over
+steps); a2a max/mean the same for all-to-all bytes (max of sent and received); std before/after is the std of
+tokens per rank without and with the method's replicas; dropped is the total over the timed steps; predicted is the
+cost model's time for the plan on the step's counts and err its mean |predicted - measured| / measured.
+Then the projection: the calibrated cost model evaluated on synthetic Zipf count matrices for 8 to 64 ranks, with
+the popularity over a random expert order (labelled as a projection; nothing there is measured). Also: moe_layout
+against a torch sort/bincount layout at T * k = --layout-size assignments.
+"""
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fastdist.bench import report
+from fastdist.bench.launch import add_launch_arguments, run_ranks
+
+METHODS = {
+    "static": {"balance": "none", "dropless": False},
+    "dropless": {"balance": "none", "dropless": True},
+    "shadow": {"balance": "shadow", "dropless": True},
+    "topk-all": {"balance": "replicate_topk", "dropless": True},
+    "prophet": {"balance": "prophet", "dropless": True},
+}
+
+
+def add_arguments(p):
+    add_launch_arguments(p, timeout=1800.0)
+    p.set_defaults(ranks=2)
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--d-model", type=int, default=256, help="token width (default 256)")
+    p.add_argument("--d-ff", type=int, default=1024, help="expert hidden width (default 1024)")
+    p.add_argument("--experts-per-rank", type=int, default=4, help="experts owned by each rank (default 4)")
+    p.add_argument("--k", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step (default 1024)")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="for the static method (default 1.25)")
+    p.add_argument("--max-replicas", type=int, default=2, help="replicas one rank may hold (default 2)")
+    p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of expert popularity (default 1.2)")
+    p.add_argument("--drift-every", type=int, default=4, help="steps between popularity swaps (default 4)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per method, >= 5 for a claim (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default 2)")
+    p.add_argument("--project", default="8,16,32,64", help="rank counts for the cost-model projection")
+    p.add_argument("--layout-size", type=int, default=1 << 20, help="T * k for the layout kernel timing (0: skip)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _config_from(args):
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        raise SystemExit(f"fastdist-bench moe: unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if args.steps < 1 or args.warmup < 0 or args.tokens < 0 or args.experts_per_rank < 1 or args.drift_every < 1:
+        raise SystemExit("fastdist-bench moe: needs --steps >= 1, --warmup >= 0, --tokens >= 0, "
+                         "--experts-per-rank >= 1, --drift-every >= 1")
+    return {"methods": methods, "d_model": args.d_model, "d_ff": args.d_ff, "experts_per_rank": args.experts_per_rank,
+            "k": args.k, "tokens": args.tokens, "capacity_factor": args.capacity_factor,
+            "max_replicas": args.max_replicas, "zipf": args.zipf, "drift_every": args.drift_every,
+            "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
+            "project": [int(v) for v in args.project.split(",") if v.strip()], "layout_size": args.layout_size}
+
+
+# ---- the routing every method sees ----
+
+def popularity_order(num_experts, step, config):
+    """Expert ids from most to least popular at `step`: expert 0 first (so the heaviest experts share an owner, the
+    case balancing exists for), then one adjacent swap per drift period, walking down the order."""
+    order = list(range(num_experts))
+    if num_experts > 1:
+        for i in range(step // config["drift_every"]):
+            j = i % (num_experts - 1)
+            order[j], order[j + 1] = order[j + 1], order[j]
+    return order
+
+
+def gate_column(num_experts, step, config):
+    """Gate column 0 (feature 0 of every token is 1): log Zipf popularity. The other columns add per-token noise
+    of std ~1 to the logits, so tokens spread over the experts in roughly Zipf proportions."""
+    col = torch.empty(num_experts)
+    for rank_of_popularity, e in enumerate(popularity_order(num_experts, step, config)):
+        col[e] = -config["zipf"] * math.log(rank_of_popularity + 1)
+    return col
+
+
+def tokens_for(step, rank, config, device):
+    g = torch.Generator().manual_seed(config["seed"] * 1_000_003 + 7919 * step + rank)
+    x = torch.randn(config["tokens"], config["d_model"], generator=g)
+    x[:, 0] = 1.0
+    return x.to(device)
+
+
+# ---- the ranks ----
+
+def _build_layers(config, world, cost, device):
+    from fastdist.moe import MoELayer
+
+    num_experts = config["experts_per_rank"] * world
+    g = torch.Generator().manual_seed(config["seed"] + 1)
+    gate = torch.randn(num_experts, config["d_model"], generator=g) / math.sqrt(config["d_model"])
+    layers = {}
+    for name in config["methods"]:
+        m = METHODS[name]
+        layer = MoELayer(config["d_model"], config["d_ff"], num_experts, k=config["k"],
+                         capacity_factor=config["capacity_factor"], dropless=m["dropless"], balance=m["balance"],
+                         max_replicas_per_rank=config["max_replicas"], cost_model=cost).to(device)
+        torch.manual_seed(config["seed"] + 2)  # same expert weights for every method
+        with torch.no_grad():
+            for p in (layer.w1, layer.w2):
+                p.normal_(std=1.0 / math.sqrt(p.shape[1]))
+            layer.gate.weight.copy_(gate)
+        layers[name] = layer
+    return layers
+
+
+def _time_step(layer, x, device):
+    dist.barrier()
+    start = time.perf_counter()
+    out = layer(x)
+    out.float().pow(2).mean().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    mine = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    layer.zero_grad(set_to_none=True)
+    return float(mine.item())
+
+
+def bench_rank(config):
+    from fastdist.moe import calibrate
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    cost = calibrate(None, config["d_model"], config["d_ff"], device=device)
+    layers = _build_layers(config, world, cost, device)
+    num_experts = config["experts_per_rank"] * world
+    samples = {name: [] for name in config["methods"]}
+    steps = config["warmup"] + config["steps"]
+    progress = report.Progress(steps * len(config["methods"]), "moe") if rank == 0 else None
+    for step in range(steps):
+        col = gate_column(num_experts, step, config).to(device)
+        x = tokens_for(step, rank, config, device)
+        methods = config["methods"]
+        shift = step % len(methods)
+        for name in methods[shift:] + methods[:shift]:  # rotate who runs first
+            layer = layers[name]
+            with torch.no_grad():
+                layer.gate.weight[:, 0] = col
+            seconds = _time_step(layer, x, device)
+            if step >= config["warmup"]:
+                samples[name].append({"seconds": seconds, **layer.stats()})
+            if progress:
+                progress.step(name)
+    if rank != 0:
+        return None
+    return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts}
+
+
+# ---- summary ----
+
+def _summarise(samples, method):
+    times = [s["seconds"] for s in samples]
+    a2a = [max(s["a2a_bytes_per_rank"]) / max(np.mean(s["a2a_bytes_per_rank"]), 1e-12) for s in samples]
+    predicted = [s["predicted_s"] for s in samples]
+    before = [s["std_tokens_per_rank_before"] for s in samples]
+    after = [s["std_tokens_per_rank_after"] for s in samples]
+    return {
+        "method": method,
+        "time_ms": statistics.median(times) * 1e3,
+        "samples_ms": [t * 1e3 for t in times],
+        "tokens_max_over_mean": statistics.median(s["tokens_max_over_mean"] for s in samples),
+        "tokens_max_over_mean_unbalanced": statistics.median(s["tokens_max_over_mean_unbalanced"] for s in samples),
+        "a2a_bytes_max": statistics.median(max(s["a2a_bytes_per_rank"]) for s in samples),
+        "a2a_max_over_mean": statistics.median(a2a),
+        "std_before": statistics.median(before),
+        "std_after": statistics.median(after),
+        "std_ratio": statistics.median(b / a if a > 0 else float("inf") for b, a in zip(before, after)),
+        "dropped": int(sum(s["dropped"] for s in samples)),
+        "replicas": statistics.median(len(s["replicas"]) for s in samples),
+        "predicted_ms": statistics.median(predicted) * 1e3,
+        "model_error": statistics.mean(abs(p - t) / t for p, t in zip(predicted, times)),
+    }
+
+
+def projection(cost_model, config):
+    """Predicted layer time per policy on Zipf count matrices for larger rank counts (no measurement)."""
+    from fastdist.moe import CostModel, Plan, loads, plan_prophet, plan_shadow
+
+    cost = CostModel(**cost_model)
+    rows = []
+    for world in config["project"]:
+        experts = world * config["experts_per_rank"]
+        rng = np.random.default_rng(config["seed"])
+        pop = 1.0 / np.arange(1, experts + 1) ** config["zipf"]
+        pop = pop[rng.permutation(experts)]
+        counts = np.stack([rng.multinomial(config["tokens"] * config["k"], pop / pop.sum()) for _ in range(world)])
+        plans = {"dropless": Plan(), "shadow": plan_shadow(counts, cost, config["max_replicas"]),
+                 "prophet": plan_prophet(counts, cost, config["max_replicas"])[0]}
+        times = {name: cost.time(counts, plan)[0] for name, plan in plans.items()}
+        balance = {name: float(loads(counts, plan)[0].max() / loads(counts, plan)[0].mean())
+                   for name, plan in plans.items()}
+        rows.append({"ranks": world, "experts": experts, "predicted_ms": {k: v * 1e3 for k, v in times.items()},
+                     "tokens_max_over_mean": balance,
+                     "prophet_vs_dropless": times["dropless"] / times["prophet"],
+                     "prophet_vs_shadow": times["shadow"] / times["prophet"]})
+    return rows
+
+
+def layout_timing(size, k=2, num_experts=64, reps=5, device="cpu"):
+    """moe_layout against the torch path (stable argsort + bincount + cumsum) on T * k = size assignments."""
+    from fastdist.ops import moe_layout
+
+    device = torch.device(device)
+    tokens = size // k
+    g = torch.Generator().manual_seed(0)
+    pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
+    ids = torch.multinomial(pop.float(), tokens * k, replacement=True, generator=g).view(tokens, k).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def torch_layout():
+        flat = ids.t().reshape(-1)  # priority order: choice-major
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=num_experts)
+        offsets = torch.cumsum(counts, 0) - counts
+        sorted_ids = flat[order]
+        position = torch.arange(flat.numel(), device=device) - offsets[sorted_ids]
+        slot = (order % tokens) * k + order // tokens
+        row_of_slot = torch.empty_like(slot)
+        row_of_slot[slot] = torch.arange(flat.numel(), device=device)
+        return counts, slot, row_of_slot, position
+
+    def ours():
+        moe_layout(ids, num_experts, 1, -1)
+
+    result = {}
+    for name, fn in (("fastdist", ours), ("torch", torch_layout)):
+        fn()
+        sync()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        result[name] = {"median_ms": statistics.median(times) * 1e3, "samples_ms": [t * 1e3 for t in times]}
+    result["speedup"] = result["torch"]["median_ms"] / result["fastdist"]["median_ms"]
+    result["assignments"] = tokens * k
+    result["threads"] = torch.get_num_threads()
+    result["device"] = str(device)
+    return result
+
+
+def run(args):
+    config = _config_from(args)
+    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
+    if launch.result is None:
+        return None
+    samples = launch.result["samples"]
+    rows = [_summarise(samples[m], m) for m in config["methods"]]
+    base = next((r for r in rows if r["method"] == "dropless"), None)
+    for r in rows:
+        r["speedup_vs_dropless"] = base["time_ms"] / r["time_ms"] if base else None
+    env = report.environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
+                             ranks=launch.world, network=launch.network)
+    print(report.format_environment(env))
+    print(f"# layer        d_model {config['d_model']}, d_ff {config['d_ff']}, {launch.result['num_experts']} experts "
+          f"({config['experts_per_rank']}/rank), top-{config['k']}, {config['tokens']} tokens/rank, Zipf "
+          f"{config['zipf']} drifting every {config['drift_every']} steps; median of {config['steps']} steps after "
+          f"{config['warmup']} warm-up; shared machine: timings are noisy")
+    headers = ["method", "fwd+bwd(ms)", "speed-up", "tok max/mean", "a2a max/mean", "std before/after", "dropped",
+               "replicas", "predicted(ms)", "model err"]
+    speedup = (lambda r: "-" if r["speedup_vs_dropless"] is None else f"{r['speedup_vs_dropless']:.2f}x")
+    table = [[r["method"], r["time_ms"], speedup(r),
+              f"{r['tokens_max_over_mean']:.2f}", f"{r['a2a_max_over_mean']:.2f}",
+              f"{r['std_before']:.0f}/{r['std_after']:.0f}", r["dropped"], r["replicas"], r["predicted_ms"],
+              f"{100 * r['model_error']:.0f}%"] for r in rows]
+    print(report.format_table(headers, table, align=["l"] + ["r"] * 9))
+    proj = projection(launch.result["cost_model"], config)
+    print("# PROJECTION from the calibrated cost model (not measured; Zipf popularity over a random expert order): "
+          "predicted layer fwd+bwd, tokens max/mean")
+    print(report.format_table(
+        ["ranks", "experts", "dropless(ms)", "shadow(ms)", "prophet(ms)", "prophet vs dropless", "prophet vs shadow",
+         "tok max/mean dropless -> prophet"],
+        [[p["ranks"], p["experts"], p["predicted_ms"]["dropless"], p["predicted_ms"]["shadow"],
+          p["predicted_ms"]["prophet"], f"{p['prophet_vs_dropless']:.2f}x", f"{p['prophet_vs_shadow']:.2f}x",
+          f"{p['tokens_max_over_mean']['dropless']:.2f} -> {p['tokens_max_over_mean']['prophet']:.2f}"]
+         for p in proj], align=["r"] * 8))
+    layout = None
+    if config["layout_size"]:
+        layout = layout_timing(config["layout_size"])
+        print(f"# moe_layout, {layout['assignments']} assignments, 64 experts, {layout['threads']} threads (CPU): "
+              f"fastdist {layout['fastdist']['median_ms']:.2f} ms, torch sort/bincount "
+              f"{layout['torch']['median_ms']:.2f} ms -> {layout['speedup']:.2f}x")
+    return {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
+            "cost_model": launch.result["cost_model"], "projection": proj, "layout": layout,
+            "note": "measured on a shared machine; timings are noisy"}
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, env = result["rows"], result["env"]
+    fig, (ax_t, ax_b, ax_p) = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = [r["method"] for r in rows]
+    ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
+    ax_t.set_ylabel("layer fwd+bwd (ms, median)")
+    ax_t.set_title("measured")
+    ax_b.bar(names, [r["tokens_max_over_mean"] for r in rows], color="tab:orange")
+    ax_b.axhline(1.10, color="gray", ls="--", lw=1)
+    ax_b.set_ylabel("tokens per rank, max / mean")
+    ax_b.set_title("balance")
+    proj = result["projection"]
+    for name in ("dropless", "shadow", "prophet"):
+        ax_p.plot([p["ranks"] for p in proj], [p["predicted_ms"][name] for p in proj], marker="o", label=name)
+    ax_p.set_xscale("log", base=2)
+    ax_p.set_xlabel("ranks")
+    ax_p.set_ylabel("predicted fwd+bwd (ms)")
+    ax_p.set_title("PROJECTION (cost model, not measured)")
+    ax_p.legend()
+    for ax in (ax_t, ax_b):
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']} (shared machine)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

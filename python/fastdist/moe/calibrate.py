@@ -1,0 +1,96 @@
+"""Start-up micro-benchmark for the planner's cost model, run once per (group, shape) and cached.
+
+Measures on every rank of `group`: the expert GEMM rate (forward and backward of an FFN-shaped pair of matmuls, a
+third of it charged to the forward as the cost model's 3 T_fec does), and all-to-all time at two message sizes,
+fitted as ``alpha + bytes / bandwidth``. Replica traffic goes over the same links, so the point-to-point rate is
+taken to be the all-to-all bandwidth. Each measurement is the fastest of a few repetitions;
+then the slowest rank's figure is taken (an all-reduce MAX), so every rank holds identical constants, as the
+planner's determinism requires.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+
+from fastdist.moe.planner import CostModel
+
+__all__ = ["calibrate", "clear_cache"]
+
+_CACHE = {}
+
+
+def clear_cache():
+    _CACHE.clear()
+
+
+def _best_time(fn, reps):
+    """The fastest of `reps` runs after a warm-up: the rate the hardware sustains, least disturbed by other load."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def _group_ranks(group):
+    world = dist.get_world_size(group)
+    return tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
+
+
+def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=None, reps=5, tokens=1024,
+              small_rows=1, large_rows=1024):
+    """The CostModel for an FFN expert of d_model x d_ff on `group`, measured here (cached per group and shape)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if distributed and dist.get_backend(group) == "nccl"
+        else torch.device("cpu"))
+    key = (_group_ranks(group) if distributed else (0,), d_model, d_ff, dtype, str(device))
+    if key in _CACHE:
+        return _CACHE[key]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, d_model, generator=g, dtype=dtype).to(device).requires_grad_()
+    w1 = torch.randn(d_model, d_ff, generator=g, dtype=dtype).to(device).requires_grad_()
+    w2 = torch.randn(d_ff, d_model, generator=g, dtype=dtype).to(device).requires_grad_()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def ffn():  # forward + backward, as the layer runs it: the model charges 3 T_fec for both
+        (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
+        sync()
+
+    t_ffn = _best_time(ffn, reps) / 3
+    elem = torch.empty((), dtype=dtype).element_size()
+
+    def a2a(rows):
+        send = torch.zeros(rows * world, d_model, dtype=dtype, device=device)
+        recv = torch.empty_like(send)
+
+        def run():
+            if world > 1:
+                dist.all_to_all_single(recv, send, group=group)
+            sync()
+        return _best_time(run, reps)
+
+    t_small, t_large = a2a(small_rows), a2a(large_rows)
+    measured = torch.tensor([t_ffn, t_small, t_large], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    t_ffn, t_small, t_large = (float(v) for v in measured.cpu())
+    # A rank sends (world - 1) blocks of `rows` rows in an all-to-all. Fit alpha + bytes / bandwidth through the two
+    # sizes; when noise makes the large message look no slower than the small one, charge it all to bandwidth.
+    bytes_small = small_rows * (world - 1) * d_model * elem
+    bytes_large = large_rows * (world - 1) * d_model * elem
+    if world == 1:
+        bandwidth, alpha = float("inf"), 0.0
+    elif t_large > 1.1 * t_small:
+        bandwidth = (bytes_large - bytes_small) / (t_large - t_small)
+        alpha = max(t_small - bytes_small / bandwidth, 0.0)
+    else:
+        bandwidth, alpha = bytes_large / t_large, 0.0
+    model = CostModel(d_model=d_model, d_ff=d_ff, a2a_alpha_s=alpha, a2a_bytes_per_s=bandwidth,
+                      flops_per_s=tokens * 4 * d_model * d_ff / max(t_ffn, 1e-12), p2p_bytes_per_s=bandwidth,
+                      elem_bytes=elem)
+    _CACHE[key] = model
+    return model

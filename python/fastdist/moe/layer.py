@@ -1,0 +1,492 @@
+"""MoELayer: a top-k mixture-of-experts FFN with expert parallelism and load-aware expert replication.
+
+One forward, on every rank of `group` (R ranks, E experts, rank r owns experts [r E/R, (r+1) E/R)):
+
+1. Replica parameters for this step's plan start moving (owner -> holder, point-to-point on a separate process
+   group, asynchronous), so they travel while the gate, the layout and the dispatch all-to-all run.
+2. Gate: fp32 softmax top-k (fastdist.ops.moe_route); layout: stable counting sort by expert with capacity or
+   dropless (moe_layout); token rows copied into expert order (moe_permute).
+3. One all-gather of the per-expert kept and total counts and the plan's fingerprint (2 E + 1 int64 per rank, the
+   only host sync): it gives every rank the count matrix, hence the all-to-all split sizes and the next plan,
+   identically everywhere, and checks that every rank ran this step's plan.
+4. Rows for experts this rank holds a replica of stay here; the rest go to their owners in one variable-size
+   all_to_all_single (autograd backward swaps the splits). Ranks with no tokens still take part.
+5. Owned experts compute first (their inputs have arrived), then the replica parameters are waited for and the
+   replicated experts compute; outputs return by the reverse all-to-all, and moe_unpermute combines each token's
+   k rows weighted by its gate probabilities (dropped slots contribute nothing).
+6. Backward: replica gradients are sent to the owners as soon as autograd produces them and are received
+   asynchronously; the owners add them to their parameters' .grad in a callback at the end of the backward pass,
+   i.e. before any optimizer step.
+
+The plan for step n+1 is computed from step n's counts (expert load changes slowly; Pro-Prophet's observation), by
+the same deterministic planner on every rank, on a CPU thread while step n's all-to-alls and experts run. Step 1's
+transfer can start earlier than the layer's forward: MoELayer.prefetch_replicas() (e.g. before the block's attention).
+"""
+import concurrent.futures
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastdist.distributed import MismatchError, check_same, compat, fingerprint
+from fastdist.moe.planner import Plan, Planner, loads
+from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
+
+__all__ = ["MoELayer"]
+
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; backward sends the gradients back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        out = x.new_empty((sum(out_splits), x.shape[1]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), grad.shape[1]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class _ReplicaTraffic:
+    """One step's replica messages: parameters owner -> holder now, gradients holder -> owner in backward.
+
+    Every rank walks the plan's (expert, holder) pairs in the same sorted order; the tag is the expert id, and each
+    (owner, holder, expert) pair carries one message per direction per step.
+    """
+
+    def __init__(self, layer, plan):
+        self.layer = layer
+        self.plan = plan
+        self.pending = []            # forward receives: (expert, handle, buffer)
+        self.sends = []
+        self.grad_recvs = []         # backward: (local expert index, handle, buffer)
+        self.finish_queued = False
+        rank = layer.rank
+        for e, holder in plan.replicas:
+            owner = layer.owner(e)
+            if owner == rank:
+                self.sends.append(dist.isend(layer.pack_expert(e), layer.global_rank(holder),
+                                             group=layer.replica_group, tag=e))
+            elif holder == rank:
+                buf = torch.empty(layer.expert_numel, dtype=layer.w1.dtype, device=layer.w1.device)
+                handle = dist.irecv(buf, layer.global_rank(owner), group=layer.replica_group, tag=e)
+                self.pending.append((e, handle, buf))
+
+    def replica_params(self):
+        """Waits for this rank's replica parameters; returns [(expert, w1, b1, w2, b2)] in expert order."""
+        out = []
+        for e, handle, buf in self.pending:
+            handle.wait()
+            out.append((e, *self.layer.split_expert(buf)))  # views: the buffer is ours alone
+        for handle in self.sends:
+            handle.wait()
+        self.sends = []
+        return out
+
+    def send_grads(self, expert_grads):
+        """Holder side: sends each (expert, flat gradient of its replica here) to the expert's owner."""
+        for e, grad in expert_grads:
+            self.sends.append(dist.isend(grad, self.layer.global_rank(self.layer.owner(e)),
+                                         group=self.layer.replica_group, tag=e))
+
+    def post_grad_receives(self):
+        """Owner side: posts a receive for the gradient of every replica of an expert it owns."""
+        layer = self.layer
+        for e, holder in self.plan.replicas:
+            if layer.owner(e) == layer.rank:
+                buf = torch.empty(layer.expert_numel, dtype=layer.w1.dtype, device=layer.w1.device)
+                handle = dist.irecv(buf, layer.global_rank(holder), group=layer.replica_group, tag=e)
+                self.grad_recvs.append((e - layer.first_expert, handle, buf))
+
+    def finish_at_end_of_backward(self):
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
+
+    def finish_grads(self):
+        """End of backward: adds the received replica gradients into the owner's .grad (in plan order)."""
+        layer = self.layer
+        params = (layer.w1, layer.b1, layer.w2, layer.b2)
+        for local, handle, buf in self.grad_recvs:
+            handle.wait()
+            for p, g in zip(params, layer.split_expert(buf)):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad[local] += g
+        for handle in self.sends:
+            handle.wait()
+        self.grad_recvs, self.sends = [], []
+
+
+class _OwnedExperts(torch.autograd.Function):
+    """Identity on the owned expert parameters; its backward posts the receives for their replicas' gradients.
+
+    The owners add those gradients at the end of the backward pass (queue_callback), so no rank blocks inside
+    autograd on a peer that may still be running another part of its backward.
+    """
+
+    @staticmethod
+    def forward(ctx, traffic, w1, b1, w2, b2):
+        ctx.traffic = traffic
+        return w1.view_as(w1), b1.view_as(b1), w2.view_as(w2), b2.view_as(b2)
+
+    @staticmethod
+    def backward(ctx, gw1, gb1, gw2, gb2):
+        ctx.traffic.post_grad_receives()
+        ctx.traffic.finish_at_end_of_backward()
+        return None, gw1, gb1, gw2, gb2
+
+
+class _ReplicaParams(torch.autograd.Function):
+    """Waits for this rank's replica parameters and returns them as differentiable tensors; backward sends their
+    gradients to the owners. `anchor` (an owned parameter) only makes autograd record the node."""
+
+    @staticmethod
+    def forward(ctx, traffic, anchor):
+        replicas = traffic.replica_params()
+        ctx.traffic = traffic
+        ctx.replica_experts = [r[0] for r in replicas]
+        return tuple(t for r in replicas for t in r[1:])
+
+    @staticmethod
+    def backward(ctx, *replica_grads):
+        grads = []
+        for i, e in enumerate(ctx.replica_experts):
+            parts = replica_grads[4 * i:4 * i + 4]
+            grads.append((e, torch.cat([p.reshape(-1) for p in parts]).contiguous()))
+        ctx.traffic.send_grads(grads)
+        ctx.traffic.finish_at_end_of_backward()
+        return None, None
+
+
+@dataclasses.dataclass
+class _DispatchPlan:
+    kept_rows: int            # rows this rank routes (kept assignments)
+    local_experts: list       # experts replicated here, computed here
+    send_index: torch.Tensor  # rows to send, in send order
+    local_index: torch.Tensor  # rows computed here, in local_experts order
+    send_splits: list
+    recv_splits: list
+    to_expert_major: torch.Tensor  # received (source-major) rows -> owned-expert-major order
+    owned_sizes: list         # received rows per owned expert
+    local_sizes: list         # local rows per replicated expert
+
+
+_PLANNER_THREAD = []
+
+
+def _planner_thread():
+    """One background thread shared by every layer of the process (plans are small; they never overlap)."""
+    if not _PLANNER_THREAD:
+        _PLANNER_THREAD.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdist-plan"))
+    return _PLANNER_THREAD[0]
+
+
+def _segments_index(starts, lengths, device):
+    """Concatenation of arange(start, start + length) over the segments, as int64 on `device`."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    seg_first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    index = np.repeat(starts, lengths) + (np.arange(total) - seg_first)
+    return torch.from_numpy(index).to(device)
+
+
+class MoELayer(nn.Module):
+    """Top-k MoE FFN over expert-parallel ranks with load-aware replication (Pro-Prophet).
+
+    Args:
+        d_model, d_ff: token width and expert hidden width.
+        num_experts: E, divisible by the group size; each rank owns E / R experts, contiguously.
+        k: experts per token.
+        capacity_factor: capacity per expert = max(min_capacity, ceil(k * T * capacity_factor / E)) with T this
+            rank's tokens (DeepSpeed-MoE semantics); ignored when dropless.
+        dropless: keep every assignment.
+        activation: "gelu", "relu" or "silu".
+        group: the expert-parallel process group (None: the default group; no process group: one rank, no comm).
+        balance: "prophet" (greedy planner), "shadow" (FasterMoE-style), "replicate_topk" or "none".
+        plan_interval: replan every this many steps.
+        max_replicas_per_rank: replicas one rank may hold (memory bound).
+        aux_loss_coef: weight of the Switch load-balancing loss in `self.aux_loss` (add it to your loss).
+        cost_model: a fastdist.moe.CostModel; None: measured by fastdist.moe.calibrate(group) at the first forward.
+        min_capacity, replan_gain, planner_budget: see fastdist.moe.planner.
+
+    Every rank must construct the layer with the same configuration: a fingerprint check raises
+    fastdist.distributed.MismatchError on every rank otherwise.
+    """
+
+    def __init__(self, d_model, d_ff, num_experts, k=2, capacity_factor=1.25, dropless=False, activation="gelu",
+                 group=None, balance="prophet", plan_interval=1, max_replicas_per_rank=2, aux_loss_coef=0.01,
+                 cost_model=None, min_capacity=4, replan_gain=0.03, planner_budget=None):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"fastdist: activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        if num_experts < 1 or num_experts % self.world:
+            raise ValueError(f"fastdist: num_experts ({num_experts}) must be a positive multiple of the group size "
+                             f"({self.world})")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"fastdist: k must be in [1, num_experts = {num_experts}], got {k}")
+        self.d_model, self.d_ff, self.num_experts, self.k = d_model, d_ff, num_experts, k
+        self.capacity_factor, self.dropless, self.min_capacity = capacity_factor, dropless, min_capacity
+        self.activation = activation
+        self.aux_loss_coef = aux_loss_coef
+        self.balance = balance
+        self.experts_per_rank = num_experts // self.world
+        self.first_expert = self.rank * self.experts_per_rank
+        self.config = {"d_model": d_model, "d_ff": d_ff, "num_experts": num_experts, "k": k,
+                       "capacity_factor": float(capacity_factor), "dropless": bool(dropless),
+                       "min_capacity": min_capacity, "activation": activation, "balance": balance,
+                       "plan_interval": plan_interval, "max_replicas_per_rank": max_replicas_per_rank,
+                       "replan_gain": float(replan_gain), "planner_budget": planner_budget}
+        if self.distributed:
+            check_same("MoELayer configuration", self.config, group)
+        self.planner = Planner(balance, cost_model, max_replicas_per_rank, plan_interval, replan_gain,
+                               planner_budget)
+        if cost_model is not None and self.distributed:
+            check_same("MoELayer cost model", cost_model, group)
+        # Replica traffic has its own process group so it can run beside the all-to-all. Only the members of
+        # `group` create it (other expert-parallel groups create theirs concurrently): local synchronization
+        # names the group by its ranks instead of a world-wide counter.
+        self.replica_group = None
+        if self.distributed and self.world > 1 and balance != "none":
+            ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.world)]
+            self.replica_group = dist.new_group(ranks, use_local_synchronization=group is not None)
+        e_local = self.experts_per_rank
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e_local, d_model, d_ff))
+        self.b1 = nn.Parameter(torch.zeros(e_local, d_ff))
+        self.w2 = nn.Parameter(torch.empty(e_local, d_ff, d_model))
+        self.b2 = nn.Parameter(torch.zeros(e_local, d_model))
+        nn.init.normal_(self.w1, std=1.0 / math.sqrt(d_model))
+        nn.init.normal_(self.w2, std=1.0 / math.sqrt(d_ff))
+        self.expert_numel = 2 * d_model * d_ff + d_model + d_ff
+        self.aux_loss = None
+        self._stats = {}
+        self._prefetched = None
+
+    # ---- helpers for the replica traffic ----
+
+    def owner(self, expert):
+        return expert // self.experts_per_rank
+
+    def global_rank(self, group_rank):
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def pack_expert(self, expert):
+        i = expert - self.first_expert
+        return torch.cat([self.w1[i].reshape(-1), self.b1[i], self.w2[i].reshape(-1), self.b2[i]]).detach() \
+            .contiguous()
+
+    def split_expert(self, flat):
+        d, f = self.d_model, self.d_ff
+        w1, b1, w2, b2 = flat.split([d * f, f, f * d, d])
+        return w1.view(d, f), b1, w2.view(f, d), b2
+
+
+    @property
+    def plan(self):
+        return self.planner.plan
+
+    def prefetch_replicas(self):
+        """Starts sending this step's replica parameters now, so that they travel while earlier work runs.
+
+        Call it after the optimizer step and before the layer's input is ready (e.g. at the start of the block, so
+        the transfer overlaps the attention); forward() starts the transfer itself when nobody did. Every rank of
+        the group must call it for the same steps (it issues point-to-point messages on the replica group).
+        """
+        if self.world > 1 and self.plan.replicas and self._prefetched is None:
+            self._prefetched = _ReplicaTraffic(self, self.plan)
+
+    def _ensure_cost_model(self):
+        if self.planner.cost is None and self.balance != "none":
+            from fastdist.moe.calibrate import calibrate
+            self.planner.cost = calibrate(self.group if self.distributed else None, self.d_model, self.d_ff,
+                                          self.w1.dtype)
+
+    # ---- compute ----
+
+    def _ffn(self, x, w1, b1, w2, b2):
+        return _ACTIVATIONS[self.activation](x @ w1 + b1) @ w2 + b2
+
+    def _experts(self, rows, sizes, params):
+        """rows grouped by expert, sizes[i] rows for params[i] = (w1, b1, w2, b2)."""
+        if not params:
+            return rows[:0]
+        parts = rows.split(sizes)
+        return torch.cat([self._ffn(p, *w) for p, w in zip(parts, params)])
+
+    def forward(self, x):
+        start = time.perf_counter()
+        self._ensure_cost_model()
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)
+        tokens = x.shape[0]
+        plan = self.plan if self.world > 1 else Plan()
+        self.prefetch_replicas()
+        traffic, self._prefetched = self._prefetched, None
+
+        logits = self.gate(x).float()
+        probs, _, topk_idx, topk_weight = moe_route(logits, self.k)
+        capacity = -1 if self.dropless else capacity_for(tokens, self.num_experts, self.k, self.capacity_factor,
+                                                         self.min_capacity)
+        counts, offsets, _, _, row_of_slot, _, _ = moe_layout(topk_idx, self.num_experts, 1, capacity)
+        kept = offsets[1:] - offsets[:-1]
+        # The count matrix [R, E] of kept (and all) assignments: one all-gather, the layer's host sync. It also
+        # carries each rank's plan fingerprint, so every rank checks that all used the same plan at no extra cost.
+        plan_print = torch.tensor([fingerprint(plan)], dtype=torch.int64, device=counts.device)
+        mine = torch.cat([kept, counts, plan_print]).to(x.device)
+        if self.world > 1:
+            gathered = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=x.device)
+            compat.all_gather_single(gathered, mine, group=self.group)
+        else:
+            gathered = mine
+        gathered = gathered.view(self.world, -1).cpu().numpy()
+        if len(set(gathered[:, -1].tolist())) > 1:
+            raise MismatchError("MoELayer plan", {r: f"plan fingerprint {int(v):#x}"
+                                                  for r, v in enumerate(gathered[:, -1])})
+        cnt = gathered[:, :self.num_experts]
+        all_counts = gathered[:, self.num_experts:2 * self.num_experts]
+        # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
+        planning = _planner_thread().submit(self.planner.update, cnt) if self.world > 1 else None
+
+        route = self._dispatch_plan(cnt, plan, x.device)
+        rows = moe_permute(x, row_of_slot, route.kept_rows)
+        if route.local_experts:
+            send_rows = rows.index_select(0, route.send_index)
+            local_rows = rows.index_select(0, route.local_index)
+        else:
+            send_rows, local_rows = rows, rows[:0]
+        if self.world > 1:
+            received = _AllToAll.apply(send_rows, route.recv_splits, route.send_splits, self.group)
+        else:
+            received = send_rows
+        by_expert = received.index_select(0, route.to_expert_major)
+
+        # Owned experts first (their rows have arrived), then the replicas (their parameters had the longest to
+        # arrive), both before the combine all-to-all so that owners and holders compute at the same time.
+        owned = (self.w1, self.b1, self.w2, self.b2)
+        if traffic is not None:
+            owned = _OwnedExperts.apply(traffic, *owned)
+        owned_params = [tuple(p[i] for p in owned) for i in range(self.experts_per_rank)]
+        y_by_expert = self._experts(by_expert, route.owned_sizes, owned_params)
+        if route.local_experts:
+            replica_flat = _ReplicaParams.apply(traffic, self.b2)
+            replica_params = [tuple(replica_flat[4 * i:4 * i + 4]) for i in range(len(route.local_experts))]
+            y_local = self._experts(local_rows, route.local_sizes, replica_params)
+        elif traffic is not None:
+            traffic.replica_params()  # no replica here; completes this rank's parameter sends
+        y_received = torch.empty_like(y_by_expert).index_copy(0, route.to_expert_major, y_by_expert) \
+            if y_by_expert.shape[0] else y_by_expert
+        y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group) \
+            if self.world > 1 else y_received
+        if route.local_experts:
+            y_rows = torch.empty_like(rows).index_copy(0, torch.cat([route.send_index, route.local_index]),
+                                                       torch.cat([y_sent, y_local]))
+        else:
+            y_rows = y_sent
+        out = moe_unpermute(y_rows, row_of_slot, topk_weight.to(y_rows.dtype))
+
+        # Switch load-balancing loss on this rank's tokens: E * sum_e f_e * mean_t p_e.
+        if tokens:
+            fraction = counts.to(probs.dtype) / (tokens * self.k)
+            self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * probs.mean(0)).sum()
+        else:
+            self.aux_loss = probs.sum() * 0.0
+        self._record(cnt, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
+        if planning is not None:
+            planning.result()  # the next forward's all-gather checks that every rank planned alike
+        return out.reshape(shape)
+
+    def _dispatch_plan(self, cnt, plan, device):
+        """Where this rank's rows go and where the received rows come from, from the count matrix and the plan.
+
+        Rows (kept assignments, grouped by expert) of experts this rank replicates stay here (local_index, in expert
+        order); the others go to their owners (send_index: destination-major, expert order inside). The received
+        rows are source-major; to_expert_major reorders them for the owned experts.
+        """
+        replicated_here = set(plan.replicated_on(self.rank))
+        my_kept = cnt[self.rank]
+        my_offsets = np.cumsum(my_kept) - my_kept
+        send_experts = [e for e in range(self.num_experts) if e not in replicated_here]
+        local_experts = sorted(replicated_here)
+        per = self.experts_per_rank
+        send_splits = [int(sum(my_kept[e] for e in range(r * per, (r + 1) * per) if e not in replicated_here))
+                       for r in range(self.world)]
+        # What each source sends here: its rows for my experts it does not replicate. [R, E_local]
+        mine = range(self.first_expert, self.first_expert + per)
+        recv_counts = np.array([[0 if e in plan.replicated_on(s) else cnt[s, e] for e in mine]
+                                for s in range(self.world)], dtype=np.int64)
+        flat_counts = recv_counts.reshape(-1)
+        src_starts = np.cumsum(flat_counts) - flat_counts
+        expert_major = [s * per + i for i in range(per) for s in range(self.world)]
+        return _DispatchPlan(
+            kept_rows=int(my_kept.sum()),
+            local_experts=local_experts,
+            send_index=_segments_index(my_offsets[send_experts], my_kept[send_experts], device),
+            local_index=_segments_index(my_offsets[local_experts], my_kept[local_experts], device),
+            send_splits=send_splits,
+            recv_splits=[int(v) for v in recv_counts.sum(axis=1)],
+            to_expert_major=_segments_index(src_starts[expert_major], flat_counts[expert_major], device),
+            owned_sizes=[int(v) for v in recv_counts.sum(axis=0)],
+            local_sizes=[int(my_kept[e]) for e in local_experts])
+
+    def _record(self, cnt, all_counts, plan, seconds, send_splits, recv_splits):
+        h, inbound, outbound = loads(cnt, plan)
+        h0, _, _ = loads(cnt, Plan())
+        per_expert = cnt.sum(axis=0)
+        mean_h = max(h.mean(), 1e-12)
+        elem = self.w1.element_size()
+        rank_self = self.rank
+        a2a_bytes = [(sum(send_splits) - send_splits[rank_self]) * self.d_model * elem,
+                     (sum(recv_splits) - recv_splits[rank_self]) * self.d_model * elem]
+        cost = self.planner.cost
+        self._stats = {
+            "tokens_per_rank": h.tolist(),
+            "tokens_max_over_mean": float(h.max() / mean_h),
+            "tokens_max_over_mean_unbalanced": float(h0.max() / max(h0.mean(), 1e-12)),
+            "tokens_in": inbound.tolist(), "tokens_out": outbound.tolist(),
+            "a2a_bytes_per_rank": [int(max(i, o)) * self.d_model * elem for i, o in zip(inbound, outbound)],
+            "a2a_bytes_this_rank": a2a_bytes,
+            "dropped": int(all_counts.sum() - cnt.sum()),
+            "tokens_per_expert": per_expert.tolist(),
+            "std_tokens_per_expert": float(per_expert.std()),
+            "std_tokens_per_rank_before": float(h0.std()),
+            "std_tokens_per_rank_after": float(h.std()),
+            "replicas": [list(p) for p in plan.replicas],
+            "predicted_s": cost.time(cnt, plan)[0] if cost is not None else None,
+            "predicted_unbalanced_s": cost.time(cnt, Plan())[0] if cost is not None else None,
+            "forward_s": seconds,
+        }
+
+    def stats(self):
+        """Metrics of the last forward. Count-derived figures are global over the group and count token-expert
+        assignments (a token routed to k experts counts k times); a2a_bytes_this_rank is [sent, received]."""
+        return dict(self._stats)
+
+    def get_extra_state(self):
+        return {"planner": self.planner.state_dict(), "config_fingerprint": fingerprint(self.config)}
+
+    def set_extra_state(self, state):
+        if state["config_fingerprint"] != fingerprint(self.config):
+            raise ValueError("fastdist: MoELayer state_dict comes from a layer with a different configuration")
+        self.planner.load_state_dict(state["planner"])

@@ -1,0 +1,289 @@
+"""Expert placement: which ranks hold a replica of which expert, decided from the last step's token counts.
+
+Everything here is pure integer/float arithmetic on a count matrix ``counts[s, e]`` (tokens that rank ``s`` routes to
+expert ``e``, kept after capacity), so every rank computes the same plan from the same all-gathered counts and no plan
+is ever broadcast. Experts are owned contiguously: rank ``r`` owns ``[r E/R, (r+1) E/R)``.
+
+A token of rank ``s`` for expert ``e`` is computed on ``s`` when ``s`` owns or holds a replica of ``e``, else at the
+owner. From a plan follow, per rank ``r``: ``H[r]`` tokens computed, ``OUT[r]`` tokens sent to other ranks, ``IN[r]``
+tokens received.
+
+Cost model (Pro-Prophet, arXiv 2411.10003, section 4; constants measured by :func:`fastdist.moe.calibrate`)::
+
+    T_a2a   = alpha + max_r max(IN[r], OUT[r]) * d * bytes / a2a_bytes_per_s
+    T_fec   = max_r H[r] * flops_per_token / flops_per_s           (expert forward)
+    T_bec   = 2 T_fec
+    T_trans = max_r max(params sent by r, params received by r) * bytes / p2p_bytes_per_s
+    T_agg   = T_trans                                               (the gradients go back the same way)
+    T       = 4 T_a2a + 3 T_fec + max(0, T_trans - T_fec - T_fnec) + max(0, T_agg - T_bec - T_bnec)
+
+T_trans is the busiest rank's replica traffic on point-to-point links (the layer sends each replica from its owner
+to its holder) rather than the paper's ``sum / R``, which assumes a perfectly spread broadcast.
+"""
+import dataclasses
+
+import numpy as np
+
+__all__ = ["CostModel", "Plan", "Planner", "loads", "plan_prophet", "plan_replicate_topk", "plan_shadow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Constants of the cost model (seconds, bytes, flops) and the layer's shape."""
+    d_model: int
+    d_ff: int
+    a2a_alpha_s: float          # all-to-all latency
+    a2a_bytes_per_s: float      # all-to-all bandwidth per rank
+    flops_per_s: float          # expert GEMM throughput
+    p2p_bytes_per_s: float      # replica parameter / gradient link rate
+    elem_bytes: int = 4
+    nec_fwd_s: float = 0.0      # non-expert compute the replica traffic can hide behind (forward)
+    nec_bwd_s: float = 0.0      # (backward)
+
+    @property
+    def flops_per_token(self):
+        return 4 * self.d_model * self.d_ff  # two GEMMs, 2 flops per multiply-add
+
+    @property
+    def params_per_expert(self):
+        return 2 * self.d_model * self.d_ff + self.d_model + self.d_ff
+
+    def time(self, counts, plan):
+        """Predicted seconds of one forward + backward of the layer under `plan`, and its parts."""
+        h, inbound, outbound = loads(counts, plan)
+        world = counts.shape[0]
+        t_a2a = self.a2a_alpha_s + max(int(np.max(np.maximum(inbound, outbound))), 0) * self.d_model * \
+            self.elem_bytes / self.a2a_bytes_per_s
+        t_fec = int(h.max()) * self.flops_per_token / self.flops_per_s
+        t_bec = 2 * t_fec
+        sent = np.zeros(world, dtype=np.int64)
+        received = np.zeros(world, dtype=np.int64)
+        per_rank = counts.shape[1] // world
+        for e, holder in plan.replicas:
+            sent[e // per_rank] += 1
+            received[holder] += 1
+        t_trans = int(np.max(np.maximum(sent, received))) * self.params_per_expert * self.elem_bytes / \
+            self.p2p_bytes_per_s if plan.replicas else 0.0
+        t_ptrans = max(0.0, t_trans - t_fec - self.nec_fwd_s)
+        t_pagg = max(0.0, t_trans - t_bec - self.nec_bwd_s)
+        total = 4 * t_a2a + 3 * t_fec + t_ptrans + t_pagg
+        return total, {"a2a": t_a2a, "fec": t_fec, "trans": t_trans, "ptrans": t_ptrans, "pagg": t_pagg}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Replicas as sorted (expert, holder rank) pairs; the owner never appears as a holder."""
+    replicas: tuple = ()
+
+    def holders(self, expert):
+        return [r for e, r in self.replicas if e == expert]
+
+    def replicated_on(self, rank):
+        return [e for e, r in self.replicas if r == rank]
+
+    def with_replica(self, expert, rank):
+        return Plan(tuple(sorted(set(self.replicas) | {(expert, rank)})))
+
+
+def destinations(counts_shape, plan):
+    """dest[s, e]: the rank that computes rank s's tokens for expert e."""
+    world, experts = counts_shape
+    per_rank = experts // world
+    dest = np.repeat((np.arange(experts) // per_rank)[None, :], world, axis=0)
+    for e, holder in plan.replicas:
+        dest[holder, e] = holder
+    return dest
+
+
+def loads(counts, plan):
+    """(H, IN, OUT) per rank, int64 arrays: tokens computed, received from and sent to other ranks."""
+    counts = np.asarray(counts, dtype=np.int64)
+    world = counts.shape[0]
+    dest = destinations(counts.shape, plan)
+    h = np.zeros(world, dtype=np.int64)
+    np.add.at(h, dest.reshape(-1), counts.reshape(-1))
+    remote = dest != np.arange(world)[:, None]
+    outbound = np.where(remote, counts, 0).sum(axis=1)
+    inbound = np.zeros(world, dtype=np.int64)
+    np.add.at(inbound, dest[remote], counts[remote])
+    return h, inbound, outbound
+
+
+def _check(counts, max_replicas_per_rank):
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.ndim != 2 or counts.shape[0] < 1 or counts.shape[1] % counts.shape[0]:
+        raise ValueError(f"fastdist: counts must be [ranks, experts] with ranks dividing experts, got {counts.shape}")
+    if (counts < 0).any():
+        raise ValueError("fastdist: counts must be >= 0")
+    if max_replicas_per_rank < 0:
+        raise ValueError(f"fastdist: max_replicas_per_rank must be >= 0, got {max_replicas_per_rank}")
+    return counts
+
+
+def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=0.05, width=4, from_shadow=True):
+    """Pro-Prophet's greedy search. Returns (best plan, [(plan, predicted time) of every state visited]).
+
+    Each step takes the most loaded rank (ties: lower rank) and its `width` experts with the most tokens from other
+    ranks. For each such expert the candidate moves are: a replica on the rank sending it the most tokens, one on
+    the second, or replicas on every sender (among ranks below `max_replicas_per_rank`). The step makes the move
+    with the lowest predicted time (ties: more tokens moved, then lower expert id, then lower ranks) -- the paper's
+    choice of expert and senders, refined by the cost model so that replicas whose traffic costs more than they
+    save are passed over. The best state by predicted time wins (the starting plan included), so more budget never
+    predicts worse. A search stops after `budget` steps (default ranks * max_replicas_per_rank), when
+    max(H) - min(H) < stop_alpha * sum(counts) / ranks, or when no replica can be added.
+
+    With `from_shadow`, a second search starts from the FasterMoE-style shadowing plan, so the search space includes
+    it and the result never predicts worse than shadowing (a greedy step can be myopic where whole-expert
+    broadcasts pay off together).
+    """
+    best_plan, history = _greedy(counts, cost, Plan(), max_replicas_per_rank, budget, stop_alpha, width)
+    if from_shadow:
+        seeded_plan, seeded = _greedy(counts, cost, plan_shadow(counts, cost, max_replicas_per_rank),
+                                      max_replicas_per_rank, budget, stop_alpha, width)
+        if cost.time(counts, seeded_plan)[0] < cost.time(counts, best_plan)[0]:
+            best_plan = seeded_plan
+        history = history + seeded
+    return best_plan, history
+
+
+def _greedy(counts, cost, start, max_replicas_per_rank, budget, stop_alpha, width):
+    counts = _check(counts, max_replicas_per_rank)
+    world, experts = counts.shape
+    budget = world * max_replicas_per_rank if budget is None else budget
+    per_rank = experts // world
+    plan = start
+    best_plan, best_time = plan, cost.time(counts, plan)[0]
+    history = [(plan, best_time)]
+    held = np.bincount(np.array([r for _, r in plan.replicas], dtype=np.int64), minlength=world)
+    for _ in range(budget):
+        h, _, _ = loads(counts, plan)
+        if h.max() - h.min() < stop_alpha * counts.sum() / world:
+            break
+        busiest = int(np.argmax(h))
+        dest = destinations(counts.shape, plan)
+        # Experts computed on the busiest rank, by their tokens from other ranks, most first.
+        remote_tokens = np.where((dest == busiest) & (np.arange(world)[:, None] != busiest), counts, 0).sum(axis=0)
+        candidates = []
+        for e in sorted(range(experts), key=lambda e: (-remote_tokens[e], e)):
+            if remote_tokens[e] == 0 or len({c[1] for c in candidates}) >= width:
+                break
+            senders = [s for s in range(world) if dest[s, e] == busiest and s != busiest and s != e // per_rank
+                       and held[s] < max_replicas_per_rank and counts[s, e] > 0]
+            ranked = sorted(senders, key=lambda s: (-counts[s, e], s))
+            groups = [ranked[:1], ranked[1:2], ranked] if len(ranked) > 2 else [[s] for s in ranked]
+            for group in groups:
+                if not group:
+                    continue
+                trial = plan
+                for s in group:
+                    trial = trial.with_replica(e, s)
+                moved = int(sum(counts[s, e] for s in group))
+                candidates.append((cost.time(counts, trial)[0], -moved, e, tuple(group), trial))
+        if not candidates:
+            break
+        t, _, _, holders, plan = min(candidates, key=lambda c: c[:4])
+        held[list(holders)] += 1
+        history.append((plan, t))
+        if t < best_time:
+            best_plan, best_time = plan, t
+    return best_plan, history
+
+
+def plan_shadow(counts, cost, max_replicas_per_rank=2):
+    """FasterMoE-style shadowing: broadcast the heaviest experts to every rank while the cost model says it helps."""
+    counts = _check(counts, max_replicas_per_rank)
+    world, experts = counts.shape
+    per_rank = experts // world
+    plan, best = Plan(), cost.time(counts, Plan())[0]
+    for step, e in enumerate(sorted(range(experts), key=lambda e: (-counts[:, e].sum(), e))):
+        if step >= max_replicas_per_rank:
+            break
+        trial = plan
+        for r in range(world):
+            if r != e // per_rank:
+                trial = trial.with_replica(e, r)
+        t = cost.time(counts, trial)[0]
+        if t >= best:
+            break
+        plan, best = trial, t
+    return plan
+
+
+def plan_replicate_topk(counts, max_replicas_per_rank=2):
+    """Replicates the `max_replicas_per_rank` heaviest experts on every rank, whatever the cost."""
+    counts = _check(counts, max_replicas_per_rank)
+    world, experts = counts.shape
+    per_rank = experts // world
+    plan = Plan()
+    for e in sorted(range(experts), key=lambda e: (-counts[:, e].sum(), e))[:max_replicas_per_rank]:
+        for r in range(world):
+            if r != e // per_rank:
+                plan = plan.with_replica(e, r)
+    return plan
+
+
+class Planner:
+    """Chooses the plan for the next step from this step's counts, with hysteresis; keeps its history.
+
+    strategy: "prophet", "shadow", "replicate_topk" or "none". A new plan replaces the current one only when it is
+    predicted (on the same counts) to be at least `replan_gain` faster. Pure and deterministic: equal inputs give
+    equal plans on every rank.
+    """
+
+    def __init__(self, strategy, cost, max_replicas_per_rank=2, plan_interval=1, replan_gain=0.03, budget=None,
+                 stop_alpha=0.05):
+        if strategy not in ("prophet", "shadow", "replicate_topk", "none"):
+            raise ValueError(f"fastdist: balance must be 'prophet', 'shadow', 'replicate_topk' or 'none', "
+                             f"got {strategy!r}")
+        if plan_interval < 1:
+            raise ValueError(f"fastdist: plan_interval must be >= 1, got {plan_interval}")
+        self.strategy = strategy
+        self.cost = cost
+        self.max_replicas_per_rank = max_replicas_per_rank
+        self.plan_interval = plan_interval
+        self.replan_gain = replan_gain
+        self.budget = budget
+        self.stop_alpha = stop_alpha
+        self.plan = Plan()
+        self.steps = 0
+        self.replans = 0
+        self.last_counts = None
+
+    def propose(self, counts):
+        if self.strategy == "none":
+            return Plan()
+        if self.strategy == "prophet":
+            return plan_prophet(counts, self.cost, self.max_replicas_per_rank, self.budget, self.stop_alpha)[0]
+        if self.strategy == "shadow":
+            return plan_shadow(counts, self.cost, self.max_replicas_per_rank)
+        return plan_replicate_topk(counts, self.max_replicas_per_rank)
+
+    def update(self, counts):
+        """Records this step's counts; every plan_interval steps reconsiders the plan. Returns the plan to use next."""
+        counts = np.asarray(counts, dtype=np.int64)
+        self.last_counts = counts.copy()
+        self.steps += 1
+        if self.steps % self.plan_interval:
+            return self.plan
+        proposal = self.propose(counts)
+        if proposal != self.plan and (self.strategy == "replicate_topk" or self._clearly_better(counts, proposal)):
+            self.plan = proposal
+            self.replans += 1
+        return self.plan
+
+    def _clearly_better(self, counts, proposal):
+        return self.cost.time(counts, proposal)[0] < (1 - self.replan_gain) * self.cost.time(counts, self.plan)[0]
+
+    def state_dict(self):
+        return {"plan": [list(p) for p in self.plan.replicas], "steps": self.steps, "replans": self.replans,
+                "last_counts": None if self.last_counts is None else self.last_counts.tolist(),
+                "strategy": self.strategy}
+
+    def load_state_dict(self, state):
+        if state["strategy"] != self.strategy:
+            raise ValueError(f"fastdist: planner state is for balance={state['strategy']!r}, this layer uses "
+                             f"{self.strategy!r}")
+        self.plan = Plan(tuple(sorted(tuple(p) for p in state["plan"])))
+        self.steps = state["steps"]
+        self.replans = state["replans"]
+        self.last_counts = None if state["last_counts"] is None else np.asarray(state["last_counts"], dtype=np.int64)
