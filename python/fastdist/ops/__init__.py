@@ -1,6 +1,9 @@
 """Typed wrappers for torch.ops.fastdist.*, with fake kernels and autograd, one module per op family."""
 from fastdist.ops.bitpack import bitwise_or_reduce, pack_bits, unpack_bits
+from fastdist.ops.quantize import dequantize, quantize
 from fastdist.ops.sketch import count_sketch, count_sketch_decode, nonzero_bitmap, sketch_hash
+from fastdist.ops.topk import topk_bitmap_to_indices, topk_compress, topk_decompress, topk_indices_to_bitmap
 
-__all__ = ["bitwise_or_reduce", "count_sketch", "count_sketch_decode", "nonzero_bitmap", "pack_bits", "sketch_hash",
-           "unpack_bits"]
+__all__ = ["bitwise_or_reduce", "count_sketch", "count_sketch_decode", "dequantize", "nonzero_bitmap", "pack_bits",
+           "quantize", "sketch_hash", "topk_bitmap_to_indices", "topk_compress", "topk_decompress",
+           "topk_indices_to_bitmap", "unpack_bits"]
