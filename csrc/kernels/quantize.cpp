@@ -45,22 +45,57 @@ void codes_of_segment(const float* __restrict x, int64_t i0, int64_t i1, QuantSc
 }
 
 // `count` codes (a multiple of 8 / bits, or the stream's last codes) into ceil(count * bits / 8) bytes.
-void pack_codes(const uint8_t* __restrict codes, int64_t count, int bits, uint8_t* __restrict out) {
-  if (bits == 8) {
-    std::memcpy(out, codes, count);
-    return;
-  }
-  const int per = 8 / bits;
-  const int64_t full = count / per;
+template <int kBits>
+void pack_codes_of(const uint8_t* __restrict codes, int64_t count, uint8_t* __restrict out) {
+  constexpr int kPer = 8 / kBits;
+  const int64_t full = count / kPer;
   for (int64_t b = 0; b < full; ++b) {
     uint32_t byte = 0;
-    for (int t = 0; t < per; ++t) byte |= static_cast<uint32_t>(codes[b * per + t]) << (t * bits);
+    for (int t = 0; t < kPer; ++t) byte |= static_cast<uint32_t>(codes[b * kPer + t]) << (t * kBits);
     out[b] = static_cast<uint8_t>(byte);
   }
-  if (full * per < count) {
+  if (full * kPer < count) {
     uint32_t byte = 0;
-    for (int64_t t = full * per; t < count; ++t) byte |= static_cast<uint32_t>(codes[t]) << ((t - full * per) * bits);
+    for (int64_t t = full * kPer; t < count; ++t) byte |= static_cast<uint32_t>(codes[t]) << ((t - full * kPer) * kBits);
     out[full] = static_cast<uint8_t>(byte);
+  }
+}
+
+void pack_codes(const uint8_t* codes, int64_t count, int bits, uint8_t* out) {
+  switch (bits) {
+    case 1: return pack_codes_of<1>(codes, count, out);
+    case 2: return pack_codes_of<2>(codes, count, out);
+    case 4: return pack_codes_of<4>(codes, count, out);
+    default: std::memcpy(out, codes, count);
+  }
+}
+
+// Values [begin, end) with the code width a compile-time constant, so that locating a code is shifts and masks.
+template <int kBits>
+void dequantize_range(const uint8_t* __restrict packed, int64_t group, QuantScheme scheme, const float* scales,
+                      const float* zeros, float* __restrict out, int64_t begin, int64_t end) {
+  constexpr int kPer = 8 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+  const QuantLevels lv = quant_levels(scheme, kBits);
+  for (int64_t s0 = begin; s0 < end;) {
+    const int64_t g = s0 / group;
+    const int64_t s1 = std::min(end, (g + 1) * group);
+    const float scale = scales[g];
+    // x' = zero + q * scale (minmax) or (q - c) * scale (absmax): one affine form with a per-scheme order
+    if (scheme == QuantScheme::kMinMax) {
+      const float zero = zeros[g];
+      for (int64_t i = s0; i < s1; ++i) {
+        const uint32_t q = (packed[i / kPer] >> ((i % kPer) * kBits)) & kMask;
+        out[i] = zero + static_cast<float>(q) * scale;
+      }
+    } else {
+      const float centre = lv.centre;
+      for (int64_t i = s0; i < s1; ++i) {
+        const uint32_t q = (packed[i / kPer] >> ((i % kPer) * kBits)) & kMask;
+        out[i] = (static_cast<float>(q) - centre) * scale;
+      }
+    }
+    s0 = s1;
   }
 }
 
@@ -117,28 +152,11 @@ void quantize_pack_cpu(const float* x, int64_t n, int64_t group, int bits, Quant
 void dequantize_cpu(const uint8_t* packed, int64_t n, int64_t group, int bits, QuantScheme scheme,
                     const float* scales, const float* zeros, float* out, int64_t begin, int64_t end) {
   (void)n;
-  const QuantLevels lv = quant_levels(scheme, bits);
-  const uint32_t mask = (1u << bits) - 1;
-  const int64_t per = 8 / bits;
-  for (int64_t s0 = begin; s0 < end;) {
-    const int64_t g = s0 / group;
-    const int64_t s1 = std::min(end, (g + 1) * group);
-    const float scale = scales[g];
-    float* __restrict o = out;
-    if (scheme == QuantScheme::kMinMax) {
-      const float zero = zeros[g];
-      for (int64_t i = s0; i < s1; ++i) {
-        const uint32_t q = (packed[i / per] >> ((i % per) * bits)) & mask;
-        o[i] = zero + static_cast<float>(q) * scale;
-      }
-    } else {
-      const float centre = lv.centre;
-      for (int64_t i = s0; i < s1; ++i) {
-        const uint32_t q = (packed[i / per] >> ((i % per) * bits)) & mask;
-        o[i] = (static_cast<float>(q) - centre) * scale;
-      }
-    }
-    s0 = s1;
+  switch (bits) {
+    case 1: return dequantize_range<1>(packed, group, scheme, scales, zeros, out, begin, end);
+    case 2: return dequantize_range<2>(packed, group, scheme, scales, zeros, out, begin, end);
+    case 4: return dequantize_range<4>(packed, group, scheme, scales, zeros, out, begin, end);
+    default: return dequantize_range<8>(packed, group, scheme, scales, zeros, out, begin, end);
   }
 }
 
