@@ -3,6 +3,8 @@
   fastdist-bench                         a short tour of every suite (4 ranks, simulated 10 Gbit/s if possible)
   fastdist-bench collectives [opts]      nccl-tests style sweep of torch.distributed collectives
   fastdist-bench kernels [opts]          fastdist's kernels vs the machine's copy bandwidth
+  fastdist-bench compress [opts]         4-stage pipeline, one rank per stage: activation/gradient compressors
+  fastdist-bench compress-kernels [opts] TopK / quantization kernels vs torch.topk, scatter, torch quantization
   fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
@@ -17,6 +19,8 @@ import time
 
 SUITES = {
     "collectives": "fastdist.bench.collectives",
+    "compress": "fastdist.bench.compress",
+    "compress-kernels": "fastdist.bench.compress_kernels",
     "kernels": "fastdist.bench.kernels",
     "sparse": "fastdist.bench.sparse",
     "sparse-lm": "fastdist.bench.sparse_lm",
@@ -26,6 +30,8 @@ SUITES = {
 TOUR = {
     "collectives": ["--ranks", "4", "--net", "10gbit", "--max-size", "16M", "--min-time", "0.1"],
     "kernels": ["--quick"],
+    "compress-kernels": ["--topk-shape", "64x65536", "--repeats", "5"],
+    "compress": ["--steps", "5", "--warmup", "2"],
     "sparse": ["--ranks", "2", "--net", "10gbit", "--shape", "8192x256", "--densities", "2"],
     "sparse-lm": ["--ranks", "4", "--net", "10gbit", "--steps", "40", "--vocab", "8192", "--dim", "32",
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],

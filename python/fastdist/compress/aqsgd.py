@@ -316,15 +316,20 @@ class AQSGD(Compressor):
     def _combine(self, packet, rows_dtype, device, m_old):
         """The rows the receiver outputs (and both ends store): fresh rows as sent, the others m + D(delta)."""
         t, meta = packet.tensors, packet.meta
-        fresh = t["fresh"].bool().cpu()
+        fresh = t["fresh"].bool().to(device)
         d = meta["d"]
-        out = torch.empty(fresh.numel(), d, dtype=torch.float32, device=device)
-        out[fresh.to(device)] = t["full"].to(torch.float32)
+        delta = None
         if meta["stale"]:
             inner = Packet(meta["inner_kind"], (meta["stale"], d), rows_dtype,
                            {name[2:]: v for name, v in t.items() if name.startswith("d_")},
                            {name[2:]: v for name, v in meta.items() if name.startswith("d_")})
-            out[~fresh.to(device)] = m_old.to(device) + self.c.decompress(inner).to(torch.float32)
+            delta = self.c.decompress(inner).to(torch.float32)
+        if meta["stale"] == fresh.numel():  # the steady state: every sample seen before
+            return m_old.to(device, torch.float32) + delta
+        out = torch.empty(fresh.numel(), d, dtype=torch.float32, device=device)
+        out[fresh] = t["full"].to(torch.float32)
+        if delta is not None:
+            out[~fresh] = m_old.to(device, torch.float32) + delta
         return out
 
     def compress(self, x, sample_ids=None):
