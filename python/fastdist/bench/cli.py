@@ -5,6 +5,7 @@
   fastdist-bench kernels [opts]          fastdist's kernels vs the machine's copy bandwidth
   fastdist-bench compress [opts]         4-stage pipeline, one rank per stage: activation/gradient compressors
   fastdist-bench compress-kernels [opts] TopK / quantization kernels vs torch.topk, scatter, torch quantization
+  fastdist-bench compress-findings [opts] convergence table: CNN and GPT with compressed stage boundaries
   fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
@@ -20,6 +21,7 @@ import time
 SUITES = {
     "collectives": "fastdist.bench.collectives",
     "compress": "fastdist.bench.compress",
+    "compress-findings": "fastdist.bench.compress_findings",
     "compress-kernels": "fastdist.bench.compress_kernels",
     "kernels": "fastdist.bench.kernels",
     "sparse": "fastdist.bench.sparse",
