@@ -40,6 +40,13 @@ def test_recv_returns_what_the_sender_would_decompress():
         assert torch.equal(a, b)
 
 
+CONFIGS = (("reuse", 8), ("reuse", None), ("independent", 4))
+
+
+def _two_stage_steps():
+    return [_two_stage_step(mask, bits) for mask, bits in CONFIGS]
+
+
 def _two_stage_step(backward_mask, bwd_bits):
     """Rank 0: Linear -> send; rank 1: recv -> Linear -> loss. Returns rank 0's weight gradient and the loss."""
     torch.manual_seed(0)
@@ -66,8 +73,8 @@ def _one_process_step(backward_mask, bwd_bits):
 
 
 def test_stage_boundary_gradients_equal_the_one_process_boundary():
-    for mask, bits in (("reuse", 8), ("reuse", None), ("independent", 4)):
-        (grad, stats0), (loss, stats1) = spawn(_two_stage_step, 2, mask, bits, backend="gloo", timeout=TIMEOUT)
+    rank0, rank1 = spawn(_two_stage_steps, 2, backend="gloo", timeout=TIMEOUT)
+    for (mask, bits), (grad, stats0), (loss, stats1) in zip(CONFIGS, rank0, rank1):
         want_grad, want_loss = _one_process_step(mask, bits)
         assert loss == want_loss
         assert torch.equal(grad, want_grad)
