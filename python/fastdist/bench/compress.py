@@ -3,7 +3,8 @@
 Each rank holds one stage: a two-layer MLP block (hidden -> expand x hidden -> hidden, GELU, residual) applied to
 activations [batch, seq, hidden] float32. The defaults (2 MiB of activation per boundary, a light block) put the
 pipeline in the regime the compressors are for, where the links and not the arithmetic bound the step: on this
-2-core CPU a heavier block makes the step compute-bound whatever the network (raise --expand / --hidden to see it). A training step sends the activation forward through the three
+2-core CPU a heavier block makes the step compute-bound whatever the network (raise --expand / --hidden to see it).
+A training step sends the activation forward through the three
 boundaries (fastdist.compress.StageBoundary over torch.distributed P2P) and the gradient back, then every stage
 steps SGD. Methods (activation compressor / gradient compressor):
 

@@ -1,11 +1,11 @@
 """`fastdist-bench compress-findings`: the convergence table of Rudakov et al. on two tasks that run here.
 
-(a) cnn: a 3-stage CNN (8/16/16 channels) on a project-generated image set (16x16 grey images of 8 shape classes — bars at four
-    angles, box, disc, cross, ring — at random positions and sizes, with noise; fixed train and test splits), a
-    Boundary after each of the 3 stages; metric: test accuracy.
-(b) gpt: a 4-block GPT (dim 32, 2 heads, 32 tokens) on the project's Zipf-Markov corpus (vocab 256) (fastdist.bench.corpus; a fixed set of training
-    sequences so that AQ-SGD sees every sample once per epoch), a Boundary after each of the first 3 blocks;
-    metric: held-out cross-entropy (nats per token).
+(a) cnn: a 3-stage CNN (8/16/16 channels) on a project-generated image set (16x16 grey images of 8 shape
+    classes: bars at four angles, box, disc, cross, ring, at random positions and sizes, with noise; fixed train
+    and test splits), a Boundary after each of the 3 stages; metric: test accuracy.
+(b) gpt: a 4-block GPT (dim 32, 2 heads, 32 tokens) on the project's Zipf-Markov corpus (vocab 256,
+    fastdist.bench.corpus; a fixed set of training sequences so that AQ-SGD sees every sample once per epoch), a
+    Boundary after each of the first 3 blocks; metric: held-out cross-entropy (nats per token).
 
 Rows (activation compressor / gradient rule): none; TopK 5/10/30/50% (gradient masked with the forward's kept
 positions); quant 2/4/8 bits both ways; quant 2 bits on activations only and on gradients only; TopK 10% + error
@@ -269,8 +269,8 @@ def plot(result, path):
             ax.axhline(base, color="gray", lw=0.8, ls="--")
         if task == "cnn":
             ax.set_ylim(0, 1)
-        ax.set_title(f"{task}: {'3-stage CNN on generated shapes' if task == 'cnn' else '4-block GPT on the Zipf-Markov corpus'}",
-                     fontsize=9)
+        what = "3-stage CNN on generated shapes" if task == "cnn" else "4-block GPT on the Zipf-Markov corpus"
+        ax.set_title(f"{task}: {what}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -123,7 +123,6 @@ def _run(args, device, ops, rows, d, k):
     dst = torch.empty_like(src)
     (copy_samples,) = timer([lambda: dst.copy_(src)], args.repeats, args.warmup)
     copy_gbps = 2 * COPY_BYTES / statistics.median(copy_samples) / 1e9
-    del src, dst
     progress.step("copy")
     x = torch.randn(rows, d, generator=torch.Generator().manual_seed(0)).to(device)
     out = []

@@ -189,7 +189,8 @@ class MmapStore(_Store):
         ids_offset = _HEADER_BYTES
         data_offset = ids_offset + 8 * self.capacity
         data_offset += (-data_offset) % 64
-        return ids_offset, data_offset, data_offset + self.capacity * numel * np.dtype(_DTYPES[self._code()][1]).itemsize
+        itemsize = np.dtype(_DTYPES[self._code()][1]).itemsize
+        return ids_offset, data_offset, data_offset + self.capacity * numel * itemsize
 
     def _map(self, entry_shape, mode):
         ids_offset, data_offset, _ = self._layout(entry_shape)
