@@ -60,6 +60,17 @@ def test_quantize_error_is_within_half_a_step_and_wire_bytes_are_codes_plus_scal
     assert ((y - x).abs() <= step / 2 + 1e-6).all()
 
 
+def test_column_granularity_has_one_scale_per_feature():
+    x = randn(16, 5, seed=7) * torch.tensor([0.01, 1.0, 100.0, 3.0, 0.5])  # features on very different scales
+    c = Quantize(8, granularity="column")
+    y, packet = c.roundtrip(x)
+    assert packet.tensors["scales"].shape == (5,)
+    step = (x.amax(0) - x.amin(0)) / 255
+    assert ((y - x).abs() <= step / 2 + 1e-5 * x.abs()).all()
+    per_row = Quantize(8, granularity="row").roundtrip(x)[0]
+    assert (y - x)[:, 0].abs().max() < 0.01 * (per_row - x)[:, 0].abs().max()  # the small feature keeps its detail
+
+
 def test_absmax_sends_no_zero_points():
     packet = Quantize(4, "absmax").compress(randn(2, 8))
     assert "zeros" not in packet.tensors
@@ -249,7 +260,8 @@ def test_mmap_slot_table_with_repeated_ids_is_refused(tmp_path):
     (lambda: TopK(0.1, per="row"), ValueError, "'per' must be"),
     (lambda: Quantize(3), ValueError, "'bits' must be 1, 2, 4 or 8, got 3"),
     (lambda: Quantize(4, scheme="max"), ValueError, "'scheme' must be"),
-    (lambda: Quantize(4, granularity="column"), ValueError, "'granularity' must be"),
+    (lambda: Quantize(4, granularity="columns"), ValueError, "'granularity' must be"),
+    (lambda: Chain(TopK(0.1), Quantize(4, granularity="column")), ValueError, "per \"row\" or per \"tensor\""),
     (lambda: Chain(Quantize(4), TopK(0.1)), TypeError, r"expected Chain\(TopK\(...\), Quantize\(...\)\)"),
     (lambda: ErrorFeedback("topk"), TypeError, "expected a compressor"),
     (lambda: AQSGD(Quantize(4), {}), TypeError, "'store' must be a MemoryStore or MmapStore"),

@@ -166,8 +166,9 @@ class TopK(Compressor):
 
 
 class Quantize(Compressor):
-    """Quantizes to ``bits`` (1, 2, 4, 8) with scales per tensor, per row (``granularity="row"``, x as [B, D]) or
-    per group of G consecutive values (``granularity=G``, G must divide D). minmax sends a float32 scale and zero
+    """Quantizes to ``bits`` (1, 2, 4, 8) with scales per tensor, per row (``granularity="row"``, x as [B, D]), per
+    column (``"column"``: one scale per feature across the batch; the codes are laid out column by column) or per
+    group of G consecutive values (``granularity=G``, G must divide D). minmax sends a float32 scale and zero
     point per group, absmax a scale only. Stochastic rounding draws a fresh seed per call (``seed`` + call count,
     kept in state_dict) so successive calls are independent but reproducible."""
 
@@ -178,9 +179,9 @@ class Quantize(Compressor):
             raise ValueError(f"fastdist.compress.Quantize: 'bits' must be 1, 2, 4 or 8, got {bits!r}")
         if scheme not in ("minmax", "absmax"):
             raise ValueError(f"fastdist.compress.Quantize: 'scheme' must be \"minmax\" or \"absmax\", got {scheme!r}")
-        if granularity not in ("tensor", "row") and not (isinstance(granularity, int) and granularity >= 1):
-            raise ValueError("fastdist.compress.Quantize: 'granularity' must be \"tensor\", \"row\" or a group size "
-                             f">= 1, got {granularity!r}")
+        if granularity not in ("tensor", "row", "column") and not (isinstance(granularity, int) and granularity >= 1):
+            raise ValueError("fastdist.compress.Quantize: 'granularity' must be \"tensor\", \"row\", \"column\" or a "
+                             f"group size >= 1, got {granularity!r}")
         self.bits, self.scheme, self.granularity = bits, scheme, granularity
         self.stochastic, self.seed = bool(stochastic), int(seed)
         self.calls = 0
@@ -192,6 +193,8 @@ class Quantize(Compressor):
     def _group(self, x):
         if self.granularity == "tensor":
             return x.numel()
+        if self.granularity == "column":
+            return as_rows(x).shape[0]  # the transposed rows are the columns
         d = as_rows(x).shape[1]
         if self.granularity == "row":
             return d
@@ -207,7 +210,8 @@ class Quantize(Compressor):
         seed = (self.seed + self.calls) % 2**63
         if self.stochastic:
             self.calls += 1
-        packed, scales, zeros = quantize(x.contiguous(), self.bits, self.scheme, group, self.stochastic, seed)
+        src = as_rows(x).t() if self.granularity == "column" else x
+        packed, scales, zeros = quantize(src.contiguous(), self.bits, self.scheme, group, self.stochastic, seed)
         tensors = {"packed": packed, "scales": scales}
         if self.scheme == "minmax":
             tensors["zeros"] = zeros
@@ -218,7 +222,12 @@ class Quantize(Compressor):
         zeros = t.get("zeros")
         if zeros is None:
             zeros = torch.zeros_like(t["scales"])
-        out = dequantize(t["packed"], t["scales"], zeros, self.bits, self.scheme, packet.meta["group"], packet.shape)
+        group = packet.meta["group"]
+        if self.granularity == "column":  # codes of the transposed [D, B] view
+            d = t["scales"].numel()
+            out = dequantize(t["packed"], t["scales"], zeros, self.bits, self.scheme, group, (d, group))
+            return out.t().reshape(packet.shape).to(packet.dtype)
+        out = dequantize(t["packed"], t["scales"], zeros, self.bits, self.scheme, group, packet.shape)
         return out.to(packet.dtype)
 
     def state_dict(self):
@@ -237,9 +246,10 @@ class Chain(Compressor):
         if not isinstance(topk, TopK) or not isinstance(quant, Quantize):
             raise TypeError("fastdist.compress.Chain: expected Chain(TopK(...), Quantize(...)), got "
                             f"Chain({type(topk).__name__}, {type(quant).__name__})")
-        if isinstance(quant.granularity, int):
-            raise ValueError("fastdist.compress.Chain: quantize the kept values per \"row\" or per \"tensor\"; a "
-                             "group size need not divide k")
+        if quant.granularity not in ("row", "tensor"):
+            raise ValueError("fastdist.compress.Chain: quantize the kept values per \"row\" or per \"tensor\" (a "
+                             f"group size need not divide k, and columns of kept values are not features), got "
+                             f"{quant.granularity!r}")
         self.topk, self.quant = topk, quant
 
     def config(self):
