@@ -42,50 +42,70 @@ struct Scratch {
 
 void select_row(const float* __restrict x, int64_t d, int64_t k, float* __restrict values,
                 int32_t* __restrict indices, Scratch s) {
-  // Pass 1: histogram of bits [20, 31).
+  uint32_t hist[kTopkPass1Buckets];
+  std::memset(hist, 0, sizeof hist);
+  topk_histogram_cpu(x, 0, d, hist);
+  int64_t need = 0;
+  const uint32_t bucket = topk_pick_bucket(hist, k, &need);
+  int64_t n_above = 0, n = 0;
+  topk_partition_cpu(x, 0, d, bucket, s.above, &n_above, s.keys, s.pos, &n);
+  topk_finish_cpu(x, k, need, bucket, s.above, n_above, s.keys, s.pos, n, values, indices);
+}
+
+}  // namespace
+
+void topk_histogram_cpu(const float* x, int64_t begin, int64_t end, uint32_t* hist) {
+  // Four interleaved sub-histograms, so that consecutive increments of one bucket do not wait on each other.
   uint32_t hist4[4][kTopkPass1Buckets];
   std::memset(hist4, 0, sizeof hist4);
-  int64_t i = 0;
-  for (; i + 4 <= d; i += 4) {
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
     ++hist4[0][magnitude_key(x, i) >> kTopkPass1Shift];
     ++hist4[1][magnitude_key(x, i + 1) >> kTopkPass1Shift];
     ++hist4[2][magnitude_key(x, i + 2) >> kTopkPass1Shift];
     ++hist4[3][magnitude_key(x, i + 3) >> kTopkPass1Shift];
   }
-  for (; i < d; ++i) ++hist4[0][magnitude_key(x, i) >> kTopkPass1Shift];
-  uint32_t hist[kTopkPass1Buckets];
-  for (int b = 0; b < kTopkPass1Buckets; ++b) hist[b] = hist4[0][b] + hist4[1][b] + hist4[2][b] + hist4[3][b];
-  const Pick p1 = pick_from_top(hist, kTopkPass1Buckets, k);
+  for (; i < end; ++i) ++hist4[0][magnitude_key(x, i) >> kTopkPass1Shift];
+  for (int b = 0; b < kTopkPass1Buckets; ++b) hist[b] += hist4[0][b] + hist4[1][b] + hist4[2][b] + hist4[3][b];
+}
 
-  // Pass 2 over the row: positions above the chosen bucket (all kept) and the bucket's candidates, both in
-  // ascending order (branch-free: always write, advance on a match).
-  int32_t* __restrict above = s.above;
-  uint32_t* __restrict keys = s.keys;
-  int32_t* __restrict pos = s.pos;
-  int64_t n_above = 0, n = 0;
-  for (i = 0; i < d; ++i) {
+uint32_t topk_pick_bucket(const uint32_t* hist, int64_t k, int64_t* need) {
+  const Pick p = pick_from_top(hist, kTopkPass1Buckets, k);
+  *need = p.need;
+  return p.bucket;
+}
+
+void topk_partition_cpu(const float* x, int64_t begin, int64_t end, uint32_t bucket, int32_t* above,
+                        int64_t* n_above, uint32_t* keys, int32_t* pos, int64_t* n_candidates) {
+  // Branch-free compaction: always write, advance on a match.
+  int64_t na = 0, n = 0;
+  for (int64_t i = begin; i < end; ++i) {
     const uint32_t key = magnitude_key(x, i);
-    const uint32_t bucket = key >> kTopkPass1Shift;
-    above[n_above] = static_cast<int32_t>(i);
+    const uint32_t b = key >> kTopkPass1Shift;
+    above[na] = static_cast<int32_t>(i);
     keys[n] = key;
     pos[n] = static_cast<int32_t>(i);
-    n_above += bucket > p1.bucket;
-    n += bucket == p1.bucket;
+    na += b > bucket;
+    n += b == bucket;
   }
+  *n_above = na;
+  *n_candidates = n;
+}
 
-  // Over the candidates: bits [10, 20), then bits [0, 10) of the candidates in the chosen sub-bucket, pin the
-  // threshold key itself.
+void topk_finish_cpu(const float* x, int64_t k, int64_t need, uint32_t bucket, const int32_t* above, int64_t n_above,
+                     uint32_t* keys, int32_t* pos, int64_t n, float* values, int32_t* indices) {
+  // Over the candidates: bits [10, 20), then bits [0, 10) of those in the chosen sub-bucket, pin the threshold.
   uint32_t small[kTopkPass23Buckets];
   std::memset(small, 0, sizeof small);
   for (int64_t c = 0; c < n; ++c) ++small[(keys[c] >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)];
-  const Pick p2 = pick_from_top(small, kTopkPass23Buckets, p1.need);
+  const Pick p2 = pick_from_top(small, kTopkPass23Buckets, need);
   std::memset(small, 0, sizeof small);
   for (int64_t c = 0; c < n; ++c) {
     const uint32_t key = keys[c];
     small[key & (kTopkPass23Buckets - 1)] += ((key >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)) == p2.bucket;
   }
   const Pick p3 = pick_from_top(small, kTopkPass23Buckets, p2.need);
-  const uint32_t threshold = (p1.bucket << kTopkPass1Shift) | (p2.bucket << kTopkPass2Shift) | p3.bucket;
+  const uint32_t threshold = (bucket << kTopkPass1Shift) | (p2.bucket << kTopkPass2Shift) | p3.bucket;
 
   // The kept candidates: key > T, and the first p3.need with key == T (compacted in place, still ascending).
   int64_t equal_left = p3.need, m = 0;
@@ -107,8 +127,6 @@ void select_row(const float* __restrict x, int64_t d, int64_t k, float* __restri
     values[j] = x[p];
   }
 }
-
-}  // namespace
 
 int64_t topk_cpu_scratch_bytes(int64_t d) { return d * static_cast<int64_t>(sizeof(uint32_t) + 2 * sizeof(int32_t)); }
 

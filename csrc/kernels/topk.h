@@ -42,6 +42,22 @@ int64_t topk_cpu_scratch_bytes(int64_t d);
 void topk_compress_cpu(const float* x, int64_t rows, int64_t d, int64_t k, float* values, int32_t* indices,
                        int64_t row_begin, int64_t row_end, void* scratch);
 
+// The steps of one row's selection, exposed so that the caller can run the two streaming passes of a single long
+// row (per-tensor TopK) over disjoint chunks in parallel; topk_compress_cpu runs them over whole rows.
+//  1. topk_histogram_cpu: adds the histogram of key bits [20, 31) of x[begin, end) into hist[kTopkPass1Buckets].
+//  2. topk_pick_bucket: the bucket holding the k-th largest key of the summed histogram; *need = how many of its
+//     values are kept.
+//  3. topk_partition_cpu: for x[begin, end), writes the positions of values in higher buckets to above[0, *n_above)
+//     and the keys and positions of the bucket's values to keys/pos[0, *n_candidates), in ascending order.
+//  4. topk_finish_cpu: given both lists for the whole row (each ascending), writes values/indices [k]. Reorders
+//     keys/pos.
+void topk_histogram_cpu(const float* x, int64_t begin, int64_t end, uint32_t* hist);
+uint32_t topk_pick_bucket(const uint32_t* hist, int64_t k, int64_t* need);
+void topk_partition_cpu(const float* x, int64_t begin, int64_t end, uint32_t bucket, int32_t* above,
+                        int64_t* n_above, uint32_t* keys, int32_t* pos, int64_t* n_candidates);
+void topk_finish_cpu(const float* x, int64_t k, int64_t need, uint32_t bucket, const int32_t* above, int64_t n_above,
+                     uint32_t* keys, int32_t* pos, int64_t n_candidates, float* values, int32_t* indices);
+
 // out: float32 [rows, d] = 0 except out[r, indices[r, j]] = values[r, j]. Writes rows [row_begin, row_end).
 // Returns the number of indices outside [0, d) in those rows (they are skipped); a repeated index keeps the value
 // of its last occurrence.

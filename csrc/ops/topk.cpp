@@ -7,7 +7,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ops/topk.h"
@@ -22,6 +25,51 @@ int64_t rows_grain(int64_t bytes_per_row) {
   return std::max<int64_t>(kGrainTrafficBytes / std::max<int64_t>(bytes_per_row, 1), 1);
 }
 
+// One long row (per-tensor TopK) split into chunks: the histogram and the partition run over the chunks in parallel,
+// each chunk writing its lists at its own offset of the scratch arrays; the lists are then closed up in chunk order
+// (so they stay ascending) and the small candidate passes and the merge run on the calling thread. The result is
+// the same whatever the number of chunks: the selection rule defines it.
+void select_long_row(const float* x, int64_t d, int64_t k, float* values, int32_t* indices, int64_t chunks) {
+  const int64_t chunk = (d + chunks - 1) / chunks;
+  std::vector<uint32_t> hists(chunks * kTopkPass1Buckets, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      fastdist::topk_histogram_cpu(x, c * chunk, std::min(d, (c + 1) * chunk), hists.data() + c * kTopkPass1Buckets);
+    }
+  });
+  std::vector<uint32_t> hist(kTopkPass1Buckets, 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int b = 0; b < kTopkPass1Buckets; ++b) hist[b] += hists[c * kTopkPass1Buckets + b];
+  }
+  int64_t need = 0;
+  const uint32_t bucket = fastdist::topk_pick_bucket(hist.data(), k, &need);
+  // Uninitialized scratch (std::vector would zero 12 bytes per value first).
+  const std::unique_ptr<int32_t[]> above(new int32_t[d]), pos(new int32_t[d]);
+  const std::unique_ptr<uint32_t[]> keys(new uint32_t[d]);
+  std::vector<int64_t> n_above(chunks, 0), n_cand(chunks, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t lo = std::min(d, c * chunk);
+      fastdist::topk_partition_cpu(x, lo, std::min(d, (c + 1) * chunk), bucket, above.get() + lo, &n_above[c],
+                                   keys.get() + lo, pos.get() + lo, &n_cand[c]);
+    }
+  });
+  int64_t total_above = 0, total_cand = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = std::min(d, c * chunk);
+    std::memmove(above.get() + total_above, above.get() + lo, n_above[c] * sizeof(int32_t));
+    std::memmove(keys.get() + total_cand, keys.get() + lo, n_cand[c] * sizeof(uint32_t));
+    std::memmove(pos.get() + total_cand, pos.get() + lo, n_cand[c] * sizeof(int32_t));
+    total_above += n_above[c];
+    total_cand += n_cand[c];
+  }
+  fastdist::topk_finish_cpu(x, k, need, bucket, above.get(), total_above, keys.get(), pos.get(), total_cand, values,
+                            indices);
+}
+
+// A single row at least this long is split between threads (below it, one thread is as fast).
+constexpr int64_t kLongRow = int64_t{1} << 20;
+
 std::tuple<at::Tensor, at::Tensor> topk_compress_cpu_op(const at::Tensor& x, int64_t k) {
   check_topk_compress(x, k);
   const at::Tensor src = x.to(at::kFloat).contiguous();
@@ -31,10 +79,14 @@ std::tuple<at::Tensor, at::Tensor> topk_compress_cpu_op(const at::Tensor& x, int
   const float* in = src.const_data_ptr<float>();
   float* v = values.data_ptr<float>();
   int32_t* idx = indices.data_ptr<int32_t>();
-  at::parallel_for(0, rows, rows_grain(3 * d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
-    std::vector<uint64_t> scratch((fastdist::topk_cpu_scratch_bytes(d) + 7) / 8);
-    fastdist::topk_compress_cpu(in, rows, d, k, v, idx, begin, end, scratch.data());
-  });
+  if (rows == 1 && d >= kLongRow && at::get_num_threads() > 1) {
+    select_long_row(in, d, k, v, idx, std::min<int64_t>(4 * at::get_num_threads(), d / (kLongRow / 16)));
+  } else {
+    at::parallel_for(0, rows, rows_grain(3 * d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+      const std::unique_ptr<uint64_t[]> scratch(new uint64_t[(fastdist::topk_cpu_scratch_bytes(d) + 7) / 8]);
+      fastdist::topk_compress_cpu(in, rows, d, k, v, idx, begin, end, scratch.get());
+    });
+  }
   return {values.to(x.scalar_type()), indices};
 }
 

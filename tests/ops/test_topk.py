@@ -192,6 +192,26 @@ def test_results_do_not_depend_on_the_cpu_thread_count():
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_long_single_row_split_between_threads_gives_the_one_thread_result(ties):
+    # rows of >= 2^20 values are selected by chunks in parallel (per-tensor TopK); ties must still go to the lower
+    # index across chunk borders
+    g = torch.Generator().manual_seed(12)
+    x = torch.randint(-50, 51, (1, 3 << 20), generator=g).float() if ties else torch.randn(1, 3 << 20, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        many = [topk_compress(x, k) for k in (1, 70_000, 1 << 20)]
+        torch.set_num_threads(1)
+        one = [topk_compress(x, k) for k in (1, 70_000, 1 << 20)]
+    finally:
+        torch.set_num_threads(before)
+    for (va, ia), (vb, ib) in zip(many, one):
+        assert torch.equal(ia, ib) and torch.equal(va, vb)
+    want_v, want_i = oracle_topk(x, 70_000)
+    assert torch.equal(many[1][1], want_i)
+
+
 def test_gradients_flow_to_the_kept_positions_and_through_decompress():
     x = gaussian((3, 20), seed=4).double().float().requires_grad_()
     values, indices = topk_compress(x, 5)

@@ -10,7 +10,8 @@ Output order: ascending index within each row. So ``values[r]`` lists the kept v
 and a bitmap of the kept positions plus ``values`` is a complete encoding (:func:`topk_indices_to_bitmap` /
 :func:`topk_bitmap_to_indices`): it is the smaller one when ``k > d / 32`` (``d / 8`` bytes against ``4 k``).
 
-Per-tensor TopK is the same op on ``x.reshape(1, -1)`` (indices are then flat positions; one row runs on one thread).
+Per-tensor TopK is the same op on ``x.reshape(1, -1)`` (indices are then flat positions; a row of 2**20 or more
+values is split between CPU threads).
 
 The ops are ``torch.ops.fastdist.{topk_compress, topk_decompress, topk_indices_to_bitmap, topk_bitmap_to_indices}``
 with CPU and CUDA kernels, fake kernels for ``torch.compile`` and autograd: :func:`topk_decompress` is linear in
