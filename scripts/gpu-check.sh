@@ -36,6 +36,8 @@ $PY -m fastdist.bench kernels --device cuda --json "$out/kernels-cuda.json" --pl
 $PY -m fastdist.bench kernels --device cpu --quick --json "$out/kernels-cpu.json" 2>&1 | tee "$out/kernels-cpu.txt"
 $PY -c "from fastdist.bench.moe import layout_timing; print(layout_timing(1 << 20, device='cuda'))" \
   2>&1 | tee "$out/moe-layout-cuda.txt"
+$PY -m fastdist.bench compress-kernels --device cuda --json "$out/compress-kernels-cuda.json" \
+  --plot "$out/compress-kernels-cuda.png" 2>&1 | tee "$out/compress-kernels-cuda.txt"
 
 log "done: results in $out (op tests exit code $tests_rc)"
 exit "$tests_rc"

@@ -1,12 +1,16 @@
 """Typed wrappers for torch.ops.fastdist.*, with fake kernels and autograd, one module per op family."""
 from fastdist.ops.bitpack import bitwise_or_reduce, pack_bits, unpack_bits
 from fastdist.ops.moe import moe_layout, moe_permute, moe_route, moe_unpermute
+from fastdist.ops.quantize import dequantize, quantize
 from fastdist.ops.sketch import (count_sketch, count_sketch_decode, count_sketch_decode_units, count_sketch_units,
                                  nonzero_bitmap, sketch_hash)
+from fastdist.ops.topk import topk_bitmap_to_indices, topk_compress, topk_decompress, topk_indices_to_bitmap
 
 __all__ = [
     "bitwise_or_reduce", "pack_bits", "unpack_bits",
     "moe_layout", "moe_permute", "moe_route", "moe_unpermute",
+    "dequantize", "quantize",
     "count_sketch", "count_sketch_decode", "count_sketch_decode_units", "count_sketch_units", "nonzero_bitmap",
     "sketch_hash",
+    "topk_bitmap_to_indices", "topk_compress", "topk_decompress", "topk_indices_to_bitmap",
 ]

@@ -1,0 +1,220 @@
+// CPU magnitude TopK by radix select (see topk.h for the definition and the output order).
+//
+// Per row, two streaming passes and no sort: one builds a histogram of the key's top 11 bits (four interleaved
+// sub-histograms, so consecutive increments of one bucket do not wait on each other's store); the other writes, by
+// branch-free compaction, the positions of every value in a higher bucket (all kept) and the keys and positions of
+// the chosen bucket's values (the candidates). Two histograms over the candidates pin the threshold key T; the kept
+// candidates are compacted in place, and the two ascending position lists are merged while the values are read.
+#include "kernels/topk.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace fastdist {
+namespace {
+
+inline uint32_t magnitude_key(const float* x, int64_t i) {
+  uint32_t u;
+  std::memcpy(&u, x + i, sizeof u);
+  return u & kTopkMagnitudeMask;
+}
+
+// The bucket holding the `need`-th largest element (1-based) of a histogram scanned from the top, and how many of
+// that bucket's elements are still needed once every larger bucket is taken.
+struct Pick {
+  uint32_t bucket;
+  int64_t need;
+};
+
+inline Pick pick_from_top(const uint32_t* hist, int buckets, int64_t need) {
+  for (int b = buckets - 1; b > 0; --b) {
+    if (need <= static_cast<int64_t>(hist[b])) return {static_cast<uint32_t>(b), need};
+    need -= hist[b];
+  }
+  return {0, need};
+}
+
+struct Scratch {
+  uint32_t* keys;  // d entries: keys of the chosen bucket's candidates
+  int32_t* pos;    // d entries: their positions
+  int32_t* above;  // d entries: positions of the values in higher buckets (all kept)
+};
+
+void select_row(const float* __restrict x, int64_t d, int64_t k, float* __restrict values,
+                int32_t* __restrict indices, Scratch s) {
+  uint32_t hist[kTopkPass1Buckets];
+  std::memset(hist, 0, sizeof hist);
+  topk_histogram_cpu(x, 0, d, hist);
+  int64_t need = 0;
+  const uint32_t bucket = topk_pick_bucket(hist, k, &need);
+  int64_t n_above = 0, n = 0;
+  topk_partition_cpu(x, 0, d, bucket, s.above, &n_above, s.keys, s.pos, &n);
+  topk_finish_cpu(x, k, need, bucket, s.above, n_above, s.keys, s.pos, n, values, indices);
+}
+
+}  // namespace
+
+void topk_histogram_cpu(const float* x, int64_t begin, int64_t end, uint32_t* hist) {
+  // Four interleaved sub-histograms, so that consecutive increments of one bucket do not wait on each other.
+  uint32_t hist4[4][kTopkPass1Buckets];
+  std::memset(hist4, 0, sizeof hist4);
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    ++hist4[0][magnitude_key(x, i) >> kTopkPass1Shift];
+    ++hist4[1][magnitude_key(x, i + 1) >> kTopkPass1Shift];
+    ++hist4[2][magnitude_key(x, i + 2) >> kTopkPass1Shift];
+    ++hist4[3][magnitude_key(x, i + 3) >> kTopkPass1Shift];
+  }
+  for (; i < end; ++i) ++hist4[0][magnitude_key(x, i) >> kTopkPass1Shift];
+  for (int b = 0; b < kTopkPass1Buckets; ++b) hist[b] += hist4[0][b] + hist4[1][b] + hist4[2][b] + hist4[3][b];
+}
+
+uint32_t topk_pick_bucket(const uint32_t* hist, int64_t k, int64_t* need) {
+  const Pick p = pick_from_top(hist, kTopkPass1Buckets, k);
+  *need = p.need;
+  return p.bucket;
+}
+
+void topk_partition_cpu(const float* x, int64_t begin, int64_t end, uint32_t bucket, int32_t* above,
+                        int64_t* n_above, uint32_t* keys, int32_t* pos, int64_t* n_candidates) {
+  // Branch-free compaction: always write, advance on a match.
+  int64_t na = 0, n = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = magnitude_key(x, i);
+    const uint32_t b = key >> kTopkPass1Shift;
+    above[na] = static_cast<int32_t>(i);
+    keys[n] = key;
+    pos[n] = static_cast<int32_t>(i);
+    na += b > bucket;
+    n += b == bucket;
+  }
+  *n_above = na;
+  *n_candidates = n;
+}
+
+void topk_finish_cpu(const float* x, int64_t k, int64_t need, uint32_t bucket, const int32_t* above, int64_t n_above,
+                     uint32_t* keys, int32_t* pos, int64_t n, float* values, int32_t* indices) {
+  // Over the candidates: bits [10, 20), then bits [0, 10) of those in the chosen sub-bucket, pin the threshold.
+  uint32_t small[kTopkPass23Buckets];
+  std::memset(small, 0, sizeof small);
+  for (int64_t c = 0; c < n; ++c) ++small[(keys[c] >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)];
+  const Pick p2 = pick_from_top(small, kTopkPass23Buckets, need);
+  std::memset(small, 0, sizeof small);
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t key = keys[c];
+    small[key & (kTopkPass23Buckets - 1)] += ((key >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)) == p2.bucket;
+  }
+  const Pick p3 = pick_from_top(small, kTopkPass23Buckets, p2.need);
+  const uint32_t threshold = (bucket << kTopkPass1Shift) | (p2.bucket << kTopkPass2Shift) | p3.bucket;
+
+  // The kept candidates: key > T, and the first p3.need with key == T (compacted in place, still ascending).
+  int64_t equal_left = p3.need, m = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t key = keys[c];
+    const int64_t equal = key == threshold;
+    const int64_t take = (key > threshold) | (equal & (equal_left > 0));
+    pos[m] = pos[c];
+    m += take;
+    equal_left -= equal & take;
+  }
+
+  // Merge the two ascending lists (n_above + m == k) and read the values.
+  int64_t a = 0, c = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const bool from_above = c >= m || (a < n_above && above[a] < pos[c]);
+    const int32_t p = from_above ? above[a++] : pos[c++];
+    indices[j] = p;
+    values[j] = x[p];
+  }
+}
+
+int64_t topk_cpu_scratch_bytes(int64_t d) { return d * static_cast<int64_t>(sizeof(uint32_t) + 2 * sizeof(int32_t)); }
+
+void topk_compress_cpu(const float* x, int64_t rows, int64_t d, int64_t k, float* values, int32_t* indices,
+                       int64_t row_begin, int64_t row_end, void* scratch) {
+  (void)rows;
+  uint32_t* base = static_cast<uint32_t*>(scratch);
+  Scratch s{base, reinterpret_cast<int32_t*>(base + d), reinterpret_cast<int32_t*>(base + 2 * d)};
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    if (k == d) {  // everything, in order: no selection needed
+      for (int64_t j = 0; j < d; ++j) {
+        values[r * k + j] = x[r * d + j];
+        indices[r * k + j] = static_cast<int32_t>(j);
+      }
+      continue;
+    }
+    select_row(x + r * d, d, k, values + r * k, indices + r * k, s);
+  }
+}
+
+int64_t topk_decompress_cpu(const float* values, const int32_t* indices, int64_t rows, int64_t k, int64_t d,
+                            float* out, int64_t row_begin, int64_t row_end) {
+  (void)rows;
+  int64_t bad = 0;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* __restrict row = out + r * d;
+    std::memset(row, 0, d * sizeof(float));
+    const int32_t* idx = indices + r * k;
+    const float* val = values + r * k;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t p = idx[j];
+      if (p < 0 || p >= d) {
+        ++bad;
+        continue;
+      }
+      row[p] = val[j];
+    }
+  }
+  return bad;
+}
+
+int64_t topk_indices_to_bitmap_cpu(const int32_t* indices, int64_t rows, int64_t k, int64_t d, uint8_t* bitmap,
+                                   int64_t row_begin, int64_t row_end) {
+  (void)rows;
+  const int64_t bytes = (d + 7) / 8;
+  int64_t bad_rows = 0;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    uint8_t* row = bitmap + r * bytes;
+    std::memset(row, 0, bytes);
+    const int32_t* idx = indices + r * k;
+    int64_t previous = -1;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t p = idx[j];
+      if (p <= previous || p >= d) {
+        ++bad_rows;
+        break;
+      }
+      row[p >> 3] |= static_cast<uint8_t>(1u << (p & 7));
+      previous = p;
+    }
+  }
+  return bad_rows;
+}
+
+int64_t topk_bitmap_to_indices_cpu(const uint8_t* bitmap, int64_t rows, int64_t k, int64_t d, int32_t* indices,
+                                   int64_t row_begin, int64_t row_end) {
+  (void)rows;
+  const int64_t bytes = (d + 7) / 8;
+  int64_t bad_rows = 0;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = bitmap + r * bytes;
+    int32_t* idx = indices + r * k;
+    int64_t n = 0;
+    for (int64_t b = 0; b < bytes; b += 8) {
+      const int64_t len = std::min<int64_t>(8, bytes - b);
+      uint64_t word = 0;
+      std::memcpy(&word, row + b, len);  // little-endian: byte b + t is bits 8t..8t+7
+      const int64_t valid = d - 8 * b;   // bits of this word that are positions < d
+      if (valid < 64) word &= (uint64_t{1} << valid) - 1;
+      while (word) {
+        if (n < k) idx[n] = static_cast<int32_t>(8 * b + __builtin_ctzll(word));
+        ++n;
+        word &= word - 1;
+      }
+    }
+    bad_rows += n != k;
+  }
+  return bad_rows;
+}
+
+}  // namespace fastdist

@@ -1,0 +1,254 @@
+"""`fastdist-bench compress`: a 4-stage pipeline, one rank per stage, with compressed stage boundaries.
+
+Each rank holds one stage: a two-layer MLP block (hidden -> expand x hidden -> hidden, GELU, residual) applied to
+activations [batch, seq, hidden] float32. The defaults (2 MiB of activation per boundary, a light block) put the
+pipeline in the regime the compressors are for, where the links and not the arithmetic bound the step: on this
+2-core CPU a heavier block makes the step compute-bound whatever the network (raise --expand / --hidden to see it).
+A training step sends the activation forward through the three
+boundaries (fastdist.compress.StageBoundary over torch.distributed P2P) and the gradient back, then every stage
+steps SGD. Methods (activation compressor / gradient compressor):
+
+  none        uncompressed both ways
+  topk10+q8   TopK 10% per sample forward; backward the gradient at the forward's kept positions (mask reuse),
+              8-bit minmax per row
+  aqsgd4      AQ-SGD with 4-bit minmax deltas forward (the first visit of a sample is sent in full, outside the
+              timed steps), gradient 8-bit minmax per row
+  quant4      4-bit minmax per row forward, gradient 8-bit minmax per row
+
+All methods run in the same run, interleaved (one step of each per repetition, order rotated), warm-up first.
+Columns: step time (median over repetitions of the step's wall time on stage 0, which starts after a barrier and
+ends when its backward is done: the whole pipeline's latency), speed-up over none, wire bytes per boundary per step
+forward and backward (what send_packet put on the wire: header + packet tensors, summed over the 3 boundaries then
+divided by 3), and tx bytes per boundary (what the sending ranks' interfaces really sent, simulated network only).
+link(ms,model) is the time those wire bytes need on the shaped links, boundary after boundary, both ways (3 x
+(fwd + bwd) bytes / rate): step time minus it is what compute, compression and the transport stack cost.
+With --net 1gbit (default) the ranks run on a simulated cluster whose links are shaped to 1 Gbit/s (needs root);
+otherwise on loopback, which the output says.
+"""
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastdist.bench import report
+from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+
+METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
+
+
+def add_arguments(p):
+    add_launch_arguments(p, timeout=1800.0)
+    p.set_defaults(net="1gbit")
+    p.add_argument("--batch", type=int, default=8, help="samples per step (default 8)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sample (default 4096)")
+    p.add_argument("--hidden", type=int, default=16, help="hidden size (default 16); activation = batch x seq x "
+                                                          "hidden float32 per boundary")
+    p.add_argument("--expand", type=int, default=1, help="MLP expansion factor of each stage (default 1)")
+    p.add_argument("--width", type=int, default=None, help="shorthand: seq = width / hidden (values per sample)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method, >= 5 for a claim (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default 2)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+
+
+def _config_from(args):
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        raise SystemExit(f"fastdist-bench compress: unknown method(s) {unknown}; choose from {METHODS}")
+    seq = args.seq
+    if args.width is not None:
+        if args.width % args.hidden:
+            raise SystemExit(f"fastdist-bench compress: --width {args.width} must be a multiple of --hidden "
+                             f"{args.hidden}")
+        seq = args.width // args.hidden
+    if min(args.batch, seq, args.hidden, args.steps) < 1 or args.warmup < 1:
+        raise SystemExit("fastdist-bench compress: --batch, --seq, --hidden, --steps and --warmup must be >= 1")
+    if "aqsgd4" in methods and args.warmup < 2:
+        raise SystemExit("fastdist-bench compress: aqsgd4 needs --warmup >= 2 (the two alternating batches' first "
+                         "visits are sent in full and must not be timed)")
+    if args.ranks < 2:
+        raise SystemExit("fastdist-bench compress: a pipeline needs --ranks >= 2 (one stage per rank)")
+    if args.expand < 1:
+        raise SystemExit("fastdist-bench compress: --expand must be >= 1")
+    return {"methods": methods, "batch": args.batch, "seq": seq, "hidden": args.hidden, "expand": args.expand,
+            "steps": args.steps,
+            "warmup": args.warmup, "measure_tx": False}
+
+
+def _compressors(method, samples):
+    from fastdist.compress import AQSGD, MemoryStore, Quantize, TopK
+
+    if method == "none":
+        return None, None
+    if method == "topk10+q8":
+        return TopK(0.1), Quantize(8)
+    if method == "aqsgd4":
+        return AQSGD(Quantize(4), MemoryStore(samples), warmup_epochs=0), Quantize(8)
+    if method == "quant4":
+        return Quantize(4), Quantize(8)
+    raise ValueError(f"unknown method {method!r}")
+
+
+class _Stage(nn.Module):
+    def __init__(self, hidden, expand):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, expand * hidden), nn.Linear(expand * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class _Pipeline:
+    """This rank's stage and its links to the neighbouring stages for one method."""
+
+    def __init__(self, method, config, rank, world):
+        from fastdist.compress import StageBoundary
+
+        torch.manual_seed(rank)
+        self.method = method
+        self.stage = _Stage(config["hidden"], config["expand"])
+        self.opt = torch.optim.SGD(self.stage.parameters(), lr=1e-3)
+        self.samples = 2 * config["batch"]
+        self.links = {}
+        for s in range(world - 1):  # every rank walks the links in the same order: the handshakes pair up
+            if rank in (s, s + 1):
+                fwd, bwd = _compressors(method, self.samples)
+                self.links[s] = StageBoundary(s, s + 1, fwd=fwd, bwd=bwd, backward_mask="reuse")
+        self.rank, self.world = rank, world
+        self.step_count = 0
+        self.shape = (config["batch"], config["seq"], config["hidden"])
+
+    def step(self):
+        """One training step; returns this rank's (fwd wire bytes sent, bwd wire bytes sent)."""
+        b = self.shape[0]
+        first = (self.step_count % 2) * b
+        ids = torch.arange(first, first + b)  # two batches alternate: AQ-SGD sees each sample again
+        self.step_count += 1
+        self.opt.zero_grad()
+        if self.rank == 0:
+            h = torch.randn(self.shape, generator=torch.Generator().manual_seed(first))
+        else:
+            h = self.links[self.rank - 1].recv()
+        h = self.stage(h)
+        if self.rank < self.world - 1:
+            self.links[self.rank].send(h, sample_ids=ids).backward()
+        else:
+            h.float().pow(2).mean().backward()
+        self.opt.step()
+        fwd = self.links[self.rank].stats.get("fwd_wire_bytes", 0) if self.rank < self.world - 1 else 0
+        bwd = self.links[self.rank - 1].stats.get("bwd_wire_bytes", 0) if self.rank > 0 else 0
+        return fwd, bwd
+
+
+def _all_sum(values):
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def bench_rank(config):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    methods = config["methods"]
+    pipes = {m: _Pipeline(m, config, rank, world) for m in methods}
+    progress = report.Progress((config["warmup"] + config["steps"]) * len(methods), "compress") if rank == 0 else None
+    times = {m: [] for m in methods}
+    wire = {m: [] for m in methods}
+    tx = {m: [] for m in methods}
+    for it in range(config["warmup"] + config["steps"]):
+        shift = it % len(methods)
+        for m in methods[shift:] + methods[:shift]:
+            dist.barrier()
+            tx0 = tx_counter(config["measure_tx"])
+            t0 = time.perf_counter()
+            fwd_bytes, bwd_bytes = pipes[m].step()
+            dt = time.perf_counter() - t0
+            dist.barrier()  # every rank's sends are done: the counters hold the whole step
+            sent = tx_counter(config["measure_tx"]) - tx0
+            totals = _all_sum([fwd_bytes, bwd_bytes, sent])
+            if it >= config["warmup"]:
+                times[m].append(dt)
+                wire[m].append(totals[:2])
+                tx[m].append(totals[2])
+            if progress is not None:
+                phase = "warm-up" if it < config["warmup"] else f"step {it - config['warmup'] + 1}"
+                progress.step(f"{phase} {m}")
+    if rank != 0:
+        return None
+    boundaries = world - 1
+    dense = config["batch"] * config["seq"] * config["hidden"] * 4
+    rows = []
+    for m in methods:
+        t = statistics.median(times[m])
+        rows.append({"method": m, "time_ms": t * 1e3, "samples_ms": [s * 1e3 for s in times[m]],
+                     "fwd_wire_bytes": statistics.median(w[0] for w in wire[m]) / boundaries,
+                     "bwd_wire_bytes": statistics.median(w[1] for w in wire[m]) / boundaries,
+                     "tx_bytes": statistics.median(tx[m]) / boundaries if config["measure_tx"] else None,
+                     "dense_bytes": dense})
+    rate = config.get("link_bps")
+    for r in rows:  # the time the bytes alone need on the shaped links, one boundary after another, both ways
+        r["link_ms_model"] = boundaries * (r["fwd_wire_bytes"] + r["bwd_wire_bytes"]) * 8 / rate * 1e3 if rate \
+            else None
+    base = next((r for r in rows if r["method"] == "none"), None)
+    for r in rows:
+        r["speedup"] = base["time_ms"] / r["time_ms"] if base else None
+    return rows
+
+
+def run(args):
+    config = _config_from(args)
+    if args.net != "loopback":
+        from fastdist import netsim
+        config["link_bps"] = netsim.parse_rate(args.net)
+    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
+                       backend="gloo")
+    if launch.result is None:
+        return None
+    rows = launch.result
+    env = report.environment(backend=launch.backend, device="cpu", ranks=launch.world, network=launch.network)
+    print(report.format_environment(env))
+    print(f"# pipeline     {launch.world} stages (one per rank), activation [{config['batch']}, {config['seq']}, "
+          f"{config['hidden']}] float32 = {report.human_bytes(rows[0]['dense_bytes'])} per boundary, MLP expand "
+          f"{config['expand']}; median of "
+          f"{config['steps']} steps after {config['warmup']} warm-up")
+    print(format_rows(rows))
+    return {"suite": "compress", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows}
+
+
+def format_rows(rows):
+    headers = ["method", "step(ms)", "speed-up", "link(ms,model)", "fwd B/boundary", "bwd B/boundary",
+               "tx B/boundary", "fwd ratio"]
+    table = [[r["method"], r["time_ms"], "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+              "-" if r["link_ms_model"] is None else r["link_ms_model"],
+              int(r["fwd_wire_bytes"]), int(r["bwd_wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]),
+              f"{r['dense_bytes'] / max(r['fwd_wire_bytes'], 1):.1f}x"] for r in rows]
+    return report.format_table(headers, table, align=["l", "r", "r", "r", "r", "r", "r", "r"])
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, env = result["rows"], result["env"]
+    names = [r["method"] for r in rows]
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        if r["speedup"]:
+            ax_t.text(i, r["time_ms"], f"{r['speedup']:.1f}x", ha="center", va="bottom", fontsize=8)
+    ax_t.set_ylabel("step time (ms, median)")
+    xs = range(len(rows))
+    ax_b.bar([i - 0.2 for i in xs], [r["fwd_wire_bytes"] / 1e6 for r in rows], 0.4, label="forward (activation)")
+    ax_b.bar([i + 0.2 for i in xs], [r["bwd_wire_bytes"] / 1e6 for r in rows], 0.4, label="backward (gradient)")
+    ax_b.set_xticks(list(xs))
+    ax_b.set_xticklabels(names)
+    ax_b.set_ylabel("wire MB per boundary per step")
+    ax_b.legend(fontsize=8)
+    c = result["config"]
+    fig.suptitle(f"fastdist-bench compress: {env['ranks']}-stage pipeline, activation [{c['batch']}, {c['seq']}, "
+                 f"{c['hidden']}], {env['network']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

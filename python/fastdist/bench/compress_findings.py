@@ -1,0 +1,277 @@
+"""`fastdist-bench compress-findings`: the convergence table of Rudakov et al. on two tasks that run here.
+
+(a) cnn: a 3-stage CNN (8/16/16 channels) on a project-generated image set (16x16 grey images of 8 shape
+    classes: bars at four angles, box, disc, cross, ring, at random positions and sizes, with noise; fixed train
+    and test splits), a Boundary after each of the 3 stages; metric: test accuracy.
+(b) gpt: a 4-block GPT (dim 32, 2 heads, 32 tokens) on the project's Zipf-Markov corpus (vocab 256,
+    fastdist.bench.corpus; a fixed set of training sequences so that AQ-SGD sees every sample once per epoch), a
+    Boundary after each of the first 3 blocks; metric: held-out cross-entropy (nats per token).
+
+Rows (activation compressor / gradient rule): none; TopK 5/10/30/50% (gradient masked with the forward's kept
+positions); quant 2/4/8 bits both ways; quant 2 bits on activations only and on gradients only; TopK 10% + error
+feedback; TopK 10% with an independent TopK 10% of the gradient; AQ-SGD with 4-bit deltas; AQ-SGD with TopK 30% and
+10% deltas (AQ-SGD rows quantize gradients to 8 bits). Columns: the final metric with compressed inference (the
+activation compressor also applied in eval mode; AQ-SGD and error feedback then use their inner compressor) and with
+uncompressed inference. Every row trains from the same initial weights on the same batches (seeded).
+"""
+import math
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from fastdist.bench import report
+from fastdist.bench.corpus import ZipfMarkovCorpus, generator
+from fastdist.compress import AQSGD, Boundary, ErrorFeedback, MemoryStore, Quantize, TopK, batch
+
+ROWS = ["none", "topk5", "topk10", "topk30", "topk50", "quant2", "quant4", "quant8", "quant2-act", "quant2-grad",
+        "topk10+ef", "topk10-independent", "aqsgd-q4", "aqsgd-topk30", "aqsgd-topk10"]
+TASKS = ["cnn", "gpt"]
+
+
+def add_arguments(p):
+    p.add_argument("--tasks", default="cnn,gpt", help="comma-separated subset of cnn,gpt")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ",".join(ROWS))
+    p.add_argument("--epochs", type=int, default=5, help="training epochs (default 5; AQ-SGD's first is uncompressed)")
+    p.add_argument("--train", type=int, default=1536, help="training samples (default 1536)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
+
+
+def boundary_for(row, samples):
+    """A fresh Boundary of a row (each boundary owns its compressors and their state)."""
+    if row == "none":
+        return Boundary()
+    if row.startswith("topk") and row[4:].isdigit():
+        return Boundary(fwd=TopK(int(row[4:]) / 100), backward_mask="reuse")
+    if row in ("quant2", "quant4", "quant8"):
+        bits = int(row[5:])
+        return Boundary(fwd=Quantize(bits), bwd=Quantize(bits))
+    if row == "quant2-act":
+        return Boundary(fwd=Quantize(2))
+    if row == "quant2-grad":
+        return Boundary(bwd=Quantize(2))
+    if row == "topk10+ef":
+        return Boundary(fwd=ErrorFeedback(TopK(0.1)), backward_mask="reuse")
+    if row == "topk10-independent":
+        return Boundary(fwd=TopK(0.1), bwd=TopK(0.1), backward_mask="independent")
+    if row == "aqsgd-q4":
+        return Boundary(fwd=AQSGD(Quantize(4), MemoryStore(samples)), bwd=Quantize(8))
+    if row.startswith("aqsgd-topk"):
+        return Boundary(fwd=AQSGD(TopK(int(row[10:]) / 100), MemoryStore(samples)), bwd=Quantize(8))
+    raise ValueError(f"unknown row {row!r}")
+
+
+# ---- (a) shapes and a 3-stage CNN ----
+
+def shapes_dataset(n, seed, size=16):
+    """n images [n, 1, size, size] of 8 classes and their labels; a function of (n, seed) only."""
+    g = generator("shapes", seed, n)
+    labels = torch.randint(0, 8, (n,), generator=g)
+    yy, xx = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
+                            indexing="ij")
+    cy = 4 + torch.rand(n, generator=g) * (size - 8)
+    cx = 4 + torch.rand(n, generator=g) * (size - 8)
+    r = 2.5 + torch.rand(n, generator=g) * 2.5
+    dy, dx = yy[None] - cy[:, None, None], xx[None] - cx[:, None, None]
+    rr = r[:, None, None]
+    dist = (dx ** 2 + dy ** 2).sqrt()
+    masks = []
+    for angle in (0.0, math.pi / 4, math.pi / 2, 3 * math.pi / 4):  # bars
+        along = dx * math.cos(angle) + dy * math.sin(angle)
+        across = -dx * math.sin(angle) + dy * math.cos(angle)
+        masks.append((along.abs() <= rr) & (across.abs() <= 0.8))
+    masks.append((dx.abs() <= rr) & (dy.abs() <= rr) & ((dx.abs() >= rr - 1) | (dy.abs() >= rr - 1)))  # box
+    masks.append(dist <= rr * 0.8)  # disc
+    masks.append(((dx.abs() <= 0.8) | (dy.abs() <= 0.8)) & (dx.abs() <= rr) & (dy.abs() <= rr))  # cross
+    masks.append((dist <= rr) & (dist >= rr - 1.2))  # ring
+    img = torch.stack(masks, 1)[torch.arange(n), labels].float()
+    img = img * (0.6 + 0.4 * torch.rand(n, 1, 1, generator=g)) + 0.25 * torch.randn(n, size, size, generator=g)
+    return img[:, None], labels
+
+
+class CNN(nn.Module):
+    def __init__(self, boundaries):
+        super().__init__()
+        self.stages = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        ])
+        self.boundaries = nn.ModuleList(boundaries)
+        self.head = nn.Linear(16 * 4 * 4, 8)
+
+    def forward(self, x):
+        for stage, boundary in zip(self.stages, self.boundaries):
+            x = boundary(stage(x))
+        return self.head(x.flatten(1))
+
+
+# ---- (b) a 4-block GPT ----
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, causal):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, dim, seq, boundaries, heads=4, blocks=4):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(blocks)])
+        self.boundaries = nn.ModuleList(boundaries)
+        self.ln, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+        self.register_buffer("causal", torch.triu(torch.full((seq, seq), float("-inf")), 1))
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        causal = self.causal[: tokens.shape[1], : tokens.shape[1]]
+        for i, block in enumerate(self.blocks):
+            x = block(x, causal)
+            if i < len(self.boundaries):
+                x = self.boundaries[i](x)
+        return self.out(self.ln(x))
+
+
+# ---- training ----
+
+def _set_inference(model, compressed):
+    for b in model.boundaries:
+        b.at_inference = compressed
+
+
+def _train(task, row, data, config):
+    torch.manual_seed(config["seed"])
+    samples = data["x_train"].shape[0]
+    boundaries = [boundary_for(row, samples) for _ in range(3)]
+    if task == "cnn":
+        model = CNN(boundaries)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        batch_size = 64
+    else:
+        model = GPT(data["vocab"], 32, data["x_train"].shape[1] - 1, boundaries, heads=2)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        batch_size = 32
+    order_gen = torch.Generator().manual_seed(config["seed"] + 1)
+    losses = []
+    for epoch in range(config["epochs"]):
+        perm = torch.randperm(samples, generator=order_gen)
+        batches = [perm[i:i + batch_size] for i in range(0, samples - batch_size + 1, batch_size)]
+        model.train()
+        for j, ids in enumerate(batches):
+            nxt = batches[j + 1] if j + 1 < len(batches) else None
+            opt.zero_grad()
+            with batch(sample_ids=ids, next_sample_ids=nxt, epoch=epoch):
+                loss = _loss(task, model, data["x_train"][ids], data.get("y_train", data["x_train"])[ids])
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        for compressed in (True, False):
+            _set_inference(model, compressed)
+            out["compressed" if compressed else "uncompressed"] = _evaluate(task, model, data)
+    out["train_loss_last_epoch"] = statistics.mean(losses[-len(batches):])
+    out["diverged"] = not all(math.isfinite(v) for v in losses)
+    return out
+
+
+def _loss(task, model, x, y):
+    if task == "cnn":
+        return nn.functional.cross_entropy(model(x), y)
+    logits = model(x[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def _evaluate(task, model, data):
+    if task == "cnn":
+        return float((model(data["x_test"]).argmax(1) == data["y_test"]).float().mean())
+    return float(_loss(task, model, data["x_test"], None))
+
+
+def _data(task, config):
+    if task == "cnn":
+        x_train, y_train = shapes_dataset(config["train"], config["seed"])
+        x_test, y_test = shapes_dataset(1024, config["seed"] + 10_000)
+        return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+    corpus = ZipfMarkovCorpus(vocab=256, seed=config["seed"])
+    x_train = torch.cat([corpus.batch(0, step, batch=64, seq=32) for step in range(config["train"] // 64)])
+    return {"x_train": x_train, "x_test": corpus.heldout(batch=256, seq=32), "vocab": 256}
+
+
+def run(args):
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = sorted(set(tasks) - set(TASKS)) + sorted(set(rows) - set(ROWS))
+    if bad or not tasks or not rows:
+        raise SystemExit(f"fastdist-bench compress-findings: unknown task(s)/row(s) {bad}; tasks {TASKS}, rows {ROWS}")
+    if args.epochs < 2 or args.train < 128:
+        raise SystemExit("fastdist-bench compress-findings: --epochs >= 2 and --train >= 128")
+    config = {"tasks": tasks, "rows": rows, "epochs": args.epochs, "train": args.train, "seed": args.seed}
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        env = report.environment(backend=f"one process, {torch.get_num_threads()} torch threads", device="cpu",
+                                 ranks=1, network="- (in-process Boundary modules)")
+        progress = report.Progress(len(tasks) * len(rows), "compress-findings")
+        results = []
+        for task in tasks:
+            data = _data(task, config)
+            for row in rows:
+                start = time.monotonic()
+                r = _train(task, row, data, config)
+                results.append({"task": task, "row": row, **r, "seconds": time.monotonic() - start})
+                progress.step(f"{task} {row}")
+    finally:
+        torch.set_num_threads(threads_before)
+    print(report.format_environment(env))
+    print(f"# {config['epochs']} epochs, {config['train']} training samples, seed {config['seed']}; cnn: test accuracy "
+          "(higher is better), gpt: held-out cross-entropy in nats (lower is better)")
+    print(format_rows(results))
+    return {"suite": "compress-findings", "env": env, "config": config, "rows": results}
+
+
+def format_rows(rows):
+    headers = ["task", "row", "compressed inf.", "uncompressed inf.", "train loss", "s"]
+    table = [[r["task"], r["row"], r["compressed"], r["uncompressed"], r["train_loss_last_epoch"], r["seconds"]]
+             for r in rows]
+    return report.format_table(headers, table, align=["l", "l", "r", "r", "r", "r"])
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = result["config"]["tasks"]
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(12, 3.8 * len(tasks)), squeeze=False)
+    for ax, task in zip(axes[:, 0], tasks):
+        rows = [r for r in result["rows"] if r["task"] == task]
+        xs = range(len(rows))
+        ax.bar([i - 0.2 for i in xs], [r["compressed"] for r in rows], 0.4, label="compressed inference")
+        ax.bar([i + 0.2 for i in xs], [r["uncompressed"] for r in rows], 0.4, label="uncompressed inference")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([r["row"] for r in rows], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("test accuracy" if task == "cnn" else "held-out loss (nats)")
+        base = next((r["uncompressed"] for r in rows if r["row"] == "none"), None)
+        if base is not None:
+            ax.axhline(base, color="gray", lw=0.8, ls="--")
+        if task == "cnn":
+            ax.set_ylim(0, 1)
+        what = "3-stage CNN on generated shapes" if task == "cnn" else "4-block GPT on the Zipf-Markov corpus"
+        ax.set_title(f"{task}: {what}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

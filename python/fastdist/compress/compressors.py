@@ -1,0 +1,289 @@
+"""Stateless compressors: TopK, Quantize, and TopK-then-Quantize, with the Packet they put on the wire.
+
+Every compressor has ``compress(x) -> Packet``, ``decompress(packet) -> tensor`` (same shape and dtype as ``x``),
+``wire_bytes(packet)`` and ``roundtrip(x) -> (x_hat, packet)``. A tensor is seen as ``[B, D]`` with ``B = x.shape[0]``
+(one row per sample) and ``D`` the rest; a 0-d or 1-d tensor is one row.
+"""
+import dataclasses
+
+import torch
+
+from fastdist.ops import (dequantize, quantize, topk_bitmap_to_indices, topk_compress, topk_decompress,
+                          topk_indices_to_bitmap)
+from fastdist.ops.topk import topk_k
+
+__all__ = ["Chain", "Compressor", "Identity", "Packet", "Quantize", "TopK", "as_rows"]
+
+
+@dataclasses.dataclass
+class Packet:
+    """A compressed tensor: what crosses the wire (``tensors``) and the small header needed to rebuild it.
+
+    kind:    which compressor made it ("dense", "topk", "quant", "chain", or a stateful wrapper's kind)
+    shape:   the original shape; dtype: the original dtype
+    tensors: name -> tensor; their bytes are the wire bytes
+    meta:    name -> int, sizes the receiver could not infer (k, D, ...); a few bytes in a header
+    """
+    kind: str
+    shape: tuple
+    dtype: torch.dtype
+    tensors: dict
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def wire_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def as_rows(x):
+    """x viewed [B, D]: B = x.shape[0] (0-d and 1-d tensors are one row)."""
+    if x.dim() <= 1:
+        return x.reshape(1, -1)
+    return x.reshape(x.shape[0], -1)
+
+
+def _check_tensor(x, who):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fastdist.compress.{who}: expected a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"fastdist.compress.{who}: expected a floating-point tensor, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"fastdist.compress.{who}: cannot compress an empty tensor (shape {tuple(x.shape)})")
+
+
+class Compressor:
+    """Base: subclasses implement compress / decompress and config()."""
+
+    name = "compressor"
+
+    def compress(self, x):
+        raise NotImplementedError
+
+    def decompress(self, packet):
+        raise NotImplementedError
+
+    def wire_bytes(self, packet):
+        return packet.wire_bytes()
+
+    def roundtrip(self, x):
+        """(decompress(compress(x)), packet): what the receiving end sees, computed in one process."""
+        packet = self.compress(x)
+        return self.decompress(packet), packet
+
+    def kept_indices(self, packet):
+        """For a sparsifying compressor, (indices int32 [rows, k], d): the positions of x viewed [rows, d] that the
+        packet keeps, so that the exact derivative of the masking (the forward mask applied to the gradient) can be
+        formed; None when the output is not a masking of the input."""
+        return None
+
+    def stateless(self):
+        """The compressor to apply where no state may change (inference): itself for stateless ones."""
+        return self
+
+    def config(self):
+        """A plain dict of the settings both ends must agree on (fingerprinted across ranks)."""
+        return {"name": self.name}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        if state:
+            raise ValueError(f"fastdist.compress.{self.name}: stateless, but got state keys {sorted(state)}")
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+class Identity(Compressor):
+    """No compression: the tensor itself is the packet (the baseline every table compares with)."""
+
+    name = "none"
+
+    def compress(self, x):
+        _check_tensor(x, "Identity")
+        return Packet("dense", tuple(x.shape), x.dtype, {"x": x.detach().contiguous()})
+
+    def decompress(self, packet):
+        return packet.tensors["x"]
+
+
+class TopK(Compressor):
+    """Keeps the k = ceil(ratio * D) largest magnitudes of each row (per="sample") or of the whole tensor
+    (per="tensor"); ties go to the lower index.
+
+    Encoding: values + int32 indices (4k bytes of indices), or values + a bitmap of the row (D / 8 bytes) when that
+    is smaller (k > D / 32), or as forced by ``encoding="indices"|"bitmap"``. Values keep x's dtype.
+    """
+
+    name = "topk"
+
+    def __init__(self, ratio, per="sample", encoding="auto"):
+        if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"fastdist.compress.TopK: 'ratio' must be in (0, 1], got {ratio!r}")
+        if per not in ("sample", "tensor"):
+            raise ValueError(f"fastdist.compress.TopK: 'per' must be \"sample\" or \"tensor\", got {per!r}")
+        if encoding not in ("auto", "indices", "bitmap"):
+            raise ValueError(f"fastdist.compress.TopK: 'encoding' must be \"auto\", \"indices\" or \"bitmap\", got "
+                             f"{encoding!r}")
+        self.ratio, self.per, self.encoding = float(ratio), per, encoding
+
+    def config(self):
+        return {"name": self.name, "ratio": self.ratio, "per": self.per, "encoding": self.encoding}
+
+    def _rows(self, x):
+        return x.reshape(1, -1) if self.per == "tensor" else as_rows(x)
+
+    def _uses_bitmap(self, k, d):
+        if self.encoding != "auto":
+            return self.encoding == "bitmap"
+        return (d + 7) // 8 < 4 * k
+
+    def compress(self, x):
+        _check_tensor(x, "TopK")
+        rows = self._rows(x.detach())
+        d = rows.shape[1]
+        k = topk_k(self.ratio, d)
+        values, indices = topk_compress(rows, k)
+        if self._uses_bitmap(k, d):
+            tensors = {"values": values, "bitmap": topk_indices_to_bitmap(indices, d)}
+        else:
+            tensors = {"values": values, "indices": indices}
+        return Packet("topk", tuple(x.shape), x.dtype, tensors, {"rows": rows.shape[0], "k": k, "d": d})
+
+    def indices(self, packet):
+        """int32 [B, k]: the kept positions of each row, ascending."""
+        if "indices" in packet.tensors:
+            return packet.tensors["indices"]
+        return topk_bitmap_to_indices(packet.tensors["bitmap"], packet.meta["d"], packet.meta["k"])
+
+    def decompress(self, packet):
+        values = packet.tensors["values"]
+        return topk_decompress(values, self.indices(packet), packet.meta["d"]).reshape(packet.shape)
+
+    def kept_indices(self, packet):
+        return self.indices(packet), packet.meta["d"]
+
+
+class Quantize(Compressor):
+    """Quantizes to ``bits`` (1, 2, 4, 8) with scales per tensor, per row (``granularity="row"``, x as [B, D]), per
+    column (``"column"``: one scale per feature across the batch; the codes are laid out column by column) or per
+    group of G consecutive values (``granularity=G``, G must divide D). minmax sends a float32 scale and zero
+    point per group, absmax a scale only. Stochastic rounding draws a fresh seed per call (``seed`` + call count,
+    kept in state_dict) so successive calls are independent but reproducible."""
+
+    name = "quant"
+
+    def __init__(self, bits, scheme="minmax", granularity="row", stochastic=False, seed=0):
+        if bits not in (1, 2, 4, 8):
+            raise ValueError(f"fastdist.compress.Quantize: 'bits' must be 1, 2, 4 or 8, got {bits!r}")
+        if scheme not in ("minmax", "absmax"):
+            raise ValueError(f"fastdist.compress.Quantize: 'scheme' must be \"minmax\" or \"absmax\", got {scheme!r}")
+        if granularity not in ("tensor", "row", "column") and not (isinstance(granularity, int) and granularity >= 1):
+            raise ValueError("fastdist.compress.Quantize: 'granularity' must be \"tensor\", \"row\", \"column\" or a "
+                             f"group size >= 1, got {granularity!r}")
+        self.bits, self.scheme, self.granularity = bits, scheme, granularity
+        self.stochastic, self.seed = bool(stochastic), int(seed)
+        self.calls = 0
+
+    def config(self):
+        return {"name": self.name, "bits": self.bits, "scheme": self.scheme, "granularity": self.granularity,
+                "stochastic": self.stochastic, "seed": self.seed}
+
+    def _group(self, x):
+        if self.granularity == "tensor":
+            return x.numel()
+        if self.granularity == "column":
+            return as_rows(x).shape[0]  # the transposed rows are the columns
+        d = as_rows(x).shape[1]
+        if self.granularity == "row":
+            return d
+        if d % self.granularity:
+            raise ValueError(f"fastdist.compress.Quantize: group size {self.granularity} must divide the row length "
+                             f"{d} (x of shape {tuple(x.shape)})")
+        return self.granularity
+
+    def compress(self, x):
+        _check_tensor(x, "Quantize")
+        x = x.detach()
+        group = self._group(x)
+        seed = (self.seed + self.calls) % 2**63
+        if self.stochastic:
+            self.calls += 1
+        src = as_rows(x).t() if self.granularity == "column" else x
+        packed, scales, zeros = quantize(src.contiguous(), self.bits, self.scheme, group, self.stochastic, seed)
+        tensors = {"packed": packed, "scales": scales}
+        if self.scheme == "minmax":
+            tensors["zeros"] = zeros
+        return Packet("quant", tuple(x.shape), x.dtype, tensors, {"group": group})
+
+    def decompress(self, packet):
+        t = packet.tensors
+        zeros = t.get("zeros")
+        if zeros is None:
+            zeros = torch.zeros_like(t["scales"])
+        group = packet.meta["group"]
+        if self.granularity == "column":  # codes of the transposed [D, B] view
+            d = t["scales"].numel()
+            out = dequantize(t["packed"], t["scales"], zeros, self.bits, self.scheme, group, (d, group))
+            return out.t().reshape(packet.shape).to(packet.dtype)
+        out = dequantize(t["packed"], t["scales"], zeros, self.bits, self.scheme, group, packet.shape)
+        return out.to(packet.dtype)
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = int(state["calls"])
+
+
+class Chain(Compressor):
+    """TopK, then Quantize of the kept values (``[B, k]``): indices or bitmap + packed codes + scales."""
+
+    name = "chain"
+
+    def __init__(self, topk, quant):
+        if not isinstance(topk, TopK) or not isinstance(quant, Quantize):
+            raise TypeError("fastdist.compress.Chain: expected Chain(TopK(...), Quantize(...)), got "
+                            f"Chain({type(topk).__name__}, {type(quant).__name__})")
+        if quant.granularity not in ("row", "tensor"):
+            raise ValueError("fastdist.compress.Chain: quantize the kept values per \"row\" or per \"tensor\" (a "
+                             f"group size need not divide k, and columns of kept values are not features), got "
+                             f"{quant.granularity!r}")
+        self.topk, self.quant = topk, quant
+
+    def config(self):
+        return {"name": self.name, "topk": self.topk.config(), "quant": self.quant.config()}
+
+    def __repr__(self):
+        return f"Chain({self.topk!r}, {self.quant!r})"
+
+    def compress(self, x):
+        p = self.topk.compress(x)
+        q = self.quant.compress(p.tensors["values"])
+        tensors = {name: t for name, t in p.tensors.items() if name != "values"}
+        tensors.update({f"q_{name}": t for name, t in q.tensors.items()})
+        return Packet("chain", p.shape, p.dtype, tensors, {**p.meta, "group": q.meta["group"]})
+
+    def _parts(self, packet):
+        """The TopK packet inside: its positions and the dequantized values."""
+        meta = packet.meta
+        q_tensors = {name[2:]: t for name, t in packet.tensors.items() if name.startswith("q_")}
+        values = self.quant.decompress(Packet("quant", (meta["rows"], meta["k"]), packet.dtype, q_tensors,
+                                              {"group": meta["group"]}))
+        p_tensors = {name: t for name, t in packet.tensors.items() if not name.startswith("q_")}
+        p_tensors["values"] = values
+        return Packet("topk", packet.shape, packet.dtype, p_tensors,
+                      {"rows": meta["rows"], "k": meta["k"], "d": meta["d"]})
+
+    def decompress(self, packet):
+        return self.topk.decompress(self._parts(packet))
+
+    def kept_indices(self, packet):
+        return self.topk.kept_indices(self._parts(packet))
+
+    def state_dict(self):
+        return {"quant": self.quant.state_dict()}
+
+    def load_state_dict(self, state):
+        self.quant.load_state_dict(state["quant"])

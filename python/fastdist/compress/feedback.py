@@ -1,0 +1,125 @@
+"""Error feedback around a compressor: classic EF (a residual on the sender) and EF21 (both ends track an estimate).
+
+One object is one end of a link: the sender calls ``compress``, the receiver (on another rank, with its own object)
+calls ``decompress``. In one process (a :class:`~fastdist.compress.Boundary`) ``roundtrip`` does both with one state.
+"""
+import torch
+
+from fastdist.compress.compressors import Compressor, _check_tensor
+
+__all__ = ["EF21", "ErrorFeedback"]
+
+
+def _check_inner(c, who):
+    if not isinstance(c, Compressor):
+        raise TypeError(f"fastdist.compress.{who}: expected a compressor, got {type(c).__name__}")
+
+
+def _check_shape(state, x, who, what):
+    if state is not None and tuple(state.shape) != tuple(x.shape):
+        raise ValueError(f"fastdist.compress.{who}: the {what} has shape {tuple(state.shape)} but the input has "
+                         f"{tuple(x.shape)}; every call must see the same shape (drop the last partial batch, or "
+                         "call reset())")
+
+
+class ErrorFeedback(Compressor):
+    """c = C(x + e); e <- x + e - D(c). The sender keeps the residual e; the receiver needs no state."""
+
+    name = "ef"
+
+    def __init__(self, c):
+        _check_inner(c, "ErrorFeedback")
+        self.c = c
+        self.residual = None
+
+    def config(self):
+        return {"name": self.name, "c": self.c.config()}
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.c!r})"
+
+    def reset(self):
+        self.residual = None
+
+    def _corrected(self, x):
+        _check_tensor(x, "ErrorFeedback")
+        x = x.detach()
+        _check_shape(self.residual, x, "ErrorFeedback", "residual")
+        return x if self.residual is None else x + self.residual
+
+    def roundtrip(self, x):
+        y = self._corrected(x)
+        packet = self.c.compress(y)
+        x_hat = self.c.decompress(packet)
+        self.residual = y - x_hat
+        return x_hat, packet
+
+    def compress(self, x):
+        return self.roundtrip(x)[1]
+
+    def decompress(self, packet):
+        return self.c.decompress(packet)
+
+    def kept_indices(self, packet):
+        return self.c.kept_indices(packet)
+
+    def stateless(self):
+        return self.c.stateless()
+
+    def state_dict(self):
+        return {"residual": self.residual, "c": self.c.state_dict()}
+
+    def load_state_dict(self, state):
+        self.residual = state["residual"]
+        self.c.load_state_dict(state["c"])
+
+
+class EF21(Compressor):
+    """Both ends keep an estimate A of x: the sender sends C(x - A) and both do A <- A + D(c); the receiver's
+    output is its A. Sender and receiver estimates are equal bit for bit (the same float operations)."""
+
+    name = "ef21"
+
+    def __init__(self, c):
+        _check_inner(c, "EF21")
+        self.c = c
+        self.sent = None       # the sender's A
+        self.received = None   # the receiver's A
+
+    def config(self):
+        return {"name": self.name, "c": self.c.config()}
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.c!r})"
+
+    def reset(self):
+        self.sent = self.received = None
+
+    def compress(self, x):
+        _check_tensor(x, "EF21")
+        x = x.detach()
+        _check_shape(self.sent, x, "EF21", "estimate")
+        a = self.sent if self.sent is not None else torch.zeros_like(x)
+        packet = self.c.compress(x - a)
+        self.sent = a + self.c.decompress(packet)
+        return packet
+
+    def decompress(self, packet):
+        update = self.c.decompress(packet)
+        _check_shape(self.received, update, "EF21", "estimate")
+        self.received = update if self.received is None else self.received + update
+        return self.received.clone()
+
+    def roundtrip(self, x):
+        packet = self.compress(x)
+        return self.sent.clone(), packet
+
+    def stateless(self):
+        return self.c.stateless()
+
+    def state_dict(self):
+        return {"sent": self.sent, "received": self.received, "c": self.c.state_dict()}
+
+    def load_state_dict(self, state):
+        self.sent, self.received = state["sent"], state["received"]
+        self.c.load_state_dict(state["c"])

@@ -1,0 +1,235 @@
+"""Compressed tensors over torch.distributed point-to-point, and StageBoundary: the autograd-aware link between two
+pipeline stages on different ranks (compressed activation forward, compressed gradient backward).
+
+A message is a header (int64 length, then the pickled kind / shape / dtype / meta / tensor layout and the sender's
+configuration fingerprint) followed by the packet's tensors. Messages between two ranks are matched in order, as
+torch.distributed P2P is. Both ends of a StageBoundary check once, at construction, that their configurations agree
+(a pairwise fingerprint exchange that raises on both ends, naming the differing fields); every message also carries
+the fingerprint, so a receiver never decodes with a configuration other than the sender's.
+"""
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from fastdist.compress.aqsgd import AQSGD
+from fastdist.compress.compressors import Compressor, Identity, Packet
+from fastdist.distributed import MismatchError, fingerprint
+from fastdist.ops import topk_decompress
+
+__all__ = ["StageBoundary", "check_same_pair", "recv", "recv_packet", "send", "send_packet"]
+
+
+def _device(group):
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+def _send_bytes(data, dst, group, device):
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst, group=group)
+    dist.send(payload, dst, group=group)
+    return 8 + payload.numel()
+
+
+def _recv_bytes(src, group, device):
+    n = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(n, src, group=group)
+    payload = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src, group=group)
+    return payload.cpu().numpy().tobytes()
+
+
+def _exchange(value_bytes, peer, group, device):
+    """Sends our bytes to `peer` and returns theirs; both ends call it at the same time (no deadlock: the send is
+    asynchronous)."""
+    payload = torch.frombuffer(bytearray(value_bytes), dtype=torch.uint8).to(device)
+    n_mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    n_theirs = torch.empty(1, dtype=torch.int64, device=device)
+    req = dist.isend(n_mine, peer, group=group)
+    dist.recv(n_theirs, peer, group=group)
+    req.wait()
+    theirs = torch.empty(int(n_theirs.item()), dtype=torch.uint8, device=device)
+    req = dist.isend(payload, peer, group=group)
+    dist.recv(theirs, peer, group=group)
+    req.wait()
+    return theirs.cpu().numpy().tobytes()
+
+
+def _flatten(config, prefix=""):
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_same_pair(name, config, peer, group=None):
+    """Raises MismatchError on both ranks of a pair when their `config` dicts differ; names the differing fields.
+    Both ranks must call it with each other as `peer`."""
+    device = _device(group)
+    mine = fingerprint(config).to_bytes(8, "little", signed=True)
+    if _exchange(mine, peer, group, device) == mine:
+        return
+    theirs = pickle.loads(_exchange(pickle.dumps(config), peer, group, device))
+    a, b = _flatten(config), _flatten(theirs)
+    fields = sorted(k for k in set(a) | set(b) if a.get(k, "<missing>") != b.get(k, "<missing>"))
+    peer_rank = dist.get_global_rank(group, peer) if group is not None else peer
+    raise MismatchError(f"{name}: {', '.join(fields)}",
+                        {dist.get_rank(): {f: a.get(f, "<missing>") for f in fields},
+                         peer_rank: {f: b.get(f, "<missing>") for f in fields}})
+
+
+def send_packet(packet, dst, config_fingerprint=0, group=None):
+    """Sends a Packet; returns the bytes that went out (header included)."""
+    device = _device(group)
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in packet.tensors.items()]
+    header = pickle.dumps((config_fingerprint, packet.kind, packet.shape, packet.dtype, packet.meta, layout))
+    sent = _send_bytes(header, dst, group, device)
+    for t in packet.tensors.values():
+        if t.numel():
+            dist.send(t.contiguous().to(device), dst, group=group)
+        sent += t.numel() * t.element_size()
+    return sent
+
+
+def recv_packet(src, config_fingerprint=None, group=None):
+    """Receives a Packet sent by send_packet; with `config_fingerprint`, checks the sender's."""
+    device = _device(group)
+    fp, kind, shape, dtype, meta, layout = pickle.loads(_recv_bytes(src, group, device))
+    if config_fingerprint is not None and fp != config_fingerprint:
+        raise MismatchError("compressor config", {src: f"fingerprint {fp:#x}",
+                                                  dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
+    tensors = {}
+    for name, t_dtype, t_shape in layout:
+        t = torch.empty(t_shape, dtype=t_dtype, device=device)
+        if t.numel():
+            dist.recv(t, src, group=group)
+        tensors[name] = t
+    return Packet(kind, shape, dtype, tensors, meta)
+
+
+def send(t, dst, compressor, group=None, sample_ids=None):
+    """Compresses `t` with `compressor` and sends it to rank `dst`; returns the packet sent."""
+    packet = compressor.compress(t, sample_ids) if isinstance(compressor, AQSGD) else compressor.compress(t)
+    send_packet(packet, dst, fingerprint(compressor.config()), group)
+    return packet
+
+
+def recv(src, compressor, group=None, device=None):
+    """Receives what send() sent from rank `src` and decompresses it with `compressor` (this end's state)."""
+    packet = recv_packet(src, fingerprint(compressor.config()), group)
+    out = compressor.decompress(packet)
+    return out if device is None else out.to(device)
+
+
+class _SendActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link, sample_ids):
+        ctx.link = link
+        ctx.kept = link._send_forward(x.detach(), sample_ids)
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.link._recv_backward(ctx.kept, ctx.shape, ctx.dtype), None, None
+
+
+class _RecvActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, link, device):
+        ctx.link = link
+        x, ctx.kept = link._recv_forward(device)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link._send_backward(grad, ctx.kept)
+        return None, None, None
+
+
+class StageBoundary:
+    """One end of the link between pipeline stage ranks `sender` -> `receiver` (both ends construct it, with the
+    same arguments; construction is a pairwise handshake).
+
+    Sender end: ``token = link.send(y, sample_ids=None)`` sends the compressed activation; ``token.backward()`` (or a
+    loss that includes it) receives the compressed gradient and continues the backward pass through ``y``.
+    Receiver end: ``x = link.recv()`` returns the activation; when the backward pass reaches ``x``, its gradient is
+    compressed and sent back. With ``backward_mask="reuse"`` and a TopK-type ``fwd``, only the gradient at the
+    forward's kept positions is sent (k values per row, no indices: both ends know them), compressed by ``bwd``.
+    ``stats`` holds the last message's wire bytes in each direction.
+    """
+
+    def __init__(self, sender, receiver, fwd=None, bwd=None, backward_mask="reuse", group=None):
+        if not dist.is_initialized():
+            raise RuntimeError("fastdist.compress.StageBoundary needs an initialized torch.distributed process group")
+        rank = dist.get_rank()
+        if rank not in (sender, receiver) or sender == receiver:
+            raise ValueError(f"fastdist.compress.StageBoundary: rank {rank} is neither end of {sender} -> {receiver}")
+        for name, c in (("fwd", fwd), ("bwd", bwd)):
+            if c is not None and not isinstance(c, Compressor):
+                raise TypeError(f"fastdist.compress.StageBoundary: '{name}' must be a compressor or None, got "
+                                f"{type(c).__name__}")
+        if isinstance(bwd, AQSGD):
+            raise TypeError("fastdist.compress.StageBoundary: gradients are not compressed with AQ-SGD; use e.g. "
+                            "bwd=Quantize(8)")
+        if backward_mask not in ("reuse", "independent"):
+            raise ValueError(f"fastdist.compress.StageBoundary: 'backward_mask' must be \"reuse\" or "
+                             f"\"independent\", got {backward_mask!r}")
+        self.sender, self.receiver, self.group = sender, receiver, group
+        self.fwd = fwd if fwd is not None else Identity()
+        self.bwd = bwd if bwd is not None else Identity()
+        self.backward_mask = backward_mask
+        self.is_sender = rank == sender
+        self.peer = receiver if self.is_sender else sender
+        self.config = {"fwd": self.fwd.config(), "bwd": self.bwd.config(), "backward_mask": backward_mask}
+        check_same_pair(f"StageBoundary {sender}->{receiver}", self.config, self.peer, group)
+        self._fwd_fp, self._bwd_fp = fingerprint(self.fwd.config()), fingerprint(self.bwd.config())
+        self.stats = {}
+
+    # -- autograd-facing API
+    def send(self, y, sample_ids=None):
+        if not self.is_sender:
+            raise RuntimeError(f"fastdist.compress.StageBoundary: rank {dist.get_rank()} is the receiving end")
+        return _SendActivation.apply(y, self, sample_ids)
+
+    def recv(self, device=None):
+        if self.is_sender:
+            raise RuntimeError(f"fastdist.compress.StageBoundary: rank {dist.get_rank()} is the sending end")
+        anchor = torch.zeros((), requires_grad=True)
+        return _RecvActivation.apply(anchor, self, device)
+
+    # -- the four halves
+    def _kept(self, packet):
+        if self.backward_mask != "reuse":
+            return None
+        return self.fwd.kept_indices(packet)
+
+    def _send_forward(self, x, sample_ids):
+        packet = self.fwd.compress(x, sample_ids) if isinstance(self.fwd, AQSGD) else self.fwd.compress(x)
+        self.stats["fwd_wire_bytes"] = send_packet(packet, self.receiver, self._fwd_fp, self.group)
+        self.stats["fwd_dense_bytes"] = x.numel() * x.element_size()
+        return self._kept(packet)
+
+    def _recv_forward(self, device):
+        packet = recv_packet(self.sender, self._fwd_fp, self.group)
+        x = self.fwd.decompress(packet)
+        return (x if device is None else x.to(device)), self._kept(packet)
+
+    def _send_backward(self, grad, kept):
+        if kept is not None:
+            indices, d = kept
+            grad = grad.reshape(indices.shape[0], d).gather(1, indices.long().to(grad.device))
+        packet = self.bwd.compress(grad.contiguous())
+        self.stats["bwd_wire_bytes"] = send_packet(packet, self.sender, self._bwd_fp, self.group)
+
+    def _recv_backward(self, kept, shape, dtype):
+        packet = recv_packet(self.receiver, self._bwd_fp, self.group)
+        grad = self.bwd.decompress(packet)
+        if kept is not None:
+            indices, d = kept
+            grad = topk_decompress(grad.to(torch.float32).contiguous(), indices, d)
+        return grad.reshape(shape).to(dtype)
