@@ -155,8 +155,10 @@ class _SubBatch:
 
 
 class _OasesBlockFn(torch.autograd.Function):
-    """The block as one autograd node: forward and backward run the Oases schedule over two sub-batches, each
-    segment's local autograd graph built on detached leaves and differentiated with torch.autograd.grad."""
+    """The block as one autograd node: forward and backward run the Oases schedule over two sub-batches. The block
+    is cut into segments (LN1 | attention | residual + LN2 | MLP | residual) whose inputs are detached leaves, so
+    each segment's local graph is differentiated on its own with torch.autograd.grad, in the schedule's order,
+    and every parameter's gradient is collected exactly once per segment."""
 
     @staticmethod
     def forward(ctx, x, meta, *params):
@@ -171,20 +173,22 @@ class _OasesBlockFn(torch.autograd.Function):
         with torch.set_grad_enabled(not recompute):
             for s, seg in zip(subs, segs):                       # A, then B: attention; all-reduce its output
                 s.u1 = seg.ln1(s.x)
-                s.p1 = seg.attn_partial(s.u1)
+                s.u1_in = s.u1 if recompute else _leaf(s.u1)
+                s.p1 = seg.attn_partial(s.u1_in)
                 s.r1 = s.p1.detach()
                 ar.issue(s.r1, "oases.forward.attn")
             for s, seg in zip(subs, segs):                       # A, then B: residual, LN2, MLP; all-reduce
                 ar.wait_for(s.r1)
                 s.r1 = s.r1 if recompute else _leaf(s.r1)
                 s.h, s.u2 = seg.residual_ln2(s.x, s.r1)
-                s.p2 = seg.mlp_partial(s.u2)
+                s.h_in, s.u2_in = (s.h, s.u2) if recompute else (_leaf(s.h), _leaf(s.u2))
+                s.p2 = seg.mlp_partial(s.u2_in)
                 s.r2 = s.p2.detach()
                 ar.issue(s.r2, "oases.forward.mlp")
             for s, seg in zip(subs, segs):                       # A, then B: the second residual
                 ar.wait_for(s.r2)
                 s.r2 = s.r2 if recompute else _leaf(s.r2)
-                s.y = seg.output(s.h, s.r2)
+                s.y = seg.output(s.h_in, s.r2)
         out = torch.cat([s.y.detach() for s in subs]).view(batch, seq, hidden)
         if recompute:
             # Keep the input and the reduced outputs only; backward rebuilds the rest without a collective.
@@ -227,10 +231,11 @@ class _OasesBlockFn(torch.autograd.Function):
             if recompute:
                 with torch.enable_grad():
                     s.h, s.u2 = seg.residual_ln2(s.x, s.r1)
-                    s.y = seg.output(s.h, s.r2)
-                    s.p2 = seg.mlp_partial(s.u2)
-            s.gh, s.gr2 = grad([s.y], [grads_y[i]], [s.h, s.r2])
-            (s.gu2,) = grad([s.p2], [s.gr2], [s.u2])
+                    s.h_in, s.u2_in = _leaf(s.h), _leaf(s.u2)
+                    s.y = seg.output(s.h_in, s.r2)
+                    s.p2 = seg.mlp_partial(s.u2_in)
+            s.gh, s.gr2 = grad([s.y], [grads_y[i]], [s.h_in, s.r2])
+            (s.gu2,) = grad([s.p2], [s.gr2], [s.u2_in])
             ar.issue(s.gu2, "oases.backward.mlp")             # fc1's input gradient: a partial sum
         for i in order:                                          # B, then A: LN2 and attention backward
             s, seg = subs[i], segs[i]
@@ -239,8 +244,9 @@ class _OasesBlockFn(torch.autograd.Function):
             if recompute:
                 with torch.enable_grad():
                     s.u1 = seg.ln1(s.x)
-                    s.p1 = seg.attn_partial(s.u1)
-            (s.gu1,) = grad([s.p1], [s.gr1], [s.u1])
+                    s.u1_in = _leaf(s.u1)
+                    s.p1 = seg.attn_partial(s.u1_in)
+            (s.gu1,) = grad([s.p1], [s.gr1], [s.u1_in])
             ar.issue(s.gu1, "oases.backward.attn")             # qkv's input gradient: a partial sum
         for i in order:                                          # B, then A: LN1 backward
             s = subs[i]

@@ -115,7 +115,9 @@ class CostModel:
         else:
             tp_op = TPOp(op, rows, int(shape[1]), int(shape[2]), t, dtype)
             candidates = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
-            k = min(candidates, key=lambda kk: (self.predict(tp_op, kk), kk))
+            predicted = {kk: self.predict(tp_op, kk) for kk in candidates}
+            best = min(predicted.values())
+            k = min(kk for kk in candidates if predicted[kk] <= best * (1 + 1e-9))  # ties: fewer chunks
         self._chosen[key] = k
         return k
 
