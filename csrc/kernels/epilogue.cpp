@@ -5,6 +5,14 @@
 // the bias add, activation and residual add run on the buffer, then it is rounded back. The activation and the
 // element type are template parameters, so each inner loop is straight-line arithmetic that the compiler
 // vectorizes (AVX2 picked at run time, so the build needs no -mavx2).
+//
+// GCC keeps a loop with floating-point comparisons feeding selects (the clamps and sign selects of the GeLU) scalar
+// under its default -ftrapping-math, which forbids evaluating both sides of a select; nothing here relies on FP
+// exception flags, so this file (the header's inline functions included, hence before the #include) is compiled
+// without it. Results are unchanged: only which instructions compute them.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include "kernels/epilogue.h"
 
 #include <algorithm>
@@ -14,6 +22,8 @@
 #else
 #define FASTDIST_EPILOGUE_CLONES
 #endif
+// The row loops are inlined into each clone, so that the AVX2 clone's loops are AVX2 code.
+#define FASTDIST_EPILOGUE_INLINE __attribute__((always_inline)) inline
 
 namespace fastdist {
 namespace {
@@ -47,12 +57,12 @@ struct BF16 {
 };
 
 template <typename T>
-void load_block(const typename T::Storage* __restrict__ src, typename T::Compute* __restrict__ dst, int64_t n) {
+FASTDIST_EPILOGUE_INLINE void load_block(const typename T::Storage* __restrict__ src, typename T::Compute* __restrict__ dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = T::load(src[j]);
 }
 
 template <typename T, EpilogueActivation A>
-void forward_rows(const void* x_, const void* bias_, const void* residual_, void* out_, int64_t cols,
+FASTDIST_EPILOGUE_INLINE void forward_rows(const void* x_, const void* bias_, const void* residual_, void* out_, int64_t cols,
                   int64_t row_begin, int64_t row_end) {
   using S = typename T::Storage;
   using C = typename T::Compute;
@@ -63,13 +73,15 @@ void forward_rows(const void* x_, const void* bias_, const void* residual_, void
   C u[kBlock];
   C b[kBlock];
   C r[kBlock];
-  for (int64_t col0 = 0; col0 < cols; col0 += kBlock) {
-    const int64_t n = std::min(kBlock, cols - col0);
-    if (bias) load_block<T>(bias + col0, b, n);  // the bias block is the same for every row: widen it once
-    for (int64_t row = row_begin; row < row_end; ++row) {
+  // Row-major walk (each row's values once, in order: streaming reads and writes); the bias block is widened
+  // again per row, which costs a copy within L1.
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    for (int64_t col0 = 0; col0 < cols; col0 += kBlock) {
+      const int64_t n = std::min(kBlock, cols - col0);
       const int64_t at = row * cols + col0;
       load_block<T>(x + at, u, n);
       if (bias) {
+        load_block<T>(bias + col0, b, n);
         for (int64_t j = 0; j < n; ++j) u[j] += b[j];
       }
       for (int64_t j = 0; j < n; ++j) u[j] = epilogue_act(u[j], A);
@@ -84,7 +96,7 @@ void forward_rows(const void* x_, const void* bias_, const void* residual_, void
 }
 
 template <typename T, EpilogueActivation A>
-void backward_rows(const void* grad_, const void* x_, const void* bias_, void* grad_x_, int64_t cols,
+FASTDIST_EPILOGUE_INLINE void backward_rows(const void* grad_, const void* x_, const void* bias_, void* grad_x_, int64_t cols,
                    int64_t row_begin, int64_t row_end) {
   using S = typename T::Storage;
   using C = typename T::Compute;
@@ -95,14 +107,14 @@ void backward_rows(const void* grad_, const void* x_, const void* bias_, void* g
   C u[kBlock];
   C b[kBlock];
   C g[kBlock];
-  for (int64_t col0 = 0; col0 < cols; col0 += kBlock) {
-    const int64_t n = std::min(kBlock, cols - col0);
-    if (bias) load_block<T>(bias + col0, b, n);
-    for (int64_t row = row_begin; row < row_end; ++row) {
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    for (int64_t col0 = 0; col0 < cols; col0 += kBlock) {
+      const int64_t n = std::min(kBlock, cols - col0);
       const int64_t at = row * cols + col0;
       load_block<T>(x + at, u, n);
       load_block<T>(grad + at, g, n);
       if (bias) {
+        load_block<T>(bias + col0, b, n);
         for (int64_t j = 0; j < n; ++j) u[j] += b[j];
       }
       for (int64_t j = 0; j < n; ++j) g[j] *= epilogue_act_grad(u[j], A);
