@@ -57,13 +57,14 @@ struct BF16 {
 };
 
 template <typename T>
-FASTDIST_EPILOGUE_INLINE void load_block(const typename T::Storage* __restrict__ src, typename T::Compute* __restrict__ dst, int64_t n) {
+FASTDIST_EPILOGUE_INLINE void load_block(const typename T::Storage* __restrict__ src,
+                                         typename T::Compute* __restrict__ dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = T::load(src[j]);
 }
 
 template <typename T, EpilogueActivation A>
-FASTDIST_EPILOGUE_INLINE void forward_rows(const void* x_, const void* bias_, const void* residual_, void* out_, int64_t cols,
-                  int64_t row_begin, int64_t row_end) {
+FASTDIST_EPILOGUE_INLINE void forward_rows(const void* x_, const void* bias_, const void* residual_, void* out_,
+                                           int64_t cols, int64_t row_begin, int64_t row_end) {
   using S = typename T::Storage;
   using C = typename T::Compute;
   const S* x = static_cast<const S*>(x_);
@@ -96,8 +97,8 @@ FASTDIST_EPILOGUE_INLINE void forward_rows(const void* x_, const void* bias_, co
 }
 
 template <typename T, EpilogueActivation A>
-FASTDIST_EPILOGUE_INLINE void backward_rows(const void* grad_, const void* x_, const void* bias_, void* grad_x_, int64_t cols,
-                   int64_t row_begin, int64_t row_end) {
+FASTDIST_EPILOGUE_INLINE void backward_rows(const void* grad_, const void* x_, const void* bias_, void* grad_x_,
+                                            int64_t cols, int64_t row_begin, int64_t row_end) {
   using S = typename T::Storage;
   using C = typename T::Compute;
   const S* grad = static_cast<const S*>(grad_);

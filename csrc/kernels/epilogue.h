@@ -81,7 +81,8 @@ FASTDIST_HOST_DEVICE inline float epilogue_half_to_float(uint16_t h) {
   const uint32_t inf_nan = 0u - static_cast<uint32_t>(em >= 0x7C00u);
   const uint32_t small = 0u - static_cast<uint32_t>(em < 0x0400u);
   const uint32_t normal = (em << 13) + 0x38000000u + (inf_nan & 0x38000000u);  // rebias 15 -> 127 (twice: inf/NaN)
-  const uint32_t subnormal = epilogue_bits_of_float(static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f);
+  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;  // em * 2^-24
+  const uint32_t subnormal = epilogue_bits_of_float(scaled);
   return epilogue_float_from_bits(((normal & ~small) | (subnormal & small)) | sign);
 }
 

@@ -15,7 +15,9 @@ using fastdist::EpilogueActivation;
 using fastdist::EpilogueType;
 
 double reference_act(double u, EpilogueActivation act) {
-  if (act == EpilogueActivation::kGeluTanh) return 0.5 * u * (1.0 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)));
+  if (act == EpilogueActivation::kGeluTanh) {
+    return 0.5 * u * (1.0 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)));
+  }
   if (act == EpilogueActivation::kGeluErf) return 0.5 * u * (1.0 + std::erf(u / std::sqrt(2.0)));
   return u;
 }
@@ -62,7 +64,9 @@ FD_TEST(float_to_16_bit_rounds_to_nearest_even) {
   std::uniform_real_distribution<float> mag(-20.0f, 20.0f);
   std::vector<float> values = {0.0f, -0.0f, 1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048, 1.0f + 1.0f / 256,
                                1.0f + 3.0f / 256, 65504.0f, 65519.0f, 5.9604645e-8f, 2.9802322e-8f, 1e-9f};
-  for (int i = 0; i < 200; ++i) values.push_back(std::ldexp(1.0f + std::fabs(mag(rng)) / 20.0f, static_cast<int>(mag(rng))));
+  for (int i = 0; i < 200; ++i) {
+    values.push_back(std::ldexp(1.0f + std::fabs(mag(rng)) / 20.0f, static_cast<int>(mag(rng))));
+  }
   for (float f : values) {
     const float g = -f;
     for (float x : {f, g}) {

@@ -1,10 +1,9 @@
 """fastdist.ops.bias_epilogue / bias_epilogue_backward: act(x + bias) + residual and its gradient, against torch's
 own elementwise ops computed in float64 (float32 for the 16-bit dtypes, rounded once, as the op specifies)."""
+import fastdist
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fastdist
 from fastdist.ops import bias_epilogue, bias_epilogue_backward
 
 needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
@@ -210,8 +209,8 @@ BAD_INPUTS = {
     "int_x": (lambda d: bias_epilogue(_x(d, torch.int32)),
               r"'x' must have a floating dtype \(torch.float32, torch.float16, torch.bfloat16 or torch.float64\), "
               r"got torch.int32"),
-    "0d_x": (lambda d: bias_epilogue(torch.tensor(1.0, device=d)), r"'x' must have at least 1 dimension\(s\), "
-             r"got shape \[\]"),
+    "0d_x": (lambda d: bias_epilogue(torch.tensor(1.0, device=d)),
+             r"'x' must have at least 1 dimension\(s\), got shape \[\]"),
     "bias_dtype": (lambda d: bias_epilogue(_x(d), torch.ones(3, dtype=torch.float64, device=d)),
                    r"'bias' must have the dtype of 'x' \(torch.float32\), got torch.float64"),
     "bias_length": (lambda d: bias_epilogue(_x(d), torch.ones(4, device=d)),

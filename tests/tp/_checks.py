@@ -7,11 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
 from fastdist.distributed import MismatchError
-from fastdist.tp import (ColumnParallelLinear, CostModel, GPTBlock, OverlappedTransformerBlock, RowParallelLinear,
-                         count_collectives, parallelize)
+from fastdist.tp import (
+    ColumnParallelLinear,
+    CostModel,
+    GPTBlock,
+    OverlappedTransformerBlock,
+    RowParallelLinear,
+    count_collectives,
+    parallelize,
+)
+from torch.utils.checkpoint import checkpoint
 
 CHUNKS = [1, 2, 3, 4, 8]
 TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -256,7 +262,7 @@ def _block_collective_counts():
         blocks = [OverlappedTransformerBlock.from_block(_reference_block(s), None, recompute=recompute)
                   for s in (1, 2)]
 
-        def oases(h):
+        def oases(h, blocks=blocks):
             for b in blocks:
                 h = b(h)
             return h

@@ -1,9 +1,7 @@
 """One spawned gloo job per world size runs every rank-side check of tests/tp (see _checks.py)."""
 import pytest
-
-from fastdist.distributed import spawn
-
 from _checks import run_checks
+from fastdist.distributed import spawn
 
 WORLD_2 = ["mlp", "mlp_sp", "gather_split", "collectives", "bad_shapes", "auto_chunks", "oases_block",
            "parallelized_block", "block_counts", "calibrate"]

@@ -4,7 +4,6 @@ per step are the ones the schedule promises."""
 import pytest
 import torch
 from conftest import outcome
-
 from fastdist.tp import GPTBlock
 
 
@@ -40,3 +39,15 @@ def test_gpt_block_is_causal_and_pre_layernorm():
     torch.testing.assert_close(block(x2)[:, :4], y[:, :4])
     with pytest.raises(ValueError, match="hidden=10 is not divisible by heads=4"):
         GPTBlock(10, 4)
+
+
+def test_high_priority_nccl_options_exist_exactly_where_torch_has_nccl():
+    import torch.distributed as dist
+
+    from fastdist.tp import high_priority_nccl_options
+
+    options = high_priority_nccl_options()
+    if dist.is_nccl_available():
+        assert options.is_high_priority_stream
+    else:
+        assert options is None

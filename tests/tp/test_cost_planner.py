@@ -5,15 +5,13 @@ import itertools
 import time
 
 import pytest
-import torch
 from conftest import outcome
-
 from fastdist.tp import CostModel, ModelConfig, TPOp, plan
 from fastdist.tp.planner import plan_cost
 
 
 def _model(**kw):
-    base = dict(alpha=10e-6, beta=1e9, gemm_overhead=0.0, gemm_rate=1e10, contention=1.0, world_size=2)
+    base = {"alpha": 10e-6, "beta": 1e9, "gemm_overhead": 0.0, "gemm_rate": 1e10, "contention": 1.0, "world_size": 2}
     base.update(kw)
     return CostModel(**base)
 
@@ -70,7 +68,7 @@ SMALL = ModelConfig(layers=2, hidden=1024, heads=16, seq_len=512, global_batch=8
 
 
 def _brute_force(config, world, memory_limit, model=None):
-    from fastdist.tp.planner import _op_costs, NOMINAL
+    from fastdist.tp.planner import NOMINAL, _op_costs
     degrees = [d for d in (1, 2, 4, 8) if world % d == 0]
     best = None
     for combo in itertools.product(degrees, repeat=2 * config.layers):

@@ -4,7 +4,6 @@ on 2 and 4 ranks; the collectives issued are the ones the overlap schedule says;
 The rank-side halves of these tests are in _checks.py."""
 import pytest
 from conftest import outcome
-
 from fastdist.tp import chunk_bounds
 
 

@@ -10,7 +10,9 @@ rotated every repetition), warm-up first, median of --reps of the slowest rank's
 
   row op      RowParallelLinear forward on [M, K] x [K, N] (--op-shape M,K,N, full K), overlap_chunks
               k = 1 (sequential: GEMM, then all-reduce), 2, 4, 8 and auto (a CostModel calibrated in the run
-              on this shape); beside each, the cost model's predicted T(k) and its error.
+              on this shape); beside each, the cost model's predicted T(k) and its error. Also timed, in the
+              same interleaving: the k = 1 and k = 8 GEMMs alone, without the collective, so that a gain that
+              comes from chunking the GEMM (cache effects on a CPU) is told apart from overlap.
   GPT block   forward + backward of one block (--block hidden,heads,seq,batch): Megatron-style (parallelize,
               k = 1: each all-reduce blocks), chunked (parallelize, k = auto), and the Oases schedule
               (OverlappedTransformerBlock: two sub-batches, one collective in flight), each without and with
@@ -32,6 +34,7 @@ from fastdist.bench import report
 from fastdist.bench.launch import run_ranks
 
 OP_KS = [1, 2, 4, 8, "auto"]
+GEMM_ONLY_KS = [1, 8]
 BLOCK_VARIANTS = ["megatron", "chunked", "oases", "megatron+recompute", "chunked+recompute", "oases+recompute"]
 
 
@@ -93,7 +96,7 @@ def _interleaved(variants, reps, warmup, progress, label):
 
 
 def _op_variants(config, model):
-    from fastdist.tp import RowParallelLinear
+    from fastdist.tp import RowParallelLinear, chunk_bounds
 
     m, k_full, n = config["op_shape"]
     torch.manual_seed(0)
@@ -108,7 +111,19 @@ def _op_variants(config, model):
                 layer(x)
         return call
 
-    return {f"k={k}": run(layer) for k, layer in layers.items()}, layers["auto"].chunks_for(m)
+    out = torch.empty(m, n)
+    weight_t = layers[1].weight.detach().t()
+
+    def gemm_only(k):
+        # The same chunked GEMMs into the preallocated output, no collective: what chunking does to the GEMM alone.
+        def call():
+            for start, stop in chunk_bounds(m, k):
+                torch.matmul(x[start:stop], weight_t, out=out[start:stop])
+        return call
+
+    variants = {f"k={k}": run(layer) for k, layer in layers.items()}
+    variants.update({f"gemm k={k}": gemm_only(k) for k in GEMM_ONLY_KS})
+    return variants, layers["auto"].chunks_for(m)
 
 
 def _block_variants(config, model):
@@ -147,9 +162,10 @@ def bench_rank(config):
     m, k_full, n = config["op_shape"]
     k_local = k_full // world
     model = CostModel.calibrate(None, shapes=((m, k_local, n),), reps=3)
-    steps = (config["warmup"] + config["reps"]) * (len(OP_KS) if config["part"] == "op" else len(BLOCK_VARIANTS))
+    per_rep = len(OP_KS) + len(GEMM_ONLY_KS) if config["part"] == "op" else len(BLOCK_VARIANTS)
+    steps = (config["warmup"] + config["reps"]) * per_rep
     progress = report.Progress(steps, f"tp {config['part']} {config['label']}") if rank == 0 else None
-    op_rows, block_rows = [], []
+    op_rows, block_rows, gemm_rows = [], [], []
     if config["part"] == "op":
         variants, auto_k = _op_variants(config, model)
         op_samples = _interleaved(variants, config["reps"], config["warmup"], progress, "op")
@@ -158,14 +174,17 @@ def bench_rank(config):
             op_rows.append({"k": str(k), "chunks": kk, "samples_ms": [s * 1e3 for s in op_samples[f"k={k}"]],
                             "time_ms": statistics.median(op_samples[f"k={k}"]) * 1e3,
                             "predicted_ms": model.predict(TPOp("row", m, k_local, n, world), kk) * 1e3})
+        gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in op_samples[f"gemm k={k}"]],
+                      "time_ms": statistics.median(op_samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
     else:
-        block_samples = _interleaved(_block_variants(config, model), config["reps"], config["warmup"], progress, "block")
+        block_samples = _interleaved(_block_variants(config, model), config["reps"], config["warmup"], progress,
+                                     "block")
         for name in BLOCK_VARIANTS:
             block_rows.append({"variant": name, "samples_ms": [s * 1e3 for s in block_samples[name]],
                                "time_ms": statistics.median(block_samples[name]) * 1e3})
     lone_gemm = model.gemm_time(m, k_local, n)
     lone_comm = model.allreduce_time(m * n * 4, world)
-    result = {"op_rows": op_rows, "block_rows": block_rows, "core": core, "cost_model": model.state_dict(),
+    result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "block_rows": block_rows, "core": core, "cost_model": model.state_dict(),
               "cost_model_repr": repr(model), "gemm_ms": lone_gemm * 1e3, "allreduce_ms": lone_comm * 1e3,
               "calibration": model.samples}
     return result if rank == 0 else None
@@ -260,6 +279,9 @@ def run(args):
             print(f"# {r['cost_model_repr']}")
             print(f"# op GEMM {r['gemm_ms']:.2f} ms, all-reduce {r['allreduce_ms']:.2f} ms (cost model)")
             print(format_op_rows(r["op_rows"]))
+            gemm = {g["k"]: g["time_ms"] for g in r["gemm_rows"]}
+            print(f"# the GEMMs alone (no collective): k=1 {gemm[1]:.2f} ms, k=8 {gemm[8]:.2f} ms "
+                  f"(chunking alone: {gemm[1] / gemm[8]:.2f}x)")
         if r["block_rows"]:
             print(format_block_rows(r["block_rows"]))
     return {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "reps": args.reps, "runs": runs}

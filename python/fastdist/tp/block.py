@@ -57,7 +57,7 @@ class _Attention(nn.Module):
         self.proj = nn.Linear(hidden, hidden, device=device, dtype=dtype)
 
     def forward(self, x):
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         qkv = self.qkv(x).reshape(batch * seq, -1)
         return self.proj(_attention(qkv, batch, seq, self.head_dim).view(batch, seq, -1))
 

@@ -116,3 +116,17 @@ def reduce_scatter(out, t, group, *, site, backward=False):
 def wait_all(pending):
     for p in pending:
         p.wait()
+
+
+def high_priority_nccl_options():
+    """``ProcessGroupNCCL.Options`` whose communication streams are created with high priority, or None where
+    torch has no NCCL (a CPU build). Pass it as ``pg_options`` to ``init_process_group`` / ``new_group`` for the
+    tensor-parallel group: on a GPU, a chunk's all-reduce then starts ahead of the GEMMs queued after it, which
+    is what the chunked schedule needs (NCCL collectives issued with ``async_op=True`` run on the group's own
+    stream, ordered after the GEMM that produced their input)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None or not dist.is_nccl_available():
+        return None
+    options = nccl.Options()
+    options.is_high_priority_stream = True
+    return options

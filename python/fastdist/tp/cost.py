@@ -154,7 +154,7 @@ class CostModel:
         raw = []
         for nbytes in sizes:
             buf = torch.ones(max(nbytes // elem, 1), dtype=dtype, device=device)
-            raw.append(timed(lambda: dist.all_reduce(buf, group=group)))
+            raw.append(timed(lambda buf=buf: dist.all_reduce(buf, group=group)))
         table_keys, gemm_raw = [], []
         for rows, k_in, n_out in shapes:
             w = torch.randn(n_out, k_in, dtype=dtype, device=device)
@@ -164,7 +164,7 @@ class CostModel:
                     continue
                 x = torch.randn(m, k_in, dtype=dtype, device=device)
                 table_keys.append((m, k_in, n_out, str(dtype)))
-                gemm_raw.append(timed(lambda: x @ w.t()))
+                gemm_raw.append(timed(lambda x=x, w=w: x @ w.t()))
         # Contention: the first shape's half-size GEMM beside an all-reduce of its output.
         rows, k_in, n_out = shapes[0]
         m = max(rows // 2, 1)
