@@ -318,7 +318,7 @@ def plot(result, path):
     width = 0.8 / len(runs)
     for i, r in enumerate(runs):
         xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(r["op_rows"]))]
-        ax.bar(xs, [row["time_ms"] for row in r["op_rows"]], width, label=f"{r['label']} measured")
+        ax.bar(xs, [row["time_ms"] for row in r["op_rows"]], width, label=f"{r['label']} ({r['net']}) measured")
         ax.scatter(xs, [row["predicted_ms"] for row in r["op_rows"]], color="black", marker="_", s=200,
                    label="predicted" if i == 0 else None, zorder=3)
     ax.set_xticks(range(len(runs[0]["op_rows"])))
@@ -332,7 +332,7 @@ def plot(result, path):
     width = 0.8 / max(len(runs), 1)
     for i, r in enumerate(runs):
         xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(r["block_rows"]))]
-        ax.bar(xs, [row["time_ms"] for row in r["block_rows"]], width, label=r["label"])
+        ax.bar(xs, [row["time_ms"] for row in r["block_rows"]], width, label=f"{r['label']} ({r['net']})")
     ax.set_xticks(range(len(BLOCK_VARIANTS)))
     ax.set_xticklabels(BLOCK_VARIANTS, rotation=20, fontsize=8)
     ax.set_ylabel("GPT block fwd+bwd (ms, median)")
@@ -340,8 +340,9 @@ def plot(result, path):
     ax.set_title(f"block hidden {h}, {heads} heads, seq {seq}, batch {batch}", fontsize=9)
     ax.legend(fontsize=8)
     env = result["env"]
-    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks (one core each), {env['network']} (shared machine)",
-                 fontsize=8)
+    kind = "simulated links" if any(r["link_gbps"] for r in result["runs"]) else "loopback"
+    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}; measured on a shared machine",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
