@@ -39,3 +39,10 @@ def test_cli_run_times_every_chunk_count_and_block_variant_and_predicts_each_op_
     assert op_run["op_rows"][-1]["chunks"] in (1, 2, 4, 8)
     assert [r["variant"] for r in block_run["block_rows"]] == tp.BLOCK_VARIANTS
     assert all(r["time_ms"] > 0 and len(r["samples_ms"]) == 2 for r in block_run["block_rows"])
+
+
+def test_gemm_check_times_one_gemm_and_its_2_4_8_chunk_splits():
+    result = tp.chunked_gemm_cost((64, 32, 16), reps=2, warmup=1, device="cpu")
+    assert [r["k"] for r in result["rows"]] == [1, 2, 4, 8]
+    assert result["rows"][0]["overhead_pct"] == 0
+    assert all(r["time_ms"] > 0 and len(r["samples_ms"]) == 2 for r in result["rows"])

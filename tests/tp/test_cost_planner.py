@@ -28,6 +28,18 @@ def test_predict_follows_the_overlap_formula():
     assert m.allreduce_time(op.comm_bytes) == pytest.approx(C_alpha + C_beta)
 
 
+def test_column_backward_prediction_overlaps_the_weight_gradient_gemm_with_the_last_all_reduce():
+    m = _model()
+    op = TPOp("column", 1024, 256, 512, 2)  # local shard: in 256, out 512; backward dX = dY W is 1024x512x256
+    G = 2 * 1024 * 512 * 256 / 1e10
+    G_dw = 2 * 512 * 1024 * 256 / 1e10
+    C_alpha, C_beta = 2 * 10e-6, op.comm_bytes / 1e9
+    assert op.comm_bytes == 1024 * 256 * 4  # the input gradient
+    assert m.predict(op, 1) == pytest.approx(G + max(C_alpha + C_beta, G_dw))
+    g, c = G / 4, C_alpha + C_beta / 4
+    assert m.predict(op, 4) == pytest.approx(g + 3 * max(g, c) + max(c, G_dw))
+
+
 def test_choose_chunks_splits_when_communication_is_comparable_and_not_when_latency_dominates():
     assert CostModel().choose_chunks((1024, 512, 256)) == 4  # uncalibrated: the default
     assert CostModel().choose_chunks((3, 512, 256)) == 3     # never more chunks than rows

@@ -58,6 +58,9 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per variant, >= 5 for a claim")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions of every variant first")
     p.add_argument("--skip-block", action="store_true", help="only the row-parallel op")
+    p.add_argument("--gemm-check", metavar="M,K,N", default=None,
+                   help="only measure what splitting one GEMM into 2, 4, 8 row chunks costs on this process's "
+                        "device (CUDA: bf16, events, L2 flushed; CPU: fp32), e.g. 8192,8192,8192")
 
 
 # --- one rank --------------------------------------------------------------------------------------
@@ -231,7 +234,61 @@ def block_balanced_rate(block, world):
     return 8 * wire / compute_s, compute_s
 
 
+def chunked_gemm_cost(shape, reps=7, warmup=2, device=None):
+    """Median time of one [M, K] x [K, N] GEMM and of the same GEMM as k = 2, 4, 8 row chunks written into one
+    preallocated output (the chunked linears' GEMMs), on `device` (default: CUDA when available, bf16 there;
+    CPU fp32 otherwise). CUDA: events, 256 MiB written between samples to flush L2. Rows: k, ms, overhead."""
+    from fastdist.tp import chunk_bounds
+
+    m, k_in, n = shape
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k_in, generator=g).to(device, dtype)
+    w = torch.randn(k_in, n, generator=g).to(device, dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+    def gemm(chunks):
+        for start, stop in chunk_bounds(m, chunks):
+            torch.matmul(x[start:stop], w, out=out[start:stop])
+
+    def sample(chunks):
+        if device.type == "cuda":
+            flush.fill_(1)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            gemm(chunks)
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        gemm(chunks)
+        return time.perf_counter() - t0
+
+    ks = [1, 2, 4, 8]
+    samples = {k: [] for k in ks}
+    for it in range(warmup + reps):
+        for k in ks[it % len(ks):] + ks[:it % len(ks)]:
+            t = sample(k)
+            if it >= warmup:
+                samples[k].append(t)
+    base = statistics.median(samples[1])
+    return {"device": str(device), "dtype": str(dtype), "shape": list(shape),
+            "rows": [{"k": k, "time_ms": statistics.median(samples[k]) * 1e3,
+                      "samples_ms": [t * 1e3 for t in samples[k]],
+                      "overhead_pct": (statistics.median(samples[k]) / base - 1) * 100} for k in ks]}
+
+
 def run(args):
+    if args.gemm_check:
+        result = chunked_gemm_cost(_ints(args.gemm_check, 3, "--gemm-check"), reps=max(args.reps, 1),
+                                   warmup=args.warmup)
+        print(f"# chunked GEMM {result['shape']} {result['dtype']} on {result['device']} (median of {args.reps})")
+        print(report.format_table(["chunks", "time(ms)", "vs one GEMM"],
+                                  [[r["k"], r["time_ms"], f"{r['overhead_pct']:+.1f}%"] for r in result["rows"]],
+                                  align=["r", "r", "r"]))
+        return {"suite": "tp", "gemm_check": result, "runs": []}
     op_shape = _ints(args.op_shape, 3, "--op-shape")
     block = _ints(args.block, 4, "--block")
     world = args.ranks
@@ -306,6 +363,8 @@ def format_block_rows(rows):
 
 
 def plot(result, path):
+    if not result["runs"]:
+        raise SystemExit("fastdist-bench tp: --gemm-check has no plot; use --json")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
