@@ -275,6 +275,15 @@ def _block_collective_counts():
     return out
 
 
+def _oases_issue_order():
+    """(site, rows) of every all-reduce of one Oases step with batch 3 (sub-batches A = 2, B = 1 sequences)."""
+    block = OverlappedTransformerBlock.from_block(_reference_block(), None, recompute=True)
+    x = torch.randn(3, SEQ, HIDDEN, requires_grad=True)
+    with count_collectives() as log:
+        block(x).sum().backward()
+    return [(r.site, r.numel // (SEQ * HIDDEN)) for r in log.records]
+
+
 # ---- cost model ----
 
 def _calibrated_model_state():
@@ -294,6 +303,7 @@ CHECKS = {
     "oases_block": _oases_block_matches_reference,
     "parallelized_block": _parallelized_block_matches_reference,
     "block_counts": _block_collective_counts,
+    "oases_order": _oases_issue_order,
     "calibrate": _calibrated_model_state,
 }
 

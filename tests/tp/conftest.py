@@ -4,7 +4,7 @@ from _checks import run_checks
 from fastdist.distributed import spawn
 
 WORLD_2 = ["mlp", "mlp_sp", "gather_split", "collectives", "bad_shapes", "auto_chunks", "oases_block",
-           "parallelized_block", "block_counts", "calibrate"]
+           "parallelized_block", "block_counts", "oases_order", "calibrate"]
 WORLD_4 = ["mlp", "mlp_sp", "gather_split", "oases_block", "parallelized_block"]
 
 

@@ -29,6 +29,14 @@ def test_megatron_checkpointing_all_reduces_6_activations_per_layer_and_oases_re
         assert counts[f"oases_recompute={recompute}_max_in_flight"] == 1
 
 
+def test_oases_issues_its_all_reduces_in_the_schedule_order(tp_ranks):
+    # Forward: A then B attention, A then B MLP; backward: B then A for fc1's input gradient, then B then A
+    # for qkv's. A is the first 2 sequences of the batch of 3, B the last one.
+    assert outcome(tp_ranks(2), "oases_order")[0] == [
+        ("oases.forward.attn", 2), ("oases.forward.attn", 1), ("oases.forward.mlp", 2), ("oases.forward.mlp", 1),
+        ("oases.backward.mlp", 1), ("oases.backward.mlp", 2), ("oases.backward.attn", 1), ("oases.backward.attn", 2)]
+
+
 def test_gpt_block_is_causal_and_pre_layernorm():
     torch.manual_seed(0)
     block = GPTBlock(16, 4)
