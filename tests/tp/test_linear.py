@@ -39,13 +39,13 @@ def test_chunked_linears_issue_one_collective_per_chunk_in_the_right_phase(tp_ra
             [("all_reduce", "forward", "row.forward")] * k + [("all_reduce", "backward", "column.backward")] * k
         assert sum(n for *_, n in records[:k]) == 6 * 8 and sum(n for *_, n in records[k:]) == 6 * 8
         assert in_flight == k
-    # Sequence parallelism: column forward all-gathers the input, row forward reduce-scatters, row backward
-    # all-gathers the output gradient (and all-reduces its bias gradient), column backward reduce-scatters the
-    # input gradient; k chunks each.
+    # Sequence parallelism: column forward all-gathers the input as a ring (t - 1 = 1 exchange on 2 ranks), row
+    # forward reduce-scatters, row backward all-gathers the output gradient (and all-reduces its bias gradient),
+    # column backward reduce-scatters the input gradient; k chunks each.
     for k in (1, 3):
         records, _ = logs[True, k]
         sites = [(kind, site) for kind, _, site, _ in records]
-        assert sites == [("all_gather", "column.forward")] * k + [("reduce_scatter", "row.forward")] * k + \
+        assert sites == [("ring_exchange", "column.forward")] + [("reduce_scatter", "row.forward")] * k + \
             [("all_reduce", "row.bias_grad")] + [("all_gather", "row.backward")] * k + \
             [("reduce_scatter", "column.backward")] * k
 

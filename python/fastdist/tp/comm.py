@@ -1,7 +1,7 @@
 """The collectives of tensor parallelism, issued in one place so that they can be counted.
 
-Every collective fastdist.tp issues goes through :func:`all_reduce`, :func:`all_gather` or :func:`reduce_scatter`
-here. Each returns a :class:`Pending` (``wait()`` it before reading the result); with ``count_collectives()``
+Every collective fastdist.tp issues goes through :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` or
+:func:`ring_exchange` here. Each returns a :class:`Pending` (``wait()`` it before reading the result); with ``count_collectives()``
 active, each call is recorded with its kind, its size and the phase it was issued in:
 
 * ``"forward"``: during a forward pass;
@@ -23,7 +23,7 @@ from fastdist.distributed.compat import all_gather_single, reduce_scatter_single
 
 @dataclasses.dataclass
 class CollectiveRecord:
-    kind: str       # "all_reduce", "all_gather", "reduce_scatter"
+    kind: str       # "all_reduce", "all_gather", "reduce_scatter", "ring_exchange" (send next, receive previous)
     phase: str      # "forward", "backward", "recompute"
     numel: int      # elements of the full (reduced or gathered) tensor
     site: str       # who issued it, e.g. "row.forward", "oases.attn"
@@ -111,6 +111,33 @@ def reduce_scatter(out, t, group, *, site, backward=False):
     """Sums ``t`` over ``group`` and leaves block ``rank`` of the sum in ``out``, asynchronously."""
     _record("reduce_scatter", t.numel(), site, backward)
     return Pending(reduce_scatter_single(out, t, group=group, async_op=True), out)
+
+
+class _PendingPair(Pending):
+    def __init__(self, works, out):
+        super().__init__(None, out)
+        self._works = works
+
+    def wait(self):
+        global _in_flight
+        if self._works:
+            for w in self._works:
+                w.wait()
+            self._works = None
+            _in_flight -= 1
+        return self.out
+
+
+def ring_exchange(send, recv, group, *, site, backward=False):
+    """Sends ``send`` to the next rank of ``group`` and receives the previous rank's into ``recv`` (a ring step),
+    asynchronously."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    _record("ring_exchange", recv.numel(), site, backward)
+    works = [dist.isend(send, nxt, group=group), dist.irecv(recv, prev, group=group)]
+    return _PendingPair(works, recv)
 
 
 def wait_all(pending):

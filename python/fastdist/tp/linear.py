@@ -17,10 +17,12 @@ gradient chunk by chunk, each all-reduced asynchronously, and the weight-gradien
 
 Sequence parallelism (``sequence_parallel=True``): activations outside the tensor-parallel region are sharded
 along ``M`` (Megatron's layout ``[s, b, h]``: dimension 0 of the input is the sequence and ``M / t`` rows live on
-each rank). The row-parallel all-reduce becomes a reduce-scatter and the column-parallel input an all-gather,
-chunked the same way: chunk ``c`` takes sub-block ``c`` of every rank's shard (chunks ordered by destination), so
-each chunk is one contiguous reduce-scatter or all-gather and the GEMM of one chunk overlaps the collective of
-another.
+each rank). The row-parallel all-reduce becomes a reduce-scatter, chunked the same way: chunk ``c`` takes
+sub-block ``c`` of every rank's shard (chunks ordered by destination), so each chunk is one contiguous
+reduce-scatter and the GEMM of one chunk overlaps the collective of another; its backward all-gathers the output
+gradient in the same chunks. The column-parallel input becomes an all-gather run as a ring: in ``t - 1`` steps
+each rank passes the shard it holds to the next rank while multiplying it (compute on the shard you have while
+receiving the next); its backward reduce-scatters the input gradient in ``k`` chunks.
 
 Collectives run asynchronously through :mod:`fastdist.tp.comm` (gloo runs them on its own threads, so the overlap
 is real on CPU; NCCL on its stream). Every rank must call with the same shapes; the chosen chunk count is checked
@@ -58,25 +60,32 @@ def _world(group):
 
 class _ColumnParallelMatmul(torch.autograd.Function):
     """y = x W^T for a column shard W. Non-SP: x is [M, in] on every rank; backward all-reduces dx in chunks.
-    SP: x is this rank's [M/t, in] shard; forward all-gathers it in chunks, backward reduce-scatters dx."""
+    SP: x is this rank's [M/t, in] shard; forward all-gathers it as a ring (each step's GEMM overlapping the
+    next shard's transfer), backward reduce-scatters dx in chunks."""
 
     @staticmethod
     def forward(ctx, x, weight, group, chunks, sequence_parallel):
-        world, _ = _world(group)
+        world, rank = _world(group)
         ctx.group, ctx.chunks, ctx.sp = group, chunks, sequence_parallel
         if not sequence_parallel:
             ctx.save_for_backward(x, weight)
             return x @ weight.t()
+        # All-gather as a ring: at step s this rank holds shard (rank - s) mod t; it sends it on to the next rank
+        # and receives the one after it from the previous rank while its GEMM runs on the shard in hand.
         shard_rows = x.shape[0]
-        bounds = chunk_bounds(shard_rows, chunks)
-        gathered = [x.new_empty(world, stop - start, x.shape[1]) for start, stop in bounds]
-        pending = [comm.all_gather(buf.view(-1, x.shape[1]), x[start:stop], group, site="column.forward")
-                   for buf, (start, stop) in zip(gathered, bounds)]
+        gathered = x.new_empty(world, shard_rows, x.shape[1])
+        gathered[rank].copy_(x)
         y = x.new_empty(world, shard_rows, weight.shape[0])
-        for p, buf, (start, stop) in zip(pending, gathered, bounds):
-            p.wait()
-            y[:, start:stop] = buf @ weight.t()  # the GEMM of this chunk overlaps the gathers still in flight
-        ctx.save_for_backward(weight, *gathered)
+        for step in range(world):
+            src = (rank - step) % world
+            pending = None
+            if step < world - 1:
+                pending = comm.ring_exchange(gathered[src], gathered[(src - 1) % world], group,
+                                             site="column.forward")
+            torch.matmul(gathered[src], weight.t(), out=y[src])
+            if pending is not None:
+                pending.wait()
+        ctx.save_for_backward(weight, gathered)
         return y.view(world * shard_rows, weight.shape[0])
 
     @staticmethod
@@ -93,9 +102,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             dw = grad.t() @ x  # overlaps the all-reduces still in flight
             comm.wait_all(pending)
             return dx, dw, None, None, None
-        weight, *gathered = ctx.saved_tensors
-        world = gathered[0].shape[0]
-        shard_rows = grad.shape[0] // world
+        weight, gathered = ctx.saved_tensors
+        world, shard_rows = gathered.shape[0], gathered.shape[1]
         grad3 = grad.view(world, shard_rows, grad.shape[1])
         dx = grad.new_empty(shard_rows, weight.shape[1])
         pending = []
@@ -103,9 +111,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             part = grad3[:, start:stop] @ weight  # [world, rows, in]: block r is destined for rank r
             pending.append(comm.reduce_scatter(dx[start:stop], part.view(-1, part.shape[2]), group,
                                                site="column.backward", backward=True))
-        dw = torch.zeros_like(weight)
-        for buf, (start, stop) in zip(gathered, chunk_bounds(shard_rows, chunks)):
-            dw.addmm_(grad3[:, start:stop].reshape(-1, grad.shape[1]).t(), buf.view(-1, buf.shape[2]))
+        # dW = dY^T X over all gathered rows, overlapping the reduce-scatters in flight.
+        dw = grad.t() @ gathered.view(-1, gathered.shape[2])
         comm.wait_all(pending)
         return dx, dw, None, None, None
 
@@ -282,9 +289,9 @@ class ColumnParallelLinear(_ParallelLinear):
         in_features, out_features: the full layer's sizes; ``out_features`` must be divisible by the group size.
         group: the tensor-parallel process group (None: the default group).
         gather_output: return all ``out_features`` (all-gather) instead of this rank's ``out_features / t``.
-        overlap_chunks: ``"auto"`` or ``k >= 1``: the backward input-gradient all-reduce (or, under sequence
-            parallelism, the forward all-gather and backward reduce-scatter) runs in ``k`` chunks overlapping the
-            GEMMs.
+        overlap_chunks: ``"auto"`` or ``k >= 1``: the backward input-gradient all-reduce (under sequence
+            parallelism, reduce-scatter) runs in ``k`` chunks overlapping the GEMMs. Under sequence parallelism
+            the forward all-gather is a ring of ``t - 1`` exchanges, each overlapping a shard's GEMM.
         sequence_parallel: the input is this rank's ``M / t`` rows of the sequence-sharded activation.
         activation: ``"none"``, ``"gelu_tanh"`` or ``"gelu_erf"``, fused with the bias add (the MLP's first
             linear).
