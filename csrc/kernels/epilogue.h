@@ -210,12 +210,12 @@ FASTDIST_HOST_DEVICE inline double epilogue_act_grad(double u, EpilogueActivatio
 
 // ---- CPU: single-threaded over rows [row_begin, row_end), so the caller can run disjoint ranges in parallel ----
 
-// out = act(x + bias) + residual. bias (cols values) and residual (rows x cols) may be nullptr. out may alias x or
-// residual (each value is read before it is written).
+// out = act(x + bias) + residual. bias (cols values) and residual (rows x cols) may be nullptr. out must not
+// overlap the inputs.
 void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
                        EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end);
 
-// grad_x = grad * act'(x + bias). bias may be nullptr. grad_x may alias grad.
+// grad_x = grad * act'(x + bias). bias may be nullptr. grad_x must not overlap the inputs.
 void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, EpilogueType type,
                                 EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin,
                                 int64_t row_end);
