@@ -9,6 +9,7 @@
   fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
   fastdist-bench moe [opts]              MoE layer: static/dropless/shadow/top-k replication vs Pro-Prophet planner
+  fastdist-bench tp [opts]               tensor-parallel linears / GPT block: chunked and Oases overlap vs sequential
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -28,6 +29,7 @@ SUITES = {
     "moe": "fastdist.bench.moe",
     "sparse": "fastdist.bench.sparse",
     "sparse-lm": "fastdist.bench.sparse_lm",
+    "tp": "fastdist.bench.tp",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -41,6 +43,7 @@ TOUR = {
             "--layout-size", "262144"],
     "sparse-lm": ["--ranks", "4", "--net", "10gbit", "--steps", "40", "--vocab", "8192", "--dim", "32",
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],
+    "tp": ["--ranks", "2", "--op-shape", "512,512,512", "--block", "256,4,64,4", "--reps", "5", "--warmup", "1"],
 }
 
 

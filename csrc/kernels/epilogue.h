@@ -1,0 +1,234 @@
+// The fused epilogue of a tensor-parallel linear: what runs on a GEMM's output once its reduction is done.
+//
+//   out = act(x + bias) + residual          (bias and residual optional, act = identity | GeLU tanh | GeLU erf)
+//
+// x, residual and out are `rows` rows of `cols` values; bias is `cols` values broadcast over the rows. One read of
+// x (and residual), one write of out: the three elementwise passes torch would run become one memory pass.
+// The backward of the activation: grad_x = grad * act'(x + bias) (the bias gradient is that summed over rows, the
+// residual gradient is grad itself, so neither needs its own kernel).
+//
+// Arithmetic: float16 and bfloat16 values are computed in float32 and rounded to nearest-even once, at the store;
+// float32 in float32; float64 in float64 with the C library's tanh/erf/exp. The float32 GeLU uses the rational
+// approximations below (erf within 5e-7 absolute, exp within 2e-7 relative, GeLU tanh built from exp), written so
+// that a CPU loop over them vectorizes; the device evaluates the same formulas, so CPU and CUDA agree to rounding.
+//
+//   gelu_tanh(u) = 0.5 u (1 + tanh(k (u + 0.044715 u^3))),   k = sqrt(2 / pi)
+//   gelu_erf(u)  = 0.5 u (1 + erf(u / sqrt(2)))
+//
+// Torch-free: raw pointers and sizes only. Arrays are contiguous and row-major.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+#ifndef FASTDIST_HOST_DEVICE
+#ifdef __CUDACC__
+#define FASTDIST_HOST_DEVICE __host__ __device__
+#else
+#define FASTDIST_HOST_DEVICE
+#endif
+#endif
+
+namespace fastdist {
+
+enum class EpilogueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+enum class EpilogueActivation : int32_t { kNone = 0, kGeluTanh = 1, kGeluErf = 2 };
+
+// ---- value conversion: float16 / bfloat16 bits <-> float32, round to nearest-even, NaN kept ----
+
+FASTDIST_HOST_DEVICE inline float epilogue_float_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+FASTDIST_HOST_DEVICE inline uint32_t epilogue_bits_of_float(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+FASTDIST_HOST_DEVICE inline float epilogue_bf16_to_float(uint16_t h) {
+  return epilogue_float_from_bits(static_cast<uint32_t>(h) << 16);
+}
+
+// Round to nearest-even; a NaN stays a (quiet) NaN. Branch-free.
+FASTDIST_HOST_DEVICE inline uint16_t epilogue_float_to_bf16(float f) {
+  const uint32_t u = epilogue_bits_of_float(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
+  return static_cast<uint16_t>((rounded & ~is_nan) | (((u >> 16) | 0x40u) & is_nan));
+}
+
+// IEEE binary16 -> binary32, exact. Branch-free, so a CPU loop of it vectorizes.
+FASTDIST_HOST_DEVICE inline float epilogue_half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7FFFu;
+  const uint32_t inf_nan = 0u - static_cast<uint32_t>(em >= 0x7C00u);
+  const uint32_t small = 0u - static_cast<uint32_t>(em < 0x0400u);
+  const uint32_t normal = (em << 13) + 0x38000000u + (inf_nan & 0x38000000u);  // rebias 15 -> 127 (twice: inf/NaN)
+  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;  // em * 2^-24
+  const uint32_t subnormal = epilogue_bits_of_float(scaled);
+  return epilogue_float_from_bits(((normal & ~small) | (subnormal & small)) | sign);
+}
+
+// binary32 -> binary16, round to nearest-even, overflow to infinity, NaN to a quiet NaN. Branch-free: the float
+// additions do the rounding (the classic FP16 library construction: scale so that the float adder rounds at the
+// binary16 mantissa's last place, then read the bits).
+FASTDIST_HOST_DEVICE inline uint16_t epilogue_float_to_half(float f) {
+  const float scale_to_inf = 5.192296858534828e+33f;   // 2^112
+  const float scale_to_zero = 7.703719777548943e-34f;  // 2^-110
+  const uint32_t w = epilogue_bits_of_float(f);
+  float base = (epilogue_float_from_bits(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = epilogue_float_from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = epilogue_bits_of_float(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// ---- float32 transcendental functions, vectorizable (no calls, no branches) ----
+
+// erf(x): odd rational approximation of degree 13/8 on [-4, 4] (erf rounds to +-1 outside).
+FASTDIST_HOST_DEVICE inline float epilogue_erff(float x) {
+  x = x < -4.0f ? -4.0f : (x > 4.0f ? 4.0f : x);
+  const float x2 = x * x;
+  float p = -2.72614225801306e-10f;
+  p = p * x2 + 2.77068142495902e-08f;
+  p = p * x2 + -2.10102402082508e-06f;
+  p = p * x2 + -5.69250639462346e-05f;
+  p = p * x2 + -7.34990630326855e-04f;
+  p = p * x2 + -2.95459980854025e-03f;
+  p = p * x2 + -1.60960333262415e-02f;
+  float q = -1.45660718464996e-05f;
+  q = q * x2 + -2.13374055278905e-04f;
+  q = q * x2 + -1.68282697438203e-03f;
+  q = q * x2 + -7.37332916720468e-03f;
+  q = q * x2 + -1.42647390514189e-02f;
+  return (p * x) / q;
+}
+
+// exp(x) for x <= 0 (all GeLU needs): x = n ln2 + r, |r| <= ln2 / 2, 2^n by building the exponent
+// bits, e^r by its degree-7 Taylor polynomial (relative error < 2e-7). Inputs below -87 give 2^-126-ish, not 0.
+FASTDIST_HOST_DEVICE inline float epilogue_exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t scale = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  return p * epilogue_float_from_bits(scale);
+}
+
+// ---- the activation and its derivative, in float32 and float64 ----
+
+constexpr double kEpilogueSqrt2OverPi = 0.79788456080286535588;
+constexpr double kEpilogueInvSqrt2 = 0.70710678118654752440;
+constexpr double kEpilogueInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kEpilogueGeluCubic = 0.044715;
+
+// GeLU tanh through e = exp(-2|z|), z = k (u + 0.044715 u^3): 1 + tanh(z) = 2 e / (1 + e) for z < 0 and
+// 2 / (1 + e) otherwise, and 1 - tanh(z)^2 = 4 e / (1 + e)^2. Unlike 1 + t with t = tanh(z) rounded, these keep
+// their relative accuracy where tanh saturates, so the value and the derivative of GeLU for very negative u (where
+// both are tiny) are as accurate as elsewhere.
+FASTDIST_HOST_DEVICE inline float epilogue_gelu_tanh_inner(float u) {
+  return static_cast<float>(kEpilogueSqrt2OverPi) * (u + static_cast<float>(kEpilogueGeluCubic) * u * u * u);
+}
+
+FASTDIST_HOST_DEVICE inline float epilogue_act(float u, EpilogueActivation act) {
+  if (act == EpilogueActivation::kGeluTanh) {
+    const float z = epilogue_gelu_tanh_inner(u);
+    const float e = epilogue_exp_nonpositive(z < 0.0f ? 2.0f * z : -2.0f * z);
+    return u * (z < 0.0f ? e : 1.0f) / (1.0f + e);  // 0.5 u (1 + tanh z)
+  }
+  if (act == EpilogueActivation::kGeluErf) {
+    return 0.5f * u * (1.0f + epilogue_erff(u * static_cast<float>(kEpilogueInvSqrt2)));
+  }
+  return u;
+}
+
+FASTDIST_HOST_DEVICE inline float epilogue_act_grad(float u, EpilogueActivation act) {
+  if (act == EpilogueActivation::kGeluTanh) {
+    const float k = static_cast<float>(kEpilogueSqrt2OverPi);
+    const float a = static_cast<float>(kEpilogueGeluCubic);
+    const float z = epilogue_gelu_tanh_inner(u);
+    const float e = epilogue_exp_nonpositive(z < 0.0f ? 2.0f * z : -2.0f * z);
+    const float inv = 1.0f / (1.0f + e);
+    const float half_one_plus_t = (z < 0.0f ? e : 1.0f) * inv;
+    const float one_minus_t2 = 4.0f * e * inv * inv;
+    return half_one_plus_t + 0.5f * u * one_minus_t2 * k * (1.0f + 3.0f * a * u * u);
+  }
+  if (act == EpilogueActivation::kGeluErf) {
+    const float cdf = 0.5f * (1.0f + epilogue_erff(u * static_cast<float>(kEpilogueInvSqrt2)));
+    return cdf + u * static_cast<float>(kEpilogueInvSqrt2Pi) * epilogue_exp_nonpositive(-0.5f * u * u);
+  }
+  return 1.0f;
+}
+
+FASTDIST_HOST_DEVICE inline double epilogue_act(double u, EpilogueActivation act) {
+  if (act == EpilogueActivation::kGeluTanh) {
+    return 0.5 * u * (1.0 + tanh(kEpilogueSqrt2OverPi * (u + kEpilogueGeluCubic * u * u * u)));
+  }
+  if (act == EpilogueActivation::kGeluErf) return 0.5 * u * (1.0 + erf(u * kEpilogueInvSqrt2));
+  return u;
+}
+
+FASTDIST_HOST_DEVICE inline double epilogue_act_grad(double u, EpilogueActivation act) {
+  if (act == EpilogueActivation::kGeluTanh) {
+    const double t = tanh(kEpilogueSqrt2OverPi * (u + kEpilogueGeluCubic * u * u * u));
+    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * kEpilogueSqrt2OverPi * (1.0 + 3.0 * kEpilogueGeluCubic * u * u);
+  }
+  if (act == EpilogueActivation::kGeluErf) {
+    return 0.5 * (1.0 + erf(u * kEpilogueInvSqrt2)) + u * kEpilogueInvSqrt2Pi * exp(-0.5 * u * u);
+  }
+  return 1.0;
+}
+
+// ---- CPU: single-threaded over rows [row_begin, row_end), so the caller can run disjoint ranges in parallel ----
+
+// out = act(x + bias) + residual. bias (cols values) and residual (rows x cols) may be nullptr. out must not
+// overlap the inputs.
+void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
+                       EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end);
+
+// grad_x = grad * act'(x + bias). bias may be nullptr. grad_x must not overlap the inputs.
+void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, EpilogueType type,
+                                EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin,
+                                int64_t row_end);
+
+// ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
+#ifdef __CUDACC__
+
+cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
+                               EpilogueActivation act, int64_t rows, int64_t cols, cudaStream_t stream);
+cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const void* bias, void* grad_x,
+                                        EpilogueType type, EpilogueActivation act, int64_t rows, int64_t cols,
+                                        cudaStream_t stream);
+
+#endif  // __CUDACC__
+
+}  // namespace fastdist

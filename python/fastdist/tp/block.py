@@ -1,0 +1,358 @@
+"""A GPT-style transformer block, and its tensor-parallel version with the Oases overlap schedule.
+
+:class:`GPTBlock` is the plain single-device block (pre-LayerNorm, causal self-attention, GeLU MLP) built from
+``nn.Linear`` layers named ``attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``. :func:`fastdist.tp.parallelize`
+turns it into Megatron's tensor-parallel block (column-parallel ``qkv``/``fc1``, row-parallel ``proj``/``fc2``),
+whose forward all-reduces twice per layer and backward twice, each collective blocking the compute after it.
+The qkv projection's output is laid out head by head (``[heads, 3, head_dim]``), so a contiguous column shard
+holds whole heads.
+
+:class:`OverlappedTransformerBlock` computes the same function with the Oases schedule (Li et al. 2023): the
+batch is split into two sub-batches A and B, and each sub-batch's all-reduce runs while the other computes,
+with exactly one collective in flight, in issue order:
+
+forward   A: LN1, attention, proj       -> all-reduce A1
+          B: LN1, attention, proj       -> wait A1, all-reduce B1
+          A: + residual, LN2, MLP       -> wait B1, all-reduce A2
+          B: + residual, LN2, MLP       -> wait A2, all-reduce B2
+          A: + residual; wait B2; B: + residual
+backward  B: MLP backward               -> all-reduce dB2 (input gradient of fc1)
+          A: MLP backward               -> wait dB2, all-reduce dA2
+          B: LN2 backward, attention bw -> wait dA2, all-reduce dB1 (input gradient of qkv)
+          A: LN2 backward, attention bw -> wait dB1, all-reduce dA1
+          B: LN1 backward; wait dA1; A: LN1 backward
+
+With ``recompute=True`` the forward keeps only the block input and the two already-reduced outputs per
+sub-batch; backward recomputes the rest from them, so recomputation issues no forward all-reduce: 4 all-reduces
+of an activation per layer per step, where Megatron-style checkpointing (recompute the whole block, its
+collectives included) issues 6.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastdist.distributed import check_same
+from fastdist.ops.epilogue import bias_epilogue
+from fastdist.tp import comm
+
+__all__ = ["GPTBlock", "OverlappedTransformerBlock"]
+
+
+def _attention(qkv, batch, seq, head_dim):
+    """Causal self-attention of a head-major qkv [batch * seq, heads * 3 * head_dim] -> [batch * seq, heads * hd]."""
+    heads = qkv.shape[-1] // (3 * head_dim)
+    q, k, v = qkv.view(batch, seq, heads, 3, head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return a.transpose(1, 2).reshape(batch * seq, heads * head_dim)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden, heads, device=None, dtype=None):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, device=device, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, device=device, dtype=dtype)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x).reshape(batch * seq, -1)
+        return self.proj(_attention(qkv, batch, seq, self.head_dim).view(batch, seq, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden, mlp_ratio, device=None, dtype=None):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, mlp_ratio * hidden, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(mlp_ratio * hidden, hidden, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class GPTBlock(nn.Module):
+    """``h = x + attn(ln1(x)); y = h + mlp(ln2(h))`` on ``[batch, seq, hidden]``."""
+
+    def __init__(self, hidden, heads, mlp_ratio=4, eps=1e-5, device=None, dtype=None):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"fastdist: hidden={hidden} is not divisible by heads={heads}")
+        self.hidden, self.heads, self.mlp_ratio = hidden, heads, mlp_ratio
+        self.ln1 = nn.LayerNorm(hidden, eps=eps, device=device, dtype=dtype)
+        self.attn = _Attention(hidden, heads, device, dtype)
+        self.ln2 = nn.LayerNorm(hidden, eps=eps, device=device, dtype=dtype)
+        self.mlp = _MLP(hidden, mlp_ratio, device, dtype)
+
+    def forward(self, x):
+        h = x + self.attn(self.ln1(x))
+        return h + self.mlp(self.ln2(h))
+
+
+# ---- the Oases block ----
+
+_PARAMS = ["ln1_weight", "ln1_bias", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "ln2_weight", "ln2_bias",
+           "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+
+
+class _Segments:
+    """The block cut at its collectives; each piece is a pure function of its inputs and the parameters."""
+
+    def __init__(self, p, head_dim, eps, batch, seq):
+        self.p, self.head_dim, self.eps, self.batch, self.seq = p, head_dim, eps, batch, seq
+
+    def ln1(self, x):
+        return F.layer_norm(x, x.shape[-1:], self.p["ln1_weight"], self.p["ln1_bias"], self.eps)
+
+    def attn_partial(self, u1):
+        """This rank's heads; the proj GEMM's partial sum (no bias: it is added once, after the all-reduce)."""
+        qkv = torch.addmm(self.p["qkv_bias"], u1, self.p["qkv_weight"].t())
+        return _attention(qkv, self.batch, self.seq, self.head_dim) @ self.p["proj_weight"].t()
+
+    def residual_ln2(self, x, r1):
+        h = bias_epilogue(r1, self.p["proj_bias"], x, "none")
+        return h, F.layer_norm(h, h.shape[-1:], self.p["ln2_weight"], self.p["ln2_bias"], self.eps)
+
+    def mlp_partial(self, u2):
+        a = bias_epilogue(u2 @ self.p["fc1_weight"].t(), self.p["fc1_bias"], None, "gelu_tanh")
+        return a @ self.p["fc2_weight"].t()
+
+    def output(self, h, r2):
+        return bias_epilogue(r2, self.p["fc2_bias"], h, "none")
+
+
+class _OneInFlight:
+    """Issues all-reduces so that at most one is in flight: issuing waits for the previous one."""
+
+    def __init__(self, group, backward):
+        self.group, self.backward, self.pending = group, backward, None
+
+    def issue(self, t, site):
+        self.drain()
+        self.pending = comm.all_reduce(t, self.group, site=site, backward=self.backward)
+
+    def wait_for(self, t):
+        """Makes sure the collective that produces ``t`` (if it is the one in flight) is complete."""
+        if self.pending is not None and self.pending.out is t:
+            self.drain()
+
+    def drain(self):
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+def _leaf(t):
+    return t.detach().requires_grad_(True)
+
+
+class _SubBatch:
+    """One sub-batch's tensors between the schedule's steps."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class _OasesBlockFn(torch.autograd.Function):
+    """The block as one autograd node: forward and backward run the Oases schedule over two sub-batches. The block
+    is cut into segments (LN1 | attention | residual + LN2 | MLP | residual) whose inputs are detached leaves, so
+    each segment's local graph is differentiated on its own with torch.autograd.grad, in the schedule's order,
+    and every parameter's gradient is collected exactly once per segment."""
+
+    @staticmethod
+    def forward(ctx, x, meta, *params):
+        group, head_dim, eps, recompute = meta
+        batch, seq, hidden = x.shape
+        parts = x.tensor_split(2, dim=0)
+        ctx.meta, ctx.shape, ctx.sizes = meta, x.shape, [b.shape[0] for b in parts]
+        leaves = [_leaf(p) for p in params]
+        segs = [_Segments(dict(zip(_PARAMS, leaves)), head_dim, eps, b.shape[0], seq) for b in parts]
+        subs = [_SubBatch(_leaf(b.reshape(-1, hidden))) for b in parts]
+        ar = _OneInFlight(group, backward=False)
+        with torch.set_grad_enabled(not recompute):
+            for s, seg in zip(subs, segs):                       # A, then B: attention; all-reduce its output
+                s.u1 = seg.ln1(s.x)
+                s.u1_in = s.u1 if recompute else _leaf(s.u1)
+                s.p1 = seg.attn_partial(s.u1_in)
+                s.r1 = s.p1.detach()
+                ar.issue(s.r1, "oases.forward.attn")
+            for s, seg in zip(subs, segs):                       # A, then B: residual, LN2, MLP; all-reduce
+                ar.wait_for(s.r1)
+                s.r1 = s.r1 if recompute else _leaf(s.r1)
+                s.h, s.u2 = seg.residual_ln2(s.x, s.r1)
+                s.h_in, s.u2_in = (s.h, s.u2) if recompute else (_leaf(s.h), _leaf(s.u2))
+                s.p2 = seg.mlp_partial(s.u2_in)
+                s.r2 = s.p2.detach()
+                ar.issue(s.r2, "oases.forward.mlp")
+            for s, seg in zip(subs, segs):                       # A, then B: the second residual
+                ar.wait_for(s.r2)
+                s.r2 = s.r2 if recompute else _leaf(s.r2)
+                s.y = seg.output(s.h_in, s.r2)
+        out = torch.cat([s.y.detach() for s in subs]).view(batch, seq, hidden)
+        if recompute:
+            # Keep the input and the reduced outputs only; backward rebuilds the rest without a collective.
+            ctx.save_for_backward(x, *[t for s in subs for t in (s.r1, s.r2)], *params)
+        else:
+            ctx.graphs = (subs, segs, leaves)
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        group, head_dim, eps, recompute = ctx.meta
+        batch, seq, hidden = ctx.shape
+        grads_y = [g.reshape(-1, hidden) for g in gy.tensor_split(2, dim=0)]
+        n_sub = len(ctx.sizes)
+        if recompute:
+            x, *rest = ctx.saved_tensors
+            reduced, params = rest[:2 * n_sub], rest[2 * n_sub:]
+            leaves = [_leaf(p) for p in params]
+            segs = [_Segments(dict(zip(_PARAMS, leaves)), head_dim, eps, n, seq) for n in ctx.sizes]
+            subs = [_SubBatch(_leaf(b.reshape(-1, hidden))) for b in x.tensor_split(2, dim=0)]
+            for i, s in enumerate(subs):
+                s.r1, s.r2 = _leaf(reduced[2 * i]), _leaf(reduced[2 * i + 1])
+        else:
+            subs, segs, leaves = ctx.graphs
+            ctx.graphs = None
+        param_grads = [None] * len(leaves)
+
+        def grad(outputs, grad_outputs, inputs):
+            """Gradients w.r.t. `inputs`; the parameters' gradients are accumulated on the side."""
+            got = torch.autograd.grad(outputs, list(inputs) + leaves, grad_outputs, allow_unused=True)
+            for j, g in enumerate(got[len(inputs):]):
+                if g is not None:
+                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+            return got[:len(inputs)]
+
+        ar = _OneInFlight(group, backward=True)
+        order = list(reversed(range(n_sub)))  # B first: its output gradient is ready first
+        for i in order:                                          # B, then A: output and MLP backward
+            s, seg = subs[i], segs[i]
+            if recompute:
+                with torch.enable_grad():
+                    s.h, s.u2 = seg.residual_ln2(s.x, s.r1)
+                    s.h_in, s.u2_in = _leaf(s.h), _leaf(s.u2)
+                    s.y = seg.output(s.h_in, s.r2)
+                    s.p2 = seg.mlp_partial(s.u2_in)
+            s.gh, s.gr2 = grad([s.y], [grads_y[i]], [s.h_in, s.r2])
+            (s.gu2,) = grad([s.p2], [s.gr2], [s.u2_in])
+            ar.issue(s.gu2, "oases.backward.mlp")             # fc1's input gradient: a partial sum
+        for i in order:                                          # B, then A: LN2 and attention backward
+            s, seg = subs[i], segs[i]
+            ar.wait_for(s.gu2)
+            s.gx, s.gr1 = grad([s.h, s.u2], [s.gh, s.gu2], [s.x, s.r1])
+            if recompute:
+                with torch.enable_grad():
+                    s.u1 = seg.ln1(s.x)
+                    s.u1_in = _leaf(s.u1)
+                    s.p1 = seg.attn_partial(s.u1_in)
+            (s.gu1,) = grad([s.p1], [s.gr1], [s.u1_in])
+            ar.issue(s.gu1, "oases.backward.attn")             # qkv's input gradient: a partial sum
+        for i in order:                                          # B, then A: LN1 backward
+            s = subs[i]
+            ar.wait_for(s.gu1)
+            (gx_ln,) = grad([s.u1], [s.gu1], [s.x])
+            s.gx = s.gx + gx_ln
+        gx = torch.cat([s.gx for s in subs]).view(batch, seq, hidden)
+        return (gx, None, *param_grads)
+
+
+class OverlappedTransformerBlock(nn.Module):
+    """A tensor-parallel :class:`GPTBlock` whose all-reduces overlap compute (the Oases schedule, module docstring).
+
+    Args:
+        hidden, heads: the full block's sizes; ``heads`` and ``mlp_ratio * hidden`` must be divisible by the
+            tensor-parallel world size.
+        group: the tensor-parallel process group (None: the default group).
+        mlp_ratio: the MLP's hidden size over ``hidden``.
+        recompute: keep only the block input and the reduced outputs; recompute the rest in backward without
+            repeating a forward all-reduce.
+
+    Inputs are ``[batch, seq, hidden]``, replicated on the group's ranks, ``batch >= 2`` (the two sub-batches are
+    its halves). Parameters: LayerNorms and the row-parallel biases whole on every rank; ``qkv``/``fc1`` weights
+    and biases by output rows, ``proj``/``fc2`` weights by input columns, as in :func:`fastdist.tp.parallelize`.
+    """
+
+    def __init__(self, hidden, heads, group=None, mlp_ratio=4, recompute=False, eps=1e-5, device=None, dtype=None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("fastdist: OverlappedTransformerBlock needs an initialized torch.distributed process "
+                               "group")
+        world = dist.get_world_size(group)
+        if hidden % heads:
+            raise ValueError(f"fastdist: hidden={hidden} is not divisible by heads={heads}")
+        if heads % world:
+            raise ValueError(f"fastdist: OverlappedTransformerBlock: heads={heads} is not divisible by the "
+                             f"tensor-parallel world size {world}")
+        if (mlp_ratio * hidden) % world:
+            raise ValueError(f"fastdist: OverlappedTransformerBlock: the MLP size {mlp_ratio * hidden} is not "
+                             f"divisible by the tensor-parallel world size {world}")
+        self.group, self.world_size, self.rank = group, world, dist.get_rank(group)
+        self.hidden, self.heads, self.mlp_ratio, self.eps = hidden, heads, mlp_ratio, eps
+        self.head_dim = hidden // heads
+        self.recompute = recompute
+        f = {"device": device, "dtype": dtype}
+        qkv_rows, mlp_rows = 3 * hidden // world, mlp_ratio * hidden // world
+        shapes = {"ln1_weight": (hidden,), "ln1_bias": (hidden,), "qkv_weight": (qkv_rows, hidden),
+                  "qkv_bias": (qkv_rows,), "proj_weight": (hidden, hidden // world), "proj_bias": (hidden,),
+                  "ln2_weight": (hidden,), "ln2_bias": (hidden,), "fc1_weight": (mlp_rows, hidden),
+                  "fc1_bias": (mlp_rows,), "fc2_weight": (hidden, mlp_rows), "fc2_bias": (hidden,)}
+        for name in _PARAMS:
+            self.register_parameter(name, nn.Parameter(torch.empty(shapes[name], **f)))
+        check_same("OverlappedTransformerBlock config", (hidden, heads, mlp_ratio, eps, str(dtype)), group)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # The full block's initialization, drawn from one seed on every rank and sharded, so ranks agree.
+        g = torch.Generator().manual_seed(self.hidden * 7919 + self.heads)
+        full = GPTBlock(self.hidden, self.heads, self.mlp_ratio, self.eps)
+        with torch.no_grad():
+            for p in full.parameters():
+                if p.dim() > 1:
+                    bound = 1 / math.sqrt(p.shape[1])
+                    p.copy_(torch.rand(p.shape, generator=g) * 2 * bound - bound)
+        self.load_full_block(full)
+
+    def load_full_block(self, block):
+        """Copies this rank's shard of a :class:`GPTBlock`'s parameters."""
+        t, r = self.world_size, self.rank
+
+        def rows(w):
+            n = w.shape[0] // t
+            return w[r * n:(r + 1) * n]
+
+        def cols(w):
+            n = w.shape[1] // t
+            return w[:, r * n:(r + 1) * n]
+
+        src = {"ln1_weight": block.ln1.weight, "ln1_bias": block.ln1.bias,
+               "qkv_weight": rows(block.attn.qkv.weight), "qkv_bias": rows(block.attn.qkv.bias),
+               "proj_weight": cols(block.attn.proj.weight), "proj_bias": block.attn.proj.bias,
+               "ln2_weight": block.ln2.weight, "ln2_bias": block.ln2.bias,
+               "fc1_weight": rows(block.mlp.fc1.weight), "fc1_bias": rows(block.mlp.fc1.bias),
+               "fc2_weight": cols(block.mlp.fc2.weight), "fc2_bias": block.mlp.fc2.bias}
+        with torch.no_grad():
+            for name in _PARAMS:
+                getattr(self, name).copy_(src[name])
+
+    @classmethod
+    def from_block(cls, block, group=None, recompute=False):
+        """The tensor-parallel shard of a :class:`GPTBlock` (weights copied)."""
+        layer = cls(block.hidden, block.heads, group, block.mlp_ratio, recompute, block.ln1.eps,
+                    device=block.ln1.weight.device, dtype=block.ln1.weight.dtype)
+        layer.load_full_block(block)
+        return layer
+
+    def forward(self, x):
+        if x.dim() != 3 or x.shape[-1] != self.hidden:
+            raise ValueError(f"fastdist: OverlappedTransformerBlock input must be [batch, seq, {self.hidden}], "
+                             f"got shape {list(x.shape)}")
+        if x.shape[0] < 2:
+            raise ValueError(f"fastdist: OverlappedTransformerBlock splits the batch into two sub-batches; it needs "
+                             f"batch >= 2, got {x.shape[0]}")
+        meta = (self.group, self.head_dim, self.eps, self.recompute)
+        return _OasesBlockFn.apply(x, meta, *[getattr(self, n) for n in _PARAMS])
+
+    def extra_repr(self):
+        return (f"hidden={self.hidden}, heads={self.heads}, mlp_ratio={self.mlp_ratio}, world_size={self.world_size}, "
+                f"recompute={self.recompute}")

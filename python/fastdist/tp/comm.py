@@ -1,0 +1,159 @@
+"""The collectives of tensor parallelism, issued in one place so that they can be counted.
+
+Every collective fastdist.tp issues goes through :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` or
+:func:`ring_exchange` here. Each returns a :class:`Pending` (``wait()`` it before reading the result); with ``count_collectives()``
+active, each call is recorded with its kind, its size and the phase it was issued in:
+
+* ``"forward"``: during a forward pass;
+* ``"backward"``: during autograd's backward;
+* ``"recompute"``: a forward collective issued while autograd runs a backward (activation recomputation).
+
+The log is what the collective-count tests and the benchmark read: Megatron-style checkpointing of a GPT block
+all-reduces 6 activations' worth per layer per step (2 forward, 2 backward, 2 again in recomputation), the Oases
+block with recompute 4.
+"""
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from fastdist.distributed.compat import all_gather_single, reduce_scatter_single
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    kind: str       # "all_reduce", "all_gather", "reduce_scatter", "ring_exchange" (send next, receive previous)
+    phase: str      # "forward", "backward", "recompute"
+    numel: int      # elements of the full (reduced or gathered) tensor
+    site: str       # who issued it, e.g. "row.forward", "oases.attn"
+
+
+class CollectiveLog:
+    """What :func:`count_collectives` collected; ``max_in_flight``: the most collectives issued and not yet
+    waited for at any moment."""
+
+    def __init__(self):
+        self.records = []
+        self.max_in_flight = 0
+
+    def count(self, kind=None, phase=None, site=None):
+        return sum(1 for r in self._match(kind, phase, site))
+
+    def numel(self, kind=None, phase=None, site=None):
+        return sum(r.numel for r in self._match(kind, phase, site))
+
+    def _match(self, kind, phase, site):
+        return (r for r in self.records if (kind is None or r.kind == kind) and (phase is None or r.phase == phase)
+                and (site is None or r.site.startswith(site)))
+
+
+_active_logs = []
+_in_flight = 0
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Records every tensor-parallel collective issued inside the ``with`` block (this process only)."""
+    log = CollectiveLog()
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+
+
+def _phase(backward):
+    if backward:
+        return "backward"
+    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def _record(kind, numel, site, backward):
+    global _in_flight
+    _in_flight += 1
+    if _active_logs:
+        rec = CollectiveRecord(kind, _phase(backward), int(numel), site)
+        for log in _active_logs:
+            log.records.append(rec)
+            log.max_in_flight = max(log.max_in_flight, _in_flight)
+
+
+class Pending:
+    """An issued collective: ``wait()`` returns its output tensor once it is complete."""
+
+    def __init__(self, work, out):
+        self._work = work
+        self.out = out
+
+    def wait(self):
+        global _in_flight
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            _in_flight -= 1
+        return self.out
+
+
+def all_reduce(t, group, *, site, backward=False):
+    """Sums ``t`` in place over ``group``, asynchronously."""
+    _record("all_reduce", t.numel(), site, backward)
+    return Pending(dist.all_reduce(t, group=group, async_op=True), t)
+
+
+def all_gather(out, t, group, *, site, backward=False):
+    """Gathers every rank's ``t`` into ``out`` (``world`` times ``t``'s size, rank-major), asynchronously."""
+    _record("all_gather", out.numel(), site, backward)
+    return Pending(all_gather_single(out, t, group=group, async_op=True), out)
+
+
+def reduce_scatter(out, t, group, *, site, backward=False):
+    """Sums ``t`` over ``group`` and leaves block ``rank`` of the sum in ``out``, asynchronously."""
+    _record("reduce_scatter", t.numel(), site, backward)
+    return Pending(reduce_scatter_single(out, t, group=group, async_op=True), out)
+
+
+class _PendingPair(Pending):
+    def __init__(self, works, out):
+        super().__init__(None, out)
+        self._works = works
+
+    def wait(self):
+        global _in_flight
+        if self._works:
+            for w in self._works:
+                w.wait()
+            self._works = None
+            _in_flight -= 1
+        return self.out
+
+
+def ring_exchange(send, recv, group, *, site, backward=False):
+    """Sends ``send`` to the next rank of ``group`` and receives the previous rank's into ``recv`` (a ring step),
+    asynchronously."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    _record("ring_exchange", recv.numel(), site, backward)
+    works = [dist.isend(send, nxt, group=group), dist.irecv(recv, prev, group=group)]
+    return _PendingPair(works, recv)
+
+
+def wait_all(pending):
+    for p in pending:
+        p.wait()
+
+
+def high_priority_nccl_options():
+    """``ProcessGroupNCCL.Options`` whose communication streams are created with high priority, or None where
+    torch has no NCCL (a CPU build). Pass it as ``pg_options`` to ``init_process_group`` / ``new_group`` for the
+    tensor-parallel group: on a GPU, a chunk's all-reduce then starts ahead of the GEMMs queued after it, which
+    is what the chunked schedule needs (NCCL collectives issued with ``async_op=True`` run on the group's own
+    stream, ordered after the GEMM that produced their input)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None or not dist.is_nccl_available():
+        return None
+    options = nccl.Options()
+    options.is_high_priority_stream = True
+    return options

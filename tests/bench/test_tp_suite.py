@@ -1,0 +1,48 @@
+"""fastdist-bench tp: every row-op chunk count and every block variant in one run, predictions beside
+measurements, registered with a small tour entry."""
+import json
+import subprocess
+import sys
+
+from fastdist.bench import cli, tp
+
+
+def test_the_suite_is_registered_with_a_small_tour_entry():
+    assert cli.SUITES["tp"] == "fastdist.bench.tp"
+    argv = cli.TOUR["tp"]
+    assert argv[argv.index("--ranks") + 1] == "2"
+    m, k, n = (int(v) for v in argv[argv.index("--op-shape") + 1].split(","))
+    assert m * k * n <= 512 ** 3
+
+
+def test_balanced_rates_are_positive_and_scale_with_the_bytes_moved():
+    rate, gemm_s = tp.op_balanced_rate((256, 256, 128), 2)
+    assert rate > 0 and gemm_s > 0
+    rate, compute_s = tp.block_balanced_rate((32, 2, 8, 2), 2)
+    assert rate > 0 and compute_s > 0
+
+
+def test_cli_run_times_every_chunk_count_and_block_variant_and_predicts_each_op_time(tmp_path):
+    out, png = tmp_path / "tp.json", tmp_path / "tp.png"
+    cmd = [sys.executable, "-m", "fastdist.bench", "tp", "--net", "loopback", "--op-shape", "64,64,32",
+           "--block", "32,2,8,2", "--reps", "2", "--warmup", "0", "--json", str(out), "--plot", str(png)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loopback" in proc.stdout and "shared machine" in proc.stdout and "model err" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["env"]["ranks"] == 2 and png.stat().st_size > 0
+    op_run = next(r for r in result["runs"] if r["part"] == "op")
+    block_run = next(r for r in result["runs"] if r["part"] == "block")
+    assert [r["k"] for r in op_run["op_rows"]] == ["1", "2", "4", "8", "auto"]
+    for r in op_run["op_rows"]:
+        assert len(r["samples_ms"]) == 2 and r["time_ms"] > 0 and r["predicted_ms"] > 0
+    assert op_run["op_rows"][-1]["chunks"] in (1, 2, 4, 8)
+    assert [r["variant"] for r in block_run["block_rows"]] == tp.BLOCK_VARIANTS
+    assert all(r["time_ms"] > 0 and len(r["samples_ms"]) == 2 for r in block_run["block_rows"])
+
+
+def test_gemm_check_times_one_gemm_and_its_2_4_8_chunk_splits():
+    result = tp.chunked_gemm_cost((64, 32, 16), reps=2, warmup=1, device="cpu")
+    assert [r["k"] for r in result["rows"]] == [1, 2, 4, 8]
+    assert result["rows"][0]["overhead_pct"] == 0
+    assert all(r["time_ms"] > 0 and len(r["samples_ms"]) == 2 for r in result["rows"])

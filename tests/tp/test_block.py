@@ -1,0 +1,61 @@
+"""fastdist.tp.OverlappedTransformerBlock (the Oases schedule) and parallelize(GPTBlock): the same function and
+gradients as the single-process GPTBlock on 2 and 4 ranks, with and without recompute; the collectives per layer
+per step are the ones the schedule promises."""
+import pytest
+import torch
+from conftest import outcome
+from fastdist.tp import GPTBlock
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_oases_block_equals_the_single_process_block_with_and_without_recompute(tp_ranks, world):
+    assert outcome(tp_ranks(world), "oases_block") == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallelize_turns_a_gpt_block_into_an_equivalent_tensor_parallel_one(tp_ranks, world):
+    assert outcome(tp_ranks(world), "parallelized_block") == [True] * world
+
+
+def test_megatron_checkpointing_all_reduces_6_activations_per_layer_and_oases_recompute_4(tp_ranks):
+    counts = outcome(tp_ranks(2), "block_counts")[0]
+    assert counts["megatron"] == {"forward": 2, "backward": 2, "recompute": 0}
+    assert counts["megatron_checkpoint"] == {"forward": 2, "backward": 2, "recompute": 2}
+    assert sum(counts["megatron_checkpoint"].values()) == 6
+    for recompute in (False, True):
+        assert counts[f"oases_recompute={recompute}"] == {"forward": 2, "backward": 2, "recompute": 0}
+        # Two sub-batches: each logical all-reduce is two calls, 8 per layer, never two in flight.
+        assert counts[f"oases_recompute={recompute}_calls"] == 2 * 8
+        assert counts[f"oases_recompute={recompute}_max_in_flight"] == 1
+
+
+def test_oases_issues_its_all_reduces_in_the_schedule_order(tp_ranks):
+    # Forward: A then B attention, A then B MLP; backward: B then A for fc1's input gradient, then B then A
+    # for qkv's. A is the first 2 sequences of the batch of 3, B the last one.
+    assert outcome(tp_ranks(2), "oases_order")[0] == [
+        ("oases.forward.attn", 2), ("oases.forward.attn", 1), ("oases.forward.mlp", 2), ("oases.forward.mlp", 1),
+        ("oases.backward.mlp", 1), ("oases.backward.mlp", 2), ("oases.backward.attn", 1), ("oases.backward.attn", 2)]
+
+
+def test_gpt_block_is_causal_and_pre_layernorm():
+    torch.manual_seed(0)
+    block = GPTBlock(16, 4)
+    x = torch.randn(2, 6, 16)
+    y = block(x)
+    x2 = x.clone()
+    x2[:, 4:] += 1.0  # changing later tokens leaves earlier outputs alone
+    torch.testing.assert_close(block(x2)[:, :4], y[:, :4])
+    with pytest.raises(ValueError, match="hidden=10 is not divisible by heads=4"):
+        GPTBlock(10, 4)
+
+
+def test_high_priority_nccl_options_exist_exactly_where_torch_has_nccl():
+    import torch.distributed as dist
+
+    from fastdist.tp import high_priority_nccl_options
+
+    options = high_priority_nccl_options()
+    if dist.is_nccl_available():
+        assert options.is_high_priority_stream
+    else:
+        assert options is None
