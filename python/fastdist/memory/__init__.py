@@ -1,0 +1,8 @@
+"""fastdist.memory: fit training into less memory by swapping and recomputing activations (DELTA).
+
+SwapPrefetcher swaps saved activations out during forward and prefetches them back during backward;
+plan/apply/optimize choose, per named segment of a model, whether to keep, swap or recompute its activations.
+"""
+from fastdist.memory.prefetcher import SwapPrefetcher
+
+__all__ = ["SwapPrefetcher"]
