@@ -258,7 +258,14 @@ class SwapPrefetcher:
 
     def _start_write(self, entry):
         if self.store_kind == "file":
-            entry.slot, copy = self._store.write(entry.storage, lambda c, e=entry: self._write_landed(e, c))
+            landed = weakref.WeakMethod(self._write_landed)  # the I/O thread must not keep the prefetcher alive
+
+            def on_done(copy, entry=entry):
+                method = landed()
+                if method is not None:
+                    method(entry, copy)
+
+            entry.slot, copy = self._store.write(entry.storage, on_done)
             self._file_writing = [w for w in self._file_writing if not w.done()] + [copy]
         else:
             entry.slot, copy = self._store.write(entry.storage)

@@ -155,8 +155,10 @@ class FileStore:
     def close(self):
         if self.closed:
             return
-        self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
+        # A garbage-collection finalizer may run on one of the I/O threads themselves: never join oneself.
+        on_io_thread = threading.current_thread().name.startswith("fastdist-swap-")
+        self._writer.shutdown(wait=not on_io_thread)
+        self._reader.shutdown(wait=not on_io_thread)
         with self._lock:
             self.closed = True
             os.close(self._fd)
