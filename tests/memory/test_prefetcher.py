@@ -28,14 +28,15 @@ def swap_files(directory):
     return [n for n in os.listdir(directory) if n.startswith("fastdist-swap-")]
 
 
-def open_swap_fds():
+def open_swap_fds(directory):
+    """This process's open descriptors of (unlinked) swap files under `directory`."""
     found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if "fastdist-swap-" in target:
+        if target.startswith(os.path.join(str(directory), "fastdist-swap-")):
             found.append(target)
     return found
 
@@ -49,6 +50,7 @@ def test_gradients_are_bitwise_equal_with_and_without_the_prefetcher(kind, depth
     for _ in range(2):  # the second step reuses the store's freed file extents
         swapped = grads_of(model, x, prefetcher)
         assert all(torch.equal(a, b) for a, b in zip(reference, swapped))
+    prefetcher.synchronize()
     s = prefetcher.stats()
     assert s["tensors_swapped"] > 0 and s["bytes_swapped"] > 0
     assert s["bytes_read"] > 0 and s["resident_bytes"] == 0 and s["live_swapped_storages"] == 0
@@ -201,6 +203,7 @@ def test_stress_many_steps_random_shapes_retained_graphs_and_double_backward_see
 
         expected, got = run(False), run(True)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), f"step {step} (mode {mode}) differs"
+    prefetcher.synchronize()  # the last graph may have died before its writes landed
     s = prefetcher.stats()
     assert s["live_swapped_storages"] == 0 and s["resident_bytes"] == 0
     assert s["bytes_read"] > s["bytes_swapped"] * 0.5
@@ -213,10 +216,10 @@ def test_the_file_is_unlinked_at_once_and_its_descriptor_closed_on_close(tmp_pat
     with prefetcher:
         loss = (a.exp() * 2).sin().sum()
         assert swap_files(tmp_path) == []  # nothing named on disk, even while in use
-        assert len(open_swap_fds()) == 1
+        assert len(open_swap_fds(tmp_path)) == 1
     loss.backward()
     prefetcher.close()
-    assert swap_files(tmp_path) == [] and open_swap_fds() == []
+    assert swap_files(tmp_path) == [] and open_swap_fds(tmp_path) == []
     prefetcher.close()  # idempotent
 
 
@@ -227,7 +230,7 @@ def test_an_exception_in_forward_closes_the_store_and_the_prefetcher_opens_a_new
         with prefetcher:
             partial = a.exp().sin()
             raise ValueError("boom")
-    assert open_swap_fds() == [] and swap_files(tmp_path) == []
+    assert open_swap_fds(tmp_path) == [] and swap_files(tmp_path) == []
     with pytest.raises(RuntimeError, match="closed"):
         partial.sum().backward()  # its saved tensors went with the closed store: a clear error, not garbage
     with prefetcher:
@@ -235,7 +238,7 @@ def test_an_exception_in_forward_closes_the_store_and_the_prefetcher_opens_a_new
     loss.backward()
     assert torch.equal(a.grad, (a.exp().cos() * a.exp()).detach())
     prefetcher.close()
-    assert open_swap_fds() == []
+    assert open_swap_fds(tmp_path) == []
 
 
 def test_an_exception_in_backward_leaves_nothing_behind_after_close(tmp_path):
@@ -250,17 +253,17 @@ def test_an_exception_in_backward_leaves_nothing_behind_after_close(tmp_path):
     gc.collect()
     assert prefetcher.stats()["live_swapped_storages"] == 0  # the graph died: its file extents were freed
     prefetcher.close()
-    assert open_swap_fds() == [] and swap_files(tmp_path) == []
+    assert open_swap_fds(tmp_path) == [] and swap_files(tmp_path) == []
 
 
 def test_an_unreferenced_prefetcher_closes_its_file_when_collected(tmp_path):
     prefetcher = SwapPrefetcher(min_bytes=0, store="file", path=str(tmp_path))
     with prefetcher:
         (torch.randn(100, requires_grad=True) * 2).exp().sum().backward()
-    assert len(open_swap_fds()) == 1
+    assert len(open_swap_fds(tmp_path)) == 1
     del prefetcher
     gc.collect()
-    assert open_swap_fds() == []
+    assert open_swap_fds(tmp_path) == []
 
 
 def test_bad_arguments_are_rejected_with_the_argument_named():
@@ -289,6 +292,7 @@ def test_pinned_store_gradients_are_bitwise_equal_on_cuda(kind):
         swapped = grads_of(model, x, prefetcher)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(reference, swapped))
+    prefetcher.synchronize()
     s = prefetcher.stats()
     assert s["tensors_swapped"] > 0 and s["copy_seconds"] > 0 and s["resident_bytes"] == 0
     prefetcher.close()

@@ -47,10 +47,13 @@ class _Entry:
 class _Saved:
     """What autograd holds instead of a swapped tensor: a view (offset, size, stride, dtype) of an entry."""
 
-    __slots__ = ("entry", "offset", "size", "stride", "dtype", "dead_queue")
+    __slots__ = ("entry", "key", "offset", "size", "stride", "dtype", "dead_queue")
+
+    _keys = itertools.count()  # not id(): an address is reused as soon as an object dies
 
     def __init__(self, entry, tensor, dead_queue):
         self.entry = entry
+        self.key = next(self._keys)
         self.offset = tensor.storage_offset()
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
@@ -60,7 +63,7 @@ class _Saved:
     def __del__(self):
         # Runs wherever the graph is freed (possibly inside the prefetcher): only queue, never lock.
         try:
-            self.dead_queue.append((self.entry, id(self)))
+            self.dead_queue.append((self.entry, self.key))
         except Exception:  # interpreter shutdown
             pass
 
@@ -191,7 +194,9 @@ class SwapPrefetcher:
                            peak_store_bytes=0)
 
     def stats(self):
-        """bytes swapped/read/kept, peak bytes of swappable storages held in memory, copy and exposed wait time."""
+        """bytes swapped/read/kept, peak bytes of swappable storages held in memory, copy and exposed wait time.
+
+        Copies still in flight are not waited for (call `synchronize()` first for a settled picture)."""
         with self._lock:
             self._reap_dead()
             self._account(block=True)
@@ -252,8 +257,8 @@ class SwapPrefetcher:
                 self._start_write(entry)
             self._order.append(entry)
             saved = _Saved(entry, t, self._dead)
-            entry.handles.add(id(saved))
-            entry.unconsumed.add(id(saved))
+            entry.handles.add(saved.key)
+            entry.unconsumed.add(saved.key)
             return saved
 
     def _start_write(self, entry):
@@ -285,10 +290,18 @@ class SwapPrefetcher:
                 still.append((entry, copy))
         self._gpu_writing = still
 
+    def _release(self, entry):
+        """Drops the prefetcher's reference to an entry's storage (freeing it unless autograd still uses it)."""
+        if entry.storage is not None:
+            entry.storage = None
+            if entry.store is self._store:
+                self._resident -= entry.nbytes
+
     def _write_landed(self, entry, copy):
         with self._lock:
             self._stats["write_seconds"] += copy.seconds
             if entry.dead:
+                self._release(entry)
                 if entry.store is self._store:
                     entry.store.free(entry.slot)
                 return
@@ -298,8 +311,7 @@ class SwapPrefetcher:
                 entry.state, entry.want = LOADED, False
             else:
                 entry.state = STORED
-                entry.storage = None  # the copy has landed: free the memory
-                self._resident -= entry.nbytes
+                self._release(entry)  # the copy has landed: free the memory
 
     # ---- unpack ----
 
@@ -332,7 +344,7 @@ class SwapPrefetcher:
         out = torch.empty(0, dtype=saved.dtype, device=storage.device).set_(
             storage, saved.offset, saved.size, saved.stride)
         with self._lock:
-            self._consume(entry, id(saved))
+            self._consume(entry, saved.key)
         return out
 
     def _start_read(self, entry):
@@ -374,9 +386,8 @@ class SwapPrefetcher:
             if entry.state == READING and self.store_kind == "file":
                 entry.read_copy.wait()  # the I/O thread still writes into it
             entry.state = STORED
-            entry.storage = None
             entry.read_copy = None
-            self._resident -= entry.nbytes
+            self._release(entry)
 
     def _reap_dead(self):
         """Frees the entries whose saved views autograd has let go of."""
@@ -396,13 +407,11 @@ class SwapPrefetcher:
             if entry.store is not self._store:
                 continue
             if entry.state == WRITING:
-                continue  # the slot is freed when the write lands (_write_landed sees `dead`)
-            if entry.storage is not None:
-                self._resident -= entry.nbytes
+                continue  # released, and the slot freed, when the write lands (_write_landed sees `dead`)
             if self.store_kind == "pinned":
                 entry.store.free(entry.slot, pending=entry.read_copy)
             else:
                 if entry.read_copy is not None:
                     entry.read_copy.wait()
                 entry.store.free(entry.slot)
-            entry.storage = None
+            self._release(entry)
