@@ -296,3 +296,44 @@ def test_pinned_store_gradients_are_bitwise_equal_on_cuda(kind):
     s = prefetcher.stats()
     assert s["tensors_swapped"] > 0 and s["copy_seconds"] > 0 and s["resident_bytes"] == 0
     prefetcher.close()
+
+
+def test_a_gradient_hook_starts_the_first_reads_before_backward_reaches_the_swapped_tensors(tmp_path):
+    torch.manual_seed(0)
+    swapped_part = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128),
+                                       torch.nn.Tanh())
+    kept_part = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh())
+    x = torch.randn(256, 128)
+    kept_part(swapped_part(x)).sum().backward()
+    expected = [p.grad.clone() for p in swapped_part.parameters()]
+    for with_trigger in (False, True):
+        swapped_part.zero_grad()
+        prefetcher = SwapPrefetcher(min_bytes=1 << 16, prefetch_depth=2, store="file", path=str(tmp_path))
+        with prefetcher:
+            h = swapped_part(x)
+        mark = prefetcher.mark()
+        out = kept_part(h)  # not swapped: its backward is work the first reads can hide behind
+        if with_trigger:
+            prefetcher.prefetch_on_grad(out, upto=mark)
+        prefetcher.synchronize()
+        last_packed = prefetcher._order[-1].slot
+        reads, unpacking = [], []
+        store_read, prefetch_before = prefetcher.store.read, prefetcher._prefetch_before
+
+        def traced_read(slot, reads=reads, unpacking=unpacking):
+            reads.append((slot, bool(unpacking)))
+            return store_read(slot)
+
+        def traced_prefetch_before(entry, unpacking=unpacking):  # runs inside every swapped unpack
+            unpacking.append(entry)
+            prefetch_before(entry)
+
+        prefetcher.store.read, prefetcher._prefetch_before = traced_read, traced_prefetch_before
+        out.sum().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(expected, swapped_part.parameters()))
+        before_any_unpack = [slot for slot, during in reads if not during]
+        assert before_any_unpack[0] == last_packed  # the storage backward needs first
+        # with the hook, `depth` reads start during kept_part's backward; without it, backward's first unpack
+        # has to issue its own read and wait for it
+        assert len(before_any_unpack) == (2 if with_trigger else 1)
+        prefetcher.close()

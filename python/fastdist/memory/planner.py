@@ -425,12 +425,38 @@ class AppliedPlan:
     def __init__(self, model, plan, prefetcher):
         self.model, self.plan, self.prefetcher = model, plan, prefetcher
         self._wrapped = []
+        self._handles = []
+
+    def _add_prefetch_triggers(self, names):
+        """When backward reaches a segment's output, start reading the tails of the swapped storages of the
+        segment before it (hidden behind this segment's backward) and of the segment itself."""
+        marks = {"previous": None}
+
+        def hook(module, inputs, output):
+            if not torch.is_grad_enabled():
+                return
+            mark = self.prefetcher.mark()
+            for out in output if isinstance(output, (tuple, list)) else (output,):
+                if marks["previous"] is not None:
+                    self.prefetcher.prefetch_on_grad(out, upto=marks["previous"])
+                self.prefetcher.prefetch_on_grad(out, upto=mark)
+            marks["previous"] = mark
+
+        def reset(module, inputs):
+            marks["previous"] = None
+
+        self._handles.append(self.model.register_forward_pre_hook(reset))
+        for name in names:
+            self._handles.append(self.model.get_submodule(name).register_forward_hook(hook))
 
     def remove(self):
         """Restores the segments' own forward methods and closes the prefetcher."""
         for module in self._wrapped:
             del module.forward
         self._wrapped = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         if self.prefetcher is not None:
             self.prefetcher.close()
 
@@ -473,6 +499,8 @@ def apply(model, plan, prefetcher=None, path=None):
         prefetcher = SwapPrefetcher(min_bytes=plan.min_bytes, prefetch_depth=plan.prefetch_depth, store=plan.store,
                                     path=path)
     applied = AppliedPlan(model, plan, prefetcher)
+    if prefetcher is not None:
+        applied._add_prefetch_triggers(list(plan.actions))
     for name, action in plan.actions.items():
         if action == "keep":
             continue

@@ -114,7 +114,7 @@ class SwapPrefetcher:
         self._pending = []  # copies whose time is not yet accounted
         self._gpu_writing = []  # pinned store: entries whose D2H copy is polled
         self._file_writing = []  # file store: writes that may still be in flight
-        self._seq = itertools.count()
+        self._next_seq = 0
         self._round = 0
         self._finalizer = None
         self._resident = 0  # bytes of swappable storages the prefetcher holds in memory now
@@ -186,6 +186,49 @@ class SwapPrefetcher:
         with self._lock:
             self._poll_gpu_writes()
 
+    # ---- look-ahead triggered from outside ----
+
+    def _take_seq(self):
+        self._next_seq += 1
+        return self._next_seq - 1
+
+    def mark(self):
+        """A position in pack order: everything packed so far is before it."""
+        return self._next_seq
+
+    def prefetch_on_grad(self, tensor, upto=None):
+        """When backward computes `tensor`'s gradient, start reading the `prefetch_depth` most recently packed
+        storages packed before `upto` (a `mark()`, default now). Unpacks alone cannot prefetch the first
+        storage backward needs after a stretch of unswapped work; a hook on a later activation can."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or self.prefetch_depth == 0:
+            return
+        upto = self.mark() if upto is None else upto
+        ref = weakref.ref(self)
+
+        def hook(grad):
+            prefetcher = ref()
+            if prefetcher is not None:
+                prefetcher._prefetch_upto(upto)
+
+        tensor.register_hook(hook)
+
+    def _prefetch_upto(self, upto):
+        with self._lock:
+            if self._store is None:
+                return
+            self._reap_dead()
+            started = 0
+            for entry in reversed(self._order):
+                if entry.seq >= upto or entry.consumed_round == self._round:
+                    continue
+                if entry.state == STORED:
+                    self._start_read(entry)
+                elif entry.state == WRITING:
+                    entry.want = True
+                started += 1
+                if started == self.prefetch_depth:
+                    return
+
     # ---- statistics ----
 
     def reset_stats(self):
@@ -247,9 +290,9 @@ class SwapPrefetcher:
                     and entry.version == t._version and entry.store is self._store):
                 self._stats["views_deduplicated"] += 1
                 self._order.remove(entry)
-                entry.seq = next(self._seq)
+                entry.seq = self._take_seq()
             else:
-                entry = _Entry(storage, self._store, t._version, next(self._seq))
+                entry = _Entry(storage, self._store, t._version, self._take_seq())
                 self._by_storage[key] = entry
                 self._add_resident(entry.nbytes)
                 self._stats["bytes_swapped"] += entry.nbytes
