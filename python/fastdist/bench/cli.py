@@ -5,6 +5,7 @@
   fastdist-bench kernels [opts]          fastdist's kernels vs the machine's copy bandwidth
   fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
+  fastdist-bench memory [opts]           swap/recompute plans vs checkpointing and save_on_cpu: peak memory, step time
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -20,6 +21,7 @@ SUITES = {
     "kernels": "fastdist.bench.kernels",
     "sparse": "fastdist.bench.sparse",
     "sparse-lm": "fastdist.bench.sparse_lm",
+    "memory": "fastdist.bench.memory",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -29,6 +31,7 @@ TOUR = {
     "sparse": ["--ranks", "2", "--net", "10gbit", "--shape", "8192x256", "--densities", "2"],
     "sparse-lm": ["--ranks", "4", "--net", "10gbit", "--steps", "40", "--vocab", "8192", "--dim", "32",
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],
+    "memory": ["--models", "transformer", "--budgets", "50", "--steps", "5", "--warmup", "1"],
 }
 
 

@@ -279,6 +279,8 @@ def run(args):
                              ranks=1, network="none (single process)")
     env["note"] = "measured on a shared machine: timings are noisy" if args.device == "cpu" else ""
     print(report.format_environment(env))
+    if env["note"]:
+        print(f"# note          {env['note']}")
     print(f"# threads       {args.threads} torch threads per run; models at scale {args.scale}")
     rows = []
     progress = report.Progress(len(models) * len(configs), "memory")
