@@ -4,10 +4,9 @@ import copy
 import itertools
 import json
 
+import fastdist.memory as fm
 import pytest
 import torch
-
-import fastdist.memory as fm
 from fastdist.memory import CopyModel, Profile, Segment, plan_from_profile
 from memory_models import MLP, loss_of, make
 

@@ -1,14 +1,14 @@
 """SwapPrefetcher: bitwise-equal gradients, memory really released, views once, prefetch ahead, cleanup."""
 import copy
 import gc
+import itertools
 import os
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from fastdist.memory import SwapPrefetcher
 from memory_models import loss_of, make
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def grads_of(model, x, prefetcher=None, seed=1):
@@ -165,44 +165,42 @@ def _random_step(gen, weights, x):
     return h.square().mean()
 
 
+def _stress_step(prefetcher, weights, x, step):
+    """One stress step's gradients; mode step % 4 picks how backward runs. prefetcher=None: the reference."""
+    mode = step % 4
+    ws = [w.detach().clone().requires_grad_() for w in weights]
+    xi = x.detach().clone().requires_grad_()
+    hooks = prefetcher if prefetcher is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                                              lambda t: t)
+    with hooks:
+        loss = _random_step(torch.Generator().manual_seed(step), ws, xi)
+        other = _random_step(torch.Generator().manual_seed(step + 1000), ws, xi * 2) if mode == 3 else None
+    if mode == 0:
+        loss.backward()
+    elif mode == 1:  # a retained graph is unpacked twice: the second pass reads the store again
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif mode == 2:  # double backward: the first backward's saved tensors are swapped too
+        with hooks:
+            (gx,) = torch.autograd.grad(loss, xi, create_graph=True)
+        gx.square().sum().backward()
+    else:  # two live graphs, backward in the opposite order of forward
+        other.backward()
+        loss.backward()
+    return [w.grad for w in ws] + [xi.grad]
+
+
 def test_stress_many_steps_random_shapes_retained_graphs_and_double_backward_see_no_stale_data(tmp_path):
     gen = torch.Generator().manual_seed(0)
     prefetcher = SwapPrefetcher(min_bytes=1 << 10, prefetch_depth=2, store="file", path=str(tmp_path))
     for step in range(40):
         rows = int(torch.randint(8, 200, (), generator=gen))
         widths = [int(v) for v in torch.randint(8, 96, (4,), generator=gen)]
-        weights = [(torch.randn(a, b, generator=gen) / a ** 0.5).requires_grad_() for a, b in zip(widths, widths[1:])]
+        weights = [(torch.randn(a, b, generator=gen) / a ** 0.5).requires_grad_()
+                   for a, b in itertools.pairwise(widths)]
         x = torch.randn(rows, widths[0], generator=gen).requires_grad_()
-        mode = step % 4
-
-        def run(use_prefetcher):
-            ws = [w.detach().clone().requires_grad_() for w in weights]
-            xi = x.detach().clone().requires_grad_()
-            seed = torch.Generator().manual_seed(step)
-            if use_prefetcher:
-                with prefetcher:
-                    loss = _random_step(seed, ws, xi)
-                    other = _random_step(torch.Generator().manual_seed(step + 1000), ws, xi * 2) if mode == 3 else None
-            else:
-                loss = _random_step(seed, ws, xi)
-                other = _random_step(torch.Generator().manual_seed(step + 1000), ws, xi * 2) if mode == 3 else None
-            if mode == 0:
-                loss.backward()
-            elif mode == 1:  # a retained graph is unpacked twice: the second pass reads the store again
-                loss.backward(retain_graph=True)
-                loss.backward()
-            elif mode == 2:  # double backward: the first backward's saved tensors are swapped too
-                with prefetcher if use_prefetcher else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
-                                                                                              lambda t: t):
-                    (gx,) = torch.autograd.grad(loss, xi, create_graph=True)
-                gx.square().sum().backward()
-            else:  # two live graphs, backward in the opposite order of forward
-                other.backward()
-                loss.backward()
-            return [w.grad for w in ws] + [xi.grad]
-
-        expected, got = run(False), run(True)
-        assert all(torch.equal(a, b) for a, b in zip(expected, got)), f"step {step} (mode {mode}) differs"
+        expected, got = _stress_step(None, weights, x, step), _stress_step(prefetcher, weights, x, step)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), f"step {step} (mode {step % 4}) differs"
     prefetcher.synchronize()  # the last graph may have died before its writes landed
     s = prefetcher.stats()
     assert s["live_swapped_storages"] == 0 and s["resident_bytes"] == 0
@@ -226,10 +224,9 @@ def test_the_file_is_unlinked_at_once_and_its_descriptor_closed_on_close(tmp_pat
 def test_an_exception_in_forward_closes_the_store_and_the_prefetcher_opens_a_new_one_next_time(tmp_path):
     prefetcher = SwapPrefetcher(min_bytes=0, store="file", path=str(tmp_path))
     a = torch.randn(1000, requires_grad=True)
-    with pytest.raises(ValueError, match="boom"):
-        with prefetcher:
-            partial = a.exp().sin()
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), prefetcher:
+        partial = a.exp().sin()
+        raise ValueError("boom")
     assert open_swap_fds(tmp_path) == [] and swap_files(tmp_path) == []
     with pytest.raises(RuntimeError, match="closed"):
         partial.sum().backward()  # its saved tensors went with the closed store: a clear error, not garbage
@@ -320,12 +317,12 @@ def test_a_gradient_hook_starts_the_first_reads_before_backward_reaches_the_swap
         reads, unpacking = [], []
         store_read, prefetch_before = prefetcher.store.read, prefetcher._prefetch_before
 
-        def traced_read(slot, reads=reads, unpacking=unpacking):
+        def traced_read(slot, reads=reads, unpacking=unpacking, store_read=store_read):
             reads.append((slot, bool(unpacking)))
             return store_read(slot)
 
-        def traced_prefetch_before(entry, unpacking=unpacking):  # runs inside every swapped unpack
-            unpacking.append(entry)
+        def traced_prefetch_before(entry, unpacking=unpacking, prefetch_before=prefetch_before):
+            unpacking.append(entry)  # runs inside every swapped unpack
             prefetch_before(entry)
 
         prefetcher.store.read, prefetcher._prefetch_before = traced_read, traced_prefetch_before

@@ -123,7 +123,7 @@ def build(model, scale, device, seed=0):
 # ---- one configuration, in its own process ----
 
 def _status_kib(field):
-    return int(re.search(rf"^{field}:\s+(\d+)", open("/proc/self/status").read(), re.M).group(1))
+    return int(re.search(rf"^{field}:\s+(\d+)", open("/proc/self/status").read(), re.MULTILINE).group(1))
 
 
 def _trim():
@@ -156,11 +156,11 @@ def run_config(spec):
     if config == "checkpoint":
         _checkpoint_every_block(net)
     elif config == "save_on_cpu":
-        context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
+        context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
     elif config == "swap":
         prefetcher = fm.SwapPrefetcher(min_bytes=spec["min_bytes"], prefetch_depth=spec["depth"],
                                        path=spec["swap_dir"])
-        context = lambda: prefetcher  # noqa: E731
+        context = lambda: prefetcher
     elif config == "fastdist":
         prof = fm.profile(net, batch, loss_fn=loss_fn, min_bytes=spec["min_bytes"])
         budget = int(spec["budget"] * prof.saved_bytes)
@@ -257,7 +257,7 @@ def _configurations(args):
 def _run_child(spec, timeout):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-m", "fastdist.bench.memory", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"fastdist-bench memory: configuration {spec['name']} on {spec['model']} failed "

@@ -4,8 +4,18 @@ SwapPrefetcher swaps saved activations out during forward and prefetches them ba
 plan/apply/optimize choose, per named segment of a model, whether to keep, swap or recompute its activations.
 """
 from fastdist.memory.calibrate import CopyModel, calibrate
-from fastdist.memory.planner import (AppliedPlan, Plan, Profile, Segment, apply, default_segments, optimize, plan,
-                                     plan_from_profile, profile)
+from fastdist.memory.planner import (
+                                     AppliedPlan,
+                                     Plan,
+                                     Profile,
+                                     Segment,
+                                     apply,
+                                     default_segments,
+                                     optimize,
+                                     plan,
+                                     plan_from_profile,
+                                     profile,
+)
 from fastdist.memory.prefetcher import SwapPrefetcher
 
 __all__ = ["AppliedPlan", "CopyModel", "Plan", "Profile", "Segment", "SwapPrefetcher", "apply", "calibrate",

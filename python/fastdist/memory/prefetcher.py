@@ -24,8 +24,22 @@ WRITING, STORED, READING, LOADED = "writing", "stored", "reading", "loaded"
 class _Entry:
     """One swapped storage: where its bytes are and whether they are in memory now."""
 
-    __slots__ = ("nbytes", "slot", "state", "storage", "store", "want", "handles", "unconsumed", "seq",
-                 "consumed_round", "version", "weak", "dead", "read_copy")
+    __slots__ = (
+        "consumed_round",
+        "dead",
+        "handles",
+        "nbytes",
+        "read_copy",
+        "seq",
+        "slot",
+        "state",
+        "storage",
+        "store",
+        "unconsumed",
+        "version",
+        "want",
+        "weak",
+    )
 
     def __init__(self, storage, store, version, seq):
         self.nbytes = storage.nbytes()
@@ -47,7 +61,7 @@ class _Entry:
 class _Saved:
     """What autograd holds instead of a swapped tensor: a view (offset, size, stride, dtype) of an entry."""
 
-    __slots__ = ("entry", "key", "offset", "size", "stride", "dtype", "dead_queue")
+    __slots__ = ("dead_queue", "dtype", "entry", "key", "offset", "size", "stride")
 
     _keys = itertools.count()  # not id(): an address is reused as soon as an object dies
 
@@ -64,8 +78,8 @@ class _Saved:
         # Runs wherever the graph is freed (possibly inside the prefetcher): only queue, never lock.
         try:
             self.dead_queue.append((self.entry, self.key))
-        except Exception:  # interpreter shutdown
-            pass
+        except (AttributeError, TypeError):  # interpreter shutdown: module globals already torn down
+            return
 
 
 def _is_parameter_like(t):
@@ -253,11 +267,18 @@ class SwapPrefetcher:
 
     def _add_resident(self, nbytes):
         self._resident += nbytes
-        if self._resident > self._stats["peak_resident_bytes"]:
-            self._stats["peak_resident_bytes"] = self._resident
+        self._stats["peak_resident_bytes"] = max(self._stats["peak_resident_bytes"], self._resident)
 
-    def _account(self, block=False):
-        """Adds the copy and stall times of finished copies (GPU copies are timed by events)."""
+    def _account(self, block=False, oldest=None):
+        """Adds the copy and stall times of finished copies (GPU copies are timed by events); with `oldest`,
+        settles (blocking) only that many of the oldest pending copies, which finished long ago."""
+        if oldest is not None:
+            head, self._pending = self._pending[:oldest], self._pending[oldest:]
+            for kind, copy in head:
+                self._stats[kind] += copy.seconds
+                if kind == "read_seconds":
+                    self._stats["exposed_wait_seconds"] += copy.stall_seconds
+            return
         still = []
         for kind, copy in self._pending:
             if block or copy.done():
@@ -280,6 +301,8 @@ class SwapPrefetcher:
                 raise RuntimeError("SwapPrefetcher: the prefetcher was closed inside its own `with` block")
             self._reap_dead()
             self._poll_gpu_writes()
+            if len(self._pending) > 1024:  # a long run without stats(): fold old copy timings into the totals
+                self._account(oldest=512)
             if self._keeps(t):
                 self._stats["bytes_kept"] += t.nbytes
                 return t
