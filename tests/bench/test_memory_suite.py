@@ -52,3 +52,39 @@ def test_cli_run_measures_every_configuration_in_its_own_process(tmp_path):
     assert set(plan["actions"]) == {"blocks.0", "blocks.1", "blocks.2"}
     assert not plan["fits"] or plan["predicted_peak_bytes"] <= plan["budget_bytes"]
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64, 100])
+@pytest.mark.parametrize("largest", [0, 1, 5, 64, 99, 1000])
+def test_the_batch_search_finds_the_largest_fitting_batch_within_the_limit(largest, limit):
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= largest
+
+    assert memory.largest_batch(fits, limit) == min(largest, limit)
+    assert max(tried) <= limit + 1 and len(tried) <= 2 * limit.bit_length() + 2
+
+
+def test_resnet50_has_sixteen_bottleneck_segments_and_the_right_parameter_count():
+    import fastdist.memory as fm
+
+    net = memory.ResNet50()
+    assert len(fm.default_segments(net)) == 16
+    assert sum(p.numel() for p in net.parameters()) == 25_557_032  # torchvision's resnet50
+
+
+def test_a_memory_cap_needs_cuda():
+    with pytest.raises(ValueError, match="cuda"):
+        memory.run(parse(["--memory-cap", "10"]))
+
+
+def test_rounds_pool_step_samples_and_take_the_median_memory():
+    def result(samples, peak):
+        return {"model": "cnn", "config": "none", "samples_ms": samples, "step_ms": samples[0], "batch": 4,
+                "activation_peak_bytes": peak, "peak_bytes": peak + 10, "base_bytes": 10, "samples_per_s": 1.0}
+
+    row = memory._merge_rounds([result([1.0, 2.0], 100), result([3.0, 9.0], 300), result([4.0, 5.0], 200)])
+    assert row["samples_ms"] == [1.0, 2.0, 3.0, 9.0, 4.0, 5.0] and row["step_ms"] == 3.5
+    assert row["activation_peak_bytes"] == 200 and len(row["rounds"]) == 3

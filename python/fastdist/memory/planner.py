@@ -108,15 +108,18 @@ class Plan:
 # ---- segments and profiling ----
 
 def default_segments(model):
-    """The children of the first ModuleList/Sequential (breadth-first) with >= 2 children, else the top-level
-    children: the blocks of a usual transformer or CNN."""
-    queue = [("", model)]
-    while queue:
-        prefix, module = queue.pop(0)
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) >= 2 and module is not model:
-            return [f"{prefix}.{n}" if prefix else n for n, _ in module.named_children()]
-        queue += [(f"{prefix}.{n}" if prefix else n, child) for n, child in module.named_children()]
-    return [n for n, _ in model.named_children()]
+    """The children of the ModuleList/Sequential (with >= 2 children, below the model) that holds the most
+    parameters, the shallower on a tie; else the top-level children: the blocks of a usual transformer or CNN."""
+    best, best_key = None, None
+    for name, module in model.named_modules():
+        if module is model or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or len(module) < 2:
+            continue
+        key = (sum(p.numel() for p in module.parameters()), -name.count("."))
+        if best_key is None or key > best_key:
+            best, best_key = name, key
+    if best is None:
+        return [n for n, _ in model.named_children()]
+    return [f"{best}.{n}" for n, _ in model.get_submodule(best).named_children()]
 
 
 def _check_segments(model, names):
