@@ -44,7 +44,7 @@ def test_every_plan_that_says_it_fits_is_under_its_budget_and_the_others_could_n
         else:
             # nothing else this policy could do: every assignment of its actions the copy engine sustains is over
             allowed = ("keep", "recompute") if policy == "dtr" else fm.planner.ACTIONS
-            costs = fm.planner._Costs(prof, copy_model(bandwidth), 1)
+            costs = fm.planner._Costs(prof, copy_model(bandwidth))
             peaks = []
             for combo in itertools.product(allowed, repeat=len(prof.segments)):
                 swapped = [i for i, a in enumerate(combo) if a == "swap"]

@@ -257,11 +257,12 @@ def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20
 # ---- planning ----
 
 class _Costs:
-    """Per-segment quantities of the cost model, in seconds and bytes."""
+    """Per-segment quantities of the cost model, in seconds and bytes. A swapped segment's reads start when
+    backward reaches the next segment's output (AppliedPlan's prefetch triggers), so the next segment's
+    backward is the work that hides them."""
 
-    def __init__(self, prof, copy, depth):
+    def __init__(self, prof, copy):
         segs = prof.segments
-        fwd_total = sum(s.forward_seconds for s in segs) or 1e-12
         ratio = prof.backward_seconds / max(prof.forward_seconds, 1e-12)  # backward ~ ratio x forward, per segment
         self.n = len(segs)
         self.recompute = [s.forward_seconds for s in segs]
@@ -280,7 +281,7 @@ class _Costs:
             copy.write_seconds(segs[i].swappable_bytes, len(segs[i].swappable_sizes)) for i in chosen)
         self.read_total = lambda chosen: sum(
             copy.read_seconds(segs[i].swappable_bytes, len(segs[i].swappable_sizes)) for i in chosen)
-        self.forward_total = fwd_total
+        self.forward_total = sum(s.forward_seconds for s in segs)
         self.backward_total = sum(self.backward)
 
 
@@ -390,7 +391,7 @@ def plan_from_profile(prof, budget_bytes, copy_model, policy="delta", prefetch_d
         raise ValueError(f"plan: policy must be one of {POLICIES}, got {policy!r}")
     if budget_bytes is None or budget_bytes < 0:
         raise ValueError(f"plan: budget_bytes must be >= 0, got {budget_bytes}")
-    costs = _Costs(prof, copy_model, prefetch_depth)
+    costs = _Costs(prof, copy_model)
     order = _filter_order(policy, prof, costs)
     segs = prof.segments
     caps = [0] if policy == "dtr" else range(len(segs), -1, -1)

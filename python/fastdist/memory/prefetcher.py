@@ -166,6 +166,8 @@ class SwapPrefetcher:
                 return
             self._reap_dead()
             self._account(block=True)
+            for _, copy in self._gpu_writing:  # D2H copies still read device storages we are about to drop
+                copy.end.synchronize()
             for entry in self._order:
                 entry.dead = True
                 entry.storage = None
