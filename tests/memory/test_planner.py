@@ -234,7 +234,7 @@ def test_apply_wraps_only_the_planned_segments_and_remove_restores_them(tmp_path
         fm.apply(model, bad)
 
 
-def test_optimize_plans_applies_and_keeps_gradients_equal_and_a_plan_is_json(tmp_path):
+def test_optimize_plans_applies_and_keeps_gradients_equal_and_a_plan_round_trips_through_json(tmp_path):
     model, x = make("transformer")
     reference, _ = grads_under(model, x)
     work = copy.deepcopy(model)
@@ -243,7 +243,8 @@ def test_optimize_plans_applies_and_keeps_gradients_equal_and_a_plan_is_json(tmp
     applied = fm.optimize(work, x, budget, min_bytes=4096, path=str(tmp_path))
     assert applied.plan.fits and applied.plan.predicted_peak_bytes <= budget
     assert set(applied.plan.actions.values()) - {"keep"}
-    json.dumps(applied.plan.to_dict())
+    restored = fm.Plan.from_state_dict(json.loads(json.dumps(applied.plan.state_dict())))
+    assert restored == applied.plan
     torch.manual_seed(3)
     for _ in range(2):
         loss_of(work(x)).backward()

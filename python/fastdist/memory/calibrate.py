@@ -35,7 +35,9 @@ class CopyModel:
         return count * self.read_latency + nbytes / self.read_bandwidth
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["samples"] = [[direction, nbytes, list(times)] for direction, nbytes, times in self.samples]  # as JSON
+        return d
 
 
 def _fit(points):

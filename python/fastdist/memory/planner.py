@@ -97,6 +97,19 @@ class Plan:
         d["predicted_overhead"] = self.predicted_overhead
         return d
 
+    def state_dict(self):
+        """Plain data (JSON-able): a plan made once can be stored and installed again without re-profiling."""
+        return self.to_dict()
+
+    @classmethod
+    def from_state_dict(cls, state):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in state.items() if k in fields}
+        prof = dict(values["profile"])
+        prof["segments"] = [Segment(**seg) for seg in prof["segments"]]
+        values["profile"] = Profile(**prof)
+        return cls(**values)
+
     def summary(self):
         counts = {a: len(self.segments_with(a)) for a in ACTIONS}
         return (f"{self.policy}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
