@@ -23,7 +23,9 @@ with write/read from the calibrated CopyModel. Policies:
   delta  filter: largest, stalest segments first (A x staleness); director: swap iff E < R, else recompute.
   dtr    filter: smallest R / (A x staleness) first; director: always recompute (DTR cannot swap).
   msps   filter: most bytes saved per second of overhead first (Capuchin); director: the cheaper action.
-Segments are taken in filter order until the predicted peak fits the budget. Feasibility: all swapped bytes
+Segments are taken in filter order until the predicted peak fits the budget, once for every cap on the number
+of swapped segments (a swap's prefetch window can make a budget unreachable that fewer swaps would meet); the
+fitting candidate with the least predicted overhead wins. Feasibility: all swapped bytes
 must be written within the forward pass and read within the backward pass at the calibrated bandwidth;
 otherwise the swapped segments with the least advantage over recomputation are recomputed instead.
 """
