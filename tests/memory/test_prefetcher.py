@@ -334,3 +334,23 @@ def test_a_gradient_hook_starts_the_first_reads_before_backward_reaches_the_swap
         # has to issue its own read and wait for it
         assert len(before_any_unpack) == (2 if with_trigger else 1)
         prefetcher.close()
+
+
+def test_back_pressure_bounds_the_bytes_still_being_written_when_forward_returns(tmp_path):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()) for _ in range(8)])
+    x = torch.randn(512, 256)
+    expected = torch.autograd.grad(layers(x).sum(), list(layers.parameters()))
+    storage = 512 * 256 * 4
+    for limit in (0, storage):
+        prefetcher = SwapPrefetcher(min_bytes=1 << 16, store="file", path=str(tmp_path), max_inflight_bytes=limit)
+        with prefetcher:
+            loss = layers(x).sum()
+            # every pack returned with at most `limit` bytes not yet written: that is all forward may hold
+            assert prefetcher._writing_bytes <= limit
+            assert prefetcher.stats()["resident_bytes"] <= limit
+        got = torch.autograd.grad(loss, list(layers.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        prefetcher.close()
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        SwapPrefetcher(max_inflight_bytes=-1)

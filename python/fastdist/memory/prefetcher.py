@@ -11,6 +11,7 @@ has been unpacked, and read again if a retained graph is run a second time.
 import collections
 import itertools
 import threading
+import time
 import weakref
 
 import torch
@@ -99,11 +100,14 @@ class SwapPrefetcher:
     store: "pinned" (CUDA tensors to pinned host memory over side streams), "file" (CPU tensors to a file
     under `path`, default the temp directory, with background I/O threads), or "auto" (pinned when CUDA
     is available, else file). Tensors the store cannot take, parameters (and views of them) and storages
-    smaller than `min_bytes` stay where they are. The store lives until `close()` (or until an exception
+    smaller than `min_bytes` stay where they are. With `max_inflight_bytes`, forward waits whenever more than
+    that many bytes are still being copied out (back-pressure: the copy engine bounds the memory forward can
+    pile up; the wait is `forward_wait_seconds`). The store lives until `close()` (or until an exception
     leaves the `with` block, or the prefetcher is garbage collected); the next `with` opens a new one.
     """
 
-    def __init__(self, min_bytes=1 << 20, prefetch_depth=2, store="auto", path=None, io_threads=1):
+    def __init__(self, min_bytes=1 << 20, prefetch_depth=2, store="auto", path=None, io_threads=1,
+                 max_inflight_bytes=None):
         if store not in ("auto", "pinned", "file"):
             raise ValueError(f"SwapPrefetcher: store must be 'auto', 'pinned' or 'file', got {store!r}")
         if store == "pinned" and not torch.cuda.is_available():
@@ -114,6 +118,9 @@ class SwapPrefetcher:
             raise ValueError(f"SwapPrefetcher: min_bytes must be >= 0, got {min_bytes}")
         if int(io_threads) < 1:
             raise ValueError(f"SwapPrefetcher: io_threads must be >= 1, got {io_threads}")
+        if max_inflight_bytes is not None and int(max_inflight_bytes) < 0:
+            raise ValueError(f"SwapPrefetcher: max_inflight_bytes must be >= 0 or None, got {max_inflight_bytes}")
+        self.max_inflight_bytes = None if max_inflight_bytes is None else int(max_inflight_bytes)
         self.store_kind = ("pinned" if torch.cuda.is_available() else "file") if store == "auto" else store
         self.min_bytes = int(min_bytes)
         self.prefetch_depth = int(prefetch_depth)
@@ -132,6 +139,7 @@ class SwapPrefetcher:
         self._round = 0
         self._finalizer = None
         self._resident = 0  # bytes of swappable storages the prefetcher holds in memory now
+        self._writing_bytes = 0  # of those, the ones whose copy out has not landed yet
         self.reset_stats()
 
     # ---- context manager ----
@@ -176,6 +184,7 @@ class SwapPrefetcher:
             self._gpu_writing.clear()
             self._file_writing.clear()
             self._resident = 0
+            self._writing_bytes = 0
         store.close()
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -249,7 +258,8 @@ class SwapPrefetcher:
 
     def reset_stats(self):
         self._stats = dict(bytes_swapped=0, bytes_read=0, bytes_kept=0, tensors_swapped=0, views_deduplicated=0,
-                           write_seconds=0.0, read_seconds=0.0, exposed_wait_seconds=0.0, peak_resident_bytes=0,
+                           write_seconds=0.0, read_seconds=0.0, exposed_wait_seconds=0.0, forward_wait_seconds=0.0,
+                           peak_resident_bytes=0,
                            peak_store_bytes=0)
 
     def stats(self):
@@ -327,9 +337,35 @@ class SwapPrefetcher:
             saved = _Saved(entry, t, self._dead)
             entry.handles.add(saved.key)
             entry.unconsumed.add(saved.key)
-            return saved
+        if self.max_inflight_bytes is not None:
+            self._throttle()
+        return saved
+
+    def _throttle(self):
+        """Waits (outside the lock: the I/O thread needs it to land a write) for the oldest writes until no
+        more than `max_inflight_bytes` are still being copied out."""
+        while True:
+            with self._lock:
+                if self._writing_bytes <= self.max_inflight_bytes:
+                    return
+                if self.store_kind == "file":
+                    self._file_writing = [w for w in self._file_writing if not w.done()]
+                    oldest = self._file_writing[0] if self._file_writing else None
+                else:
+                    oldest = self._gpu_writing[0][1] if self._gpu_writing else None
+            if oldest is None:
+                return
+            start = time.perf_counter()
+            if self.store_kind == "file":
+                oldest.wait()
+            else:
+                oldest.end.synchronize()
+            with self._lock:
+                self._stats["forward_wait_seconds"] += time.perf_counter() - start
+                self._poll_gpu_writes()
 
     def _start_write(self, entry):
+        self._writing_bytes += entry.nbytes
         if self.store_kind == "file":
             landed = weakref.WeakMethod(self._write_landed)  # the I/O thread must not keep the prefetcher alive
 
@@ -368,6 +404,8 @@ class SwapPrefetcher:
     def _write_landed(self, entry, copy):
         with self._lock:
             self._stats["write_seconds"] += copy.seconds
+            if entry.store is self._store:
+                self._writing_bytes -= entry.nbytes
             if entry.dead:
                 self._release(entry)
                 if entry.store is self._store:
