@@ -39,5 +39,14 @@ $PY -c "from fastdist.bench.moe import layout_timing; print(layout_timing(1 << 2
 $PY -m fastdist.bench compress-kernels --device cuda --json "$out/compress-kernels-cuda.json" \
   --plot "$out/compress-kernels-cuda.png" 2>&1 | tee "$out/compress-kernels-cuda.txt"
 
-log "done: results in $out (op tests exit code $tests_rc)"
+log "memory: prefetcher/planner tests (pinned store on CUDA) and the memory benchmark under a 20 GiB cap"
+set +e
+$PY -m pytest tests/memory -q -p no:cacheprovider 2>&1 | tee "$out/pytest-memory.txt" | tail -5
+memory_rc=${PIPESTATUS[0]}
+set -e
+$PY -m fastdist.bench memory --device cuda --scale gpt --models resnet50,transformer --memory-cap 20 \
+  --json "$out/memory-cuda.json" --plot "$out/memory-cuda.png" 2>&1 | tee "$out/memory-cuda.txt"
+[ "$tests_rc" -ne 0 ] || tests_rc=$memory_rc
+
+log "done: results in $out (op and memory tests exit code $tests_rc)"
 exit "$tests_rc"

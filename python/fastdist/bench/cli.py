@@ -10,6 +10,7 @@
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
   fastdist-bench moe [opts]              MoE layer: static/dropless/shadow/top-k replication vs Pro-Prophet planner
   fastdist-bench tp [opts]               tensor-parallel linears / GPT block: chunked and Oases overlap vs sequential
+  fastdist-bench memory [opts]           swap/recompute plans vs checkpointing and save_on_cpu: peak memory, step time
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -30,6 +31,7 @@ SUITES = {
     "sparse": "fastdist.bench.sparse",
     "sparse-lm": "fastdist.bench.sparse_lm",
     "tp": "fastdist.bench.tp",
+    "memory": "fastdist.bench.memory",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -44,6 +46,7 @@ TOUR = {
     "sparse-lm": ["--ranks", "4", "--net", "10gbit", "--steps", "40", "--vocab", "8192", "--dim", "32",
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],
     "tp": ["--ranks", "2", "--op-shape", "512,512,512", "--block", "256,4,64,4", "--reps", "5", "--warmup", "1"],
+    "memory": ["--models", "transformer", "--budgets", "50", "--steps", "5", "--warmup", "1"],
 }
 
 
