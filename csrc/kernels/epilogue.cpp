@@ -41,14 +41,14 @@ struct F64 {
 struct F16 {
   using Storage = uint16_t;
   using Compute = float;
-  static float load(uint16_t v) { return epilogue_half_to_float(v); }
-  static uint16_t store(float v) { return epilogue_float_to_half(v); }
+  static float load(uint16_t v) { return half_to_float(v); }
+  static uint16_t store(float v) { return float_to_half(v); }
 };
 struct BF16 {
   using Storage = uint16_t;
   using Compute = float;
-  static float load(uint16_t v) { return epilogue_bf16_to_float(v); }
-  static uint16_t store(float v) { return epilogue_float_to_bf16(v); }
+  static float load(uint16_t v) { return bfloat16_to_float(v); }
+  static uint16_t store(float v) { return float_to_bfloat16(v); }
 };
 
 // One row: every value read, transformed and written in one pass (no staging buffers: three arrays at the same

@@ -37,7 +37,7 @@ struct F16 {
 struct BF16 {
   using Storage = uint16_t;
   using Compute = float;
-  __device__ static float load(uint16_t v) { return epilogue_bf16_to_float(v); }
+  __device__ static float load(uint16_t v) { return bfloat16_to_float(v); }
   __device__ static uint16_t store(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 };
 

@@ -27,82 +27,12 @@
 #include <cuda_runtime.h>
 #endif
 
-#ifndef FASTDIST_HOST_DEVICE
-#ifdef __CUDACC__
-#define FASTDIST_HOST_DEVICE __host__ __device__
-#else
-#define FASTDIST_HOST_DEVICE
-#endif
-#endif
+#include "kernels/float_bits.h"
 
 namespace fastdist {
 
 enum class EpilogueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 enum class EpilogueActivation : int32_t { kNone = 0, kGeluTanh = 1, kGeluErf = 2 };
-
-// ---- value conversion: float16 / bfloat16 bits <-> float32, round to nearest-even, NaN kept ----
-
-FASTDIST_HOST_DEVICE inline float epilogue_float_from_bits(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
-FASTDIST_HOST_DEVICE inline uint32_t epilogue_bits_of_float(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
-
-FASTDIST_HOST_DEVICE inline float epilogue_bf16_to_float(uint16_t h) {
-  return epilogue_float_from_bits(static_cast<uint32_t>(h) << 16);
-}
-
-// Round to nearest-even; a NaN stays a (quiet) NaN. Branch-free.
-FASTDIST_HOST_DEVICE inline uint16_t epilogue_float_to_bf16(float f) {
-  const uint32_t u = epilogue_bits_of_float(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t is_nan = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
-  return static_cast<uint16_t>((rounded & ~is_nan) | (((u >> 16) | 0x40u) & is_nan));
-}
-
-// IEEE binary16 -> binary32, exact. Branch-free, so a CPU loop of it vectorizes.
-FASTDIST_HOST_DEVICE inline float epilogue_half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7FFFu;
-  const uint32_t inf_nan = 0u - static_cast<uint32_t>(em >= 0x7C00u);
-  const uint32_t small = 0u - static_cast<uint32_t>(em < 0x0400u);
-  const uint32_t normal = (em << 13) + 0x38000000u + (inf_nan & 0x38000000u);  // rebias 15 -> 127 (twice: inf/NaN)
-  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;  // em * 2^-24
-  const uint32_t subnormal = epilogue_bits_of_float(scaled);
-  return epilogue_float_from_bits(((normal & ~small) | (subnormal & small)) | sign);
-}
-
-// binary32 -> binary16, round to nearest-even, overflow to infinity, NaN to a quiet NaN. Branch-free: the float
-// additions do the rounding (the classic FP16 library construction: scale so that the float adder rounds at the
-// binary16 mantissa's last place, then read the bits).
-FASTDIST_HOST_DEVICE inline uint16_t epilogue_float_to_half(float f) {
-  const float scale_to_inf = 5.192296858534828e+33f;   // 2^112
-  const float scale_to_zero = 7.703719777548943e-34f;  // 2^-110
-  const uint32_t w = epilogue_bits_of_float(f);
-  float base = (epilogue_float_from_bits(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  bias = bias < 0x71000000u ? 0x71000000u : bias;
-  base = epilogue_float_from_bits((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = epilogue_bits_of_float(base);
-  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
 
 // ---- float32 transcendental functions, vectorizable (no calls, no branches) ----
 
@@ -141,7 +71,7 @@ FASTDIST_HOST_DEVICE inline float epilogue_exp_nonpositive(float x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const uint32_t scale = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  return p * epilogue_float_from_bits(scale);
+  return p * float_from_bits(scale);
 }
 
 // ---- the activation and its derivative, in float32 and float64 ----

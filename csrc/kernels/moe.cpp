@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/float_bits.h"
+
 namespace fastdist {
 namespace {
 
@@ -59,18 +61,6 @@ int64_t route_rows(const T* logits, int64_t num_experts, int64_t k, float* probs
   return nan_rows;
 }
 
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-
-float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 // Storage formats: load to the compute type, store with one rounding (to nearest, ties to even).
 struct F32 {
   using Storage = float;
@@ -89,38 +79,15 @@ struct F64 {
 struct BF16 {
   using Storage = uint16_t;
   using Acc = float;
-  static Acc load(Storage v) { return float_of(static_cast<uint32_t>(v) << 16); }
-  static Storage store(Acc f) {
-    const uint32_t u = bits_of(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<Storage>((u >> 16) | 0x40u);  // quiet NaN
-    return static_cast<Storage>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
+  static Acc load(Storage v) { return bfloat16_to_float(v); }
+  static Storage store(Acc f) { return float_to_bfloat16(f); }
 };
 
 struct F16 {
   using Storage = uint16_t;
   using Acc = float;
-  static Acc load(Storage h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t em = h & 0x7FFFu;
-    if (em >= 0x7C00u) return float_of(sign | 0x7F800000u | ((em & 0x3FFu) << 13));  // infinity, NaN
-    if (em < 0x0400u) {                                                               // zero, subnormal: em * 2^-24
-      const float v = static_cast<float>(em) * 5.9604644775390625e-8f;
-      return sign ? -v : v;
-    }
-    return float_of(sign | ((em << 13) + 0x38000000u));  // rebias the exponent 15 -> 127
-  }
-  static Storage store(Acc f) {
-    const uint32_t u = bits_of(f);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    const uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return static_cast<Storage>(sign | 0x7E00u);  // NaN
-    if (a >= 0x477FF000u) return static_cast<Storage>(sign | 0x7C00u);  // >= 65520 rounds to infinity
-    if (a < 0x38800000u) {  // below 2^-14: a half subnormal, round(|f| * 2^24) (exact scaling, default rounding)
-      return static_cast<Storage>(sign | static_cast<uint32_t>(std::nearbyint(float_of(a) * 16777216.0f)));
-    }
-    return static_cast<Storage>(sign | ((a + 0x0FFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
-  }
+  static Acc load(Storage h) { return half_to_float(h); }
+  static Storage store(Acc f) { return float_to_half(f); }
 };
 
 template <typename Format>

@@ -33,17 +33,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
-
-#ifndef FASTDIST_HOST_DEVICE
-#ifdef __CUDACC__
-#define FASTDIST_HOST_DEVICE __host__ __device__
-#else
-#define FASTDIST_HOST_DEVICE
-#endif
-#endif
+#include "kernels/float_bits.h"
 
 namespace fastdist {
 

@@ -39,19 +39,19 @@ static_assert(kSketchSignBit == 30, "lane_codes moves the sign bit (30) of y to 
 // value of the chunk (zeros are no-ops), the direct path only the active ones, so they break even near 1 in 4.
 constexpr int64_t kDirectRatio = 4;
 
-inline uint32_t float_bits(float f) { return sketch_bits_of_float(f); }
-inline float bits_float(uint32_t u) { return sketch_float_from_bits(u); }
+inline uint32_t float_bits(float f) { return bits_of_float(f); }
+inline float bits_float(uint32_t u) { return float_from_bits(u); }
 
 FASTDIST_SKETCH_CLONES void convert_f64(const double* __restrict x, float* __restrict out, int64_t len) {
   for (int64_t e = 0; e < len; ++e) out[e] = static_cast<float>(x[e]);
 }
 
 FASTDIST_SKETCH_CLONES void convert_f16(const uint16_t* __restrict x, float* __restrict out, int64_t len) {
-  for (int64_t e = 0; e < len; ++e) out[e] = sketch_half_to_float(x[e]);
+  for (int64_t e = 0; e < len; ++e) out[e] = half_to_float(x[e]);
 }
 
 FASTDIST_SKETCH_CLONES void convert_bf16(const uint16_t* __restrict x, float* __restrict out, int64_t len) {
-  for (int64_t e = 0; e < len; ++e) out[e] = sketch_bfloat16_to_float(x[e]);
+  for (int64_t e = 0; e < len; ++e) out[e] = bfloat16_to_float(x[e]);
 }
 
 // Values [s, s + len) of x as float32.

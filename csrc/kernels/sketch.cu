@@ -42,9 +42,9 @@ __device__ __forceinline__ float load_value(const void* __restrict__ x, int64_t 
   } else if constexpr (kType == SketchValueType::kFloat64) {
     return __double2float_rn(static_cast<const double*>(x)[i]);
   } else if constexpr (kType == SketchValueType::kFloat16) {
-    return sketch_half_to_float(static_cast<const uint16_t*>(x)[i]);
+    return half_to_float(static_cast<const uint16_t*>(x)[i]);
   } else {
-    return sketch_bfloat16_to_float(static_cast<const uint16_t*>(x)[i]);
+    return bfloat16_to_float(static_cast<const uint16_t*>(x)[i]);
   }
 }
 

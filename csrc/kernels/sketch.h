@@ -36,18 +36,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
-
-// Functions usable from host C++ and from CUDA device code. Another family may define it the same way.
-#ifndef FASTDIST_HOST_DEVICE
-#ifdef __CUDACC__
-#define FASTDIST_HOST_DEVICE __host__ __device__
-#else
-#define FASTDIST_HOST_DEVICE
-#endif
-#endif
+#include "kernels/float_bits.h"
 
 namespace fastdist {
 
@@ -170,44 +159,6 @@ FASTDIST_HOST_DEVICE inline float sketch_median(float* v, int rows) {
 inline constexpr int64_t sketch_support_bytes(int64_t n) { return (n + 7) / 8; }
 
 // ---- value conversion (the same bits on host and device) ----
-
-FASTDIST_HOST_DEVICE inline float sketch_float_from_bits(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
-FASTDIST_HOST_DEVICE inline uint32_t sketch_bits_of_float(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
-
-// IEEE binary16 -> binary32, exact, NaN payloads kept. Branch-free, so a CPU loop of it vectorizes.
-FASTDIST_HOST_DEVICE inline float sketch_half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7FFFu;
-  const uint32_t inf_nan = 0u - static_cast<uint32_t>(em >= 0x7C00u);  // all ones or zero: masks, not branches
-  const uint32_t small = 0u - static_cast<uint32_t>(em < 0x0400u);
-  // Normal: rebias the exponent 15 -> 127; infinity and NaN: exponent all ones (rebias twice), payload kept.
-  const uint32_t normal = (em << 13) + 0x38000000u + (inf_nan & 0x38000000u);
-  // Zero and subnormals: em * 2^-24, exact (em < 2^10).
-  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;
-  const uint32_t subnormal = sketch_bits_of_float(scaled);
-  return sketch_float_from_bits(((normal & ~small) | (subnormal & small)) | sign);
-}
-
-FASTDIST_HOST_DEVICE inline float sketch_bfloat16_to_float(uint16_t h) {
-  return sketch_float_from_bits(static_cast<uint32_t>(h) << 16);
-}
 
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel. ----
 

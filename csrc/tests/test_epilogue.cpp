@@ -44,17 +44,17 @@ uint16_t nearest_even(float f, ToFloat to_float) {
 FD_TEST(every_half_and_bfloat16_value_round_trips_through_float) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const uint16_t v = static_cast<uint16_t>(h);
-    const float fh = fastdist::epilogue_half_to_float(v);
-    const float fb = fastdist::epilogue_bf16_to_float(v);
+    const float fh = fastdist::half_to_float(v);
+    const float fb = fastdist::bfloat16_to_float(v);
     if (std::isnan(fh)) {
-      FD_EXPECT(std::isnan(fastdist::epilogue_half_to_float(fastdist::epilogue_float_to_half(fh))), "half " << h);
+      FD_EXPECT(std::isnan(fastdist::half_to_float(fastdist::float_to_half(fh))), "half " << h);
     } else {
-      FD_EXPECT(fastdist::epilogue_float_to_half(fh) == v, "half " << h);
+      FD_EXPECT(fastdist::float_to_half(fh) == v, "half " << h);
     }
     if (std::isnan(fb)) {
-      FD_EXPECT(std::isnan(fastdist::epilogue_bf16_to_float(fastdist::epilogue_float_to_bf16(fb))), "bf16 " << h);
+      FD_EXPECT(std::isnan(fastdist::bfloat16_to_float(fastdist::float_to_bfloat16(fb))), "bf16 " << h);
     } else {
-      FD_EXPECT(fastdist::epilogue_float_to_bf16(fb) == v, "bf16 " << h);
+      FD_EXPECT(fastdist::float_to_bfloat16(fb) == v, "bf16 " << h);
     }
   }
 }
@@ -71,15 +71,15 @@ FD_TEST(float_to_16_bit_rounds_to_nearest_even) {
     const float g = -f;
     for (float x : {f, g}) {
       if (std::fabs(x) < 65520.0f) {  // the reference searches finite values; overflow is checked below
-        FD_EXPECT(fastdist::epilogue_float_to_half(x) == nearest_even(x, fastdist::epilogue_half_to_float), "x=" << x);
+        FD_EXPECT(fastdist::float_to_half(x) == nearest_even(x, fastdist::half_to_float), "x=" << x);
       }
       if (std::fabs(x) < 3e38f) {
-        FD_EXPECT(fastdist::epilogue_float_to_bf16(x) == nearest_even(x, fastdist::epilogue_bf16_to_float), "x=" << x);
+        FD_EXPECT(fastdist::float_to_bfloat16(x) == nearest_even(x, fastdist::bfloat16_to_float), "x=" << x);
       }
     }
   }
-  FD_EXPECT(fastdist::epilogue_float_to_half(65520.0f) == 0x7C00, "65520 rounds to +inf");
-  FD_EXPECT(fastdist::epilogue_float_to_half(-1e6f) == 0xFC00, "-1e6 rounds to -inf");
+  FD_EXPECT(fastdist::float_to_half(65520.0f) == 0x7C00, "65520 rounds to +inf");
+  FD_EXPECT(fastdist::float_to_half(-1e6f) == 0xFC00, "-1e6 rounds to -inf");
 }
 
 FD_TEST(float32_erf_and_exp_are_close_to_the_c_library) {
@@ -133,19 +133,19 @@ FD_TEST(bfloat16_forward_is_the_float32_result_rounded_once) {
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 2.0f);
   for (int64_t i = 0; i < rows * cols; ++i) {
-    x[i] = fastdist::epilogue_float_to_bf16(normal(rng));
-    xf[i] = fastdist::epilogue_bf16_to_float(x[i]);
+    x[i] = fastdist::float_to_bfloat16(normal(rng));
+    xf[i] = fastdist::bfloat16_to_float(x[i]);
   }
   for (int64_t j = 0; j < cols; ++j) {
-    bias[j] = fastdist::epilogue_float_to_bf16(normal(rng));
-    bf[j] = fastdist::epilogue_bf16_to_float(bias[j]);
+    bias[j] = fastdist::float_to_bfloat16(normal(rng));
+    bf[j] = fastdist::bfloat16_to_float(bias[j]);
   }
   fastdist::bias_epilogue_cpu(x.data(), bias.data(), nullptr, out.data(), EpilogueType::kBFloat16,
                               EpilogueActivation::kGeluErf, rows, cols, 0, rows);
   fastdist::bias_epilogue_cpu(xf.data(), bf.data(), nullptr, outf.data(), EpilogueType::kFloat32,
                               EpilogueActivation::kGeluErf, rows, cols, 0, rows);
   for (int64_t i = 0; i < rows * cols; ++i) {
-    FD_EXPECT(out[i] == fastdist::epilogue_float_to_bf16(outf[i]), "i " << i);
+    FD_EXPECT(out[i] == fastdist::float_to_bfloat16(outf[i]), "i " << i);
   }
 }
 

@@ -42,7 +42,7 @@ def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PROJECTION from the calibrated cost model (not measured" in proc.stdout
-    assert "shared machine" in proc.stdout and "# network" in proc.stdout
+    assert "# network" in proc.stdout
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
     assert list(rows) == list(moe.METHODS)

@@ -4,13 +4,8 @@ import functools
 import numpy as np
 import pytest
 import torch
-
-import fastdist
 from fastdist.ops import bitwise_or_reduce, pack_bits, unpack_bits
-
-needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
-                                reason="needs a CUDA device and fastdist built with CUDA kernels")
-DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
+from op_testing import DEVICES, bad_input_tests, needs_cuda
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 65_537, 1_000_003]
 
@@ -237,14 +232,5 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_bad_inputs_raise_a_clear_error(device, call, message):
-    with pytest.raises(RuntimeError, match=message):
-        call(device)
-
-
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_fake_kernels_reject_bad_inputs_like_the_real_ones(call, message):
-    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match=message):
-        call("cpu")
+test_bad_inputs_raise_a_clear_error, test_fake_kernels_reject_bad_inputs_like_the_real_ones = \
+    bad_input_tests(BAD_INPUTS)

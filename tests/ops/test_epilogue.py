@@ -1,14 +1,11 @@
 """fastdist.ops.bias_epilogue / bias_epilogue_backward: act(x + bias) + residual and its gradient, against torch's
 own elementwise ops computed in float64 (float32 for the 16-bit dtypes, rounded once, as the op specifies)."""
-import fastdist
 import pytest
 import torch
 import torch.nn.functional as F
 from fastdist.ops import bias_epilogue, bias_epilogue_backward
+from op_testing import DEVICES, bad_input_tests, needs_cuda
 
-needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
-                                reason="needs a CUDA device and fastdist built with CUDA kernels")
-DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["none", "gelu_tanh", "gelu_erf"]
 SHAPES = [(0, 5), (5, 0), (1, 1), (7, 257), (3, 4, 33), (2, 1000)]
@@ -232,17 +229,8 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_bad_inputs_raise_a_clear_error(device, call, message):
-    with pytest.raises(RuntimeError, match=message):
-        call(device)
-
-
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_fake_kernels_reject_bad_inputs_like_the_real_ones(call, message):
-    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match=message):
-        call("cpu")
+test_bad_inputs_raise_a_clear_error, test_fake_kernels_reject_bad_inputs_like_the_real_ones = \
+    bad_input_tests(BAD_INPUTS)
 
 
 @needs_cuda

@@ -1,15 +1,10 @@
 """fastdist.ops.moe_route / moe_layout / moe_permute / moe_unpermute against plain-Python and torch oracles, their
 autograd (gradcheck and a torch reference), opcheck, determinism across thread counts, and bad inputs."""
-import fastdist
 import pytest
 import torch
 from fastdist.ops import moe_layout, moe_permute, moe_route, moe_unpermute
 from fastdist.ops.moe import capacity_for
-
-needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
-                                reason="needs a CUDA device and fastdist built with CUDA kernels")
-DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
-
+from op_testing import DEVICES
 
 # ---- oracles ----
 

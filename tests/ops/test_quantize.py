@@ -4,14 +4,10 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-
-import fastdist
 from fastdist.ops import dequantize, quantize
+from hypothesis import given, settings
+from op_testing import DEVICES, bad_input_tests, needs_cuda
 
-needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
-                                reason="needs a CUDA device and fastdist built with CUDA kernels")
-DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
 BITS = [1, 2, 4, 8]
 SCHEMES = ["minmax", "absmax"]
 
@@ -238,14 +234,5 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_bad_inputs_raise_a_clear_error(device, call, message):
-    with pytest.raises(RuntimeError, match=message):
-        call(device)
-
-
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_fake_kernels_reject_bad_inputs_like_the_real_ones(call, message):
-    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match=message):
-        call("cpu")
+test_bad_inputs_raise_a_clear_error, test_fake_kernels_reject_bad_inputs_like_the_real_ones = \
+    bad_input_tests(BAD_INPUTS)

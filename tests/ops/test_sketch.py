@@ -6,14 +6,17 @@ import math
 import numpy as np
 import pytest
 import torch
+from fastdist.ops import (
+    count_sketch,
+    count_sketch_decode,
+    count_sketch_decode_units,
+    count_sketch_units,
+    nonzero_bitmap,
+    pack_bits,
+    sketch_hash,
+)
+from op_testing import DEVICES, bad_input_tests, needs_cuda
 
-import fastdist
-from fastdist.ops import (count_sketch, count_sketch_decode, count_sketch_decode_units, count_sketch_units,
-                          nonzero_bitmap, pack_bits, sketch_hash)
-
-needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
-                                reason="needs a CUDA device and fastdist built with CUDA kernels")
-DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 # ---- an independent implementation of the hash family (Python big ints), from the definition in the docs ----
@@ -736,17 +739,8 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_bad_inputs_raise_a_clear_error(device, call, message):
-    with pytest.raises(RuntimeError, match=message):
-        call(device)
-
-
-@pytest.mark.parametrize("call, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_fake_kernels_reject_bad_inputs_like_the_real_ones(call, message):
-    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match=message):
-        call("cpu")
+test_bad_inputs_raise_a_clear_error, test_fake_kernels_reject_bad_inputs_like_the_real_ones = \
+    bad_input_tests(BAD_INPUTS)
 
 
 @needs_cuda

@@ -396,10 +396,7 @@ def run(args):
         raise ValueError("--memory-cap needs --device cuda (a CPU process has no memory fraction to set)")
     env = report.environment(backend="file store" if args.device == "cpu" else "pinned store", device=args.device,
                              ranks=1, network="none (single process)")
-    env["note"] = "measured on a shared machine: timings are noisy" if args.device == "cpu" else ""
     print(report.format_environment(env))
-    if env["note"]:
-        print(f"# note          {env['note']}")
     print(f"# threads       {args.threads} torch threads per run; models at scale {args.scale}")
     runs = {}
     progress = report.Progress(args.rounds * len(models) * len(configs), "memory")
@@ -535,7 +532,7 @@ def plot(result, path):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     env = result["env"]
-    fig.suptitle(f"fastdist-bench memory: {env['device']}, {env.get('note', '')}", fontsize=9)
+    fig.suptitle(f"fastdist-bench memory: {env['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -283,7 +283,7 @@ def run(args):
     print(f"# layer        d_model {config['d_model']}, d_ff {config['d_ff']}, {launch.result['num_experts']} experts "
           f"({config['experts_per_rank']}/rank), top-{config['k']}, {config['tokens']} tokens/rank, Zipf "
           f"{config['zipf']} drifting every {config['drift_every']} steps; median of {config['steps']} steps after "
-          f"{config['warmup']} warm-up; shared machine: timings are noisy")
+          f"{config['warmup']} warm-up")
     headers = ["method", "fwd+bwd(ms)", "speed-up", "tok max/mean", "a2a max/mean", "std before/after", "dropped",
                "replicas", "predicted(ms)", "model err"]
     speedup = (lambda r: "-" if r["speedup_vs_dropless"] is None else f"{r['speedup_vs_dropless']:.2f}x")
@@ -309,8 +309,7 @@ def run(args):
               f"fastdist {layout['fastdist']['median_ms']:.2f} ms, torch sort/bincount "
               f"{layout['torch']['median_ms']:.2f} ms -> {layout['speedup']:.2f}x")
     return {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
-            "cost_model": launch.result["cost_model"], "projection": proj, "layout": layout,
-            "note": "measured on a shared machine; timings are noisy"}
+            "cost_model": launch.result["cost_model"], "projection": proj, "layout": layout}
 
 
 def plot(result, path):
@@ -338,7 +337,7 @@ def plot(result, path):
     ax_p.legend()
     for ax in (ax_t, ax_b):
         ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']} (shared machine)",
+    fig.suptitle(f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

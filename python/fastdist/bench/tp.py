@@ -329,7 +329,7 @@ def run(args):
                      "link_gbps": launch.link_gbps, **launch.result})
     env["network"] = "; ".join(sorted({r["network"] for r in runs}))
     print(report.format_environment(env))
-    print("# measured on a shared machine: ranks pinned to one core each, 1 torch thread")
+    print("# ranks pinned to one core each, 1 torch thread")
     for r in runs:
         print(f"\n## {r['part']}, {r['label']}: {r['network']}")
         if r["op_rows"]:
@@ -400,7 +400,7 @@ def plot(result, path):
     ax.legend(fontsize=8)
     env = result["env"]
     kind = "simulated links" if any(r["link_gbps"] for r in result["runs"]) else "loopback"
-    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}; measured on a shared machine",
+    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,27 @@
+"""What the op families' tests share: the devices they run on, and the bad-input checks every op must pass on its
+real kernels and its fake kernel alike."""
+import fastdist
+import pytest
+import torch
+
+needs_cuda = pytest.mark.skipif(not fastdist.cuda_kernels_available(),
+                                reason="needs a CUDA device and fastdist built with CUDA kernels")
+DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
+
+
+def bad_input_tests(bad_inputs):
+    """The two tests of a {name: (call(device), message regex)} table: every call raises a RuntimeError matching
+    its message, on every device and on fake tensors (the fake kernel checks what the real one checks)."""
+
+    @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("call, message", bad_inputs.values(), ids=bad_inputs.keys())
+    def test_bad_inputs_raise_a_clear_error(device, call, message):
+        with pytest.raises(RuntimeError, match=message):
+            call(device)
+
+    @pytest.mark.parametrize("call, message", bad_inputs.values(), ids=bad_inputs.keys())
+    def test_fake_kernels_reject_bad_inputs_like_the_real_ones(call, message):
+        with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(RuntimeError, match=message):
+            call("cpu")
+
+    return test_bad_inputs_raise_a_clear_error, test_fake_kernels_reject_bad_inputs_like_the_real_ones
