@@ -26,31 +26,6 @@ namespace fastdist {
 namespace {
 
 // Storage type <-> compute type.
-struct F32 {
-  using Storage = float;
-  using Compute = float;
-  static float load(float v) { return v; }
-  static float store(float v) { return v; }
-};
-struct F64 {
-  using Storage = double;
-  using Compute = double;
-  static double load(double v) { return v; }
-  static double store(double v) { return v; }
-};
-struct F16 {
-  using Storage = uint16_t;
-  using Compute = float;
-  static float load(uint16_t v) { return half_to_float(v); }
-  static uint16_t store(float v) { return float_to_half(v); }
-};
-struct BF16 {
-  using Storage = uint16_t;
-  using Compute = float;
-  static float load(uint16_t v) { return bfloat16_to_float(v); }
-  static uint16_t store(float v) { return float_to_bfloat16(v); }
-};
-
 // One row: every value read, transformed and written in one pass (no staging buffers: three arrays at the same
 // offset modulo 4 KiB plus staging buffers overfilled L1 sets and ran 4x slower). Bias and residual presence are
 // template parameters, so each instantiation is one straight loop.
@@ -151,10 +126,10 @@ void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, vo
   (void)rows;
   if (row_begin >= row_end || cols == 0) return;
   switch (type) {
-    case EpilogueType::kFloat32: return forward_typed<F32>(x, bias, residual, out, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat64: return forward_typed<F64>(x, bias, residual, out, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat16: return forward_typed<F16>(x, bias, residual, out, act, cols, row_begin, row_end);
-    case EpilogueType::kBFloat16: return forward_typed<BF16>(x, bias, residual, out, act, cols, row_begin, row_end);
+    case EpilogueType::kFloat32: return forward_typed<Float32Format>(x, bias, residual, out, act, cols, row_begin, row_end);
+    case EpilogueType::kFloat64: return forward_typed<Float64Format>(x, bias, residual, out, act, cols, row_begin, row_end);
+    case EpilogueType::kFloat16: return forward_typed<Float16Format>(x, bias, residual, out, act, cols, row_begin, row_end);
+    case EpilogueType::kBFloat16: return forward_typed<BFloat16Format>(x, bias, residual, out, act, cols, row_begin, row_end);
   }
 }
 
@@ -164,11 +139,11 @@ void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bia
   (void)rows;
   if (row_begin >= row_end || cols == 0) return;
   switch (type) {
-    case EpilogueType::kFloat32: return backward_typed<F32>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat64: return backward_typed<F64>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat16: return backward_typed<F16>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
+    case EpilogueType::kFloat32: return backward_typed<Float32Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
+    case EpilogueType::kFloat64: return backward_typed<Float64Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
+    case EpilogueType::kFloat16: return backward_typed<Float16Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
     case EpilogueType::kBFloat16:
-      return backward_typed<BF16>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
+      return backward_typed<BFloat16Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
   }
 }
 

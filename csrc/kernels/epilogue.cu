@@ -16,31 +16,6 @@ int grid_for(int64_t items) {
   return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
 
-struct F32 {
-  using Storage = float;
-  using Compute = float;
-  __device__ static float load(float v) { return v; }
-  __device__ static float store(float v) { return v; }
-};
-struct F64 {
-  using Storage = double;
-  using Compute = double;
-  __device__ static double load(double v) { return v; }
-  __device__ static double store(double v) { return v; }
-};
-struct F16 {
-  using Storage = uint16_t;
-  using Compute = float;
-  __device__ static float load(uint16_t v) { return __half2float(__ushort_as_half(v)); }
-  __device__ static uint16_t store(float v) { return __half_as_ushort(__float2half_rn(v)); }
-};
-struct BF16 {
-  using Storage = uint16_t;
-  using Compute = float;
-  __device__ static float load(uint16_t v) { return bfloat16_to_float(v); }
-  __device__ static uint16_t store(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-};
-
 template <typename T, EpilogueActivation A>
 __global__ void forward_kernel(const typename T::Storage* __restrict__ x, const typename T::Storage* __restrict__ bias,
                                const typename T::Storage* residual, typename T::Storage* out, int64_t total,
@@ -122,12 +97,12 @@ cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* resi
   const int64_t total = rows * cols;
   if (total == 0) return cudaSuccess;
   switch (type) {
-    case EpilogueType::kFloat64: return forward_typed<F64>(x, bias, residual, out, act, total, cols, stream);
-    case EpilogueType::kFloat16: return forward_typed<F16>(x, bias, residual, out, act, total, cols, stream);
-    case EpilogueType::kBFloat16: return forward_typed<BF16>(x, bias, residual, out, act, total, cols, stream);
+    case EpilogueType::kFloat64: return forward_typed<Float64Format>(x, bias, residual, out, act, total, cols, stream);
+    case EpilogueType::kFloat16: return forward_typed<Float16Format>(x, bias, residual, out, act, total, cols, stream);
+    case EpilogueType::kBFloat16: return forward_typed<BFloat16Format>(x, bias, residual, out, act, total, cols, stream);
     case EpilogueType::kFloat32: break;
   }
-  return forward_typed<F32>(x, bias, residual, out, act, total, cols, stream);
+  return forward_typed<Float32Format>(x, bias, residual, out, act, total, cols, stream);
 }
 
 cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const void* bias, void* grad_x,
@@ -136,12 +111,12 @@ cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const v
   const int64_t total = rows * cols;
   if (total == 0) return cudaSuccess;
   switch (type) {
-    case EpilogueType::kFloat64: return backward_typed<F64>(grad, x, bias, grad_x, act, total, cols, stream);
-    case EpilogueType::kFloat16: return backward_typed<F16>(grad, x, bias, grad_x, act, total, cols, stream);
-    case EpilogueType::kBFloat16: return backward_typed<BF16>(grad, x, bias, grad_x, act, total, cols, stream);
+    case EpilogueType::kFloat64: return backward_typed<Float64Format>(grad, x, bias, grad_x, act, total, cols, stream);
+    case EpilogueType::kFloat16: return backward_typed<Float16Format>(grad, x, bias, grad_x, act, total, cols, stream);
+    case EpilogueType::kBFloat16: return backward_typed<BFloat16Format>(grad, x, bias, grad_x, act, total, cols, stream);
     case EpilogueType::kFloat32: break;
   }
-  return backward_typed<F32>(grad, x, bias, grad_x, act, total, cols, stream);
+  return backward_typed<Float32Format>(grad, x, bias, grad_x, act, total, cols, stream);
 }
 
 }  // namespace fastdist

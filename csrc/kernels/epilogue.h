@@ -22,8 +22,6 @@
 #include <cstring>
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #endif
 

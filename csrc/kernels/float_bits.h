@@ -81,4 +81,34 @@ FASTDIST_HOST_DEVICE inline uint16_t float_to_bfloat16(float f) {
   return static_cast<uint16_t>((rounded & ~is_nan) | (((u >> 16) | 0x40u) & is_nan));
 }
 
+// Storage formats of the rows the kernels move: load to the compute type, store with one rounding to nearest even.
+// One definition for host and device, so that CPU and CUDA results agree bit for bit.
+struct Float32Format {
+  using Storage = float;
+  using Compute = float;
+  FASTDIST_HOST_DEVICE static float load(float v) { return v; }
+  FASTDIST_HOST_DEVICE static float store(float v) { return v; }
+};
+
+struct Float64Format {
+  using Storage = double;
+  using Compute = double;
+  FASTDIST_HOST_DEVICE static double load(double v) { return v; }
+  FASTDIST_HOST_DEVICE static double store(double v) { return v; }
+};
+
+struct Float16Format {
+  using Storage = uint16_t;
+  using Compute = float;
+  FASTDIST_HOST_DEVICE static float load(uint16_t v) { return half_to_float(v); }
+  FASTDIST_HOST_DEVICE static uint16_t store(float v) { return float_to_half(v); }
+};
+
+struct BFloat16Format {
+  using Storage = uint16_t;
+  using Compute = float;
+  FASTDIST_HOST_DEVICE static float load(uint16_t v) { return bfloat16_to_float(v); }
+  FASTDIST_HOST_DEVICE static uint16_t store(float v) { return float_to_bfloat16(v); }
+};
+
 }  // namespace fastdist

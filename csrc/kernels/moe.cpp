@@ -61,40 +61,11 @@ int64_t route_rows(const T* logits, int64_t num_experts, int64_t k, float* probs
   return nan_rows;
 }
 
-// Storage formats: load to the compute type, store with one rounding (to nearest, ties to even).
-struct F32 {
-  using Storage = float;
-  using Acc = float;
-  static Acc load(Storage v) { return v; }
-  static Storage store(Acc v) { return v; }
-};
-
-struct F64 {
-  using Storage = double;
-  using Acc = double;
-  static Acc load(Storage v) { return v; }
-  static Storage store(Acc v) { return v; }
-};
-
-struct BF16 {
-  using Storage = uint16_t;
-  using Acc = float;
-  static Acc load(Storage v) { return bfloat16_to_float(v); }
-  static Storage store(Acc f) { return float_to_bfloat16(f); }
-};
-
-struct F16 {
-  using Storage = uint16_t;
-  using Acc = float;
-  static Acc load(Storage h) { return half_to_float(h); }
-  static Storage store(Acc f) { return float_to_half(f); }
-};
-
 template <typename Format>
 void permute_rows(const void* x_raw, int64_t d, int64_t k, const int64_t* row_of_slot, const void* weight_raw,
                   void* out_raw, int64_t t_begin, int64_t t_end) {
   using S = typename Format::Storage;
-  using Acc = typename Format::Acc;
+  using Acc = typename Format::Compute;
   const S* x = static_cast<const S*>(x_raw);
   const S* weight = static_cast<const S*>(weight_raw);
   S* out = static_cast<S*>(out_raw);
@@ -118,7 +89,7 @@ template <typename Format>
 void unpermute_rows(const void* y_raw, int64_t d, int64_t k, const int64_t* row_of_slot, const void* weight_raw,
                     void* out_raw, int64_t t_begin, int64_t t_end) {
   using S = typename Format::Storage;
-  using Acc = typename Format::Acc;
+  using Acc = typename Format::Compute;
   const S* y = static_cast<const S*>(y_raw);
   const S* weight = static_cast<const S*>(weight_raw);
   S* out = static_cast<S*>(out_raw);
@@ -223,20 +194,20 @@ void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t tokens, int64_t k, 
 void moe_permute_cpu(const void* x, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                      const void* weight, void* out, int64_t t_begin, int64_t t_end) {
   switch (type) {
-    case MoeValueType::kFloat64: return permute_rows<F64>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kFloat16: return permute_rows<F16>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kBFloat16: return permute_rows<BF16>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-    default: return permute_rows<F32>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kFloat64: return permute_rows<Float64Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kFloat16: return permute_rows<Float16Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kBFloat16: return permute_rows<BFloat16Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+    default: return permute_rows<Float32Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
   }
 }
 
 void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                        const void* weight, void* out, int64_t t_begin, int64_t t_end) {
   switch (type) {
-    case MoeValueType::kFloat64: return unpermute_rows<F64>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kFloat16: return unpermute_rows<F16>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kBFloat16: return unpermute_rows<BF16>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-    default: return unpermute_rows<F32>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kFloat64: return unpermute_rows<Float64Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kFloat16: return unpermute_rows<Float16Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    case MoeValueType::kBFloat16: return unpermute_rows<BFloat16Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+    default: return unpermute_rows<Float32Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
   }
 }
 

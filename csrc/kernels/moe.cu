@@ -15,11 +15,9 @@
 //      assigns, on any GPU and any launch configuration.
 // Permute and unpermute: one block per token (grid-stride), threads over the row's columns; unpermute gathers the
 // token's k rows in increasing j, so it needs no atomics either.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
+#include "kernels/float_bits.h"
 #include "kernels/moe.h"
 
 namespace fastdist {
@@ -224,41 +222,12 @@ __global__ void layout_scatter_kernel(const int64_t* __restrict__ topk_idx, int6
   }
 }
 
-// Storage formats: load to the compute type, store with one rounding to nearest even.
-struct F32 {
-  using Storage = float;
-  using Acc = float;
-  __device__ static Acc load(Storage v) { return v; }
-  __device__ static Storage store(Acc v) { return v; }
-};
-
-struct F64 {
-  using Storage = double;
-  using Acc = double;
-  __device__ static Acc load(Storage v) { return v; }
-  __device__ static Storage store(Acc v) { return v; }
-};
-
-struct F16 {
-  using Storage = uint16_t;
-  using Acc = float;
-  __device__ static Acc load(Storage v) { return __half2float(__ushort_as_half(v)); }
-  __device__ static Storage store(Acc v) { return __half_as_ushort(__float2half_rn(v)); }
-};
-
-struct BF16 {
-  using Storage = uint16_t;
-  using Acc = float;
-  __device__ static Acc load(Storage v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
-  __device__ static Storage store(Acc v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-};
-
 template <typename Format>
 __global__ void permute_kernel(const typename Format::Storage* __restrict__ x, int64_t tokens, int64_t d, int64_t k,
                                const int64_t* __restrict__ row_of_slot,
                                const typename Format::Storage* __restrict__ weight,
                                typename Format::Storage* __restrict__ out) {
-  using Acc = typename Format::Acc;
+  using Acc = typename Format::Compute;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const typename Format::Storage* src = x + t * d;
     for (int64_t j = 0; j < k; ++j) {
@@ -282,7 +251,7 @@ __global__ void unpermute_kernel(const typename Format::Storage* __restrict__ y,
                                  int64_t k, const int64_t* __restrict__ row_of_slot,
                                  const typename Format::Storage* __restrict__ weight,
                                  typename Format::Storage* __restrict__ out) {
-  using Acc = typename Format::Acc;
+  using Acc = typename Format::Compute;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     typename Format::Storage* dst = out + t * d;
     for (int64_t col = threadIdx.x; col < d; col += blockDim.x) {
@@ -379,13 +348,13 @@ cudaError_t moe_permute_cuda(const void* x, MoeValueType type, int64_t tokens, i
   const int threads = row_threads(d);
   switch (type) {
     case MoeValueType::kFloat64:
-      return launch_permute<F64>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_permute<Float64Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
     case MoeValueType::kFloat16:
-      return launch_permute<F16>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_permute<Float16Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
     case MoeValueType::kBFloat16:
-      return launch_permute<BF16>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_permute<BFloat16Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
     default:
-      return launch_permute<F32>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_permute<Float32Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
   }
 }
 
@@ -396,13 +365,13 @@ cudaError_t moe_unpermute_cuda(const void* y, MoeValueType type, int64_t tokens,
   const int threads = row_threads(d);
   switch (type) {
     case MoeValueType::kFloat64:
-      return launch_unpermute<F64>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_unpermute<Float64Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
     case MoeValueType::kFloat16:
-      return launch_unpermute<F16>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_unpermute<Float16Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
     case MoeValueType::kBFloat16:
-      return launch_unpermute<BF16>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_unpermute<BFloat16Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
     default:
-      return launch_unpermute<F32>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+      return launch_unpermute<Float32Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
   }
 }
 
