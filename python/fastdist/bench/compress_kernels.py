@@ -12,14 +12,13 @@ Speeds are also given as GB/s of the bytes the op must move (read + write) and a
 bandwidth measured in the same run. The CPU acceptance target is topk_compress >= 3x torch on [256, 65536] float32
 with k = 10%; on CUDA the target is >= 5x on [64, 1M] and decompress at >= 60% of the copy bandwidth.
 """
-import functools
 import statistics
 
 import torch
 
 import fastdist
 from fastdist.bench import report
-from fastdist.bench.kernels import COPY_BYTES, FLUSH_BYTES, _time_cpu, _time_cuda, parse_shape
+from fastdist.bench.kernels import copy_bandwidth, kernel_timer, parse_shape
 from fastdist.ops import dequantize, quantize, topk_compress, topk_decompress
 from fastdist.ops.topk import topk_k
 
@@ -111,18 +110,10 @@ def run(args):
 
 
 def _run(args, device, ops, rows, d, k):
-    if device == "cuda":
-        timer = functools.partial(_time_cuda, flush=torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device))
-        backend = f"fastdist CUDA kernels on {torch.cuda.get_device_name()}"
-    else:
-        timer = _time_cpu
-        backend = f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
+    timer, backend = kernel_timer(device)
     env = report.environment(backend=backend, device=device, ranks=1, network="-")
     progress = report.Progress(1 + len(ops), "compress-kernels")
-    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    (copy_samples,) = timer([lambda: dst.copy_(src)], args.repeats, args.warmup)
-    copy_gbps = 2 * COPY_BYTES / statistics.median(copy_samples) / 1e9
+    copy_gbps, copy_samples = copy_bandwidth(timer, device, args.repeats, args.warmup)
     progress.step("copy")
     x = torch.randn(rows, d, generator=torch.Generator().manual_seed(0)).to(device)
     out = []

@@ -178,6 +178,23 @@ def _time_cuda(fns, repeats, warmup, flush):
     return samples
 
 
+def kernel_timer(device):
+    """(timer, backend label) for kernels on `device`: CUDA events with L2 flushed before every call, or
+    interleaved CPU samples."""
+    if device == "cuda":
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        return functools.partial(_time_cuda, flush=flush), f"fastdist CUDA kernels on {torch.cuda.get_device_name()}"
+    return _time_cpu, f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
+
+
+def copy_bandwidth(timer, device, repeats, warmup):
+    """The copy bandwidth in GB/s (read + write of a COPY_BYTES dst.copy_(src)) and its samples in seconds."""
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    (samples,) = timer([lambda: dst.copy_(src)], repeats, warmup)
+    return 2 * COPY_BYTES / statistics.median(samples) / 1e9, samples
+
+
 def _cases(op, size, rows, device):
     """(fastdist fn, torch fn, bytes read + written) for one op and size."""
     g = torch.Generator().manual_seed(size)
@@ -285,24 +302,14 @@ def run(args):
 
 
 def _run(args, device, ops, sizes, repeats, sketch):
-    if device == "cuda":
-        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-        timer = functools.partial(_time_cuda, flush=flush)
-        backend = f"fastdist CUDA kernels on {torch.cuda.get_device_name()}"
-    else:
-        timer = _time_cpu
-        backend = f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
+    timer, backend = kernel_timer(device)
     env = report.environment(backend=backend, device=device, ranks=1, network="-")
     sweep_ops = [op for op in ops if op in SWEEP_OPS]
     sketch_ops = [op for op in ops if op in SKETCH_OPS]
     sketch_cases_per_op = len(sketch["densities"]) + 1
     progress = report.Progress(1 + len(sweep_ops) * len(sizes) + len(sketch_ops) * sketch_cases_per_op, "kernels")
 
-    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    (copy_samples,) = timer([lambda: dst.copy_(src)], repeats, args.warmup)
-    copy_gbps = 2 * COPY_BYTES / statistics.median(copy_samples) / 1e9
-    del src, dst
+    copy_gbps, copy_samples = copy_bandwidth(timer, device, repeats, args.warmup)
     progress.step("copy")
 
     rows = []
