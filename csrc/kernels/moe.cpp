@@ -132,27 +132,32 @@ int64_t moe_route_cpu(const void* logits, MoeValueType type, int64_t num_experts
 }
 
 int64_t moe_layout_histogram_cpu(const int64_t* topk_idx, int64_t tokens, int64_t k, int64_t num_experts,
-                                 int64_t q_begin, int64_t q_end, int64_t* hist) {
+                                 int64_t t_begin, int64_t t_end, int64_t* hist) {
+  (void)tokens;
   int64_t invalid = 0;
-  for (int64_t q = q_begin; q < q_end; ++q) {
-    const int64_t j = q / tokens;
-    const int64_t t = q - j * tokens;
-    const int64_t e = topk_idx[t * k + j];
-    const bool ok = e >= 0 && e < num_experts;
-    invalid += !ok;
-    if (ok) ++hist[e];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = topk_idx[t * k + j];
+      const bool ok = e >= 0 && e < num_experts;
+      invalid += !ok;
+      if (ok) ++hist[j * num_experts + e];
+    }
   }
   return invalid;
 }
 
-void moe_layout_scan_cpu(int64_t* hist, int64_t chunks, int64_t num_experts, int64_t num_ranks, int64_t capacity,
-                         int64_t* counts, int64_t* offsets, int64_t* dropped_offsets, int64_t* rank_counts) {
+void moe_layout_scan_cpu(int64_t* hist, int64_t chunks, int64_t k, int64_t num_experts, int64_t num_ranks,
+                         int64_t capacity, int64_t* counts, int64_t* offsets, int64_t* dropped_offsets,
+                         int64_t* rank_counts) {
   for (int64_t e = 0; e < num_experts; ++e) {
     int64_t running = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t n = hist[c * num_experts + e];
-      hist[c * num_experts + e] = running;
-      running += n;
+    for (int64_t j = 0; j < k; ++j) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        int64_t& h = hist[(c * k + j) * num_experts + e];
+        const int64_t n = h;
+        h = running;
+        running += n;
+      }
     }
     counts[e] = running;
   }
@@ -171,23 +176,22 @@ void moe_layout_scan_cpu(int64_t* hist, int64_t chunks, int64_t num_experts, int
   for (int64_t r = 0; r < num_ranks; ++r) rank_counts[r] = offsets[(r + 1) * per_rank] - offsets[r * per_rank];
 }
 
-void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t tokens, int64_t k, int64_t num_experts,
-                            int64_t capacity, const int64_t* offsets, const int64_t* dropped_offsets,
-                            int64_t q_begin, int64_t q_end, int64_t* cursor, int64_t* permutation,
-                            int64_t* row_of_slot, int64_t* position, uint8_t* keep) {
-  (void)num_experts;
-  for (int64_t q = q_begin; q < q_end; ++q) {
-    const int64_t j = q / tokens;
-    const int64_t t = q - j * tokens;
-    const int64_t slot = t * k + j;
-    const int64_t e = topk_idx[slot];
-    const int64_t pos = cursor[e]++;
-    const bool kept = capacity < 0 || pos < capacity;
-    const int64_t row = kept ? offsets[e] + pos : dropped_offsets[e] + (pos - capacity);
-    permutation[row] = slot;
-    row_of_slot[slot] = kept ? row : -1;
-    position[slot] = pos;
-    keep[slot] = kept;
+void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t k, int64_t num_experts, int64_t capacity,
+                            const int64_t* offsets, const int64_t* dropped_offsets, int64_t t_begin, int64_t t_end,
+                            int64_t* cursor, int64_t* permutation, int64_t* row_of_slot, int64_t* position,
+                            uint8_t* keep) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t slot = t * k + j;
+      const int64_t e = topk_idx[slot];
+      const int64_t pos = cursor[j * num_experts + e]++;
+      const bool kept = capacity < 0 || pos < capacity;
+      const int64_t row = kept ? offsets[e] + pos : dropped_offsets[e] + (pos - capacity);
+      permutation[row] = slot;
+      row_of_slot[slot] = kept ? row : -1;
+      position[slot] = pos;
+      keep[slot] = kept;
+    }
   }
 }
 

@@ -17,8 +17,11 @@
 //     permutation[row(t, j)] = t * k + j,   row_of_slot[t, j] = row(t, j) if kept else -1.
 // Experts are owned contiguously by R ranks, E / R each: rank_counts[r] = sum of kept_e over r's experts.
 // This is the unique stable sort of the slots by expert, so any correct algorithm, any chunking and any thread
-// count give the same bits. CPU: chunks of consecutive priorities are histogrammed in parallel, an exclusive scan
-// over (expert, chunk) gives each chunk its start inside each expert, and the chunks scatter in parallel.
+// count give the same bits. CPU: the tokens are cut into chunks of consecutive tokens, each histogrammed per
+// (choice, expert) in parallel; an exclusive scan per expert over (choice, chunk) — priority order — gives each
+// chunk its start inside each expert for each choice, and the chunks scatter in parallel. A chunk owns whole token
+// rows, so the per-slot outputs each thread writes are contiguous (chunking by priority would interleave the
+// threads' writes slot by slot and share every cache line: 2x slower on 2 threads than on 1).
 //
 // ---- Permute / unpermute ----
 // permute:   out[row_of_slot[t, j], :] = x[t, :] (* weight[t, j] when weights are given), for kept slots; rows
@@ -51,23 +54,26 @@ enum class MoeValueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kB
 int64_t moe_route_cpu(const void* logits, MoeValueType type, int64_t num_experts, int64_t k, float* probs,
                       float* lse, int64_t* topk_idx, float* topk_weight, int64_t t_begin, int64_t t_end);
 
-// Priorities [q_begin, q_end) of T * k: adds how many assignments go to each expert to hist[num_experts] (which
-// the caller zeroes). Returns how many ids are outside [0, num_experts) (they are not counted).
+// Tokens [t_begin, t_end): adds how many of their j-th choices go to each expert to hist[j * num_experts + e]
+// (hist is [k, num_experts], zeroed by the caller). Returns how many ids are outside [0, num_experts) (they are
+// not counted).
 int64_t moe_layout_histogram_cpu(const int64_t* topk_idx, int64_t tokens, int64_t k, int64_t num_experts,
-                                 int64_t q_begin, int64_t q_end, int64_t* hist);
+                                 int64_t t_begin, int64_t t_end, int64_t* hist);
 
-// After the histograms of `chunks` chunks (hist[c * E + e]): turns hist into each chunk's first position inside
-// every expert (exclusive scan over chunks, per expert) and writes counts[E], offsets[E + 1] (kept, see above),
-// dropped_offsets[E] (first dropped row of each expert) and rank_counts[R]. capacity < 0: dropless.
-void moe_layout_scan_cpu(int64_t* hist, int64_t chunks, int64_t num_experts, int64_t num_ranks, int64_t capacity,
-                         int64_t* counts, int64_t* offsets, int64_t* dropped_offsets, int64_t* rank_counts);
+// After the histograms of `chunks` token chunks (hist[(c * k + j) * E + e]): turns hist into each (chunk, choice)'s
+// first position inside every expert (exclusive scan per expert in priority order: choice-major, then chunk) and
+// writes counts[E], offsets[E + 1] (kept, see above), dropped_offsets[E] (first dropped row of each expert) and
+// rank_counts[R]. capacity < 0: dropless.
+void moe_layout_scan_cpu(int64_t* hist, int64_t chunks, int64_t k, int64_t num_experts, int64_t num_ranks,
+                         int64_t capacity, int64_t* counts, int64_t* offsets, int64_t* dropped_offsets,
+                         int64_t* rank_counts);
 
-// Scatters priorities [q_begin, q_end) (one chunk), starting at cursor[E] = that chunk's scanned hist row (it is
-// advanced). Writes permutation[T * k], row_of_slot[T, k], position[T, k], keep[T, k] (0/1) for the chunk's slots.
-void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t tokens, int64_t k, int64_t num_experts,
-                            int64_t capacity, const int64_t* offsets, const int64_t* dropped_offsets,
-                            int64_t q_begin, int64_t q_end, int64_t* cursor, int64_t* permutation,
-                            int64_t* row_of_slot, int64_t* position, uint8_t* keep);
+// Scatters the slots of tokens [t_begin, t_end) (one chunk), starting at cursor[k * E] = that chunk's scanned hist
+// rows (advanced). Writes permutation[T * k], row_of_slot[T, k], position[T, k], keep[T, k] (0/1) for its slots.
+void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t k, int64_t num_experts, int64_t capacity,
+                            const int64_t* offsets, const int64_t* dropped_offsets, int64_t t_begin, int64_t t_end,
+                            int64_t* cursor, int64_t* permutation, int64_t* row_of_slot, int64_t* position,
+                            uint8_t* keep);
 
 // permute over tokens [t_begin, t_end): x [T, d], row_of_slot [T, k], weight [T, k] or nullptr, out [rows, d]
 // (the caller zeroes rows no slot names).

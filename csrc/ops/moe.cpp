@@ -59,28 +59,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor row_of_slot = at::empty({tokens, k}, i64);
   at::Tensor position = at::empty({tokens, k}, i64);
   at::Tensor keep = at::empty({tokens, k}, i64.dtype(at::kBool));
-  // Chunks of consecutive priorities; how many changes nothing in the result (moe.h), only the parallelism.
+  // Chunks of consecutive tokens; how many changes nothing in the result (moe.h), only the parallelism.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kLayoutChunk));
-  std::vector<int64_t> hist(static_cast<size_t>(chunks * num_experts), 0);
+  std::vector<int64_t> hist(static_cast<size_t>(chunks * k * num_experts), 0);
   std::vector<int64_t> dropped_offsets(static_cast<size_t>(num_experts));
   const int64_t* in = idx.const_data_ptr<int64_t>();
-  auto chunk_begin = [&](int64_t c) { return c * n / chunks; };
+  auto chunk_begin = [&](int64_t c) { return c * tokens / chunks; };
   std::atomic<int64_t> invalid{0};
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       invalid += fastdist::moe_layout_histogram_cpu(in, tokens, k, num_experts, chunk_begin(c), chunk_begin(c + 1),
-                                                    hist.data() + c * num_experts);
+                                                    hist.data() + c * k * num_experts);
     }
   });
   TORCH_CHECK(invalid.load() == 0, "fastdist: 'topk_idx' entries must be in [0, num_experts = ", num_experts,
               "), got ", invalid.load(), " outside");
-  fastdist::moe_layout_scan_cpu(hist.data(), chunks, num_experts, num_ranks, capacity, counts.data_ptr<int64_t>(),
-                                offsets.data_ptr<int64_t>(), dropped_offsets.data(), rank_counts.data_ptr<int64_t>());
+  fastdist::moe_layout_scan_cpu(hist.data(), chunks, k, num_experts, num_ranks, capacity,
+                                counts.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), dropped_offsets.data(),
+                                rank_counts.data_ptr<int64_t>());
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
-      fastdist::moe_layout_scatter_cpu(in, tokens, k, num_experts, capacity, offsets.const_data_ptr<int64_t>(),
+      fastdist::moe_layout_scatter_cpu(in, k, num_experts, capacity, offsets.const_data_ptr<int64_t>(),
                                        dropped_offsets.data(), chunk_begin(c), chunk_begin(c + 1),
-                                       hist.data() + c * num_experts, permutation.data_ptr<int64_t>(),
+                                       hist.data() + c * k * num_experts, permutation.data_ptr<int64_t>(),
                                        row_of_slot.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
                                        reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()));
     }

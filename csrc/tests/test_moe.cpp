@@ -18,20 +18,21 @@ struct Layout {
   std::vector<uint8_t> keep;
 };
 
-// The kernels, with the priorities cut into `chunks` pieces as the glue does.
+// The kernels, with the tokens cut into `chunks` pieces as the glue does.
 Layout run_layout(const I64& ids, int64_t tokens, int64_t k, int64_t experts, int64_t ranks, int64_t capacity,
                   int64_t chunks) {
   const int64_t n = tokens * k;
   Layout out{I64(experts), I64(experts + 1), I64(ranks), I64(n), I64(n), I64(n), std::vector<uint8_t>(n)};
-  I64 hist(chunks * experts, 0), dropped(experts);
-  auto begin = [&](int64_t c) { return c * n / chunks; };
+  I64 hist(chunks * k * experts, 0), dropped(experts);
+  auto begin = [&](int64_t c) { return c * tokens / chunks; };
   for (int64_t c = 0; c < chunks; ++c)
-    fastdist::moe_layout_histogram_cpu(ids.data(), tokens, k, experts, begin(c), begin(c + 1), &hist[c * experts]);
-  fastdist::moe_layout_scan_cpu(hist.data(), chunks, experts, ranks, capacity, out.counts.data(), out.offsets.data(),
-                                dropped.data(), out.rank_counts.data());
+    fastdist::moe_layout_histogram_cpu(ids.data(), tokens, k, experts, begin(c), begin(c + 1),
+                                       &hist[c * k * experts]);
+  fastdist::moe_layout_scan_cpu(hist.data(), chunks, k, experts, ranks, capacity, out.counts.data(),
+                                out.offsets.data(), dropped.data(), out.rank_counts.data());
   for (int64_t c = chunks - 1; c >= 0; --c)  // any order: chunks are independent after the scan
-    fastdist::moe_layout_scatter_cpu(ids.data(), tokens, k, experts, capacity, out.offsets.data(), dropped.data(),
-                                     begin(c), begin(c + 1), &hist[c * experts], out.permutation.data(),
+    fastdist::moe_layout_scatter_cpu(ids.data(), k, experts, capacity, out.offsets.data(), dropped.data(), begin(c),
+                                     begin(c + 1), &hist[c * k * experts], out.permutation.data(),
                                      out.row_of_slot.data(), out.position.data(), out.keep.data());
   return out;
 }
@@ -94,10 +95,10 @@ FD_TEST(moe_layout_cpu_is_the_stable_sort_for_every_chunking) {
 
 FD_TEST(moe_layout_histogram_counts_ids_out_of_range) {
   const I64 ids = {0, 3, -1, 4, 2, 1};
-  I64 hist(4, 0);
-  const int64_t invalid = fastdist::moe_layout_histogram_cpu(ids.data(), 3, 2, 4, 0, 6, hist.data());
+  I64 hist(2 * 4, 0);
+  const int64_t invalid = fastdist::moe_layout_histogram_cpu(ids.data(), 3, 2, 4, 0, 3, hist.data());
   FD_EXPECT(invalid == 2, "invalid=" << invalid);
-  FD_EXPECT((hist == I64{1, 1, 1, 1}), "");
+  FD_EXPECT((hist == I64{1, 0, 1, 0, 0, 1, 0, 1}), "");
 }
 
 FD_TEST(moe_permute_and_unpermute_cpu_match_the_definition) {
