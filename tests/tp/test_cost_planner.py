@@ -11,7 +11,7 @@ from fastdist.tp.planner import plan_cost
 
 
 def _model(**kw):
-    base = {"alpha": 10e-6, "beta": 1e9, "gemm_overhead": 0.0, "gemm_rate": 1e10, "contention": 1.0, "world_size": 2}
+    base = {"alpha": 10e-6, "beta": 1e9, "gemm_overhead": 0.0, "gemm_rate": 1e10, "world_size": 2}
     base.update(kw)
     return CostModel(**base)
 
@@ -26,6 +26,44 @@ def test_predict_follows_the_overlap_formula():
         g, c = G / k, C_alpha + C_beta / k
         assert m.predict(op, k) == pytest.approx(g + c + (k - 1) * max(g, c))
     assert m.allreduce_time(op.comm_bytes) == pytest.approx(C_alpha + C_beta)
+
+
+def test_predict_adds_the_collectives_compute_to_every_overlapped_step():
+    m = _model(comm_compute_table={0: 50e-6, 2**20: 50e-6 + 0.5e-9 * 2**20})  # S(B) = 50 us + 0.5 ns/B
+    op = TPOp("row", 1024, 512, 256, 2)
+    G = 2 * 1024 * 512 * 256 / 1e10
+    C_alpha, C_beta = 2 * 10e-6, op.comm_bytes / 1e9
+    assert m.predict(op, 1) == pytest.approx(G + C_alpha + C_beta)  # sequential: the collective's time is all of it
+    for k in (2, 4, 8):
+        g, c, s = G / k, C_alpha + C_beta / k, 50e-6 + 0.5e-9 * op.comm_bytes / k
+        assert m.predict(op, k) == pytest.approx(g + c + (k - 1) * max(g + s, c))
+
+
+def test_collective_compute_is_interpolated_in_the_measured_sizes_and_proportional_past_them():
+    m = _model(comm_compute_table={1000: 1e-3, 3000: 2e-3})
+    assert m.comm_compute_time(2000) == pytest.approx(1.5e-3)
+    assert m.comm_compute_time(500) == pytest.approx(1e-3)
+    assert m.comm_compute_time(6000) == pytest.approx(4e-3)
+    assert _model().comm_compute_time(6000) == 0.0
+
+
+def test_all_reduce_time_is_interpolated_in_the_measured_sizes_and_alpha_beta_outside_them():
+    m = _model(allreduce_table={1000: 1e-3, 3000: 2e-3})
+    assert m.allreduce_time(2000) == pytest.approx(1.5e-3)
+    assert m.allreduce_time(6000) == pytest.approx(2 * 10e-6 + 6000 / 1e9)  # 2(t-1) alpha + 2(t-1)/t B / beta
+    assert m.allreduce_time(2000, world_size=4) == pytest.approx(6 * 10e-6 + 1.5 * 2000 / 1e9)  # other ranks
+
+
+def test_choose_chunks_keeps_one_chunk_when_the_collective_is_mostly_compute():
+    # A fast link: the all-reduce is a fifth of the GEMM and its bandwidth term is all processor time (CPU gloo),
+    # so overlapping it hides nothing while every chunk pays a message's latency.
+    op = TPOp("row", 2048, 1024, 1024, 2)
+    G = 2 * 2048 * 1024 * 1024 / 1e10
+    beta = op.comm_bytes / (0.2 * G)
+    fast = _model(alpha=0.6e-3, beta=beta, comm_compute_table={0: 0.3e-3, op.comm_bytes: 0.3e-3 + op.comm_bytes / beta})
+    assert fast.choose_chunks((2048, 1024, 1024)) == 1
+    free = _model(alpha=0.6e-3, beta=beta)  # the same link with a collective that costs the GEMM nothing
+    assert free.choose_chunks((2048, 1024, 1024)) > 1
 
 
 def test_column_backward_prediction_overlaps_the_weight_gradient_gemm_with_the_last_all_reduce():
@@ -59,7 +97,7 @@ def test_the_best_predicted_gain_is_bounded_by_two():
 
 
 def test_cost_model_state_dict_round_trips():
-    m = _model(gemm_table={(4, 8, 8, "torch.float32"): 1e-5})
+    m = _model(gemm_table={(4, 8, 8, "torch.float32"): 1e-5}, comm_compute_table={4096: 2e-5, 65536: 1e-4})
     m.choose_chunks((1024, 8, 8))
     copy = CostModel()
     copy.load_state_dict(m.state_dict())
@@ -71,7 +109,9 @@ def test_calibration_gives_every_rank_the_same_positive_model(tp_ranks):
     (state0, text), (state1, _) = outcome(tp_ranks(2), "calibrate")
     assert state0 == state1
     assert state0["alpha"] > 0 and state0["beta"] > 0 and state0["gemm_rate"] > 0
-    assert state0["contention"] >= 1.0
+    compute = dict(state0["comm_compute_table"])  # CPU time of each calibrated all-reduce size
+    assert len(compute) == 3 and all(v >= 0 for v in compute.values())
+    assert compute[max(compute)] > 0  # all-reducing the shape's whole output costs gloo some CPU
     assert len(state0["gemm_table"]) == 4  # the shape and its 2-, 4-, 8-way chunks
     assert text.startswith("CostModel(alpha=")
 

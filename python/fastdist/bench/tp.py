@@ -55,7 +55,7 @@ def add_arguments(p):
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is aborted")
     p.add_argument("--op-shape", default="2048,2048,1024", help="row op M,K,N (full K; default 2048,2048,1024)")
     p.add_argument("--block", default="768,12,128,8", help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions per variant, >= 5 for a claim")
+    p.add_argument("--reps", type=int, default=15, help="timed repetitions per variant, >= 5 for a claim")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions of every variant first")
     p.add_argument("--skip-block", action="store_true", help="only the row-parallel op")
     p.add_argument("--gemm-check", metavar="M,K,N", default=None,
@@ -164,7 +164,7 @@ def bench_rank(config):
     core = _pin_to_core(rank)
     m, k_full, n = config["op_shape"]
     k_local = k_full // world
-    model = CostModel.calibrate(None, shapes=((m, k_local, n),), reps=3)
+    model = CostModel.calibrate(None, shapes=((m, k_local, n),), reps=5)
     per_rep = len(OP_KS) + len(GEMM_ONLY_KS) if config["part"] == "op" else len(BLOCK_VARIANTS)
     steps = (config["warmup"] + config["reps"]) * per_rep
     progress = report.Progress(steps, f"tp {config['part']} {config['label']}") if rank == 0 else None

@@ -1,17 +1,24 @@
 """The overlap cost model: when does chunking a tensor-parallel linear pay, and by how many chunks.
 
-Alpha-beta ring all-reduce of ``B`` bytes over ``t`` ranks: ``C(B) = 2(t-1) alpha + 2(t-1)/t * B / beta``.
-A GEMM of ``m`` rows takes ``G(m)``: measured (a table filled by :meth:`CostModel.calibrate`) or fitted as
-``lambda + 2 m K N / rate``. Split ``M`` rows into ``k`` chunks: each chunk's GEMM ``g = G(M / k)``, each
-chunk's all-reduce ``c = C_alpha + C_beta / k`` (the latency term is paid per message), and
+An all-reduce of ``B`` bytes over ``t`` ranks takes ``C(B)``: measured (a table over the calibrated sizes,
+interpolated) or the alpha-beta ring ``2(t-1) alpha + 2(t-1)/t * B / beta`` fitted on it. A GEMM of ``m`` rows
+takes ``G(m)``: measured (a table filled by :meth:`CostModel.calibrate`) or fitted as ``lambda + 2 m K N / rate``.
+Split ``M`` rows into ``k`` chunks: each chunk's GEMM ``g = G(M / k)``, each chunk's all-reduce ``c = C(B / k)``
+(the latency is paid per message), and
 
-    row-parallel forward     T(k) = g + c + (k - 1) * gamma * max(g, c)          T(1) = G(M) + C(B)
-    column-parallel backward T(k) = g + (k - 1) * gamma * max(g, c) + max(c, G_dW)
+    row-parallel forward     T(k) = g + c + (k - 1) * max(g + s, c)          T(1) = G(M) + C(B)
+    column-parallel backward T(k) = g + (k - 1) * max(g + s, c) + max(c, G_dW + s)
 
-where ``gamma >= 1`` is the contention factor measured by :meth:`calibrate` (a GEMM and a collective running
-at once slow each other: on a CPU they share cores and memory bandwidth, on a GPU SMs and HBM). The best
-possible gain is ``(G + C) / max(G, C) <= 2``. :meth:`CostModel.choose_chunks` picks ``k`` from {1, 2, 4, 8}
-minimizing ``T(k)``; uncalibrated, it returns 4 (the spec's default, TransformerEngine's too).
+where ``max(g + s, c)`` is one overlapped step, a chunk's GEMM beside the previous chunk's collective, and
+``s = S(B / k)`` is the compute that collective takes from the GEMM. A collective is not free to the processor
+that computes: on a CPU, gloo's thread and the kernel's network stack copy and sum every byte on the GEMM's core
+(measured: ~1.3 ms of CPU per MB all-reduced on 2 ranks, about all of an all-reduce's time on a 10 Gbit/s-class
+link); on a GPU, NCCL's kernels occupy SMs and HBM bandwidth. :meth:`calibrate` measures ``S`` at its all-reduce
+sizes (a table, interpolated): on a CPU as the process time the all-reduce uses, on a GPU as how much it
+stretches a GEMM beside it. So chunking hides only the collective's waiting, never its work, and on a fast link
+less than the extra chunks cost: the model then keeps ``k = 1``. The best possible gain is
+``(G + C) / max(G, C) <= 2``. :meth:`CostModel.choose_chunks` picks the fewest ``k`` from {1, 2, 4, 8}
+within 3% of the least ``T(k)``; uncalibrated, it returns 4 (the spec's default, TransformerEngine's too).
 
 Calibration times every measurement on every rank and keeps the slowest rank's median, so all ranks hold the
 same model and make the same choices (the linears also check that with a fingerprint exchange).
@@ -28,6 +35,9 @@ __all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "default_cost_model", "set_defa
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 UNCALIBRATED_CHUNKS = 4
+# choose_chunks takes the fewest chunks predicted within this fraction of the best: a split that promises less
+# is inside the model's error (about 10% on CPU) and adds messages whose latency varies.
+CHUNK_TOLERANCE = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +61,17 @@ class TPOp:
 class CostModel:
     """Fitted all-reduce and GEMM costs of this machine (see the module docstring)."""
 
-    def __init__(self, alpha=None, beta=None, gemm_overhead=0.0, gemm_rate=None, contention=1.0, gemm_table=None,
-                 world_size=None):
+    def __init__(self, alpha=None, beta=None, gemm_overhead=0.0, gemm_rate=None, gemm_table=None,
+                 allreduce_table=None, comm_compute_table=None, world_size=None):
         self.alpha = alpha                  # seconds per ring step
         self.beta = beta                    # bytes per second per link
         self.gemm_overhead = gemm_overhead  # lambda: seconds per GEMM launch
         self.gemm_rate = gemm_rate          # flop/s for unmeasured shapes
-        self.contention = contention        # gamma
         self.gemm_table = dict(gemm_table or {})  # (rows, K, N, dtype name) -> seconds
+        # all-reduced bytes -> seconds, measured on world_size ranks (interpolated inside, alpha-beta outside)
+        self.allreduce_table = {int(b): float(v) for b, v in (allreduce_table or {}).items()}
+        # all-reduced bytes -> compute seconds that all-reduce takes from a GEMM beside it (S); empty: free
+        self.comm_compute_table = {int(b): float(v) for b, v in (comm_compute_table or {}).items()}
         self.world_size = world_size
         self._chosen = {}
 
@@ -72,6 +85,9 @@ class CostModel:
         t = world_size or self.world_size
         if t is None or t <= 1:
             return 0.0
+        sizes = sorted(self.allreduce_table)
+        if t == self.world_size and sizes and sizes[0] <= nbytes <= sizes[-1]:
+            return _interpolate(self.allreduce_table, sizes, nbytes)
         return 2 * (t - 1) * self.alpha + 2 * (t - 1) / t * nbytes / self.beta
 
     def gemm_time(self, rows, in_features, out_features, dtype=torch.float32):
@@ -80,27 +96,35 @@ class CostModel:
             return self.gemm_table[key]
         return self.gemm_overhead + 2.0 * rows * in_features * out_features / self.gemm_rate
 
+    def comm_compute_time(self, nbytes):
+        """S(B): the compute time an all-reduce of ``nbytes`` takes from a GEMM running beside it. Interpolated
+        in the measured sizes; past the largest, proportional to the bytes; 0 when nothing was measured."""
+        if not self.comm_compute_table:
+            return 0.0
+        sizes = sorted(self.comm_compute_table)
+        if nbytes > sizes[-1]:
+            return self.comm_compute_table[sizes[-1]] * nbytes / sizes[-1]
+        return _interpolate(self.comm_compute_table, sizes, nbytes)
+
     def predict(self, op, k):
         """Predicted seconds of ``op`` (a :class:`TPOp`) split into ``k`` chunks."""
         if not self.calibrated:
             raise RuntimeError("fastdist: CostModel.predict needs a calibrated model (CostModel.calibrate(group) or "
                                "explicit alpha, beta and gemm_rate)")
         t = op.world_size
-        c_alpha = 2 * (t - 1) * self.alpha if t > 1 else 0.0
-        c_beta = 2 * (t - 1) / t * op.comm_bytes / self.beta if t > 1 else 0.0
         rows_per_chunk = -(-op.rows // k)
+        c = self.allreduce_time(op.comm_bytes / k, t)
+        s = self.comm_compute_time(op.comm_bytes / k) if t > 1 else 0.0
         if op.kind == "row":
             g = self.gemm_time(rows_per_chunk, op.in_features, op.out_features, op.dtype)
             if k == 1:
-                return g + c_alpha + c_beta
-            c = c_alpha + c_beta / k
-            return g + c + (k - 1) * self.contention * max(g, c)
+                return g + c
+            return g + c + (k - 1) * max(g + s, c)
         if op.kind == "column":
             # Backward: dX = dY W (rows x out -> rows x in) chunked; dW = dY^T X overlaps the last all-reduce.
             g = self.gemm_time(rows_per_chunk, op.out_features, op.in_features, op.dtype)
             g_dw = self.gemm_time(op.out_features, op.rows, op.in_features, op.dtype)
-            c = c_alpha + c_beta / k
-            return g + (k - 1) * self.contention * max(g, c) + max(c, g_dw)
+            return g + (k - 1) * max(g + s, c) + max(c, g_dw + s)
         raise ValueError(f"fastdist: TPOp.kind must be 'row' or 'column', got {op.kind!r}")
 
     def choose_chunks(self, shape, op="row", world_size=None, dtype=torch.float32):
@@ -117,7 +141,7 @@ class CostModel:
             candidates = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
             predicted = {kk: self.predict(tp_op, kk) for kk in candidates}
             best = min(predicted.values())
-            k = min(kk for kk in candidates if predicted[kk] <= best * (1 + 1e-9))  # ties: fewer chunks
+            k = min(kk for kk in candidates if predicted[kk] <= best * (1 + CHUNK_TOLERANCE))
         self._chosen[key] = k
         return k
 
@@ -125,15 +149,18 @@ class CostModel:
 
     @classmethod
     def calibrate(cls, group=None, shapes=((1024, 1024, 1024),), sizes=None, reps=5, dtype=torch.float32):
-        """Measures this machine: all-reduce times over ``sizes`` bytes (fit alpha, beta), GEMM times of every
-        ``shape`` = (rows, K, N) and of its 2-, 4- and 8-way row chunks (the table, and a fit of lambda and the
-        rate), and the contention of a GEMM running beside an all-reduce. A collective: every rank of ``group``
-        must call it; all get the same model."""
+        """Measures this machine: all-reduce times over ``sizes`` bytes (default: 16 and 64 KiB and every
+        ``shape``'s output and its 2-, 4-, 8-way chunks; fit alpha, beta), GEMM times of every ``shape`` =
+        (rows, K, N) and of its row chunks (the table, and a fit of lambda and the rate), and the compute each
+        all-reduce size takes from a GEMM (CPU: its process time; GPU: the first shape's GEMM beside it, minus the
+        GEMM alone). A collective: every rank of ``group`` must call it; all get the same model."""
         world = dist.get_world_size(group)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
-        sizes = sizes or [2**p for p in range(14, 23, 2)]  # 16 KiB .. 4 MiB
         elem = torch.tensor([], dtype=dtype).element_size()
+        if sizes is None:
+            chunk_bytes = {-(-rows // k) * n_out * elem for rows, _, n_out in shapes for k in CHUNK_CHOICES}
+            sizes = sorted({1 << 14, 1 << 16} | chunk_bytes)
 
         def sync():
             if device.type == "cuda":
@@ -151,10 +178,23 @@ class CostModel:
                     samples.append(time.perf_counter() - t0)
             return statistics.median(samples)
 
-        raw = []
+        def slowest(values):  # the slowest rank's numbers, everywhere
+            values = torch.tensor(values, dtype=torch.float64, device=device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+            return values.cpu().tolist()
+
+        raw, raw_cpu = [], []
         for nbytes in sizes:
-            buf = torch.ones(max(nbytes // elem, 1), dtype=dtype, device=device)
-            raw.append(timed(lambda buf=buf: dist.all_reduce(buf, group=group)))
+            buf = torch.zeros(max(nbytes // elem, 1), dtype=dtype, device=device)
+            cpu = []
+
+            def all_reduce(buf=buf, cpu=cpu):  # and the CPU time it takes (this process's threads, gloo's too)
+                c0 = time.process_time()
+                dist.all_reduce(buf, group=group)
+                cpu.append(time.process_time() - c0)
+
+            raw.append(timed(all_reduce))
+            raw_cpu.append(statistics.median(cpu[1:]))
         table_keys, gemm_raw = [], []
         for rows, k_in, n_out in shapes:
             w = torch.randn(n_out, k_in, dtype=dtype, device=device)
@@ -165,54 +205,67 @@ class CostModel:
                 x = torch.randn(m, k_in, dtype=dtype, device=device)
                 table_keys.append((m, k_in, n_out, str(dtype)))
                 gemm_raw.append(timed(lambda x=x, w=w: x @ w.t()))
-        # Contention: the first shape's half-size GEMM beside an all-reduce of its output.
-        rows, k_in, n_out = shapes[0]
-        m = max(rows // 2, 1)
-        x = torch.randn(m, k_in, dtype=dtype, device=device)
-        w = torch.randn(n_out, k_in, dtype=dtype, device=device)
-        out = torch.empty(m, n_out, dtype=dtype, device=device)
-
-        def overlapped():
-            work = dist.all_reduce(out, group=group, async_op=True)
-            x @ w.t()
-            work.wait()
-
-        lone_comm = timed(lambda: dist.all_reduce(out, group=group))
-        lone_gemm = timed(lambda: x @ w.t())
-        both = timed(overlapped)
-        # The slowest rank's numbers, everywhere.
-        values = torch.tensor(raw + gemm_raw + [lone_comm, lone_gemm, both], dtype=torch.float64, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        values = values.cpu().tolist()
-        raw, gemm_raw = values[:len(raw)], values[len(raw):len(raw) + len(gemm_raw)]
-        lone_comm, lone_gemm, both = values[-3:]
-        a, b = _fit_line(np.array(sizes, dtype=float), np.array(raw))
+        values = slowest(raw + gemm_raw)
+        raw, gemm_raw = values[:len(raw)], values[len(raw):]
+        # Relative least squares: the small sizes pin alpha, the large ones beta.
+        a, b = _fit_line(np.array(sizes, dtype=float), np.array(raw), relative=True)
         steps = 2 * (world - 1) if world > 1 else 1
         alpha = max(a, 1e-7) / steps
         beta = (2 * (world - 1) / world) / max(b, 1e-15) if world > 1 else float("inf")
         flops = np.array([2.0 * m * k * n for m, k, n, _ in table_keys])
         lam, inv_rate = _fit_line(flops, np.array(gemm_raw))
-        contention = both / max(lone_comm, lone_gemm)
-        contention = min(max(contention, 1.0), (lone_comm + lone_gemm) / max(lone_comm, lone_gemm))
         model = cls(alpha=alpha, beta=beta, gemm_overhead=max(lam, 0.0), gemm_rate=1.0 / max(inv_rate, 1e-18),
-                    contention=contention, gemm_table=dict(zip(table_keys, gemm_raw)), world_size=world)
+                    gemm_table=dict(zip(table_keys, gemm_raw)), allreduce_table=dict(zip(sizes, raw)),
+                    world_size=world)
+        if device.type == "cpu":
+            compute = dict(zip(sizes, slowest(raw_cpu)))
+        else:
+            compute = cls._gemm_stretch(model, group, shapes[0], sizes, dtype, device, timed, slowest)
+        model.comm_compute_table = {int(b): max(v, 0.0) for b, v in compute.items()}
         model.samples = {"allreduce_bytes": list(sizes), "allreduce_s": raw, "gemm": list(zip(table_keys, gemm_raw)),
-                         "contention": {"comm_s": lone_comm, "gemm_s": lone_gemm, "overlapped_s": both}}
+                         "allreduce_compute_s": [model.comm_compute_table.get(int(b)) for b in sizes]}
         return model
+
+    @staticmethod
+    def _gemm_stretch(model, group, shape, sizes, dtype, device, timed, slowest):
+        """{bytes: how much an all-reduce of that size stretches the GEMM of ``shape`` beside it} (GPUs, where the
+        collective's kernels share the SMs). Sizes whose all-reduce would outlast the GEMM are left out: there the
+        stretch would be the collective's own time."""
+        rows, k_in, n_out = shape
+        x = torch.randn(rows, k_in, dtype=dtype, device=device)
+        w = torch.randn(n_out, k_in, dtype=dtype, device=device)
+        lone = model.gemm_time(rows, k_in, n_out, dtype)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        fits = [b for b in sizes if model.allreduce_time(b) < 0.5 * lone] or sizes[:1]
+        stretched = []
+        for nbytes in fits:
+            buf = torch.zeros(max(nbytes // elem, 1), dtype=dtype, device=device)
+
+            def overlapped(buf=buf):
+                work = dist.all_reduce(buf, group=group, async_op=True)
+                x @ w.t()
+                work.wait()
+
+            stretched.append(timed(overlapped))
+        return {b: t - lone for b, t in zip(fits, slowest(stretched))}
 
     # ---- state ----
 
     def state_dict(self):
         return {"alpha": self.alpha, "beta": self.beta, "gemm_overhead": self.gemm_overhead,
-                "gemm_rate": self.gemm_rate, "contention": self.contention, "world_size": self.world_size,
+                "gemm_rate": self.gemm_rate, "world_size": self.world_size,
                 "gemm_table": [list(k) + [v] for k, v in sorted(self.gemm_table.items())],
+                "allreduce_table": [[b, v] for b, v in sorted(self.allreduce_table.items())],
+                "comm_compute_table": [[b, v] for b, v in sorted(self.comm_compute_table.items())],
                 "chosen": [[op, list(shape), t, dt, k] for (op, shape, t, dt), k in sorted(self._chosen.items())]}
 
     def load_state_dict(self, state):
         self.alpha, self.beta = state["alpha"], state["beta"]
         self.gemm_overhead, self.gemm_rate = state["gemm_overhead"], state["gemm_rate"]
-        self.contention, self.world_size = state["contention"], state["world_size"]
+        self.world_size = state["world_size"]
         self.gemm_table = {(int(m), int(k), int(n), dt): float(v) for m, k, n, dt, v in state["gemm_table"]}
+        self.allreduce_table = {int(b): float(v) for b, v in state["allreduce_table"]}
+        self.comm_compute_table = {int(b): float(v) for b, v in state["comm_compute_table"]}
         self._chosen = {(op, tuple(shape), t, dt): k for op, shape, t, dt, k in state.get("chosen", [])}
 
     def __repr__(self):
@@ -220,14 +273,25 @@ class CostModel:
             return "CostModel(uncalibrated: choose_chunks -> 4)"
         return (f"CostModel(alpha={self.alpha * 1e6:.1f}us, beta={self.beta / 1e9:.3f}GB/s, "
                 f"gemm_rate={self.gemm_rate / 1e9:.1f}GFLOP/s, lambda={self.gemm_overhead * 1e6:.1f}us, "
-                f"contention={self.contention:.2f}, {len(self.gemm_table)} measured GEMMs)")
+                f"{len(self.gemm_table)} measured GEMMs, all-reduce compute {self._compute_summary()})")
+
+    def _compute_summary(self):
+        if not self.comm_compute_table:
+            return "none"
+        b = max(self.comm_compute_table)
+        return f"{self.comm_compute_table[b] * 1e3:.2f} ms at {b / 2**20:g} MiB"
 
 
-def _fit_line(x, y):
-    """Least-squares intercept and slope of y = a + b x."""
+def _interpolate(table, sizes, nbytes):
+    """Piecewise-linear interpolation of ``table`` (bytes -> seconds) at ``nbytes``; ``sizes`` its sorted keys."""
+    return float(np.interp(nbytes, sizes, [table[b] for b in sizes]))
+
+
+def _fit_line(x, y, relative=False):
+    """Least-squares intercept and slope of y = a + b x (``relative``: of the relative residuals)."""
     if len(x) < 2:
         return 0.0, float(y[0] / x[0]) if len(x) else 0.0
-    b, a = np.polyfit(x, y, 1)
+    b, a = np.polyfit(x, y, 1, w=1.0 / np.maximum(y, 1e-12) if relative else None)
     return float(a), float(b)
 
 
