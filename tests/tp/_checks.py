@@ -142,7 +142,7 @@ def _auto_chunks():
     row(torch.randn(3, 4))
     out["few_rows"] = row.chunks_for(3)
     # Ranks whose calibrations differ must not silently issue different collectives.
-    mine = CostModel(alpha=1e-6 if rank == 0 else 1.0, beta=1e9, gemm_rate=1e9, world_size=2)
+    mine = CostModel(alpha=1e-6 if rank == 0 else 1.0, beta=5e7, gemm_rate=1e8, world_size=2)
     odd = RowParallelLinear(8, 8, None, overlap_chunks="auto", cost_model=mine)
     try:
         odd(torch.randn(64, 4))
