@@ -1,14 +1,22 @@
 // CPU magnitude TopK by radix select (see topk.h for the definition and the output order).
 //
-// Per row, two streaming passes and no sort: one builds a histogram of the key's top 11 bits (four interleaved
-// sub-histograms, so consecutive increments of one bucket do not wait on each other's store); the other writes, by
-// branch-free compaction, the positions of every value in a higher bucket (all kept) and the keys and positions of
-// the chosen bucket's values (the candidates). Two histograms over the candidates pin the threshold key T; the kept
-// candidates are compacted in place, and the two ascending position lists are merged while the values are read.
+// Per row, streaming passes and no sort. The first builds a histogram of the key's top 11 bits (four interleaved
+// sub-histograms, so consecutive increments of one bucket do not wait on each other's store). On CPUs with AVX2 two
+// more passes follow, compactions of eight lanes at a time (compare, movemask, a permutation from a 256-entry
+// table, one unaligned store): one collects the keys of the chosen bucket (the candidates), whose two histograms
+// (bits 10..19, then 0..9) pin the threshold key T; the last writes every value with key > T, and the first ties
+// with key == T, in index order. Without AVX2 one pass writes, by branch-free compaction, the positions of every
+// value in a higher bucket (all kept) and the keys and positions of the candidates; the kept candidates are
+// compacted in place, and the two ascending position lists are merged while the values are read.
 #include "kernels/topk.h"
 
 #include <algorithm>
 #include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FASTDIST_TOPK_AVX2 1
+#include <immintrin.h>
+#endif
 
 namespace fastdist {
 namespace {
@@ -34,6 +42,122 @@ inline Pick pick_from_top(const uint32_t* hist, int buckets, int64_t need) {
   return {0, need};
 }
 
+// The threshold key T of a row whose top-11-bit bucket `bucket` holds its `need` largest remaining keys, from the
+// candidate keys of that bucket: a histogram of bits [10, 20), then one of bits [0, 10) of the chosen sub-bucket.
+// *ties = how many values with key == T are kept.
+uint32_t threshold_from_candidates(const uint32_t* keys, int64_t n, uint32_t bucket, int64_t need, int64_t* ties) {
+  uint32_t small[kTopkPass23Buckets];
+  std::memset(small, 0, sizeof small);
+  for (int64_t c = 0; c < n; ++c) ++small[(keys[c] >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)];
+  const Pick p2 = pick_from_top(small, kTopkPass23Buckets, need);
+  std::memset(small, 0, sizeof small);
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t key = keys[c];
+    small[key & (kTopkPass23Buckets - 1)] += ((key >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)) == p2.bucket;
+  }
+  const Pick p3 = pick_from_top(small, kTopkPass23Buckets, p2.need);
+  *ties = p3.need;
+  return (bucket << kTopkPass1Shift) | (p2.bucket << kTopkPass2Shift) | p3.bucket;
+}
+
+#ifdef FASTDIST_TOPK_AVX2
+// Keys of x[begin, end) in `bucket`, appended to keys[n...]; returns the new n.
+int64_t collect_scalar(const float* __restrict x, int64_t begin, int64_t end, uint32_t bucket,
+                       uint32_t* __restrict keys, int64_t n) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = magnitude_key(x, i);
+    keys[n] = key;
+    n += (key >> kTopkPass1Shift) == bucket;
+  }
+  return n;
+}
+
+// Values and positions of x[begin, end) with key > T, or key == T while *ties_left > 0, appended at j of
+// values/indices [k]; returns the new j. Stops at j == k: the row has no more kept values, and the branch-free
+// store must not pass the row's end.
+int64_t emit_scalar(const float* __restrict x, int64_t begin, int64_t end, int64_t k, uint32_t threshold,
+                    int64_t* ties_left, float* __restrict values, int32_t* __restrict indices, int64_t j) {
+  int64_t left = *ties_left;
+  for (int64_t i = begin; i < end && j < k; ++i) {
+    const uint32_t key = magnitude_key(x, i);
+    const int64_t equal = key == threshold;
+    const int64_t take = (key > threshold) | (equal & (left > 0));
+    values[j] = x[i];
+    indices[j] = static_cast<int32_t>(i);
+    j += take;
+    left -= equal & take;
+  }
+  *ties_left = left;
+  return j;
+}
+
+// kCompact[m]: the positions of the set bits of the 8-bit mask m, ascending, then padding: the permutation that
+// moves the selected lanes of a vector to its front, in order.
+struct CompactTable {
+  alignas(32) int32_t lanes[256][8];
+  CompactTable() {
+    for (int m = 0; m < 256; ++m) {
+      int n = 0;
+      for (int l = 0; l < 8; ++l) {
+        if (m & (1 << l)) lanes[m][n++] = l;
+      }
+      while (n < 8) lanes[m][n++] = 0;
+    }
+  }
+};
+const CompactTable kCompact;
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+
+// As collect_scalar over x[0, d), eight keys at a time. keys has room for d entries: a store of eight lanes at n
+// never passes i + 8 <= d, since n <= i.
+__attribute__((target("avx2,popcnt"))) int64_t collect_avx2(const float* x, int64_t d, uint32_t bucket,
+                                                             uint32_t* keys) {
+  const __m256i magnitude = _mm256_set1_epi32(static_cast<int>(kTopkMagnitudeMask));
+  const __m256i want = _mm256_set1_epi32(static_cast<int>(bucket));
+  int64_t n = 0, i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256i key = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), magnitude);
+    const __m256i hit = _mm256_cmpeq_epi32(_mm256_srli_epi32(key, kTopkPass1Shift), want);
+    const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.lanes[m]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + n), _mm256_permutevar8x32_epi32(key, perm));
+    n += __builtin_popcount(m);
+  }
+  return collect_scalar(x, i, d, bucket, keys, n);
+}
+
+// As emit_scalar over x[0, d) into values/indices [k], eight values at a time. A group holding a key equal to T
+// goes through emit_scalar (the tie rule counts them one by one), and so does the rest of the row once an
+// eight-lane store could pass k.
+__attribute__((target("avx2,popcnt"))) void emit_avx2(const float* x, int64_t d, int64_t k, uint32_t threshold,
+                                                      int64_t ties, float* values, int32_t* indices) {
+  const __m256i magnitude = _mm256_set1_epi32(static_cast<int>(kTopkMagnitudeMask));
+  const __m256i t = _mm256_set1_epi32(static_cast<int>(threshold));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t j = 0, i = 0;
+  for (; i + 8 <= d && j + 8 <= k; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i key = _mm256_and_si256(_mm256_castps_si256(v), magnitude);
+    const unsigned above = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, t))));
+    const unsigned equal = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(key, t))));
+    if (equal) {
+      j = emit_scalar(x, i, i + 8, k, threshold, &ties, values, indices, j);
+      continue;
+    }
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.lanes[above]));
+    _mm256_storeu_ps(values + j, _mm256_permutevar8x32_ps(v, perm));
+    const __m256i pos = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(indices + j), _mm256_permutevar8x32_epi32(pos, perm));
+    j += __builtin_popcount(above);
+  }
+  emit_scalar(x, i, d, k, threshold, &ties, values, indices, j);
+}
+#endif  // FASTDIST_TOPK_AVX2
+
 struct Scratch {
   uint32_t* keys;  // d entries: keys of the chosen bucket's candidates
   int32_t* pos;    // d entries: their positions
@@ -47,6 +171,16 @@ void select_row(const float* __restrict x, int64_t d, int64_t k, float* __restri
   topk_histogram_cpu(x, 0, d, hist);
   int64_t need = 0;
   const uint32_t bucket = topk_pick_bucket(hist, k, &need);
+#ifdef FASTDIST_TOPK_AVX2
+  if (has_avx2()) {
+    int64_t ties = 0;
+    const int64_t n = collect_avx2(x, d, bucket, s.keys);
+    const uint32_t threshold = threshold_from_candidates(s.keys, n, bucket, need, &ties);
+    emit_avx2(x, d, k, threshold, ties, values, indices);
+    return;
+  }
+#endif
+  // Without AVX2: the two lists in one pass, then their merge (faster in scalar code than a third pass).
   int64_t n_above = 0, n = 0;
   topk_partition_cpu(x, 0, d, bucket, s.above, &n_above, s.keys, s.pos, &n);
   topk_finish_cpu(x, k, need, bucket, s.above, n_above, s.keys, s.pos, n, values, indices);
@@ -94,21 +228,11 @@ void topk_partition_cpu(const float* x, int64_t begin, int64_t end, uint32_t buc
 
 void topk_finish_cpu(const float* x, int64_t k, int64_t need, uint32_t bucket, const int32_t* above, int64_t n_above,
                      uint32_t* keys, int32_t* pos, int64_t n, float* values, int32_t* indices) {
-  // Over the candidates: bits [10, 20), then bits [0, 10) of those in the chosen sub-bucket, pin the threshold.
-  uint32_t small[kTopkPass23Buckets];
-  std::memset(small, 0, sizeof small);
-  for (int64_t c = 0; c < n; ++c) ++small[(keys[c] >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)];
-  const Pick p2 = pick_from_top(small, kTopkPass23Buckets, need);
-  std::memset(small, 0, sizeof small);
-  for (int64_t c = 0; c < n; ++c) {
-    const uint32_t key = keys[c];
-    small[key & (kTopkPass23Buckets - 1)] += ((key >> kTopkPass2Shift) & (kTopkPass23Buckets - 1)) == p2.bucket;
-  }
-  const Pick p3 = pick_from_top(small, kTopkPass23Buckets, p2.need);
-  const uint32_t threshold = (bucket << kTopkPass1Shift) | (p2.bucket << kTopkPass2Shift) | p3.bucket;
+  int64_t ties = 0;
+  const uint32_t threshold = threshold_from_candidates(keys, n, bucket, need, &ties);
 
-  // The kept candidates: key > T, and the first p3.need with key == T (compacted in place, still ascending).
-  int64_t equal_left = p3.need, m = 0;
+  // The kept candidates: key > T, and the first `ties` with key == T (compacted in place, still ascending).
+  int64_t equal_left = ties, m = 0;
   for (int64_t c = 0; c < n; ++c) {
     const uint32_t key = keys[c];
     const int64_t equal = key == threshold;

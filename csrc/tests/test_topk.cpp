@@ -48,7 +48,7 @@ std::vector<float> random_row_values(int64_t count, int kind, std::mt19937& rng)
 
 FD_TEST(topk_compress_cpu_matches_the_stable_sort_reference) {
   std::mt19937 rng(7);
-  const int64_t ds[] = {1, 2, 5, 31, 100, 1000, 4099};
+  const int64_t ds[] = {1, 2, 5, 8, 9, 31, 100, 1000, 4099, 20011};
   for (int kind = 0; kind < 3; ++kind) {
     for (const int64_t d : ds) {
       const int64_t rows = 3;
