@@ -66,6 +66,12 @@ with open(os.path.join(ROOT, "python", "fastdist", "_version.py")) as f:
     exec(f.read(), version_ns)
 
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
+# With torch's OpenMP backend, at::parallel_for is an OpenMP region inlined into our code: without -fopenmp it runs
+# on the calling thread alone. Linking -fopenmp adds NEEDED libgomp.so.1, which resolves to the copy torch has
+# already loaded (same soname), so there is still one OpenMP runtime in the process.
+openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+if openmp:
+    cxx_flags.append("-fopenmp")
 nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 define_macros = [("FASTDIST_WITH_CUDA", "1")] if build_cuda else []
 ext_cls = cpp_extension.CUDAExtension if build_cuda else cpp_extension.CppExtension
@@ -75,6 +81,7 @@ ext = ext_cls(
     include_dirs=[os.path.join(ROOT, "csrc")],
     define_macros=define_macros,
     extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if build_cuda else {"cxx": cxx_flags},
+    extra_link_args=["-fopenmp"] if openmp else [],
 )
 
 build_info = {
@@ -95,6 +102,7 @@ print(_summary([
     f"torch        {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
     f"CUDA kernels {'yes' if build_cuda else 'no'}: {cuda_reason}",
     f"arch list    {arch_list or '-'}",
+    f"OpenMP       {'yes (torch parallel backend)' if openmp else 'no'}",
     f"C++ sources  {len(cpp_sources)}: " + " ".join(os.path.basename(s) for s in cpp_sources),
     f"CUDA sources {len(cu_sources)}: " + (" ".join(os.path.basename(s) for s in cu_sources) or "-"),
 ]), file=sys.stderr)
