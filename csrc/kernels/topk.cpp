@@ -60,6 +60,25 @@ uint32_t threshold_from_candidates(const uint32_t* keys, int64_t n, uint32_t buc
   return (bucket << kTopkPass1Shift) | (p2.bucket << kTopkPass2Shift) | p3.bucket;
 }
 
+// The set positions of bitmap row `row` (d bits) from byte `b` on, appended at n of idx [k] (past k only counted);
+// returns the count of set bits, n included. Bits past d are ignored.
+int64_t bitmap_row_to_indices_scalar(const uint8_t* row, int64_t b, int64_t d, int64_t k, int32_t* idx, int64_t n) {
+  const int64_t bytes = (d + 7) / 8;
+  for (; b < bytes; b += 8) {
+    const int64_t len = std::min<int64_t>(8, bytes - b);
+    uint64_t word = 0;
+    std::memcpy(&word, row + b, len);  // little-endian: byte b + t is bits 8t..8t+7
+    const int64_t valid = d - 8 * b;   // bits of this word that are positions < d
+    if (valid < 64) word &= (uint64_t{1} << valid) - 1;
+    while (word) {
+      if (n < k) idx[n] = static_cast<int32_t>(8 * b + __builtin_ctzll(word));
+      ++n;
+      word &= word - 1;
+    }
+  }
+  return n;
+}
+
 #ifdef FASTDIST_TOPK_AVX2
 // Keys of x[begin, end) in `bucket`, appended to keys[n...]; returns the new n.
 int64_t collect_scalar(const float* __restrict x, int64_t begin, int64_t end, uint32_t bucket,
@@ -155,6 +174,23 @@ __attribute__((target("avx2,popcnt"))) void emit_avx2(const float* x, int64_t d,
     j += __builtin_popcount(above);
   }
   emit_scalar(x, i, d, k, threshold, &ties, values, indices, j);
+}
+
+// The start of bitmap_row_to_indices_scalar, a byte at a time: the set positions of byte b are the compaction
+// table's row for it, plus 8b. Stops before a byte with bits past d or whose eight-lane store could pass k; returns
+// the byte to go on from, *n the positions written.
+__attribute__((target("avx2,popcnt"))) int64_t bitmap_row_to_indices_avx2(const uint8_t* row, int64_t d, int64_t k,
+                                                                           int32_t* idx, int64_t* n) {
+  int64_t j = 0, b = 0;
+  for (; b < d / 8 && j + 8 <= k; ++b) {
+    const unsigned m = row[b];
+    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.lanes[m]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + j),
+                        _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int>(8 * b))));
+    j += __builtin_popcount(m);
+  }
+  *n = j;
+  return b;
 }
 #endif  // FASTDIST_TOPK_AVX2
 
@@ -323,20 +359,11 @@ int64_t topk_bitmap_to_indices_cpu(const uint8_t* bitmap, int64_t rows, int64_t 
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* row = bitmap + r * bytes;
     int32_t* idx = indices + r * k;
-    int64_t n = 0;
-    for (int64_t b = 0; b < bytes; b += 8) {
-      const int64_t len = std::min<int64_t>(8, bytes - b);
-      uint64_t word = 0;
-      std::memcpy(&word, row + b, len);  // little-endian: byte b + t is bits 8t..8t+7
-      const int64_t valid = d - 8 * b;   // bits of this word that are positions < d
-      if (valid < 64) word &= (uint64_t{1} << valid) - 1;
-      while (word) {
-        if (n < k) idx[n] = static_cast<int32_t>(8 * b + __builtin_ctzll(word));
-        ++n;
-        word &= word - 1;
-      }
-    }
-    bad_rows += n != k;
+    int64_t n = 0, b = 0;
+#ifdef FASTDIST_TOPK_AVX2
+    if (has_avx2()) b = bitmap_row_to_indices_avx2(row, d, k, idx, &n);
+#endif
+    bad_rows += bitmap_row_to_indices_scalar(row, b, d, k, idx, n) != k;
   }
   return bad_rows;
 }

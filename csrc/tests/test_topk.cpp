@@ -76,32 +76,38 @@ FD_TEST(topk_compress_cpu_matches_the_stable_sort_reference) {
 
 FD_TEST(topk_decompress_and_bitmaps_round_trip) {
   std::mt19937 rng(3);
-  const int64_t rows = 4, d = 77, k = 20;
-  const std::vector<float> x = random_row_values(rows * d, 0, rng);
-  std::vector<float> values(rows * k);
-  std::vector<int32_t> indices(rows * k);
-  std::vector<uint64_t> scratch((fastdist::topk_cpu_scratch_bytes(d) + 7) / 8);
-  fastdist::topk_compress_cpu(x.data(), rows, d, k, values.data(), indices.data(), 0, rows, scratch.data());
+  for (const auto& [d, k] : {std::pair<int64_t, int64_t>{77, 20}, {4096, 4000}, {20011, 2002}}) {
+    const int64_t rows = 4;
+    const std::vector<float> x = random_row_values(rows * d, 0, rng);
+    std::vector<float> values(rows * k);
+    std::vector<int32_t> indices(rows * k);
+    std::vector<uint64_t> scratch((fastdist::topk_cpu_scratch_bytes(d) + 7) / 8);
+    fastdist::topk_compress_cpu(x.data(), rows, d, k, values.data(), indices.data(), 0, rows, scratch.data());
 
-  std::vector<float> dense(rows * d, -1.0f);
-  FD_EXPECT(fastdist::topk_decompress_cpu(values.data(), indices.data(), rows, k, d, dense.data(), 0, rows) == 0, "");
-  std::vector<uint8_t> mask(rows * d, 0);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < k; ++j) mask[r * d + indices[r * k + j]] = 1;
-  for (int64_t i = 0; i < rows * d; ++i) FD_EXPECT(dense[i] == (mask[i] ? x[i] : 0.0f), "i " << i);
+    std::vector<float> dense(rows * d, -1.0f);
+    FD_EXPECT(fastdist::topk_decompress_cpu(values.data(), indices.data(), rows, k, d, dense.data(), 0, rows) == 0, "");
+    std::vector<uint8_t> mask(rows * d, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < k; ++j) mask[r * d + indices[r * k + j]] = 1;
+    for (int64_t i = 0; i < rows * d; ++i) FD_EXPECT(dense[i] == (mask[i] ? x[i] : 0.0f), "i " << i);
 
-  const int64_t bytes = fastdist::bytes_per_row(d);
-  std::vector<uint8_t> bitmap(rows * bytes), packed(rows * bytes);
-  FD_EXPECT(fastdist::topk_indices_to_bitmap_cpu(indices.data(), rows, k, d, bitmap.data(), 0, rows) == 0, "");
-  fastdist::pack_bits_cpu(mask.data(), rows, d, packed.data(), 0, rows * bytes);
-  FD_EXPECT(bitmap == packed, "bitmap is pack_bits of the mask");
-  std::vector<int32_t> back(rows * k);
-  FD_EXPECT(fastdist::topk_bitmap_to_indices_cpu(bitmap.data(), rows, k, d, back.data(), 0, rows) == 0, "");
-  FD_EXPECT(back == indices, "bitmap decodes to the indices");
-  std::vector<int32_t> wider(rows * (k + 1));
-  FD_EXPECT(fastdist::topk_bitmap_to_indices_cpu(bitmap.data(), rows, k + 1, d, wider.data(), 0, rows) == rows,
-            "a wrong count is reported for every row");
-  indices[3] = indices[2];
-  FD_EXPECT(fastdist::topk_indices_to_bitmap_cpu(indices.data(), rows, k, d, bitmap.data(), 0, rows) == 1,
-            "a repeated index is reported");
+    const int64_t bytes = fastdist::bytes_per_row(d);
+    std::vector<uint8_t> bitmap(rows * bytes), packed(rows * bytes);
+    FD_EXPECT(fastdist::topk_indices_to_bitmap_cpu(indices.data(), rows, k, d, bitmap.data(), 0, rows) == 0, "");
+    fastdist::pack_bits_cpu(mask.data(), rows, d, packed.data(), 0, rows * bytes);
+    FD_EXPECT(bitmap == packed, "bitmap is pack_bits of the mask");
+    std::vector<int32_t> back(rows * k);
+    FD_EXPECT(fastdist::topk_bitmap_to_indices_cpu(bitmap.data(), rows, k, d, back.data(), 0, rows) == 0, "");
+    FD_EXPECT(back == indices, "bitmap decodes to the indices");
+    std::vector<int32_t> wider(rows * (k + 1));
+    FD_EXPECT(fastdist::topk_bitmap_to_indices_cpu(bitmap.data(), rows, k + 1, d, wider.data(), 0, rows) == rows,
+              "a wrong count is reported for every row");
+    std::vector<int32_t> narrower(rows * (k - 1) + 1, -7);  // the last entry must stay untouched
+    FD_EXPECT(fastdist::topk_bitmap_to_indices_cpu(bitmap.data(), rows, k - 1, d, narrower.data(), 0, rows) == rows,
+              "too many set bits are reported for every row");
+    FD_EXPECT(narrower.back() == -7, "nothing is written past the rows");
+    indices[3] = indices[2];
+    FD_EXPECT(fastdist::topk_indices_to_bitmap_cpu(indices.data(), rows, k, d, bitmap.data(), 0, rows) == 1,
+              "a repeated index is reported");
+  }
 }
