@@ -16,6 +16,7 @@ decodes with a configuration other than the sender's.
 """
 import math
 import pickle
+import struct
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,13 @@ class Channel:
         return self._frame[:nbytes]
 
 
+def _host_bytes(buf, begin, end):
+    """bytes of uint8 tensor `buf` [begin, end): read in place on the CPU, copied from a device."""
+    if buf.device.type == "cpu":
+        return buf.numpy()[begin:end].tobytes()
+    return buf[begin:end].cpu().numpy().tobytes()
+
+
 def _exact_sizes(device):
     return device.type != "cpu"  # NCCL matches a receive's size exactly; gloo takes any message that fits
 
@@ -116,16 +124,15 @@ def send_packet(packet, dst, config_fingerprint=0, group=None, channel=None):
         offsets.append(end)
         end = _aligned(end + t.numel() * t.element_size())
     frame = channel.frame(end, device)
-    prefix = torch.tensor([end, len(header)], dtype=torch.int64)
-    frame[:_PREFIX].copy_(prefix.view(torch.uint8))
-    frame[_PREFIX:_PREFIX + len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    head = struct.pack("<qq", end, len(header)) + header
+    frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     for t, off in zip(tensors, offsets):
         if t.numel():
             frame[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
     sent = end
     if end > channel.capacity or _exact_sizes(device):
-        announce = torch.tensor([end, 0], dtype=torch.int64).to(device)
-        dist.send(announce.view(torch.uint8), dst, group=group)
+        announce = torch.frombuffer(bytearray(struct.pack("<qq", end, 0)), dtype=torch.uint8).to(device)
+        dist.send(announce, dst, group=group)
         channel.capacity = max(channel.capacity, end)
         sent += _PREFIX
     dist.send(frame, dst, group=group)
@@ -140,14 +147,13 @@ def recv_packet(src, config_fingerprint=None, group=None, channel=None):
     exact = _exact_sizes(device)
     buf = torch.empty(_PREFIX if exact else channel.capacity, dtype=torch.uint8, device=device)
     dist.recv(buf, src, group=group)
-    end, header_len = buf[:_PREFIX].cpu().view(torch.int64).tolist()
+    end, header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))
     if header_len == 0:  # an announcement: the frame follows, at its exact size
         channel.capacity = max(channel.capacity, end)
         buf = torch.empty(end if exact else channel.capacity, dtype=torch.uint8, device=device)
         dist.recv(buf, src, group=group)
-        end, header_len = buf[:_PREFIX].cpu().view(torch.int64).tolist()
-    header = buf[_PREFIX:_PREFIX + header_len].cpu().numpy().tobytes()
-    fp, kind, shape, dtype, meta, layout = pickle.loads(header)
+        header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))[1]
+    fp, kind, shape, dtype, meta, layout = pickle.loads(_host_bytes(buf, _PREFIX, _PREFIX + header_len))
     if config_fingerprint is not None and fp != config_fingerprint:
         raise MismatchError("compressor config", {src: f"fingerprint {fp:#x}",
                                                   dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
