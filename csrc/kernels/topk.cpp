@@ -5,12 +5,16 @@
 // more passes follow, compactions of eight lanes at a time (compare, movemask, a permutation from a 256-entry
 // table, one unaligned store): one collects the keys of the chosen bucket (the candidates), whose two histograms
 // (bits 10..19, then 0..9) pin the threshold key T; the last writes every value with key > T, and the first ties
-// with key == T, in index order. Without AVX2 one pass writes, by branch-free compaction, the positions of every
-// value in a higher bucket (all kept) and the keys and positions of the candidates; the kept candidates are
-// compacted in place, and the two ascending position lists are merged while the values are read.
+// with key == T, in index order. On a long row the first pass reads only a sample (1/8 of the row), which points
+// at a few buckets; the collecting pass keeps their keys, counts the keys above them and checks that the k-th
+// largest is among them (else the row is done again from a full histogram). Without AVX2 one pass writes, by
+// branch-free compaction, the positions of every value in a higher bucket (all kept) and the keys and positions of
+// the candidates; the kept candidates are compacted in place, and the two ascending position lists are merged while
+// the values are read.
 #include "kernels/topk.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -80,14 +84,19 @@ int64_t bitmap_row_to_indices_scalar(const uint8_t* row, int64_t b, int64_t d, i
 }
 
 #ifdef FASTDIST_TOPK_AVX2
-// Keys of x[begin, end) in `bucket`, appended to keys[n...]; returns the new n.
-int64_t collect_scalar(const float* __restrict x, int64_t begin, int64_t end, uint32_t bucket,
-                       uint32_t* __restrict keys, int64_t n) {
+// Keys of x[begin, end) whose top-11-bit bucket is in [lo, hi], appended to keys[n...]; returns the new n and adds
+// the count of keys in higher buckets to *n_above.
+int64_t collect_scalar(const float* __restrict x, int64_t begin, int64_t end, uint32_t lo, uint32_t hi,
+                       uint32_t* __restrict keys, int64_t n, int64_t* n_above) {
+  int64_t above = 0;
   for (int64_t i = begin; i < end; ++i) {
     const uint32_t key = magnitude_key(x, i);
+    const uint32_t b = key >> kTopkPass1Shift;
     keys[n] = key;
-    n += (key >> kTopkPass1Shift) == bucket;
+    n += (b >= lo) & (b <= hi);
+    above += b > hi;
   }
+  *n_above += above;
   return n;
 }
 
@@ -133,20 +142,57 @@ bool has_avx2() {
 
 // As collect_scalar over x[0, d), eight keys at a time. keys has room for d entries: a store of eight lanes at n
 // never passes i + 8 <= d, since n <= i.
-__attribute__((target("avx2,popcnt"))) int64_t collect_avx2(const float* x, int64_t d, uint32_t bucket,
-                                                             uint32_t* keys) {
+__attribute__((target("avx2,popcnt"))) int64_t collect_avx2(const float* x, int64_t d, uint32_t lo, uint32_t hi,
+                                                             uint32_t* keys, int64_t* n_above) {
   const __m256i magnitude = _mm256_set1_epi32(static_cast<int>(kTopkMagnitudeMask));
-  const __m256i want = _mm256_set1_epi32(static_cast<int>(bucket));
-  int64_t n = 0, i = 0;
+  const __m256i below_lo = _mm256_set1_epi32(static_cast<int>(lo) - 1);
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(hi));
+  int64_t n = 0, above = 0, i = 0;
   for (; i + 8 <= d; i += 8) {
     const __m256i key = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), magnitude);
-    const __m256i hit = _mm256_cmpeq_epi32(_mm256_srli_epi32(key, kTopkPass1Shift), want);
+    const __m256i b = _mm256_srli_epi32(key, kTopkPass1Shift);
+    const __m256i higher = _mm256_cmpgt_epi32(b, top);
+    const __m256i hit = _mm256_andnot_si256(higher, _mm256_cmpgt_epi32(b, below_lo));
     const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.lanes[m]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + n), _mm256_permutevar8x32_epi32(key, perm));
     n += __builtin_popcount(m);
+    above += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(higher))));
   }
-  return collect_scalar(x, i, d, bucket, keys, n);
+  *n_above += above;
+  return collect_scalar(x, i, d, lo, hi, keys, n, n_above);
+}
+
+// The bucket range that a sample of the row places its k-th largest key in: the top-11-bit histogram of blocks of
+// kSampleBlock values every kSampleStride (1/8 of the row, every part of it), read between the sample ranks
+// k * (sampled / d) -+ a margin of four binomial standard deviations (at least 1/8 of the rank, at least 16). The
+// caller checks the guess against the whole row; it only decides how much of the row is kept as candidates.
+constexpr int64_t kSampleBlock = 64, kSampleStride = 512;
+
+void guess_bucket_range(const float* x, int64_t d, int64_t k, uint32_t* lo, uint32_t* hi) {
+  uint32_t hist[kTopkPass1Buckets];
+  std::memset(hist, 0, sizeof hist);
+  int64_t sampled = 0;
+  for (int64_t b = 0; b + kSampleBlock <= d; b += kSampleStride) {
+    for (int64_t i = b; i < b + kSampleBlock; ++i) ++hist[magnitude_key(x, i) >> kTopkPass1Shift];
+    sampled += kSampleBlock;
+  }
+  const double rank = static_cast<double>(k) * sampled / d;
+  const double margin = std::max({4.0 * std::sqrt(rank), rank / 8, 16.0});
+  const int64_t first = std::max<int64_t>(1, static_cast<int64_t>(rank - margin));
+  const int64_t last = static_cast<int64_t>(rank + margin) + 1;
+  *hi = kTopkPass1Buckets - 1;
+  *lo = 0;
+  int64_t seen = 0;
+  for (int b = kTopkPass1Buckets - 1; b >= 0; --b) {
+    const int64_t before = seen;
+    seen += hist[b];
+    if (before < first && seen >= first) *hi = static_cast<uint32_t>(b);
+    if (before < last && seen >= last) {
+      *lo = static_cast<uint32_t>(b);
+      break;
+    }
+  }
 }
 
 // As emit_scalar over x[0, d) into values/indices [k], eight values at a time. A group holding a key equal to T
@@ -202,6 +248,32 @@ struct Scratch {
 
 void select_row(const float* __restrict x, int64_t d, int64_t k, float* __restrict values,
                 int32_t* __restrict indices, Scratch s) {
+#ifdef FASTDIST_TOPK_AVX2
+  // A long row: the candidates are the keys of the bucket range a sample points at, if the k-th largest key is
+  // among them (it almost always is); they then take a histogram of their own instead of the whole row.
+  if (has_avx2() && d >= 16 * kSampleStride) {
+    uint32_t lo = 0, hi = 0;
+    guess_bucket_range(x, d, k, &lo, &hi);
+    int64_t n_above = 0;
+    const int64_t n = collect_avx2(x, d, lo, hi, s.keys, &n_above);
+    if (n_above < k && k <= n_above + n) {
+      uint32_t hist[kTopkPass1Buckets];
+      std::memset(hist, 0, sizeof hist);
+      for (int64_t c = 0; c < n; ++c) ++hist[s.keys[c] >> kTopkPass1Shift];
+      int64_t need = 0;
+      const uint32_t bucket = topk_pick_bucket(hist, k - n_above, &need);
+      int64_t m = 0;
+      for (int64_t c = 0; c < n; ++c) {
+        s.keys[m] = s.keys[c];
+        m += (s.keys[c] >> kTopkPass1Shift) == bucket;
+      }
+      int64_t ties = 0;
+      const uint32_t threshold = threshold_from_candidates(s.keys, m, bucket, need, &ties);
+      emit_avx2(x, d, k, threshold, ties, values, indices);
+      return;
+    }
+  }
+#endif
   uint32_t hist[kTopkPass1Buckets];
   std::memset(hist, 0, sizeof hist);
   topk_histogram_cpu(x, 0, d, hist);
@@ -209,8 +281,8 @@ void select_row(const float* __restrict x, int64_t d, int64_t k, float* __restri
   const uint32_t bucket = topk_pick_bucket(hist, k, &need);
 #ifdef FASTDIST_TOPK_AVX2
   if (has_avx2()) {
-    int64_t ties = 0;
-    const int64_t n = collect_avx2(x, d, bucket, s.keys);
+    int64_t ties = 0, n_above = 0;
+    const int64_t n = collect_avx2(x, d, bucket, bucket, s.keys, &n_above);
     const uint32_t threshold = threshold_from_candidates(s.keys, n, bucket, need, &ties);
     emit_avx2(x, d, k, threshold, ties, values, indices);
     return;
