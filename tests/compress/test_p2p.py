@@ -40,11 +40,15 @@ def test_recv_returns_what_the_sender_would_decompress():
         assert torch.equal(a, b)
 
 
-def _packets_of_changing_size():
+def _packets_of_changing_size(exact=False):
     """Packets through one Channel pair: small, then larger than the receive capacity (announced), then smaller
-    again (one message into the grown buffer); and through fresh channels (send / recv)."""
+    again (one message into the grown buffer); and through fresh channels (send / recv). exact: every frame
+    announced and received at its exact size, as on NCCL."""
+    from fastdist.compress import p2p
     from fastdist.compress.p2p import Channel, recv_packet, send_packet
 
+    if exact:
+        p2p._exact_sizes = lambda device: True
     rank = dist.get_rank()
     channel = Channel()
     shapes = [(3, 5), (64, 1000), (2, 7), (64, 1000), (1,), (128, 1000)]
@@ -60,6 +64,15 @@ def _packets_of_changing_size():
     big = randn(300, 1000)
     out.append(send(big, 1, Identity()).tensors["x"] if rank == 0 else recv(0, Identity()))
     return out
+
+
+def test_frames_sent_at_their_exact_size_arrive_intact():
+    sent, received = spawn(_packets_of_changing_size, 2, True, backend="gloo", timeout=TIMEOUT)
+    for (wire, want), (_, got) in zip(sent[:-1], received[:-1]):
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
+        assert wire % 16 == 0 and wire > 16  # frame + its 16-byte announcement
+    assert torch.equal(sent[-1], received[-1])
 
 
 def test_frames_of_changing_size_arrive_intact_and_the_capacity_grows_on_both_ends():
