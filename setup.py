@@ -41,6 +41,17 @@ def _decide_cuda():
     return True, f"torch CUDA {torch_cuda}, toolkit at {toolkit}"
 
 
+def _torch_runs_libgomp():
+    """True when torch's parallel backend is OpenMP on GCC's libgomp (loaded with torch, so it is in our maps)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
 def _rel(paths):
     return sorted(os.path.relpath(p, ROOT) for p in paths)
 
@@ -66,6 +77,13 @@ with open(os.path.join(ROOT, "python", "fastdist", "_version.py")) as f:
     exec(f.read(), version_ns)
 
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
+# With torch's OpenMP backend, at::parallel_for is an OpenMP region inlined into our code: without -fopenmp it runs
+# on the calling thread alone. Linking -fopenmp adds NEEDED libgomp.so.1, which resolves to the copy torch has
+# already loaded (same soname), so there is still one OpenMP runtime in the process. Under another OpenMP runtime
+# (libiomp5, libomp) that would be a second one: there the glue stays serial.
+openmp = _torch_runs_libgomp()
+if openmp:
+    cxx_flags.append("-fopenmp")
 nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 define_macros = [("FASTDIST_WITH_CUDA", "1")] if build_cuda else []
 ext_cls = cpp_extension.CUDAExtension if build_cuda else cpp_extension.CppExtension
@@ -75,6 +93,7 @@ ext = ext_cls(
     include_dirs=[os.path.join(ROOT, "csrc")],
     define_macros=define_macros,
     extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if build_cuda else {"cxx": cxx_flags},
+    extra_link_args=["-fopenmp"] if openmp else [],
 )
 
 build_info = {
@@ -95,6 +114,7 @@ print(_summary([
     f"torch        {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
     f"CUDA kernels {'yes' if build_cuda else 'no'}: {cuda_reason}",
     f"arch list    {arch_list or '-'}",
+    f"OpenMP       {'yes (torch runs libgomp)' if openmp else 'no'}",
     f"C++ sources  {len(cpp_sources)}: " + " ".join(os.path.basename(s) for s in cpp_sources),
     f"CUDA sources {len(cu_sources)}: " + (" ".join(os.path.basename(s) for s in cu_sources) or "-"),
 ]), file=sys.stderr)

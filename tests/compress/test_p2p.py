@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastdist.compress import (AQSGD, Boundary, Chain, ErrorFeedback, MemoryStore, Quantize, StageBoundary, TopK,
-                               recv, send)
+from fastdist.compress import (AQSGD, Boundary, Chain, ErrorFeedback, Identity, MemoryStore, Quantize,
+                               StageBoundary, TopK, recv, send)
 from fastdist.distributed import MismatchError, spawn
 
 TIMEOUT = 120
@@ -38,6 +38,54 @@ def test_recv_returns_what_the_sender_would_decompress():
     sent, received = spawn(_send_recv_every_compressor, 2, backend="gloo", timeout=TIMEOUT)
     for a, b in zip(sent, received):
         assert torch.equal(a, b)
+
+
+def _packets_of_changing_size(exact=False):
+    """Packets through one Channel pair: small, then larger than the receive capacity (announced), then smaller
+    again (one message into the grown buffer); and through fresh channels (send / recv). exact: every frame
+    announced and received at its exact size, as on NCCL."""
+    from fastdist.compress import p2p
+    from fastdist.compress.p2p import Channel, recv_packet, send_packet
+
+    if exact:
+        p2p._exact_sizes = lambda device: True
+    rank = dist.get_rank()
+    channel = Channel()
+    shapes = [(3, 5), (64, 1000), (2, 7), (64, 1000), (1,), (128, 1000)]
+    out = []
+    for i, shape in enumerate(shapes):
+        packet = Identity().compress(randn(*shape, seed=i))
+        packet.tensors["ids"] = torch.arange(3 if i else 0, dtype=torch.int64)  # an empty tensor first
+        if rank == 0:
+            out.append((send_packet(packet, 1, 7, channel=channel), packet.tensors))
+        else:
+            got = recv_packet(0, 7, channel=channel)
+            out.append((channel.capacity, got.tensors))
+    big = randn(300, 1000)
+    out.append(send(big, 1, Identity()).tensors["x"] if rank == 0 else recv(0, Identity()))
+    return out
+
+
+def test_frames_sent_at_their_exact_size_arrive_intact():
+    sent, received = spawn(_packets_of_changing_size, 2, True, backend="gloo", timeout=TIMEOUT)
+    for (wire, want), (_, got) in zip(sent[:-1], received[:-1]):
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
+        assert wire % 16 == 0 and wire > 16  # frame + its 16-byte announcement
+    assert torch.equal(sent[-1], received[-1])
+
+
+def test_frames_of_changing_size_arrive_intact_and_the_capacity_grows_on_both_ends():
+    sent, received = spawn(_packets_of_changing_size, 2, backend="gloo", timeout=TIMEOUT)
+    for (wire, want), (capacity, got) in zip(sent[:-1], received[:-1]):
+        assert set(got) == set(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
+    # the first large frame is announced (16 bytes more on the wire) and becomes the capacity on both ends; the
+    # same size again fits and goes as one message; the largest frame is announced again
+    assert received[1][0] == sent[1][0] - 16 and sent[3][0] == sent[1][0] - 16
+    assert received[-2][0] == sent[-2][0] - 16 > received[1][0]
+    assert torch.equal(sent[-1], received[-1])
 
 
 CONFIGS = (("reuse", 8), ("reuse", None), ("independent", 4))

@@ -18,8 +18,8 @@ steps SGD. Methods (activation compressor / gradient compressor):
 All methods run in the same run, interleaved (one step of each per repetition, order rotated), warm-up first.
 Columns: step time (median over repetitions of the step's wall time on stage 0, which starts after a barrier and
 ends when its backward is done: the whole pipeline's latency), speed-up over none, wire bytes per boundary per step
-forward and backward (what send_packet put on the wire: header + packet tensors, summed over the 3 boundaries then
-divided by 3), and tx bytes per boundary (what the sending ranks' interfaces really sent, simulated network only).
+forward and backward (what send_packet put on the wire: the frame's prefix, header, alignment padding and packet
+tensors, summed over the 3 boundaries then divided by 3), and tx bytes per boundary (what the sending ranks' interfaces really sent, simulated network only).
 link(ms,model) is the time those wire bytes need on the shaped links, boundary after boundary, both ways (3 x
 (fwd + bwd) bytes / rate): step time minus it is what compute, compression and the transport stack cost.
 With --net 1gbit (default) the ranks run on a simulated cluster whose links are shaped to 1 Gbit/s (needs root);

@@ -23,12 +23,15 @@ class Packet:
     shape:   the original shape; dtype: the original dtype
     tensors: name -> tensor; their bytes are the wire bytes
     meta:    name -> int, sizes the receiver could not infer (k, D, ...); a few bytes in a header
+    local:   name -> tensor that this end already has or has derived (the sender's TopK indices, the receiver's
+             decoded ones), so that decompress and kept_indices do not compute it twice; never sent
     """
     kind: str
     shape: tuple
     dtype: torch.dtype
     tensors: dict
     meta: dict = dataclasses.field(default_factory=dict)
+    local: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def wire_bytes(self):
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -145,17 +148,20 @@ class TopK(Compressor):
         d = rows.shape[1]
         k = topk_k(self.ratio, d)
         values, indices = topk_compress(rows, k)
+        meta = {"rows": rows.shape[0], "k": k, "d": d}
         if self._uses_bitmap(k, d):
             tensors = {"values": values, "bitmap": topk_indices_to_bitmap(indices, d)}
-        else:
-            tensors = {"values": values, "indices": indices}
-        return Packet("topk", tuple(x.shape), x.dtype, tensors, {"rows": rows.shape[0], "k": k, "d": d})
+            return Packet("topk", tuple(x.shape), x.dtype, tensors, meta, {"indices": indices})
+        return Packet("topk", tuple(x.shape), x.dtype, {"values": values, "indices": indices}, meta)
 
     def indices(self, packet):
-        """int32 [B, k]: the kept positions of each row, ascending."""
+        """int32 [B, k]: the kept positions of each row, ascending (decoded from the bitmap once per packet)."""
         if "indices" in packet.tensors:
             return packet.tensors["indices"]
-        return topk_bitmap_to_indices(packet.tensors["bitmap"], packet.meta["d"], packet.meta["k"])
+        if "indices" not in packet.local:
+            packet.local["indices"] = topk_bitmap_to_indices(packet.tensors["bitmap"], packet.meta["d"],
+                                                             packet.meta["k"])
+        return packet.local["indices"]
 
     def decompress(self, packet):
         values = packet.tensors["values"]
@@ -263,24 +269,26 @@ class Chain(Compressor):
         q = self.quant.compress(p.tensors["values"])
         tensors = {name: t for name, t in p.tensors.items() if name != "values"}
         tensors.update({f"q_{name}": t for name, t in q.tensors.items()})
-        return Packet("chain", p.shape, p.dtype, tensors, {**p.meta, "group": q.meta["group"]})
+        return Packet("chain", p.shape, p.dtype, tensors, {**p.meta, "group": q.meta["group"]}, p.local)
 
-    def _parts(self, packet):
-        """The TopK packet inside: its positions and the dequantized values."""
+    def _topk_packet(self, packet, values=None):
+        """The TopK packet inside (sharing the chain packet's local tensors), with `values` as its kept values."""
+        meta = packet.meta
+        tensors = {name: t for name, t in packet.tensors.items() if not name.startswith("q_")}
+        if values is not None:
+            tensors["values"] = values
+        return Packet("topk", packet.shape, packet.dtype, tensors,
+                      {"rows": meta["rows"], "k": meta["k"], "d": meta["d"]}, packet.local)
+
+    def decompress(self, packet):
         meta = packet.meta
         q_tensors = {name[2:]: t for name, t in packet.tensors.items() if name.startswith("q_")}
         values = self.quant.decompress(Packet("quant", (meta["rows"], meta["k"]), packet.dtype, q_tensors,
                                               {"group": meta["group"]}))
-        p_tensors = {name: t for name, t in packet.tensors.items() if not name.startswith("q_")}
-        p_tensors["values"] = values
-        return Packet("topk", packet.shape, packet.dtype, p_tensors,
-                      {"rows": meta["rows"], "k": meta["k"], "d": meta["d"]})
-
-    def decompress(self, packet):
-        return self.topk.decompress(self._parts(packet))
+        return self.topk.decompress(self._topk_packet(packet, values))
 
     def kept_indices(self, packet):
-        return self.topk.kept_indices(self._parts(packet))
+        return self.topk.kept_indices(self._topk_packet(packet))
 
     def state_dict(self):
         return {"quant": self.quant.state_dict()}

@@ -1,13 +1,22 @@
 """Compressed tensors over torch.distributed point-to-point, and StageBoundary: the autograd-aware link between two
 pipeline stages on different ranks (compressed activation forward, compressed gradient backward).
 
-A message is a header (int64 length, then the pickled kind / shape / dtype / meta / tensor layout and the sender's
-configuration fingerprint) followed by the packet's tensors. Messages between two ranks are matched in order, as
-torch.distributed P2P is. Both ends of a StageBoundary check once, at construction, that their configurations agree
-(a pairwise fingerprint exchange that raises on both ends, naming the differing fields); every message also carries
-the fingerprint, so a receiver never decodes with a configuration other than the sender's.
+A packet crosses as one frame: a 16-byte prefix (frame bytes, header bytes), the pickled header (kind / shape /
+dtype / meta / tensor layout and the sender's configuration fingerprint), then the packet's tensors, each at a
+16-byte aligned offset; the receiver's tensors are views into the frame it received. A P2P message costs a
+rendezvous round trip whenever the receiver has not posted its receive yet, and a receive must be posted with a
+size, so the frame is sent as one message into a receive buffer of `capacity` bytes, which both ends of a
+`Channel` track identically; gloo accepts a message smaller than the posted buffer. A frame larger than the
+capacity is announced first by a prefix alone (frame bytes, header bytes 0), which raises the capacity on both
+ends: a link whose packets keep their size sends one message per packet. NCCL needs the exact size, so there every
+frame is announced. Messages between two ranks are matched in order, as torch.distributed P2P is. Both ends of a
+StageBoundary check once, at construction, that their configurations agree (a pairwise fingerprint exchange that
+raises on both ends, naming the differing fields); every frame also carries the fingerprint, so a receiver never
+decodes with a configuration other than the sender's.
 """
+import math
 import pickle
+import struct
 
 import torch
 import torch.distributed as dist
@@ -17,27 +26,12 @@ from fastdist.compress.compressors import Compressor, Identity, Packet
 from fastdist.distributed import MismatchError, fingerprint
 from fastdist.ops import topk_decompress
 
-__all__ = ["StageBoundary", "check_same_pair", "recv", "recv_packet", "send", "send_packet"]
+__all__ = ["Channel", "StageBoundary", "check_same_pair", "recv", "recv_packet", "send", "send_packet"]
 
 
 def _device(group):
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
-
-
-def _send_bytes(data, dst, group, device):
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst, group=group)
-    dist.send(payload, dst, group=group)
-    return 8 + payload.numel()
-
-
-def _recv_bytes(src, group, device):
-    n = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(n, src, group=group)
-    payload = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src, group=group)
-    return payload.cpu().numpy().tobytes()
 
 
 def _exchange(value_bytes, peer, group, device):
@@ -82,32 +76,92 @@ def check_same_pair(name, config, peer, group=None):
                          peer_rank: {f: b.get(f, "<missing>") for f in fields}})
 
 
-def send_packet(packet, dst, config_fingerprint=0, group=None):
-    """Sends a Packet; returns the bytes that went out (header included)."""
+_PREFIX = 16  # int64 frame bytes, int64 header bytes (0: an announcement of the next frame's size)
+_ALIGN = 16
+_MIN_CAPACITY = 4096
+
+
+def _aligned(n):
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class Channel:
+    """One direction of a link as both of its ends see it: the receive buffer size they agree on (it only grows, to
+    the largest frame announced) and, on the sending end, the frame buffer reused from message to message."""
+
+    def __init__(self):
+        self.capacity = _MIN_CAPACITY
+        self._frame = None
+
+    def frame(self, nbytes, device):
+        if self._frame is None or self._frame.numel() < nbytes or self._frame.device != device:
+            self._frame = torch.empty(max(nbytes, _MIN_CAPACITY), dtype=torch.uint8, device=device)
+        return self._frame[:nbytes]
+
+
+def _host_bytes(buf, begin, end):
+    """bytes of uint8 tensor `buf` [begin, end): read in place on the CPU, copied from a device."""
+    if buf.device.type == "cpu":
+        return buf.numpy()[begin:end].tobytes()
+    return buf[begin:end].cpu().numpy().tobytes()
+
+
+def _exact_sizes(device):
+    return device.type != "cpu"  # NCCL matches a receive's size exactly; gloo takes any message that fits
+
+
+def send_packet(packet, dst, config_fingerprint=0, group=None, channel=None):
+    """Sends a Packet as one frame (see the module docstring); returns the bytes that went out (prefix, header,
+    padding and tensors). `channel`: the sending end of a Channel whose receiving end is passed to recv_packet, or
+    None for a fresh one on both ends."""
     device = _device(group)
-    layout = [(name, t.dtype, tuple(t.shape)) for name, t in packet.tensors.items()]
+    channel = channel if channel is not None else Channel()
+    tensors = [t.detach().contiguous() for t in packet.tensors.values()]
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in zip(packet.tensors, tensors)]
     header = pickle.dumps((config_fingerprint, packet.kind, packet.shape, packet.dtype, packet.meta, layout))
-    sent = _send_bytes(header, dst, group, device)
-    for t in packet.tensors.values():
+    offsets, end = [], _aligned(_PREFIX + len(header))
+    for t in tensors:
+        offsets.append(end)
+        end = _aligned(end + t.numel() * t.element_size())
+    frame = channel.frame(end, device)
+    head = struct.pack("<qq", end, len(header)) + header
+    frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    for t, off in zip(tensors, offsets):
         if t.numel():
-            dist.send(t.contiguous().to(device), dst, group=group)
-        sent += t.numel() * t.element_size()
+            frame[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+    sent = end
+    if end > channel.capacity or _exact_sizes(device):
+        announce = torch.frombuffer(bytearray(struct.pack("<qq", end, 0)), dtype=torch.uint8).to(device)
+        dist.send(announce, dst, group=group)
+        channel.capacity = max(channel.capacity, end)
+        sent += _PREFIX
+    dist.send(frame, dst, group=group)
     return sent
 
 
-def recv_packet(src, config_fingerprint=None, group=None):
-    """Receives a Packet sent by send_packet; with `config_fingerprint`, checks the sender's."""
+def recv_packet(src, config_fingerprint=None, group=None, channel=None):
+    """Receives a Packet sent by send_packet (with the other end of the same `channel`, or both None); with
+    `config_fingerprint`, checks the sender's."""
     device = _device(group)
-    fp, kind, shape, dtype, meta, layout = pickle.loads(_recv_bytes(src, group, device))
+    channel = channel if channel is not None else Channel()
+    exact = _exact_sizes(device)
+    buf = torch.empty(_PREFIX if exact else channel.capacity, dtype=torch.uint8, device=device)
+    dist.recv(buf, src, group=group)
+    end, header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))
+    if header_len == 0:  # an announcement: the frame follows, at its exact size
+        channel.capacity = max(channel.capacity, end)
+        buf = torch.empty(end if exact else channel.capacity, dtype=torch.uint8, device=device)
+        dist.recv(buf, src, group=group)
+        header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))[1]
+    fp, kind, shape, dtype, meta, layout = pickle.loads(_host_bytes(buf, _PREFIX, _PREFIX + header_len))
     if config_fingerprint is not None and fp != config_fingerprint:
         raise MismatchError("compressor config", {src: f"fingerprint {fp:#x}",
                                                   dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
-    tensors = {}
+    tensors, off = {}, _aligned(_PREFIX + header_len)
     for name, t_dtype, t_shape in layout:
-        t = torch.empty(t_shape, dtype=t_dtype, device=device)
-        if t.numel():
-            dist.recv(t, src, group=group)
-        tensors[name] = t
+        nbytes = math.prod(t_shape) * t_dtype.itemsize
+        tensors[name] = buf[off:off + nbytes].view(t_dtype).view(t_shape)
+        off = _aligned(off + nbytes)
     return Packet(kind, shape, dtype, tensors, meta)
 
 
@@ -188,6 +242,7 @@ class StageBoundary:
         self.config = {"fwd": self.fwd.config(), "bwd": self.bwd.config(), "backward_mask": backward_mask}
         check_same_pair(f"StageBoundary {sender}->{receiver}", self.config, self.peer, group)
         self._fwd_fp, self._bwd_fp = fingerprint(self.fwd.config()), fingerprint(self.bwd.config())
+        self._fwd_channel, self._bwd_channel = Channel(), Channel()
         self.stats = {}
 
     # -- autograd-facing API
@@ -210,12 +265,13 @@ class StageBoundary:
 
     def _send_forward(self, x, sample_ids):
         packet = self.fwd.compress(x, sample_ids) if isinstance(self.fwd, AQSGD) else self.fwd.compress(x)
-        self.stats["fwd_wire_bytes"] = send_packet(packet, self.receiver, self._fwd_fp, self.group)
+        self.stats["fwd_wire_bytes"] = send_packet(packet, self.receiver, self._fwd_fp, self.group,
+                                                   self._fwd_channel)
         self.stats["fwd_dense_bytes"] = x.numel() * x.element_size()
         return self._kept(packet)
 
     def _recv_forward(self, device):
-        packet = recv_packet(self.sender, self._fwd_fp, self.group)
+        packet = recv_packet(self.sender, self._fwd_fp, self.group, self._fwd_channel)
         x = self.fwd.decompress(packet)
         return (x if device is None else x.to(device)), self._kept(packet)
 
@@ -224,10 +280,11 @@ class StageBoundary:
             indices, d = kept
             grad = grad.reshape(indices.shape[0], d).gather(1, indices.long().to(grad.device))
         packet = self.bwd.compress(grad.contiguous())
-        self.stats["bwd_wire_bytes"] = send_packet(packet, self.sender, self._bwd_fp, self.group)
+        self.stats["bwd_wire_bytes"] = send_packet(packet, self.sender, self._bwd_fp, self.group,
+                                                   self._bwd_channel)
 
     def _recv_backward(self, kept, shape, dtype):
-        packet = recv_packet(self.receiver, self._bwd_fp, self.group)
+        packet = recv_packet(self.receiver, self._bwd_fp, self.group, self._bwd_channel)
         grad = self.bwd.decompress(packet)
         if kept is not None:
             indices, d = kept
