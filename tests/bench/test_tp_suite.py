@@ -25,7 +25,8 @@ def test_balanced_rates_are_positive_and_scale_with_the_bytes_moved():
 def test_cli_run_times_every_chunk_count_and_block_variant_and_predicts_each_op_time(tmp_path):
     out, png = tmp_path / "tp.json", tmp_path / "tp.png"
     cmd = [sys.executable, "-m", "fastdist.bench", "tp", "--net", "loopback", "--op-shape", "64,64,32",
-           "--block", "32,2,8,2", "--reps", "2", "--warmup", "0", "--json", str(out), "--plot", str(png)]
+           "--block", "32,2,8,2", "--reps", "2", "--op-reps", "2", "--warmup", "0", "--json", str(out), "--plot",
+           str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loopback" in proc.stdout and "model err" in proc.stdout

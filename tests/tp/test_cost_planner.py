@@ -109,9 +109,8 @@ def test_calibration_gives_every_rank_the_same_positive_model(tp_ranks):
     (state0, text), (state1, _) = outcome(tp_ranks(2), "calibrate")
     assert state0 == state1
     assert state0["alpha"] > 0 and state0["beta"] > 0 and state0["gemm_rate"] > 0
-    compute = dict(state0["comm_compute_table"])  # CPU time of each calibrated all-reduce size
-    assert len(compute) == 3 and all(v >= 0 for v in compute.values())
-    assert compute[max(compute)] > 0  # all-reducing the shape's whole output costs gloo some CPU
+    compute = dict(state0["comm_compute_table"])  # S at the 2-, 4-, 8-way chunks' output bytes
+    assert sorted(compute) == [8 * 32 * 4, 16 * 32 * 4, 32 * 32 * 4] and all(v >= 0 for v in compute.values())
     assert len(state0["gemm_table"]) == 4  # the shape and its 2-, 4-, 8-way chunks
     assert text.startswith("CostModel(alpha=")
 

@@ -5,8 +5,8 @@ included), on a simulated cluster. The link rate is chosen so that communication
 (measured here first, on one core; the rates are printed), then 10x that (--rate-multipliers): for the row op,
 the ring all-reduce of its output against its GEMM; for the block, its 4 all-reduces per step against the
 single-process block's forward + backward divided by the ranks. Each (part, rate) is its own run on its own
-simulated cluster. Per rate, one run, every variant interleaved (the order
-rotated every repetition), warm-up first, median of --reps of the slowest rank's time:
+simulated cluster. Per rate, one run, every variant interleaved (the order shuffled every repetition, the same
+on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the slowest rank's time:
 
   row op      RowParallelLinear forward on [M, K] x [K, N] (--op-shape M,K,N, full K), overlap_chunks
               k = 1 (sequential: GEMM, then all-reduce), 2, 4, 8 and auto (a CostModel calibrated in the run
@@ -23,6 +23,7 @@ Speed-ups are against k = 1 (op) and the Megatron-style block with the same reco
 (no simulated cluster) it runs on loopback and says so.
 """
 import os
+import random
 import statistics
 import time
 
@@ -55,7 +56,9 @@ def add_arguments(p):
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is aborted")
     p.add_argument("--op-shape", default="2048,2048,1024", help="row op M,K,N (full K; default 2048,2048,1024)")
     p.add_argument("--block", default="768,12,128,8", help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
-    p.add_argument("--reps", type=int, default=15, help="timed repetitions per variant, >= 5 for a claim")
+    p.add_argument("--reps", type=int, default=15, help="timed repetitions per block variant, >= 5 for a claim")
+    p.add_argument("--op-reps", type=int, default=45,
+                   help="timed repetitions per row-op variant (cheap, and its k = 1 vs auto comparison is a few %%)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions of every variant first")
     p.add_argument("--skip-block", action="store_true", help="only the row-parallel op")
     p.add_argument("--gemm-check", metavar="M,K,N", default=None,
@@ -83,8 +86,10 @@ def _interleaved(variants, reps, warmup, progress, label):
     names = list(variants)
     samples = {n: [] for n in names}
     for it in range(warmup + reps):
-        shift = it % len(names)
-        for name in names[shift:] + names[:shift]:
+        # A fresh order every repetition (the same on every rank): a variant's time depends a little on what ran
+        # before it, and a fixed rotation would give each variant the same predecessor every time.
+        order = random.Random(it).sample(names, len(names))
+        for name in order:
             dist.barrier()
             t0 = time.perf_counter()
             variants[name]()
@@ -166,12 +171,13 @@ def bench_rank(config):
     k_local = k_full // world
     model = CostModel.calibrate(None, shapes=((m, k_local, n),), reps=5)
     per_rep = len(OP_KS) + len(GEMM_ONLY_KS) if config["part"] == "op" else len(BLOCK_VARIANTS)
-    steps = (config["warmup"] + config["reps"]) * per_rep
+    reps = config["op_reps"] if config["part"] == "op" else config["reps"]
+    steps = (config["warmup"] + reps) * per_rep
     progress = report.Progress(steps, f"tp {config['part']} {config['label']}") if rank == 0 else None
     op_rows, block_rows, gemm_rows = [], [], []
     if config["part"] == "op":
         variants, auto_k = _op_variants(config, model)
-        op_samples = _interleaved(variants, config["reps"], config["warmup"], progress, "op")
+        op_samples = _interleaved(variants, reps, config["warmup"], progress, "op")
         for k in OP_KS:
             kk = auto_k if k == "auto" else k
             op_rows.append({"k": str(k), "chunks": kk, "samples_ms": [s * 1e3 for s in op_samples[f"k={k}"]],
@@ -180,7 +186,7 @@ def bench_rank(config):
         gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in op_samples[f"gemm k={k}"]],
                       "time_ms": statistics.median(op_samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
     else:
-        block_samples = _interleaved(_block_variants(config, model), config["reps"], config["warmup"], progress,
+        block_samples = _interleaved(_block_variants(config, model), reps, config["warmup"], progress,
                                      "block")
         for name in BLOCK_VARIANTS:
             block_rows.append({"variant": name, "samples_ms": [s * 1e3 for s in block_samples[name]],
@@ -294,8 +300,8 @@ def run(args):
     world = args.ranks
     if op_shape[1] % world or block[1] % world or block[0] % block[1] or block[3] < 2:
         raise SystemExit("fastdist-bench tp: K, heads must divide by --ranks; hidden by heads; block batch >= 2")
-    if args.reps < 1 or args.warmup < 0:
-        raise SystemExit("fastdist-bench tp: --reps must be >= 1 and --warmup >= 0")
+    if args.reps < 1 or args.op_reps < 1 or args.warmup < 0:
+        raise SystemExit("fastdist-bench tp: --reps and --op-reps must be >= 1 and --warmup >= 0")
     parts = ["op"] + ([] if args.skip_block else ["block"])
     plan = []  # (part, label, net)
     if args.net == "auto":
@@ -317,7 +323,8 @@ def run(args):
     runs = []
     env = None
     for part, label, net in plan:
-        config = {"op_shape": op_shape, "block": block, "reps": args.reps, "warmup": args.warmup, "part": part,
+        config = {"op_shape": op_shape, "block": block, "reps": args.reps, "op_reps": args.op_reps,
+                  "warmup": args.warmup, "part": part,
                   "label": label}
         launch = run_ranks(bench_rank, config, ranks=world, net=net, delay=args.delay, timeout=args.timeout,
                            backend="gloo")
@@ -329,7 +336,8 @@ def run(args):
                      "link_gbps": launch.link_gbps, **launch.result})
     env["network"] = "; ".join(sorted({r["network"] for r in runs}))
     print(report.format_environment(env))
-    print("# ranks pinned to one core each, 1 torch thread")
+    print(f"# ranks pinned to one core each, 1 torch thread; medians of {args.op_reps} (row op) and {args.reps} "
+          f"(block) interleaved repetitions")
     for r in runs:
         print(f"\n## {r['part']}, {r['label']}: {r['network']}")
         if r["op_rows"]:
@@ -341,7 +349,8 @@ def run(args):
                   f"(chunking alone: {gemm[1] / gemm[8]:.2f}x)")
         if r["block_rows"]:
             print(format_block_rows(r["block_rows"]))
-    return {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "reps": args.reps, "runs": runs}
+    return {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "reps": args.reps,
+            "op_reps": args.op_reps, "runs": runs}
 
 
 def format_op_rows(rows):

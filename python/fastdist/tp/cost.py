@@ -12,11 +12,11 @@ Split ``M`` rows into ``k`` chunks: each chunk's GEMM ``g = G(M / k)``, each chu
 where ``max(g + s, c)`` is one overlapped step, a chunk's GEMM beside the previous chunk's collective, and
 ``s = S(B / k)`` is the compute that collective takes from the GEMM. A collective is not free to the processor
 that computes: on a CPU, gloo's thread and the kernel's network stack copy and sum every byte on the GEMM's core
-(measured: ~1.3 ms of CPU per MB all-reduced on 2 ranks, about all of an all-reduce's time on a 10 Gbit/s-class
-link); on a GPU, NCCL's kernels occupy SMs and HBM bandwidth. :meth:`calibrate` measures ``S`` at its all-reduce
-sizes (a table, interpolated): on a CPU as the process time the all-reduce uses, on a GPU as how much it
-stretches a GEMM beside it. So chunking hides only the collective's waiting, never its work, and on a fast link
-less than the extra chunks cost: the model then keeps ``k = 1``. The best possible gain is
+(on 2 ranks, 1-3 ms per MB all-reduced, about all of an all-reduce's time on a 10 Gbit/s-class link); on a GPU,
+NCCL's kernels occupy SMs and HBM bandwidth. :meth:`calibrate` measures ``S`` at the calibration shape's chunk
+sizes by running its chunked pipeline (a table; interpolated, proportional past it). So chunking hides only the
+collective's waiting, never its work, and on a fast link less than the extra chunks cost: the model then keeps
+``k = 1``. The best possible gain is
 ``(G + C) / max(G, C) <= 2``. :meth:`CostModel.choose_chunks` picks the fewest ``k`` from {1, 2, 4, 8}
 within 3% of the least ``T(k)``; uncalibrated, it returns 4 (the spec's default, TransformerEngine's too).
 
@@ -151,9 +151,9 @@ class CostModel:
     def calibrate(cls, group=None, shapes=((1024, 1024, 1024),), sizes=None, reps=5, dtype=torch.float32):
         """Measures this machine: all-reduce times over ``sizes`` bytes (default: 16 and 64 KiB and every
         ``shape``'s output and its 2-, 4-, 8-way chunks; fit alpha, beta), GEMM times of every ``shape`` =
-        (rows, K, N) and of its row chunks (the table, and a fit of lambda and the rate), and the compute each
-        all-reduce size takes from a GEMM (CPU: its process time; GPU: the first shape's GEMM beside it, minus the
-        GEMM alone). A collective: every rank of ``group`` must call it; all get the same model."""
+        (rows, K, N) and of its row chunks (the table, and a fit of lambda and the rate), and the first shape's
+        chunked pipeline for k = 2, 4, 8 (the compute an all-reduce of each chunk size takes from the GEMM beside
+        it). A collective: every rank of ``group`` must call it; all get the same model."""
         world = dist.get_world_size(group)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
@@ -183,18 +183,10 @@ class CostModel:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
             return values.cpu().tolist()
 
-        raw, raw_cpu = [], []
+        raw = []
         for nbytes in sizes:
             buf = torch.zeros(max(nbytes // elem, 1), dtype=dtype, device=device)
-            cpu = []
-
-            def all_reduce(buf=buf, cpu=cpu):  # and the CPU time it takes (this process's threads, gloo's too)
-                c0 = time.process_time()
-                dist.all_reduce(buf, group=group)
-                cpu.append(time.process_time() - c0)
-
-            raw.append(timed(all_reduce))
-            raw_cpu.append(statistics.median(cpu[1:]))
+            raw.append(timed(lambda buf=buf: dist.all_reduce(buf, group=group)))
         table_keys, gemm_raw = [], []
         for rows, k_in, n_out in shapes:
             w = torch.randn(n_out, k_in, dtype=dtype, device=device)
@@ -217,37 +209,36 @@ class CostModel:
         model = cls(alpha=alpha, beta=beta, gemm_overhead=max(lam, 0.0), gemm_rate=1.0 / max(inv_rate, 1e-18),
                     gemm_table=dict(zip(table_keys, gemm_raw)), allreduce_table=dict(zip(sizes, raw)),
                     world_size=world)
-        if device.type == "cpu":
-            compute = dict(zip(sizes, slowest(raw_cpu)))
-        else:
-            compute = cls._gemm_stretch(model, group, shapes[0], sizes, dtype, device, timed, slowest)
-        model.comm_compute_table = {int(b): max(v, 0.0) for b, v in compute.items()}
-        model.samples = {"allreduce_bytes": list(sizes), "allreduce_s": raw, "gemm": list(zip(table_keys, gemm_raw)),
-                         "allreduce_compute_s": [model.comm_compute_table.get(int(b)) for b in sizes]}
-        return model
-
-    @staticmethod
-    def _gemm_stretch(model, group, shape, sizes, dtype, device, timed, slowest):
-        """{bytes: how much an all-reduce of that size stretches the GEMM of ``shape`` beside it} (GPUs, where the
-        collective's kernels share the SMs). Sizes whose all-reduce would outlast the GEMM are left out: there the
-        stretch would be the collective's own time."""
-        rows, k_in, n_out = shape
+        # S, what an all-reduce takes from the GEMM beside it: the first shape's GEMM in k = 2, 4, 8 chunks, each
+        # chunk's all-reduce started after its GEMM as the linears run them. Where the GEMMs dominate,
+        # T(k) = k g + (k - 1) s + c, so s = (T(k) - k g - c) / (k - 1) at the chunk's bytes; where the
+        # all-reduces do, that is c - g and max(g + s, c) = c still holds.
+        rows, k_in, n_out = shapes[0]
         x = torch.randn(rows, k_in, dtype=dtype, device=device)
         w = torch.randn(n_out, k_in, dtype=dtype, device=device)
-        lone = model.gemm_time(rows, k_in, n_out, dtype)
-        elem = torch.tensor([], dtype=dtype).element_size()
-        fits = [b for b in sizes if model.allreduce_time(b) < 0.5 * lone] or sizes[:1]
-        stretched = []
-        for nbytes in fits:
-            buf = torch.zeros(max(nbytes // elem, 1), dtype=dtype, device=device)
+        piped = []
+        for k in CHUNK_CHOICES[1:]:
+            bounds = [(i * rows // k, (i + 1) * rows // k) for i in range(k)]
 
-            def overlapped(buf=buf):
-                work = dist.all_reduce(buf, group=group, async_op=True)
-                x @ w.t()
-                work.wait()
+            def pipeline(bounds=bounds):
+                out = x.new_empty(rows, n_out)  # a fresh output, as the linears allocate (and fault in) theirs
+                pending = []
+                for start, stop in bounds:
+                    torch.matmul(x[start:stop], w.t(), out=out[start:stop])
+                    pending.append(dist.all_reduce(out[start:stop], group=group, async_op=True))
+                for work in pending:
+                    work.wait()
 
-            stretched.append(timed(overlapped))
-        return {b: t - lone for b, t in zip(fits, slowest(stretched))}
+            piped.append(timed(pipeline))
+        for k, t_k in zip(CHUNK_CHOICES[1:], slowest(piped)):
+            m = -(-rows // k)
+            nbytes = m * n_out * elem
+            g, c = model.gemm_time(m, k_in, n_out, dtype), model.allreduce_time(nbytes)
+            model.comm_compute_table[nbytes] = max((t_k - k * g - c) / (k - 1), 0.0)
+        model.samples = {"allreduce_bytes": list(sizes), "allreduce_s": raw, "gemm": list(zip(table_keys, gemm_raw)),
+                         "pipeline_s": dict(zip(CHUNK_CHOICES[1:], piped)),
+                         "allreduce_compute_s": sorted(model.comm_compute_table.items())}
+        return model
 
     # ---- state ----
 
