@@ -223,7 +223,7 @@ def projection(cost_model, config):
     return rows
 
 
-def layout_timing(size, k=2, num_experts=64, reps=5, device="cpu"):
+def layout_timing(size, k=2, num_experts=64, reps=21, device="cpu"):
     """moe_layout against the torch path (stable argsort + bincount + cumsum) on T * k = size assignments."""
     from fastdist.ops import moe_layout
 

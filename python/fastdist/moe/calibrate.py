@@ -3,7 +3,8 @@
 Measures on every rank of `group`: the expert GEMM rate (forward and backward of an FFN-shaped pair of matmuls, a
 third of it charged to the forward as the cost model's 3 T_fec does), and all-to-all time at two message sizes,
 fitted as ``alpha + bytes / bandwidth``. Replica traffic goes over the same links, so the point-to-point rate is
-taken to be the all-to-all bandwidth. Each measurement is the fastest of a few repetitions;
+taken to be the all-to-all bandwidth; what a replica transfer takes from the computation beside it is the FFN's
+stretch with one expert's parameters broadcast beside it. Each measurement is the fastest of a few repetitions;
 then the slowest rank's figure is taken (an all-reduce MAX), so every rank holds identical constants, as the
 planner's determinism requires.
 """
@@ -74,10 +75,31 @@ def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=No
         return _best_time(run, reps)
 
     t_small, t_large = a2a(small_rows), a2a(large_rows)
-    measured = torch.tensor([t_ffn, t_small, t_large], dtype=torch.float64, device=device)
+    # What a replica transfer (one expert's parameters, sent by group rank 0) takes from the FFN running beside it.
+    expert_bytes = (2 * d_model * d_ff + d_model + d_ff) * elem
+    t_beside = t_transfer = 3 * t_ffn
+    if world > 1:
+        params = torch.zeros(expert_bytes // elem, dtype=dtype, device=device)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+
+        def transfer():
+            dist.broadcast(params, src=src, group=group)
+            sync()
+
+        def ffn_beside_transfer():
+            work = dist.broadcast(params, src=src, group=group, async_op=True)
+            ffn()
+            work.wait()
+            sync()
+
+        t_transfer, t_beside = _best_time(transfer, reps), _best_time(ffn_beside_transfer, reps)
+    measured = torch.tensor([t_ffn, t_small, t_large, t_transfer, t_beside - 3 * t_ffn], dtype=torch.float64,
+                            device=device)
     if world > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-    t_ffn, t_small, t_large = (float(v) for v in measured.cpu())
+    t_ffn, t_small, t_large, t_transfer, stretch = (float(v) for v in measured.cpu())
+    # The stretch is the transfer's compute only while the transfer ends inside the FFN; past it, its waiting counts.
+    transfer_compute = min(max(stretch, 0.0), t_transfer)
     # A rank sends (world - 1) blocks of `rows` rows in an all-to-all. Fit alpha + bytes / bandwidth through the two
     # sizes; when noise makes the large message look no slower than the small one, charge it all to bandwidth.
     bytes_small = small_rows * (world - 1) * d_model * elem
@@ -91,6 +113,6 @@ def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=No
         bandwidth, alpha = bytes_large / t_large, 0.0
     model = CostModel(d_model=d_model, d_ff=d_ff, a2a_alpha_s=alpha, a2a_bytes_per_s=bandwidth,
                       flops_per_s=tokens * 4 * d_model * d_ff / max(t_ffn, 1e-12), p2p_bytes_per_s=bandwidth,
-                      elem_bytes=elem)
+                      elem_bytes=elem, p2p_compute_s_per_byte=transfer_compute / expert_bytes)
     _CACHE[key] = model
     return model

@@ -39,6 +39,10 @@ class CostModel:
     elem_bytes: int = 4
     nec_fwd_s: float = 0.0      # non-expert compute the replica traffic can hide behind (forward)
     nec_bwd_s: float = 0.0      # (backward)
+    # compute seconds a replica transfer takes from the computation beside it, per byte sent or received: on a CPU,
+    # gloo and the network stack copy every byte on the cores that compute (on 2 ranks here, about 1-2 ms per MB),
+    # so overlapping hides only the transfer's waiting
+    p2p_compute_s_per_byte: float = 0.0
 
     @property
     def flops_per_token(self):
@@ -66,8 +70,12 @@ class CostModel:
             self.p2p_bytes_per_s if plan.replicas else 0.0
         t_ptrans = max(0.0, t_trans - t_fec - self.nec_fwd_s)
         t_pagg = max(0.0, t_trans - t_bec - self.nec_bwd_s)
-        total = 4 * t_a2a + 3 * t_fec + t_ptrans + t_pagg
-        return total, {"a2a": t_a2a, "fec": t_fec, "trans": t_trans, "ptrans": t_ptrans, "pagg": t_pagg}
+        # parameters out in forward, gradients back in backward: each costs its bytes' compute on both ends
+        t_tcomp = 2 * int(np.max(sent + received)) * self.params_per_expert * self.elem_bytes * \
+            self.p2p_compute_s_per_byte
+        total = 4 * t_a2a + 3 * t_fec + t_ptrans + t_pagg + t_tcomp
+        return total, {"a2a": t_a2a, "fec": t_fec, "trans": t_trans, "ptrans": t_ptrans, "pagg": t_pagg,
+                       "trans_compute": t_tcomp}
 
 
 @dataclasses.dataclass(frozen=True)
