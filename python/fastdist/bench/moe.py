@@ -148,7 +148,8 @@ def bench_rank(config):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
-    cost = calibrate(None, config["d_model"], config["d_ff"], device=device)
+    cost = calibrate(None, config["d_model"], config["d_ff"], device=device, tokens=config["tokens"],
+                     num_experts=config["experts_per_rank"] * world, k=config["k"])
     layers = _build_layers(config, world, cost, device)
     num_experts = config["experts_per_rank"] * world
     samples = {name: [] for name in config["methods"]}

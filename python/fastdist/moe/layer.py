@@ -321,7 +321,7 @@ class MoELayer(nn.Module):
         if self.planner.cost is None and self.balance != "none":
             from fastdist.moe.calibrate import calibrate
             self.planner.cost = calibrate(self.group if self.distributed else None, self.d_model, self.d_ff,
-                                          self.w1.dtype)
+                                          self.w1.dtype, num_experts=self.num_experts, k=self.k)
 
     # ---- compute ----
 

@@ -43,6 +43,9 @@ class CostModel:
     # gloo and the network stack copy every byte on the cores that compute (on 2 ranks here, about 1-2 ms per MB),
     # so overlapping hides only the transfer's waiting
     p2p_compute_s_per_byte: float = 0.0
+    # the layer's own work per routed assignment, forward + backward: gate, route, layout, permute and combine. The
+    # same under every plan, so it never changes a choice; it makes the prediction a layer time, not an expert time
+    overhead_s_per_assignment: float = 0.0
 
     @property
     def flops_per_token(self):
@@ -73,9 +76,10 @@ class CostModel:
         # parameters out in forward, gradients back in backward: each costs its bytes' compute on both ends
         t_tcomp = 2 * int(np.max(sent + received)) * self.params_per_expert * self.elem_bytes * \
             self.p2p_compute_s_per_byte
-        total = 4 * t_a2a + 3 * t_fec + t_ptrans + t_pagg + t_tcomp
+        t_overhead = int(counts.sum(axis=1).max()) * self.overhead_s_per_assignment
+        total = 4 * t_a2a + 3 * t_fec + t_ptrans + t_pagg + t_tcomp + t_overhead
         return total, {"a2a": t_a2a, "fec": t_fec, "trans": t_trans, "ptrans": t_ptrans, "pagg": t_pagg,
-                       "trans_compute": t_tcomp}
+                       "trans_compute": t_tcomp, "overhead": t_overhead}
 
 
 @dataclasses.dataclass(frozen=True)
