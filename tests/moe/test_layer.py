@@ -243,3 +243,16 @@ def test_single_process_layer_in_bfloat16_agrees_with_float32():
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and layer.w1.grad.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference(x.detach().float()), rtol=2e-2, atol=2e-2)
+
+
+def _calibrated():
+    from fastdist.moe import calibrate
+    return dict(vars(calibrate(None, d_model=32, d_ff=64, tokens=256, num_experts=4, k=2, reps=3)))
+
+
+def test_calibration_gives_every_rank_the_same_constants_including_transfer_and_layer_work():
+    first, second = spawn(_calibrated, 2, backend="gloo", timeout=120, threads_per_rank=1)
+    assert first == second  # the slowest rank's figures everywhere: the planners agree
+    assert first["flops_per_s"] > 0 and first["a2a_bytes_per_s"] > 0 and first["a2a_alpha_s"] >= 0
+    assert first["p2p_compute_s_per_byte"] >= 0
+    assert first["overhead_s_per_assignment"] > 0  # gate, route, layout, permute, combine take time

@@ -47,6 +47,28 @@ def test_cost_model_of_the_empty_plan_follows_the_formula():
     assert total == pytest.approx(4 * t_a2a + 3 * t_fec)
 
 
+def test_replica_transfer_compute_is_charged_on_both_ends_for_parameters_and_gradients():
+    counts = np.array([[5, 1, 0, 2], [3, 0, 4, 1]])
+    base = dict(d_model=4, d_ff=8, a2a_alpha_s=1.0, a2a_bytes_per_s=16.0, flops_per_s=128.0, p2p_bytes_per_s=1e9)
+    plan = Plan(((0, 1), (2, 0)))  # each rank sends one expert and receives one
+    free = CostModel(**base).time(counts, plan)
+    costly = CostModel(**base, p2p_compute_s_per_byte=1e-3).time(counts, plan)
+    expert_bytes = (2 * 4 * 8 + 4 + 8) * 4
+    assert costly[1]["trans_compute"] == pytest.approx(2 * (1 + 1) * expert_bytes * 1e-3)
+    assert costly[0] - free[0] == pytest.approx(costly[1]["trans_compute"])
+    assert CostModel(**base, p2p_compute_s_per_byte=1e-3).time(counts, Plan())[1]["trans_compute"] == 0.0
+
+
+def test_layer_overhead_scales_with_the_busiest_ranks_assignments_and_never_changes_the_plan():
+    counts = zipf_counts(4, 16, seed=5)
+    with_overhead = CostModel(**{**vars(COMPUTE_BOUND), "overhead_s_per_assignment": 1e-6})
+    plan, _ = plan_prophet(counts, COMPUTE_BOUND)
+    assert plan_prophet(counts, with_overhead)[0] == plan
+    for p in (Plan(), plan):
+        extra = with_overhead.time(counts, p)[0] - COMPUTE_BOUND.time(counts, p)[0]
+        assert extra == pytest.approx(counts.sum(axis=1).max() * 1e-6)
+
+
 @pytest.mark.parametrize("ranks, experts, seed", [(4, 8, 0), (4, 16, 1), (8, 16, 2), (8, 32, 3), (16, 32, 4)])
 def test_prophet_predicted_time_never_grows_with_budget_and_balance_improves(ranks, experts, seed):
     counts = zipf_counts(ranks, experts, seed=seed)
