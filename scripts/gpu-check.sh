@@ -38,6 +38,8 @@ $PY -c "from fastdist.bench.moe import layout_timing; print(layout_timing(1 << 2
   2>&1 | tee "$out/moe-layout-cuda.txt"
 $PY -m fastdist.bench compress-kernels --device cuda --json "$out/compress-kernels-cuda.json" \
   --plot "$out/compress-kernels-cuda.png" 2>&1 | tee "$out/compress-kernels-cuda.txt"
+# issue 6's GPU bound: an [8192, 8192] x [8192, 8192] bf16 GEMM in 4 row chunks costs <= 5% over one GEMM
+$PY -m fastdist.bench tp --gemm-check 8192,8192,8192 --json "$out/tp-gemm-check.json" 2>&1 | tee "$out/tp-gemm-check.txt"
 
 log "memory: prefetcher/planner tests (pinned store on CUDA) and the memory benchmark under a 20 GiB cap"
 set +e
