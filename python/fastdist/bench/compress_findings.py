@@ -218,10 +218,7 @@ def run(args):
     if args.epochs < 2 or args.train < 128:
         raise SystemExit("fastdist-bench compress-findings: --epochs >= 2 and --train >= 128")
     config = {"tasks": tasks, "rows": rows, "epochs": args.epochs, "train": args.train, "seed": args.seed}
-    threads_before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with report.torch_threads(args.threads):
         env = report.environment(backend=f"one process, {torch.get_num_threads()} torch threads", device="cpu",
                                  ranks=1, network="- (in-process Boundary modules)")
         progress = report.Progress(len(tasks) * len(rows), "compress-findings")
@@ -233,8 +230,6 @@ def run(args):
                 r = _train(task, row, data, config)
                 results.append({"task": task, "row": row, **r, "seconds": time.monotonic() - start})
                 progress.step(f"{task} {row}")
-    finally:
-        torch.set_num_threads(threads_before)
     print(report.format_environment(env))
     print(f"# {config['epochs']} epochs, {config['train']} training samples, seed {config['seed']}; cnn: test accuracy "
           "(higher is better), gpt: held-out cross-entropy in nats (lower is better)")

@@ -100,13 +100,8 @@ def run(args):
         raise SystemExit(f"fastdist-bench compress-kernels: unknown op(s) {unknown}; choose from {OPS}")
     rows, d = parse_shape(args.topk_shape or DEFAULT_SHAPES[device])
     k = topk_k(args.ratio, d)
-    threads_before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with report.torch_threads(args.threads):
         return _run(args, device, ops, rows, d, k)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _run(args, device, ops, rows, d, k):

@@ -292,13 +292,8 @@ def run(args):
         "densities": QUICK_SKETCH_DENSITIES if args.quick else SKETCH_DENSITIES,
     }
 
-    threads_before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with report.torch_threads(args.threads):
         return _run(args, device, ops, sizes, repeats, sketch)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _run(args, device, ops, sizes, repeats, sketch):

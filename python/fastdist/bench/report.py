@@ -1,4 +1,5 @@
 """What every benchmark suite prints and writes: environment header, tables, progress, JSON."""
+import contextlib
 import datetime
 import json
 import os
@@ -9,6 +10,18 @@ import time
 import torch
 
 import fastdist
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op thread count set to `n` inside the block (None or 0: left as it is), restored after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def environment(*, backend, device, ranks, network):

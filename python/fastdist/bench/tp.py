@@ -202,9 +202,7 @@ def bench_rank(config):
 # --- driver ----------------------------------------------------------------------------------------
 
 def _one_core_median(fn, reps=5):
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with report.torch_threads(1):
         for _ in range(2):
             fn()
         samples = []
@@ -212,8 +210,6 @@ def _one_core_median(fn, reps=5):
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
     return statistics.median(samples)
 
 

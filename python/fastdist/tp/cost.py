@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastdist.tp.linear import chunk_bounds
+
 __all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "default_cost_model", "set_default_cost_model"]
 
 CHUNK_CHOICES = (1, 2, 4, 8)
@@ -218,9 +220,7 @@ class CostModel:
         w = torch.randn(n_out, k_in, dtype=dtype, device=device)
         piped = []
         for k in CHUNK_CHOICES[1:]:
-            bounds = [(i * rows // k, (i + 1) * rows // k) for i in range(k)]
-
-            def pipeline(bounds=bounds):
+            def pipeline(bounds=chunk_bounds(rows, k)):
                 out = x.new_empty(rows, n_out)  # a fresh output, as the linears allocate (and fault in) theirs
                 pending = []
                 for start, stop in bounds:
