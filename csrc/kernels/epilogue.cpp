@@ -125,12 +125,9 @@ void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, vo
                        EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end) {
   (void)rows;
   if (row_begin >= row_end || cols == 0) return;
-  switch (type) {
-    case EpilogueType::kFloat32: return forward_typed<Float32Format>(x, bias, residual, out, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat64: return forward_typed<Float64Format>(x, bias, residual, out, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat16: return forward_typed<Float16Format>(x, bias, residual, out, act, cols, row_begin, row_end);
-    case EpilogueType::kBFloat16: return forward_typed<BFloat16Format>(x, bias, residual, out, act, cols, row_begin, row_end);
-  }
+  dispatch_storage(type, [&](auto format) {
+    forward_typed<decltype(format)>(x, bias, residual, out, act, cols, row_begin, row_end);
+  });
 }
 
 void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, EpilogueType type,
@@ -138,13 +135,9 @@ void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bia
                                 int64_t row_end) {
   (void)rows;
   if (row_begin >= row_end || cols == 0) return;
-  switch (type) {
-    case EpilogueType::kFloat32: return backward_typed<Float32Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat64: return backward_typed<Float64Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
-    case EpilogueType::kFloat16: return backward_typed<Float16Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
-    case EpilogueType::kBFloat16:
-      return backward_typed<BFloat16Format>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
-  }
+  dispatch_storage(type, [&](auto format) {
+    backward_typed<decltype(format)>(grad, x, bias, grad_x, act, cols, row_begin, row_end);
+  });
 }
 
 }  // namespace fastdist

@@ -96,13 +96,9 @@ cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* resi
                                EpilogueActivation act, int64_t rows, int64_t cols, cudaStream_t stream) {
   const int64_t total = rows * cols;
   if (total == 0) return cudaSuccess;
-  switch (type) {
-    case EpilogueType::kFloat64: return forward_typed<Float64Format>(x, bias, residual, out, act, total, cols, stream);
-    case EpilogueType::kFloat16: return forward_typed<Float16Format>(x, bias, residual, out, act, total, cols, stream);
-    case EpilogueType::kBFloat16: return forward_typed<BFloat16Format>(x, bias, residual, out, act, total, cols, stream);
-    case EpilogueType::kFloat32: break;
-  }
-  return forward_typed<Float32Format>(x, bias, residual, out, act, total, cols, stream);
+  return dispatch_storage(type, [&](auto format) {
+    return forward_typed<decltype(format)>(x, bias, residual, out, act, total, cols, stream);
+  });
 }
 
 cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const void* bias, void* grad_x,
@@ -110,13 +106,9 @@ cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const v
                                         cudaStream_t stream) {
   const int64_t total = rows * cols;
   if (total == 0) return cudaSuccess;
-  switch (type) {
-    case EpilogueType::kFloat64: return backward_typed<Float64Format>(grad, x, bias, grad_x, act, total, cols, stream);
-    case EpilogueType::kFloat16: return backward_typed<Float16Format>(grad, x, bias, grad_x, act, total, cols, stream);
-    case EpilogueType::kBFloat16: return backward_typed<BFloat16Format>(grad, x, bias, grad_x, act, total, cols, stream);
-    case EpilogueType::kFloat32: break;
-  }
-  return backward_typed<Float32Format>(grad, x, bias, grad_x, act, total, cols, stream);
+  return dispatch_storage(type, [&](auto format) {
+    return backward_typed<decltype(format)>(grad, x, bias, grad_x, act, total, cols, stream);
+  });
 }
 
 }  // namespace fastdist

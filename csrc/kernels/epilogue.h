@@ -29,7 +29,7 @@
 
 namespace fastdist {
 
-enum class EpilogueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+using EpilogueType = StorageType;
 enum class EpilogueActivation : int32_t { kNone = 0, kGeluTanh = 1, kGeluErf = 2 };
 
 // ---- float32 transcendental functions, vectorizable (no calls, no branches) ----

@@ -111,4 +111,18 @@ struct BFloat16Format {
   FASTDIST_HOST_DEVICE static uint16_t store(float v) { return float_to_bfloat16(v); }
 };
 
+// Which of those formats a tensor is stored in: one enum for every op family (the glue maps torch dtypes to it).
+enum class StorageType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+// fn(Format{}) with the format of `type`: the one switch of the kernels templated on their storage format.
+template <typename Fn>
+decltype(auto) dispatch_storage(StorageType type, Fn&& fn) {
+  switch (type) {
+    case StorageType::kFloat64: return fn(Float64Format{});
+    case StorageType::kFloat16: return fn(Float16Format{});
+    case StorageType::kBFloat16: return fn(BFloat16Format{});
+    default: return fn(Float32Format{});
+  }
+}
+
 }  // namespace fastdist

@@ -197,22 +197,16 @@ void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t k, int64_t num_expe
 
 void moe_permute_cpu(const void* x, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                      const void* weight, void* out, int64_t t_begin, int64_t t_end) {
-  switch (type) {
-    case MoeValueType::kFloat64: return permute_rows<Float64Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kFloat16: return permute_rows<Float16Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kBFloat16: return permute_rows<BFloat16Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-    default: return permute_rows<Float32Format>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
-  }
+  dispatch_storage(type, [&](auto format) {
+    permute_rows<decltype(format)>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
+  });
 }
 
 void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                        const void* weight, void* out, int64_t t_begin, int64_t t_end) {
-  switch (type) {
-    case MoeValueType::kFloat64: return unpermute_rows<Float64Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kFloat16: return unpermute_rows<Float16Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-    case MoeValueType::kBFloat16: return unpermute_rows<BFloat16Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-    default: return unpermute_rows<Float32Format>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
-  }
+  dispatch_storage(type, [&](auto format) {
+    unpermute_rows<decltype(format)>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
+  });
 }
 
 }  // namespace fastdist

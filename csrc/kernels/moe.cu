@@ -346,16 +346,9 @@ cudaError_t moe_permute_cuda(const void* x, MoeValueType type, int64_t tokens, i
   if (tokens == 0 || d == 0) return cudaSuccess;
   const int grid = grid_for(tokens, 1);
   const int threads = row_threads(d);
-  switch (type) {
-    case MoeValueType::kFloat64:
-      return launch_permute<Float64Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-    case MoeValueType::kFloat16:
-      return launch_permute<Float16Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-    case MoeValueType::kBFloat16:
-      return launch_permute<BFloat16Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-    default:
-      return launch_permute<Float32Format>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-  }
+  return dispatch_storage(type, [&](auto format) {
+    return launch_permute<decltype(format)>(x, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+  });
 }
 
 cudaError_t moe_unpermute_cuda(const void* y, MoeValueType type, int64_t tokens, int64_t d, int64_t k,
@@ -363,16 +356,9 @@ cudaError_t moe_unpermute_cuda(const void* y, MoeValueType type, int64_t tokens,
   if (tokens == 0 || d == 0) return cudaSuccess;
   const int grid = grid_for(tokens, 1);
   const int threads = row_threads(d);
-  switch (type) {
-    case MoeValueType::kFloat64:
-      return launch_unpermute<Float64Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-    case MoeValueType::kFloat16:
-      return launch_unpermute<Float16Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-    case MoeValueType::kBFloat16:
-      return launch_unpermute<BFloat16Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-    default:
-      return launch_unpermute<Float32Format>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
-  }
+  return dispatch_storage(type, [&](auto format) {
+    return launch_unpermute<decltype(format)>(y, tokens, d, k, row_of_slot, weight, out, grid, threads, stream);
+  });
 }
 
 }  // namespace fastdist

@@ -38,12 +38,14 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "kernels/float_bits.h"
+
 namespace fastdist {
 
 // Value types of the row data. The gate logits are float32 or float64; permute / unpermute also move float16 and
 // bfloat16 rows (16-bit storage): they compute in float32 (float64 for float64 rows) and round to nearest even once
 // per output value, so unpermute's k-way sum is rounded once, not k times.
-enum class MoeValueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+using MoeValueType = StorageType;
 
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel ----
 

@@ -46,7 +46,7 @@ constexpr int64_t kSketchMaxCols = (int64_t{1} << 31) - 1;  // buckets fit 31 bi
 constexpr int kSketchSignBit = 30;
 
 // The value types the sketch reads; the table and the decoded values are always float32.
-enum class SketchValueType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+using SketchValueType = StorageType;
 
 // ---- exact modular arithmetic mod p = 2^61 - 1 ----
 
