@@ -32,6 +32,8 @@ def test_projection_is_computed_from_the_cost_model_for_every_rank_count():
     for r in rows:
         assert r["predicted_ms"]["prophet"] <= r["predicted_ms"]["dropless"]
         assert r["tokens_max_over_mean"]["prophet"] < r["tokens_max_over_mean"]["dropless"]
+    # a projection to a device per rank, even from a run whose ranks shared cores
+    assert moe.projection({**cost, "rank_hosts": [0, 0], "host_slots": [1]}, config) == rows
 
 
 def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
@@ -58,5 +60,7 @@ def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
     assert rows["prophet"]["replicas"] > 0
     assert rows["prophet"]["tokens_max_over_mean"] <= 1.10 < rows["dropless"]["tokens_max_over_mean"]
     assert rows["prophet"]["predicted_ms"] < rows["dropless"]["predicted_ms"]
+    assert all(0 <= r["model_error_of_medians"] for r in rows.values())
+    assert "# cost model   mean error" in proc.stdout
     assert result["layout"]["assignments"] == 4096 and result["layout"]["speedup"] > 0
     assert png.stat().st_size > 0

@@ -3,6 +3,7 @@ experts local, same weights, same routing) with balancing off and on, dropless a
 gets no tokens; replicas really carry tokens; mismatched configurations raise on every rank; planner state
 round-trips through state_dict."""
 import math
+import os
 import pickle
 
 import pytest
@@ -256,3 +257,19 @@ def test_calibration_gives_every_rank_the_same_constants_including_transfer_and_
     assert first["flops_per_s"] > 0 and first["a2a_bytes_per_s"] > 0 and first["a2a_alpha_s"] >= 0
     assert first["p2p_compute_s_per_byte"] >= 0
     assert first["overhead_s_per_assignment"] > 0  # gate, route, layout, permute, combine take time
+
+
+def _calibrated_on_one_core():
+    from fastdist.moe import calibrate
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # both ranks on one core, one thread each
+    return dict(vars(calibrate(None, d_model=32, d_ff=64, tokens=256, num_experts=4, k=2, reps=3)))
+
+
+def test_calibration_records_ranks_that_share_cores_and_measures_their_rate_one_rank_at_a_time():
+    shared, _ = spawn(_calibrated_on_one_core, 2, backend="gloo", timeout=120, threads_per_rank=1)
+    assert shared["rank_hosts"] == (0, 0) and shared["host_slots"] == (1,)
+    # the rate of a rank alone on the core: close to what it is with a core per rank, not half of it
+    dedicated, _ = spawn(_calibrated, 2, backend="gloo", timeout=120, threads_per_rank=1)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert dedicated["rank_hosts"] == () and dedicated["host_slots"] == ()
+        assert shared["flops_per_s"] > 0.6 * dedicated["flops_per_s"]

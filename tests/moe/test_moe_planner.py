@@ -6,6 +6,7 @@ import pickle
 import numpy as np
 import pytest
 from fastdist.moe import CostModel, Plan, Planner, loads, plan_prophet, plan_replicate_topk, plan_shadow
+from fastdist.moe.planner import shared_makespan
 
 COMPUTE_BOUND = CostModel(d_model=256, d_ff=1024, a2a_alpha_s=2e-5, a2a_bytes_per_s=5e9, flops_per_s=5e10,
                           p2p_bytes_per_s=5e9)
@@ -57,6 +58,36 @@ def test_replica_transfer_compute_is_charged_on_both_ends_for_parameters_and_gra
     assert costly[1]["trans_compute"] == pytest.approx(2 * (1 + 1) * expert_bytes * 1e-3)
     assert costly[0] - free[0] == pytest.approx(costly[1]["trans_compute"])
     assert CostModel(**base, p2p_compute_s_per_byte=1e-3).time(counts, Plan())[1]["trans_compute"] == 0.0
+
+
+def test_shared_makespan_is_the_largest_load_with_enough_cores_and_processor_sharing_with_too_few():
+    assert shared_makespan([3, 1, 1, 1], slots=4) == 3
+    # 2 cores, 4 ranks: all four at half speed until the three small ones finish at t = 2 (the big one has done 1 of
+    # its 3), then the big one alone at full speed for the remaining 2
+    assert shared_makespan([1, 3, 1, 1], slots=2) == pytest.approx(4.0)
+    assert shared_makespan([2, 2, 2, 2], slots=2) == pytest.approx(4.0)  # balanced: the host's total over its cores
+    assert shared_makespan([3, 1, 1, 1], slots=1) == pytest.approx(6.0)  # one core: the sum
+    assert shared_makespan([], slots=2) == 0.0
+
+
+def test_ranks_sharing_cores_are_charged_their_hosts_makespan_and_balance_buys_less():
+    counts = np.array([[40, 30, 2, 0, 0, 0, 0, 0],
+                       [40, 30, 0, 2, 0, 0, 0, 0],
+                       [40, 30, 0, 0, 2, 0, 0, 0],
+                       [40, 30, 0, 0, 0, 2, 0, 0]])  # rank 0 owns the two heavy experts
+    base = dict(d_model=4, d_ff=8, a2a_alpha_s=0.0, a2a_bytes_per_s=1e12, flops_per_s=128.0, p2p_bytes_per_s=1e12)
+    dedicated = CostModel(**base)
+    two_cores = CostModel(**base, rank_hosts=(0, 0, 0, 0), host_slots=(2,))
+    two_hosts = CostModel(**base, rank_hosts=(0, 0, 1, 1), host_slots=(2, 2))  # a core per rank after all
+    for plan in (Plan(), Plan(((0, 1), (0, 2), (0, 3)))):
+        h, _, _ = loads(counts, plan)
+        per_token = 4 * 4 * 8 / 128.0
+        assert dedicated.time(counts, plan)[1]["fec"] == pytest.approx(h.max() * per_token)
+        assert two_hosts.time(counts, plan)[1]["fec"] == pytest.approx(h.max() * per_token)
+        assert two_cores.time(counts, plan)[1]["fec"] == pytest.approx(shared_makespan(h, 2) * per_token)
+    gain = {name: model.time(counts, Plan())[1]["fec"] / model.time(counts, Plan(((0, 1), (0, 2), (0, 3))))[1]["fec"]
+            for name, model in (("dedicated", dedicated), ("two_cores", two_cores))}
+    assert gain["dedicated"] > gain["two_cores"] > 1.0
 
 
 def test_layer_overhead_scales_with_the_busiest_ranks_assignments_and_never_changes_the_plan():

@@ -37,6 +37,20 @@ def tx_counter(enabled):
     return netsim.tx_bytes() if enabled else 0
 
 
+def pin_to_core(rank):
+    """Every thread of this process (gloo's too) on core `rank` (mod the cores it may use), and one torch thread.
+    Returns the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:
+            pass
+    torch.set_num_threads(1)
+    return core
+
+
 def _with_group(fn, config):
     return fn(config), (dist.get_backend(), dist.get_world_size())
 

@@ -22,7 +22,6 @@ on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the
 Speed-ups are against k = 1 (op) and the Megatron-style block with the same recompute setting. Without root
 (no simulated cluster) it runs on loopback and says so.
 """
-import os
 import random
 import statistics
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 from fastdist import netsim
 from fastdist.bench import report
-from fastdist.bench.launch import run_ranks
+from fastdist.bench.launch import pin_to_core, run_ranks
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
@@ -67,19 +66,6 @@ def add_arguments(p):
 
 
 # --- one rank --------------------------------------------------------------------------------------
-
-def _pin_to_core(rank):
-    """Every thread of this process (gloo's too) on core `rank`, and one torch thread."""
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[rank % len(cores)]
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except OSError:
-            pass
-    torch.set_num_threads(1)
-    return core
-
 
 def _interleaved(variants, reps, warmup, progress, label):
     """{name: [seconds per rep]} of the slowest rank; `variants` maps name -> callable."""
@@ -166,7 +152,7 @@ def bench_rank(config):
     from fastdist.tp import CostModel, TPOp
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    core = _pin_to_core(rank)
+    core = pin_to_core(rank)
     m, k_full, n = config["op_shape"]
     k_local = k_full // world
     model = CostModel.calibrate(None, shapes=((m, k_local, n),), reps=5)

@@ -7,7 +7,13 @@ taken to be the all-to-all bandwidth; what a replica transfer takes from the com
 stretch with one expert's parameters broadcast beside it. Each measurement is the median of a few repetitions;
 then the slowest rank's figure is taken (an all-reduce MAX), so every rank holds identical constants, as the
 planner's determinism requires.
+
+Ranks on one machine that share its cores (more ranks than its cores fit at their thread counts, on CPU) are
+recorded in the model (rank_hosts, host_slots), and their expert GEMM rate is measured one rank at a time: the
+model then shares the host between them (fastdist.moe.planner.shared_makespan).
 """
+import os
+import socket
 import statistics
 import time
 
@@ -41,6 +47,46 @@ def _typical_time(fn, reps):
 def _group_ranks(group):
     world = dist.get_world_size(group)
     return tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
+
+
+def _machine_id():
+    """The same on every process of one machine, whatever its namespaces (a simulated cluster gives each rank its own
+    network): the kernel's boot id, else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def shared_hosts(group, world):
+    """(rank_hosts, host_slots) when some machine runs more of the group's ranks than its cores fit at their torch
+    thread counts, else ((), ()). Hosts are numbered in order of their first rank; a host's slots are the cores its
+    ranks may run on (the union of their affinities) over the most threads one of them uses."""
+    mine = (_machine_id(), sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    machines = list(dict.fromkeys(m for m, _, _ in everyone))
+    rank_hosts = tuple(machines.index(m) for m, _, _ in everyone)
+    host_slots = []
+    for host, machine in enumerate(machines):
+        members = [e for e in everyone if e[0] == machine]
+        cores = set().union(*(set(c) for _, c, _ in members))
+        host_slots.append(max(1, len(cores) // max(t for _, _, t in members)))
+    if all(rank_hosts.count(h) <= slots for h, slots in enumerate(host_slots)):
+        return (), ()
+    return rank_hosts, tuple(host_slots)
+
+
+def _solo_time(fn, reps, group, world, rank):
+    """_typical_time of fn on each rank in turn, the others waiting in a barrier (they sleep in it)."""
+    seconds = 0.0
+    for turn in range(world):
+        dist.barrier(group=group)
+        if turn == rank:
+            seconds = _typical_time(fn, reps)
+    dist.barrier(group=group)
+    return seconds
 
 
 def _layer_overhead(x, num_experts, k, reps, sync):
@@ -84,6 +130,10 @@ def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=No
         sync()
 
     t_ffn = _typical_time(ffn, reps) / 3
+    rank_hosts, host_slots = shared_hosts(group, world) if world > 1 and device.type == "cpu" else ((), ())
+    # the FFN's rate alone on a core: the model shares the host between its ranks itself
+    rank = dist.get_rank(group) if world > 1 else 0
+    t_ffn_solo = _solo_time(ffn, reps, group, world, rank) / 3 if rank_hosts else t_ffn
     elem = torch.empty((), dtype=dtype).element_size()
 
     def a2a(rows):
@@ -116,11 +166,11 @@ def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=No
             sync()
 
         t_transfer, t_beside = _typical_time(transfer, reps), _typical_time(ffn_beside_transfer, reps)
-    measured = torch.tensor([t_ffn, t_small, t_large, t_transfer, t_beside - 3 * t_ffn, t_overhead],
+    measured = torch.tensor([t_ffn_solo, t_small, t_large, t_transfer, t_beside - 3 * t_ffn, t_overhead],
                             dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-    t_ffn, t_small, t_large, t_transfer, stretch, t_overhead = (float(v) for v in measured.cpu())
+    t_ffn_solo, t_small, t_large, t_transfer, stretch, t_overhead = (float(v) for v in measured.cpu())
     # The stretch is the transfer's compute only while the transfer ends inside the FFN; past it, its waiting counts.
     transfer_compute = min(max(stretch, 0.0), t_transfer)
     # A rank sends (world - 1) blocks of `rows` rows in an all-to-all. Fit alpha + bytes / bandwidth through the two
@@ -135,8 +185,9 @@ def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=No
     else:
         bandwidth, alpha = bytes_large / t_large, 0.0
     model = CostModel(d_model=d_model, d_ff=d_ff, a2a_alpha_s=alpha, a2a_bytes_per_s=bandwidth,
-                      flops_per_s=tokens * 4 * d_model * d_ff / max(t_ffn, 1e-12), p2p_bytes_per_s=bandwidth,
+                      flops_per_s=tokens * 4 * d_model * d_ff / max(t_ffn_solo, 1e-12), p2p_bytes_per_s=bandwidth,
                       elem_bytes=elem, p2p_compute_s_per_byte=transfer_compute / expert_bytes,
-                      overhead_s_per_assignment=t_overhead / (tokens * k))
+                      overhead_s_per_assignment=t_overhead / (tokens * k), rank_hosts=rank_hosts,
+                      host_slots=host_slots)
     _CACHE[key] = model
     return model

@@ -19,12 +19,31 @@ Cost model (Pro-Prophet, arXiv 2411.10003, section 4; constants measured by :fun
 
 T_trans is the busiest rank's replica traffic on point-to-point links (the layer sends each replica from its owner
 to its holder) rather than the paper's ``sum / R``, which assumes a perfectly spread broadcast.
+
+Ranks that share a host's cores (more ranks than the cores fit at the ranks' thread counts; never on GPUs here) do
+not compute side by side: T_fec is then the time the host's processor sharing takes to finish all its ranks' H[r]
+(:func:`shared_makespan`), with flops_per_s a rank's rate when it runs alone. Balance buys less there: once the
+busiest rank runs alone it gets a whole core's worth of the host.
 """
 import dataclasses
 
 import numpy as np
 
-__all__ = ["CostModel", "Plan", "Planner", "loads", "plan_prophet", "plan_replicate_topk", "plan_shadow"]
+__all__ = ["CostModel", "Plan", "Planner", "loads", "plan_prophet", "plan_replicate_topk", "plan_shadow",
+           "shared_makespan"]
+
+
+def shared_makespan(work, slots):
+    """Time for jobs of `work` (one per rank, in a rank's solo time units) that share `slots` full-speed processors
+    fairly -- each running job at min(1, slots / running) -- to all finish: the CPU scheduler's processor sharing.
+    Equals max(work) when there are no more jobs than slots."""
+    elapsed = done = 0.0
+    work = sorted(float(w) for w in work)
+    for i, w in enumerate(work):
+        rate = min(1.0, slots / (len(work) - i))
+        elapsed += (w - done) / rate
+        done = w
+    return elapsed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +65,10 @@ class CostModel:
     # the layer's own work per routed assignment, forward + backward: gate, route, layout, permute and combine. The
     # same under every plan, so it never changes a choice; it makes the prediction a layer time, not an expert time
     overhead_s_per_assignment: float = 0.0
+    # Ranks that share cores: host index of every group rank, and per host how many ranks it runs at full speed at
+    # once. Empty: every rank computes on its own device (GPUs; or ranks on their own cores).
+    rank_hosts: tuple = ()
+    host_slots: tuple = ()
 
     @property
     def flops_per_token(self):
@@ -55,13 +78,21 @@ class CostModel:
     def params_per_expert(self):
         return 2 * self.d_model * self.d_ff + self.d_model + self.d_ff
 
+    def compute_tokens(self, h):
+        """The expert compute of per-rank loads H in a rank's solo token-times: max(H) on dedicated devices, the
+        slowest host's processor-sharing makespan where ranks share cores."""
+        if not self.rank_hosts:
+            return float(np.max(h)) if len(h) else 0.0
+        hosts = np.asarray(self.rank_hosts)
+        return max(shared_makespan(np.asarray(h)[hosts == host], slots) for host, slots in enumerate(self.host_slots))
+
     def time(self, counts, plan):
         """Predicted seconds of one forward + backward of the layer under `plan`, and its parts."""
         h, inbound, outbound = loads(counts, plan)
         world = counts.shape[0]
         t_a2a = self.a2a_alpha_s + max(int(np.max(np.maximum(inbound, outbound))), 0) * self.d_model * \
             self.elem_bytes / self.a2a_bytes_per_s
-        t_fec = int(h.max()) * self.flops_per_token / self.flops_per_s
+        t_fec = self.compute_tokens(h) * self.flops_per_token / self.flops_per_s
         t_bec = 2 * t_fec
         sent = np.zeros(world, dtype=np.int64)
         received = np.zeros(world, dtype=np.int64)
