@@ -101,6 +101,10 @@ def test_error_feedback_residuals_are_kept_per_bucket_and_survive_pickling():
     residuals = {i: b["residual"] for i, b in sd["buckets"].items()}
     assert residuals and all(r is not None and r.shape[0] == 3 for r in residuals.values())
     assert any(r.abs().sum() > 0 for r in residuals.values())  # lossy steps left something to feed back
+    for i, r in residuals.items():  # a residual only moves in calls that applied error feedback, and says so
+        b = sd["buckets"][i]
+        assert b["ef_calls"] > 0 or r.abs().sum() == 0
+        assert b["last_method"] in ("sketch", "sketch+ef", "exact", "dense")
     restored = pickle.loads(blob)
     for i, r in residuals.items():
         assert torch.equal(restored.buckets[i].residual, r)

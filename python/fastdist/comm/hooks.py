@@ -24,7 +24,8 @@ class BucketState:
     numel: int
     dtype: str
     calls: int = 0
-    last_method: str = ""
+    last_method: str = ""   # "dense", "exact", "sketch", or "sketch+ef" when error feedback was applied
+    ef_calls: int = 0       # calls that applied error feedback (a sketch narrower than the union skips it)
     wire_bytes: int = 0
     dense_wire_bytes: int = 0
     residual: torch.Tensor = None  # the error-feedback sketch (error_feedback=True only)
@@ -126,7 +127,8 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
     def record(fut):
         stats = handle.stats
         bucket_state.calls += 1
-        bucket_state.last_method = stats.method
+        bucket_state.last_method = stats.method + ("+ef" if stats.error_feedback else "")
+        bucket_state.ef_calls += int(stats.error_feedback)
         bucket_state.wire_bytes += stats.wire_bytes
         bucket_state.dense_wire_bytes += stats.dense_wire_bytes
         return fut.value() if buffer.is_sparse else buffer  # sparse: a new tensor holding U's rows
