@@ -80,6 +80,20 @@ def test_a_rank_that_exits_without_reporting_is_an_error_naming_its_exit_code():
         spawn(_rank0_dies_hard, 2, timeout=120)
 
 
+def _rank1_segfaults():
+    import ctypes
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    time.sleep(600)
+
+
+def test_a_rank_that_crashes_is_an_error_naming_the_signal_and_where_its_python_code_was():
+    with pytest.raises(RankError) as info:
+        spawn(_rank1_segfaults, 2, timeout=120)
+    msg = str(info.value)
+    assert "rank 1" in msg and "SIGSEGV" in msg and "_rank1_segfaults" in msg
+
+
 def _rank1_sleeps_forever():
     if dist.get_rank() == 1:
         time.sleep(600)

@@ -58,6 +58,7 @@ def _rank_main(fn, args, rank, world_size, backend, env, netns, pg_timeout_s, st
     _die_with_parent()
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a crash (SIGSEGV, SIGABRT, ...) leaves its stacks too
     if netns is not None:
         from fastdist import netsim  # only ranks placed on a simulated cluster need it
         netsim.enter_namespace(netns)
@@ -178,17 +179,28 @@ def _collect(procs, conns, world_size, timeout, stack_dir):
                     status, payload = pickle.loads(conns[rank].recv_bytes())
                 except EOFError:
                     procs[rank].join(1.0)
-                    raise RankError(rank, world_size, _exit_reason(procs[rank].exitcode) + " without reporting")
+                    raise RankError(rank, world_size, _exit_reason(procs[rank].exitcode) + " without reporting"
+                                    + _crash_stacks(stack_dir, rank))
                 if status == "error":
                     raise RankError(rank, world_size, payload)
                 results[rank] = payload
                 pending.discard(rank)
             elif not procs[rank].is_alive():
-                raise RankError(rank, world_size,
-                                _exit_reason(procs[rank].exitcode) + " without reporting a result")
+                raise RankError(rank, world_size, _exit_reason(procs[rank].exitcode)
+                                + " without reporting a result" + _crash_stacks(stack_dir, rank))
     for p in procs:
         p.join(5.0)
     return results
+
+
+def _crash_stacks(stack_dir, rank):
+    """What faulthandler wrote when the rank crashed (its threads' Python stacks), or nothing."""
+    try:
+        with open(os.path.join(stack_dir, f"rank{rank}.stack")) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"; its Python stacks at the crash:\n{text}" if text else ""
 
 
 def _timeout_report(procs, pending, world_size, timeout, stack_dir):
