@@ -187,13 +187,15 @@ def bench_rank(config):
 
 def _summarise(samples, method):
     times = [s["seconds"] for s in samples]
+    median_time = statistics.median(times)
     a2a = [max(s["a2a_bytes_per_rank"]) / max(np.mean(s["a2a_bytes_per_rank"]), 1e-12) for s in samples]
     predicted = [s["predicted_s"] for s in samples]
+    median_predicted = statistics.median(predicted)
     before = [s["std_tokens_per_rank_before"] for s in samples]
     after = [s["std_tokens_per_rank_after"] for s in samples]
     return {
         "method": method,
-        "time_ms": statistics.median(times) * 1e3,
+        "time_ms": median_time * 1e3,
         "samples_ms": [t * 1e3 for t in times],
         "tokens_max_over_mean": statistics.median(s["tokens_max_over_mean"] for s in samples),
         "tokens_max_over_mean_unbalanced": statistics.median(s["tokens_max_over_mean_unbalanced"] for s in samples),
@@ -204,10 +206,10 @@ def _summarise(samples, method):
         "std_ratio": statistics.median(b / a if a > 0 else float("inf") for b, a in zip(before, after)),
         "dropped": int(sum(s["dropped"] for s in samples)),
         "replicas": statistics.median(len(s["replicas"]) for s in samples),
-        "predicted_ms": statistics.median(predicted) * 1e3,
+        "predicted_ms": median_predicted * 1e3,
         "model_error": statistics.mean(abs(p - t) / t for p, t in zip(predicted, times)),
         # the configuration's typical step: the median prediction against the median measurement
-        "model_error_of_medians": abs(statistics.median(predicted) - statistics.median(times)) / statistics.median(times),
+        "model_error_of_medians": abs(median_predicted - median_time) / median_time,
     }
 
 

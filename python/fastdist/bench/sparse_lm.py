@@ -365,7 +365,8 @@ class Method:
         """(all, V-row matrices') bytes the busiest rank must send in `step`, for the baselines. local_rows:
         [world, 2] unique rows of (embed, out) on each rank at this step."""
         w, esize = self.world, 4
-        vrow = (self.model.embed.weight.numel(), self.model.out.weight.numel())
+        vrow_shapes = (tuple(self.model.embed.weight.shape), tuple(self.model.out.weight.shape))
+        vrow = [math.prod(shape) for shape in vrow_shapes]
         if self.name in ("dense", "fp16"):
             size = esize if self.name == "dense" else 2
             return _ring_bytes(sum(self.numels) * size, w), _ring_bytes(sum(vrow) * size, w)
@@ -386,7 +387,7 @@ class Method:
                 compress = (n + m) * r * 2 < n * m  # torch's _should_compress, min_compression_rate 2
                 v = (n + m) * r if compress else n * m
                 values += v
-                sparse += v if n * m in vrow and n == self.config["vocab"] else 0
+                sparse += v if shape in vrow_shapes else 0
             return _ring_bytes(values * esize, w), _ring_bytes(sparse * esize, w)
         raise AssertionError(self.name)
 
@@ -465,7 +466,8 @@ def train_rank(config):
             "curve": curves[i], "final_loss": curves[i][-1][1],
             "train_loss": train_loss[i],
             "step_s": busiest[0, i].tolist(), "step_s_per_rank": per_rank[:, 0, i].tolist(),
-            "wire_bytes": wire_steps, "sparse_wire_bytes": sparse_steps, "wire_source": "sketch_hook stats" if m.router is not None else "model",
+            "wire_bytes": wire_steps, "sparse_wire_bytes": sparse_steps,
+            "wire_source": "sketch_hook stats" if m.router is not None else "model",
             "tx_bytes": busiest[2, i].tolist() if config["measure_tx"] else None,
             "chosen": chosen[i],
         })
@@ -595,8 +597,9 @@ def summarize(result):
                             "sparse_bytes_vs_best_lossless_sparse")):
             hits = [m["method"] for m in methods if m["method"].startswith("sketch-")
                     and m["loss_vs_dense"] <= 0.02 and m[key] <= 0.5]
+            verdict = f"met by {', '.join(hits)}" if hits else "NOT met by any sketch configuration"
             notes.append(f"target (final loss within 2% of dense with <= 50% of the best lossless sparse baseline's "
-                         f"{label}): " + (f"met by {', '.join(hits)}" if hits else "NOT met by any sketch configuration"))
+                         f"{label}): {verdict}")
     auto = next((m for m in methods if m["method"] == "auto"), None)
     if auto is not None and auto["chosen_counts"]:
         notes.append("auto chose: " + "; ".join(f"{k}: " + ", ".join(f"{v} x{n}" for v, n in sorted(p.items()))

@@ -193,13 +193,17 @@ def _collect(procs, conns, world_size, timeout, stack_dir):
     return results
 
 
-def _crash_stacks(stack_dir, rank):
-    """What faulthandler wrote when the rank crashed (its threads' Python stacks), or nothing."""
+def _stacks(stack_dir, rank):
+    """What faulthandler wrote for the rank (its threads' Python stacks, on SIGUSR1 or a crash), or ""."""
     try:
         with open(os.path.join(stack_dir, f"rank{rank}.stack")) as f:
-            text = f.read().strip()
+            return f.read().strip()
     except OSError:
         return ""
+
+
+def _crash_stacks(stack_dir, rank):
+    text = _stacks(stack_dir, rank)
     return f"; its Python stacks at the crash:\n{text}" if text else ""
 
 
@@ -210,10 +214,5 @@ def _timeout_report(procs, pending, world_size, timeout, stack_dir):
     time.sleep(1.0)
     parts = [f"ranks {pending} of {world_size} did not finish within {timeout:g} s; their Python stacks:"]
     for rank in pending:
-        try:
-            with open(os.path.join(stack_dir, f"rank{rank}.stack")) as f:
-                stack = f.read().strip() or "(no stack written)"
-        except OSError:
-            stack = "(no stack written)"
-        parts.append(f"--- rank {rank} ---\n{stack}")
+        parts.append(f"--- rank {rank} ---\n{_stacks(stack_dir, rank) or '(no stack written)'}")
     return "\n".join(parts)

@@ -78,10 +78,10 @@ def shared_hosts(group, world):
     return rank_hosts, tuple(host_slots)
 
 
-def _solo_time(fn, reps, group, world, rank):
+def _solo_time(fn, reps, group):
     """_typical_time of fn on each rank in turn, the others waiting in a barrier (they sleep in it)."""
-    seconds = 0.0
-    for turn in range(world):
+    seconds, rank = 0.0, dist.get_rank(group)
+    for turn in range(dist.get_world_size(group)):
         dist.barrier(group=group)
         if turn == rank:
             seconds = _typical_time(fn, reps)
@@ -132,8 +132,7 @@ def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=No
     t_ffn = _typical_time(ffn, reps) / 3
     rank_hosts, host_slots = shared_hosts(group, world) if world > 1 and device.type == "cpu" else ((), ())
     # the FFN's rate alone on a core: the model shares the host between its ranks itself
-    rank = dist.get_rank(group) if world > 1 else 0
-    t_ffn_solo = _solo_time(ffn, reps, group, world, rank) / 3 if rank_hosts else t_ffn
+    t_ffn_solo = _solo_time(ffn, reps, group) / 3 if rank_hosts else t_ffn
     elem = torch.empty((), dtype=dtype).element_size()
 
     def a2a(rows):
