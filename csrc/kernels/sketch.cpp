@@ -1,10 +1,13 @@
 // CPU count-sketch. Single-threaded over the range it is given; the glue runs disjoint ranges in parallel.
 //
-// Sketch and decode walk the flat index space in chunks of kChunk values, in increasing index. A chunk with no
-// active value (outside the support, or all zero when sketching) is skipped; a chunk with few active values
-// hashes each of them directly (two 64x64->128 multiplies per hash); a denser chunk uses lane stepping: the hash
-// state of kLanes consecutive indices is kept per sketch row and advanced by kLanes indices at a time with adds
-// and conditional subtracts only, exact because
+// Units of m > 1 values (row granularity) hash once per unit and row and stream the unit into a contiguous window
+// of the row (see "windows" below): vector adds, no scatter.
+//
+// Units of one value (element granularity) hash every value. Sketch and decode walk the flat index space in chunks
+// of kChunk values, in increasing index. A chunk with no active value (outside the support, or all zero when
+// sketching) is skipped; a chunk with few active values hashes each of them directly (two 64x64->128 multiplies per
+// hash); a denser chunk uses lane stepping: the hash state of kLanes consecutive indices is kept per sketch row and
+// advanced by kLanes indices at a time with adds and conditional subtracts only, exact because
 //     (a*(i+k) + b) mod p = ((a*i + b) mod p + (k*a mod p)) mod p
 // and the bucket ((...) mod p) mod cols follows from the same step: when the mod-p sum wraps (subtracts p), the
 // bucket moves by (k*a mod p - p) mod cols instead of (k*a mod p) mod cols. That loop vectorizes (AVX2 picked at
@@ -188,7 +191,7 @@ class Hasher {
 
   // Direct hash of index i in row j, as code = bucket | sign << 31.
   uint32_t code(int j, uint64_t i) const {
-    return static_cast<uint32_t>(h_.bucket(j, i)) | (h_.negative(j, i) ? kSignMask : 0u);
+    return static_cast<uint32_t>(h_.start(j, i)) | (h_.unit_negative(j, i) ? kSignMask : 0u);
   }
 
   RowLanes& lanes(int j) { return lanes_[j]; }
@@ -346,7 +349,7 @@ class Sketcher {
   float* slot() { return values_ + queued_ * kChunk; }
 
   // Queues the chunk [s, s + len): vals its values (inactive ones are +-0 or ignored; kept until the block is
-  // sketched), active its active values (null: all), count how many.
+  // sketched), active its active values, count how many.
   void push(int64_t s, int64_t len, const float* vals, const uint64_t* active, int64_t count) {
     if (count == 0) return;
     Chunk& c = chunks_[queued_];
@@ -354,8 +357,7 @@ class Sketcher {
     c.len = len;
     c.count = count;
     c.vals = vals;
-    c.all = active == nullptr;
-    if (!c.all) std::memcpy(c.active, active, sizeof c.active);
+    std::memcpy(c.active, active, sizeof c.active);
     if (++queued_ == kBlockChunks) flush();
   }
 
@@ -371,11 +373,11 @@ class Sketcher {
         for (; q < queued_ && staged + kChunk <= kStage; ++q) {
           const Chunk& c = chunks_[q];
           if (go_direct(c.count, c.len)) {
-            for_each_active(c.all ? nullptr : c.active, c.len, [&](int64_t e) {
+            for_each_set_bit(c.active, [&](int64_t e) {
               stage_code_[staged] = hasher_.code(j, static_cast<uint64_t>(c.s + e));
               stage_value_[staged++] = c.vals[e];
             });
-          } else if (prefetch && !c.all && c.count < c.len) {
+          } else if (prefetch && c.count < c.len) {
             // A table row beyond the caches: an add is a memory access, so stage only the active values.
             hasher_.seek(j, c.s);
             lane_codes(hasher_.lanes(j), cols, (c.len + kLanes - 1) / kLanes, code_);
@@ -401,7 +403,6 @@ class Sketcher {
   struct Chunk {
     int64_t s, len, count;
     const float* vals;
-    bool all;
     uint64_t active[kChunkWords];
   };
 
@@ -472,6 +473,146 @@ const float* chunk_values(const void* x, SketchValueType type, int64_t s, int64_
   load_values(x, type, s, len, buf);
   return buf;
 }
+
+// ---- units of m > 1 values: windows ----
+// Unit u's values land on the consecutive buckets (start_j(u) + col) mod cols of row j (sketch.h), so a unit is
+// sketched by adding its values, sign-flipped, into a window of the row, and decoded by reading the windows back:
+// vector adds and loads over contiguous memory, one hash per unit and row. Units go kChunk columns at a time, so
+// that the values of a chunk stay in L1 while every row of the range adds them.
+
+// masks[e] = column_negative(col0 + e) << 31 for e < len, in a row with column coefficient g: (g col) mod p steps
+// by g per column, four lanes at a time. Writes up to 3 masks past len.
+FASTDIST_SKETCH_CLONES void column_masks(uint64_t g, uint64_t col0, int64_t len, uint32_t* __restrict masks) {
+  I64x4 x;
+  for (int k = 0; k < 4; ++k) x[k] = static_cast<int64_t>(sketch_mulmod(g, sketch_mod_p(col0 + k)));
+  const int64_t step = static_cast<int64_t>(sketch_mulmod(g, 4)), p_minus_1 = kP - 1;
+  for (int64_t e = 0; e < len; e += 4) {
+    const U32x4 c = __builtin_convertvector(x << 1, U32x4) & kSignMask;  // bit 31 of (x << 1) is bit 30 of x
+    std::memcpy(masks + e, &c, sizeof c);
+    const I64x4 xs = x + step;
+    x = xs - ((xs > p_minus_1) & kP);
+  }
+}
+
+// The column-sign masks of sketch rows [row_begin, row_end) for units of m values: computed once for the first
+// kCachedColumns columns, per chunk beyond (units that long are few, so each is hashed per chunk).
+class ColumnSigns {
+ public:
+  static constexpr int64_t kCachedColumns = 16384;
+
+  ColumnSigns(const SketchHash& hash, int row_begin, int row_end, int64_t m)
+      : hash_(hash), row_begin_(row_begin), cached_(std::min(m, kCachedColumns)), stride_((cached_ + 3) / 4 * 4),
+        cache_(new uint32_t[(row_end - row_begin) * stride_]) {
+    for (int j = row_begin; j < row_end; ++j) column_masks(hash.g[j], 0, cached_, cache_.get() + (j - row_begin) * stride_);
+  }
+
+  // The masks of columns [col0, col0 + len) of row j, len <= kChunk.
+  const uint32_t* get(int j, int64_t col0, int64_t len) {
+    if (col0 + len <= cached_) return cache_.get() + (j - row_begin_) * stride_ + col0;
+    column_masks(hash_.g[j], static_cast<uint64_t>(col0), len, scratch_);
+    return scratch_;
+  }
+
+ private:
+  const SketchHash& hash_;
+  int row_begin_;
+  int64_t cached_, stride_;
+  std::unique_ptr<uint32_t[]> cache_;
+  alignas(64) uint32_t scratch_[kChunk + 4];
+};
+
+// table[(start + e) mod cols] += v[e] with its sign flipped by masks[e] ^ unit_mask, for e < len in increasing e.
+FASTDIST_SKETCH_CLONES void add_window(float* table, int64_t cols, int64_t start, const float* v,
+                                       const uint32_t* masks, uint32_t unit_mask, int64_t len) {
+  for (int64_t done = 0; done < len; start = 0) {  // a window longer than the row wraps, maybe more than once
+    const int64_t seg = std::min(len - done, cols - start);
+    float* __restrict t = table + start;
+    const float* __restrict x = v + done;
+    const uint32_t* __restrict mk = masks + done;
+    for (int64_t e = 0; e < seg; ++e) t[e] += bits_float(float_bits(x[e]) ^ mk[e] ^ unit_mask);
+    done += seg;
+  }
+}
+
+// est[e] = table[(start + e) mod cols] with its sign flipped by masks[e] ^ unit_mask, for e < len.
+FASTDIST_SKETCH_CLONES void read_window(const float* table, int64_t cols, int64_t start, const uint32_t* masks,
+                                        uint32_t unit_mask, float* est, int64_t len) {
+  for (int64_t done = 0; done < len; start = 0) {
+    const int64_t seg = std::min(len - done, cols - start);
+    const float* __restrict t = table + start;
+    const uint32_t* __restrict mk = masks + done;
+    float* __restrict out = est + done;
+    for (int64_t e = 0; e < seg; ++e) out[e] = bits_float(float_bits(t[e]) ^ mk[e] ^ unit_mask);
+    done += seg;
+  }
+}
+
+FASTDIST_SKETCH_CLONES bool any_nonzero(const float* __restrict v, int64_t len) {
+  uint32_t acc = 0;
+  for (int64_t e = 0; e < len; ++e) acc |= float_bits(v[e]) << 1;
+  return acc != 0;
+}
+
+// Sketches and decodes whole units of m > 1 values in the sketch rows [row_begin, row_end).
+class WindowSketcher {
+ public:
+  WindowSketcher(const SketchHash& hash, int row_begin, int row_end, int64_t m)
+      : hash_(hash), row_begin_(row_begin), row_end_(row_end), m_(m), signs_(hash, row_begin, row_end, m) {}
+
+  // Adds unit u, whose m values start at flat index `offset` of x, into the table.
+  void sketch(float* table, const void* x, SketchValueType type, int64_t offset, uint64_t u) {
+    const int64_t cols = hash_.cols;
+    bool placed = false;
+    for (int64_t col0 = 0; col0 < m_; col0 += kChunk) {
+      const int64_t len = std::min(kChunk, m_ - col0);
+      const float* vals = chunk_values(x, type, offset + col0, len, buf_);
+      if (!any_nonzero(vals, len)) continue;  // adds nothing (see count_sketch_cpu)
+      if (!placed) place(u);
+      placed = true;
+      for (int j = row_begin_; j < row_end_; ++j) {
+        add_window(table + j * cols, cols, window_start(j, col0), vals, signs_.get(j, col0, len), unit_mask_[j], len);
+      }
+    }
+  }
+
+  // out[0, m) = the estimates of unit u (rows [row_begin, row_end) must be all the rows).
+  void decode(const float* table, uint64_t u, float* out) {
+    place(u);
+    const int64_t cols = hash_.cols;
+    for (int64_t col0 = 0; col0 < m_; col0 += kChunk) {
+      const int64_t len = std::min(kChunk, m_ - col0);
+      for (int j = 0; j < hash_.rows; ++j) {
+        read_window(table + j * cols, cols, window_start(j, col0), signs_.get(j, col0, len), unit_mask_[j], est_[j],
+                    len);
+      }
+      medians(est_, hash_.rows, len, out + col0);
+    }
+  }
+
+ private:
+  // Hashes unit u once per row.
+  void place(uint64_t u) {
+    for (int j = row_begin_; j < row_end_; ++j) {
+      start_[j] = hash_.start(j, u);
+      unit_mask_[j] = hash_.unit_negative(j, u) ? kSignMask : 0u;
+    }
+  }
+
+  // (start_j(u) + col0) mod cols
+  int64_t window_start(int j, int64_t col0) const {
+    const int64_t s = start_[j] + col0 % hash_.cols;
+    return s >= hash_.cols ? s - hash_.cols : s;
+  }
+
+  const SketchHash& hash_;
+  int row_begin_, row_end_;
+  int64_t m_;
+  ColumnSigns signs_;
+  int64_t start_[kSketchMaxRows];
+  uint32_t unit_mask_[kSketchMaxRows];
+  alignas(64) float buf_[kChunk];
+  alignas(64) float est_[kSketchMaxRows][kChunk];
+};
 
 // ---- nonzero bitmaps ----
 
@@ -551,43 +692,42 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
   std::memset(table + row_begin * hash.cols, 0, (row_end - row_begin) * hash.cols * sizeof(float));
   const int64_t total = n * m;
   if (total == 0) return;
+
+  if (m > 1) {
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, row_begin, row_end, m));  // ~20 KB
+    const auto add_units = [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) windows->sketch(table, x, type, u * m, static_cast<uint64_t>(u));
+    };
+    if (support != nullptr) {
+      for_each_run(support, 0, n, add_units, [](int64_t, int64_t) {});
+    } else {
+      add_units(0, n);
+    }
+    return;
+  }
+  // m == 1: one bit per value, or no support (every value)
   std::unique_ptr<Sketcher> sketcher(new Sketcher(hash, table, row_begin, row_end));  // ~190 KB: not on the stack
   uint64_t active[kChunkWords];
-
-  if (support != nullptr && m > 1) {  // runs of supported rows, every value of them
-    for_each_run(
-        support, 0, n,
-        [&](int64_t u0, int64_t u1) {
-          for (int64_t s = u0 * m; s < u1 * m; s += kChunk) {
-            const int64_t len = std::min(kChunk, u1 * m - s);
-            const float* vals = chunk_values(x, type, s, len, sketcher->slot());
-            nonzero_words(vals, len, active);
-            sketcher->push(s, len, vals, active, popcount_words(active));
-          }
-        },
-        [](int64_t, int64_t) {});
-  } else {  // no support (every value), or one bit per value
-    for (int64_t s = 0; s < total; s += kChunk) {
-      const int64_t len = std::min(kChunk, total - s);
-      uint64_t sup[kChunkWords];
-      if (support != nullptr) {
-        load_chunk_bits(support, s, len, sup);
-        if (popcount_words(sup) == 0) continue;
+  for (int64_t s = 0; s < total; s += kChunk) {
+    const int64_t len = std::min(kChunk, total - s);
+    uint64_t sup[kChunkWords];
+    if (support != nullptr) {
+      load_chunk_bits(support, s, len, sup);
+      if (popcount_words(sup) == 0) continue;
+    }
+    float* slot = sketcher->slot();
+    const float* vals = chunk_values(x, type, s, len, slot);
+    nonzero_words(vals, len, active);
+    if (support != nullptr) {
+      for (int w = 0; w < kChunkWords; ++w) active[w] &= sup[w];
+      const int64_t count = popcount_words(active);
+      if (count > 0 && !go_direct(count, len)) {  // lane stepping adds every value: zero the unsupported ones
+        for (int64_t e = 0; e < len; ++e) slot[e] = (sup[e >> 6] >> (e & 63)) & 1 ? vals[e] : 0.0f;
+        vals = slot;
       }
-      float* slot = sketcher->slot();
-      const float* vals = chunk_values(x, type, s, len, slot);
-      nonzero_words(vals, len, active);
-      if (support != nullptr) {
-        for (int w = 0; w < kChunkWords; ++w) active[w] &= sup[w];
-        const int64_t count = popcount_words(active);
-        if (count > 0 && !go_direct(count, len)) {  // lane stepping adds every value: zero the unsupported ones
-          for (int64_t e = 0; e < len; ++e) slot[e] = (sup[e >> 6] >> (e & 63)) & 1 ? vals[e] : 0.0f;
-          vals = slot;
-        }
-        sketcher->push(s, len, vals, active, count);
-      } else {
-        sketcher->push(s, len, vals, active, popcount_words(active));
-      }
+      sketcher->push(s, len, vals, active, count);
+    } else {
+      sketcher->push(s, len, vals, active, popcount_words(active));
     }
   }
   sketcher->flush();
@@ -598,16 +738,17 @@ void count_sketch_units_cpu(const void* values, SketchValueType type, const int6
   if (row_begin >= row_end) return;
   std::memset(table + row_begin * hash.cols, 0, (row_end - row_begin) * hash.cols * sizeof(float));
   if (k * m == 0) return;
+  if (m > 1) {
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, row_begin, row_end, m));
+    for (int64_t t = 0; t < k; ++t) windows->sketch(table, values, type, t * m, static_cast<uint64_t>(units[t]));
+    return;
+  }
   std::unique_ptr<Sketcher> sketcher(new Sketcher(hash, table, row_begin, row_end));
   uint64_t active[kChunkWords];
-  for (int64_t t = 0; t < k; ++t) {
-    const uint64_t base = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m);
-    for (int64_t e = 0; e < m; e += kChunk) {
-      const int64_t len = std::min(kChunk, m - e);
-      const float* vals = chunk_values(values, type, t * m + e, len, sketcher->slot());
-      nonzero_words(vals, len, active);
-      sketcher->push(static_cast<int64_t>(base + static_cast<uint64_t>(e)), len, vals, active, popcount_words(active));
-    }
+  for (int64_t t = 0; t < k; ++t) {  // m == 1: units are flat indices
+    const float* vals = chunk_values(values, type, t, 1, sketcher->slot());
+    nonzero_words(vals, 1, active);
+    sketcher->push(units[t], 1, vals, active, popcount_words(active));
   }
   sketcher->flush();
 }
@@ -616,19 +757,17 @@ void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t
                              float* out, int64_t unit_begin, int64_t unit_end) {
   (void)n;
   if (unit_begin >= unit_end || m == 0) return;
-  Decoder decoder(hash, table);
   if (m > 1) {
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, 0, hash.rows, m));
     for_each_run(
         support, unit_begin, unit_end,
         [&](int64_t u0, int64_t u1) {
-          for (int64_t s = u0 * m; s < u1 * m; s += kChunk) {
-            const int64_t len = std::min(kChunk, u1 * m - s);
-            decoder.chunk(s, len, nullptr, len, out + s);
-          }
+          for (int64_t u = u0; u < u1; ++u) windows->decode(table, static_cast<uint64_t>(u), out + u * m);
         },
         [&](int64_t g0, int64_t g1) { std::memset(out + g0 * m, 0, (g1 - g0) * m * sizeof(float)); });
     return;
   }
+  Decoder decoder(hash, table);
   for (int64_t s = unit_begin; s < unit_end; s += kChunk) {
     const int64_t len = std::min(kChunk, unit_end - s);
     uint64_t sup[kChunkWords];
@@ -645,43 +784,39 @@ void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t
 void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int64_t m, const SketchHash& hash,
                                    float* out, int64_t begin, int64_t end) {
   if (begin >= end || m == 0) return;
-  Decoder decoder(hash, table);
-  if (m == 1) {
-    // One value per unit: the units that fall in one aligned chunk of kChunk indices (consecutive in the list,
-    // as in a sorted union) decode together through the chunk's active mask — lane-stepped when they are dense
-    // in it — into a scratch chunk, then move to their places.
-    alignas(64) float scratch[kChunk];
-    for (int64_t t = begin; t < end;) {
-      const uint64_t s = static_cast<uint64_t>(units[t]) & ~static_cast<uint64_t>(kChunk - 1);
-      uint64_t active[kChunkWords] = {};
-      int64_t len = 0;
-      for (; t + len < end; ++len) {
-        const uint64_t offset = static_cast<uint64_t>(units[t + len]) - s;
-        if (offset >= static_cast<uint64_t>(kChunk)) break;
-        active[offset >> 6] |= uint64_t{1} << (offset & 63);
-      }
-      decoder.chunk(static_cast<int64_t>(s), kChunk, active, popcount_words(active), scratch);
-      for (int64_t q = 0; q < len; ++q) out[t + q] = scratch[static_cast<uint64_t>(units[t + q]) - s];
-      t += len;
-    }
+  if (m > 1) {
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, 0, hash.rows, m));
+    for (int64_t t = begin; t < end; ++t) windows->decode(table, static_cast<uint64_t>(units[t]), out + t * m);
     return;
   }
-  for (int64_t t = begin; t < end; ++t) {
-    const uint64_t base = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m);
-    for (int64_t e = 0; e < m; e += kChunk) {
-      const int64_t len = std::min(kChunk, m - e);
-      decoder.chunk(static_cast<int64_t>(base + static_cast<uint64_t>(e)), len, nullptr, len, out + t * m + e);
+  // One value per unit: the units that fall in one aligned chunk of kChunk indices (consecutive in the list, as in a
+  // sorted union) decode together through the chunk's active mask — lane-stepped when they are dense in it — into a
+  // scratch chunk, then move to their places.
+  Decoder decoder(hash, table);
+  alignas(64) float scratch[kChunk];
+  for (int64_t t = begin; t < end;) {
+    const uint64_t s = static_cast<uint64_t>(units[t]) & ~static_cast<uint64_t>(kChunk - 1);
+    uint64_t active[kChunkWords] = {};
+    int64_t len = 0;
+    for (; t + len < end; ++len) {
+      const uint64_t offset = static_cast<uint64_t>(units[t + len]) - s;
+      if (offset >= static_cast<uint64_t>(kChunk)) break;
+      active[offset >> 6] |= uint64_t{1} << (offset & 63);
     }
+    decoder.chunk(static_cast<int64_t>(s), kChunk, active, popcount_words(active), scratch);
+    for (int64_t q = 0; q < len; ++q) out[t + q] = scratch[static_cast<uint64_t>(units[t + q]) - s];
+    t += len;
   }
 }
 
-void sketch_hash_cpu(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket, int8_t* sign,
-                     int64_t begin, int64_t end) {
+void sketch_hash_cpu(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
+                     int8_t* sign, int64_t begin, int64_t end) {
+  const uint64_t width = static_cast<uint64_t>(m);
   for (int64_t t = begin; t < end; ++t) {
-    const uint64_t i = static_cast<uint64_t>(idx[t]);
+    const uint64_t i = static_cast<uint64_t>(idx[t]), u = i / width, col = i - u * width;
     for (int j = 0; j < hash.rows; ++j) {
-      bucket[j * len + t] = hash.bucket(j, i);
-      sign[j * len + t] = hash.negative(j, i) ? -1 : 1;
+      bucket[j * len + t] = hash.bucket(j, u, col);
+      sign[j * len + t] = hash.negative(j, u, col) ? -1 : 1;
     }
   }
 }

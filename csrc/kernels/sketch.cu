@@ -1,9 +1,10 @@
-// CUDA count-sketch. Hashes are computed directly per value with the header's functions (64-bit multiplies via
-// __umul64hi), so they are the CPU's bit for bit; grid-stride loops cover any size with a bounded grid.
+// CUDA count-sketch. Hashes are computed with the header's functions (64-bit multiplies via __umul64hi), so they are
+// the CPU's bit for bit; grid-stride loops cover any size with a bounded grid.
 //
 // Units of many values (m >= kRowKernelMinValues, row granularity) go one unit per block: the support bit is read
-// once per block, an unsupported unit costs one byte load, and a supported one is read with coalesced loads.
-// Otherwise one thread per value, which reads its unit's bit (m == 1: the value's own bit).
+// once per block, the unit is hashed once per row (into shared memory), an unsupported unit costs one byte load, and
+// a supported one is read with coalesced loads and added to consecutive buckets (its window, sketch.h). Otherwise
+// one thread per value, which reads its unit's bit (m == 1: the value's own bit) and hashes the value in full.
 // count_sketch accumulates with float atomicAdd (see sketch.h for the resulting tolerance); zeros are skipped.
 #include <cstdint>
 
@@ -108,11 +109,38 @@ cudaError_t launch_nonzero(const void* x, int64_t n, int64_t m, uint8_t* out, cu
 
 // ---- count sketch ----
 
-__device__ __forceinline__ void add_value(const SketchHash& h, float* __restrict__ table, uint64_t i, float v) {
+// Value col of unit u, hashed in full (one thread per value).
+__device__ __forceinline__ void add_value(const SketchHash& h, float* __restrict__ table, uint64_t u, uint64_t col,
+                                          float v) {
   for (int j = 0; j < h.rows; ++j) {
-    atomicAdd(table + j * h.cols + h.bucket(j, i), h.negative(j, i) ? -v : v);
+    atomicAdd(table + j * h.cols + h.bucket(j, u, col), h.negative(j, u, col) ? -v : v);
   }
 }
+
+// A unit's window starts and signs per sketch row, hashed once per block into shared memory. Every thread of the
+// block must call place() (it synchronizes).
+struct UnitWindows {
+  int64_t start[kSketchMaxRows];
+  bool negative[kSketchMaxRows];
+
+  __device__ void place(const SketchHash& h, uint64_t u) {
+    __syncthreads();  // the previous unit's readers are done
+    if (threadIdx.x < h.rows) {
+      start[threadIdx.x] = h.start(threadIdx.x, u);
+      negative[threadIdx.x] = h.unit_negative(threadIdx.x, u);
+    }
+    __syncthreads();
+  }
+
+  // h_j(u, col) for the placed unit u, col < 2^62.
+  __device__ int64_t bucket(const SketchHash& h, int j, uint64_t col) const {
+    const int64_t b = start[j] + static_cast<int64_t>(sketch_fastmod(col, static_cast<uint64_t>(h.cols), h.cols_inv));
+    return b >= h.cols ? b - h.cols : b;
+  }
+  __device__ bool sign_negative(const SketchHash& h, int j, uint64_t col) const {
+    return negative[j] != h.column_negative(j, col);
+  }
+};
 
 // One thread per value. support may be null (every value); otherwise value i belongs to unit i / m.
 template <SketchValueType kType>
@@ -120,23 +148,28 @@ __global__ void sketch_elements_kernel(const void* __restrict__ x, int64_t total
                                        const uint8_t* __restrict__ support, const SketchHash h,
                                        float* __restrict__ table) {
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
-    if (support != nullptr && !unit_bit(support, m == 1 ? i : i / m)) continue;
+    const int64_t u = m == 1 ? i : i / m;
+    if (support != nullptr && !unit_bit(support, u)) continue;
     const float v = load_value<kType>(x, i);
-    if (v != 0.0f) add_value(h, table, static_cast<uint64_t>(i), v);  // NaN != 0: added
+    if (v != 0.0f) add_value(h, table, static_cast<uint64_t>(u), static_cast<uint64_t>(i - u * m), v);  // NaN: added
   }
 }
 
-// One block per supported unit.
+// One block per supported unit (null support: every unit): consecutive threads add to consecutive buckets.
 template <SketchValueType kType>
 __global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_t m,
                                    const uint8_t* __restrict__ support, const SketchHash h,
                                    float* __restrict__ table) {
+  __shared__ UnitWindows w;
   for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
-    if (!unit_bit(support, u)) continue;
+    if (support != nullptr && !unit_bit(support, u)) continue;  // uniform over the block
+    w.place(h, static_cast<uint64_t>(u));
     for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
-      const int64_t i = u * m + e;
-      const float v = load_value<kType>(x, i);
-      if (v != 0.0f) add_value(h, table, static_cast<uint64_t>(i), v);
+      const float v = load_value<kType>(x, u * m + e);
+      if (v == 0.0f) continue;
+      for (int j = 0; j < h.rows; ++j) {
+        atomicAdd(table + j * h.cols + w.bucket(h, j, e), w.sign_negative(h, j, e) ? -v : v);
+      }
     }
   }
 }
@@ -144,7 +177,7 @@ __global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_
 template <SketchValueType kType>
 void launch_sketch(const void* x, int64_t n, int64_t m, const uint8_t* support, const SketchHash& hash,
                    float* table, cudaStream_t stream) {
-  if (support != nullptr && m >= kRowKernelMinValues) {
+  if (m >= kRowKernelMinValues) {
     sketch_rows_kernel<kType><<<grid_for_units(n), kThreads, 0, stream>>>(x, n, m, support, hash, table);
   } else {
     sketch_elements_kernel<kType><<<grid_for(n * m), kThreads, 0, stream>>>(x, n * m, m, support, hash, table);
@@ -159,17 +192,28 @@ __global__ void sketch_units_kernel(const void* __restrict__ values, const int64
     const float v = load_value<kType>(values, i);
     if (v == 0.0f) continue;
     const int64_t t = m == 1 ? i : i / m;
-    add_value(h, table, static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m) + static_cast<uint64_t>(i - t * m), v);
+    add_value(h, table, static_cast<uint64_t>(units[t]), static_cast<uint64_t>(i - t * m), v);
   }
 }
 
 // ---- decode ----
 
-__device__ __forceinline__ float estimate(const SketchHash& h, const float* __restrict__ table, uint64_t i) {
+__device__ __forceinline__ float estimate(const SketchHash& h, const float* __restrict__ table, uint64_t u,
+                                          uint64_t col) {
   float v[kSketchMaxRows];
   for (int j = 0; j < h.rows; ++j) {
-    const float t = table[j * h.cols + h.bucket(j, i)];
-    v[j] = h.negative(j, i) ? -t : t;
+    const float t = table[j * h.cols + h.bucket(j, u, col)];
+    v[j] = h.negative(j, u, col) ? -t : t;
+  }
+  return sketch_median(v, h.rows);
+}
+
+__device__ __forceinline__ float window_estimate(const SketchHash& h, const UnitWindows& w,
+                                                 const float* __restrict__ table, uint64_t col) {
+  float v[kSketchMaxRows];
+  for (int j = 0; j < h.rows; ++j) {
+    const float t = table[j * h.cols + w.bucket(h, j, col)];
+    v[j] = w.sign_negative(h, j, col) ? -t : t;
   }
   return sketch_median(v, h.rows);
 }
@@ -177,29 +221,32 @@ __device__ __forceinline__ float estimate(const SketchHash& h, const float* __re
 __global__ void decode_elements_kernel(const float* __restrict__ table, const uint8_t* __restrict__ support,
                                        int64_t total, int64_t m, const SketchHash h, float* __restrict__ out) {
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
-    out[i] = unit_bit(support, m == 1 ? i : i / m) ? estimate(h, table, static_cast<uint64_t>(i)) : 0.0f;
+    const int64_t u = m == 1 ? i : i / m;
+    out[i] = unit_bit(support, u) ? estimate(h, table, static_cast<uint64_t>(u), static_cast<uint64_t>(i - u * m))
+                                  : 0.0f;
   }
 }
 
 __global__ void decode_rows_kernel(const float* __restrict__ table, const uint8_t* __restrict__ support, int64_t n,
                                    int64_t m, const SketchHash h, float* __restrict__ out) {
+  __shared__ UnitWindows w;
   for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
-    const bool supported = unit_bit(support, u);
-    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
-      const int64_t i = u * m + e;
-      out[i] = supported ? estimate(h, table, static_cast<uint64_t>(i)) : 0.0f;
+    if (!unit_bit(support, u)) {  // uniform over the block
+      for (int64_t e = threadIdx.x; e < m; e += blockDim.x) out[u * m + e] = 0.0f;
+      continue;
     }
+    w.place(h, static_cast<uint64_t>(u));
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) out[u * m + e] = window_estimate(h, w, table, e);
   }
 }
 
 // Listed units: one unit per block when units are long, else one value per thread.
 __global__ void decode_units_rows_kernel(const float* __restrict__ table, const int64_t* __restrict__ units,
                                          int64_t k, int64_t m, const SketchHash h, float* __restrict__ out) {
+  __shared__ UnitWindows w;
   for (int64_t t = blockIdx.x; t < k; t += gridDim.x) {
-    const uint64_t base = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m);
-    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
-      out[t * m + e] = estimate(h, table, base + static_cast<uint64_t>(e));
-    }
+    w.place(h, static_cast<uint64_t>(units[t]));
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) out[t * m + e] = window_estimate(h, w, table, e);
   }
 }
 
@@ -207,18 +254,17 @@ __global__ void decode_units_elements_kernel(const float* __restrict__ table, co
                                              int64_t total, int64_t m, const SketchHash h, float* __restrict__ out) {
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
     const int64_t t = m == 1 ? i : i / m;
-    const uint64_t index = static_cast<uint64_t>(units[t]) * static_cast<uint64_t>(m) + static_cast<uint64_t>(i - t * m);
-    out[i] = estimate(h, table, index);
+    out[i] = estimate(h, table, static_cast<uint64_t>(units[t]), static_cast<uint64_t>(i - t * m));
   }
 }
 
-__global__ void hash_kernel(const int64_t* __restrict__ idx, int64_t len, const SketchHash h,
+__global__ void hash_kernel(const int64_t* __restrict__ idx, int64_t len, uint64_t m, const SketchHash h,
                             int64_t* __restrict__ bucket, int8_t* __restrict__ sign) {
   for (int64_t t = global_thread(); t < len; t += grid_threads()) {
-    const uint64_t i = static_cast<uint64_t>(idx[t]);
+    const uint64_t i = static_cast<uint64_t>(idx[t]), u = i / m, col = i - u * m;
     for (int j = 0; j < h.rows; ++j) {
-      bucket[j * len + t] = h.bucket(j, i);
-      sign[j * len + t] = h.negative(j, i) ? -1 : 1;
+      bucket[j * len + t] = h.bucket(j, u, col);
+      sign[j * len + t] = h.negative(j, u, col) ? -1 : 1;
     }
   }
 }
@@ -302,10 +348,10 @@ cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* un
   return cudaGetLastError();
 }
 
-cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket, int8_t* sign,
-                             cudaStream_t stream) {
+cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
+                             int8_t* sign, cudaStream_t stream) {
   if (len == 0) return cudaSuccess;
-  hash_kernel<<<grid_for(len), kThreads, 0, stream>>>(idx, len, hash, bucket, sign);
+  hash_kernel<<<grid_for(len), kThreads, 0, stream>>>(idx, len, static_cast<uint64_t>(m), hash, bucket, sign);
   return cudaGetLastError();
 }
 

@@ -18,18 +18,31 @@
 //       for j = 0, 1, ..., rows - 1 in turn:
 //           a_j = 1 + next() % (p - 1);   b_j = next() % p;       (bucket hash, a_j in [1, p-1], b_j in [0, p-1])
 //           c_j = 1 + next() % (p - 1);   d_j = next() % p;       (sign hash, same ranges)
-//   so row j's coefficients do not depend on `rows` (a 3-row sketch is the first 3 rows of a 5-row one) nor on
-//   `cols`. For a flat index i (any 64-bit value; the ops pass i < 2^63):
-//       bucket  h_j(i) = ((a_j * i + b_j) mod p) mod cols
-//       sign    s_j(i) = -1 if bit kSketchSignBit (= 30) of ((c_j * i + d_j) mod p) is set, else +1
+//   and a fifth, g_j = 1 + next() % (p - 1) (column sign), from a second such stream seeded with
+//   seed ^ kSketchColumnSeed, again for j = 0, 1, ... in turn. So row j's coefficients do not depend on `rows` (a
+//   3-row sketch is the first 3 rows of a 5-row one) nor on `cols`.
+//
+//   Value `col` of unit u (flat index i = u * m + col; u and col any 64-bit values, the ops pass them < 2^63):
+//       bucket  h_j(u, col) = (((a_j * u + b_j) mod p) mod cols + col) mod cols
+//       sign    s_j(u, col) = -1 if bit kSketchSignBit (= 30) of (c_j * u + d_j) mod p
+//                             XOR bit kSketchSignBit of (g_j * col) mod p is set, else +1
+//   A unit's values land on consecutive buckets (cyclically) from a hashed start, each with its own sign. For m = 1
+//   (element granularity: u = i, col = 0) this is the textbook count-sketch hash h_j(i) = ((a_j i + b_j) mod p)
+//   mod cols, s_j(i) from (c_j i + d_j) mod p. For m > 1 it keeps what the count-sketch's error bound uses:
+//   two values of different units share a bucket with probability 1/cols and then have independent signs (the
+//   unit hashes are pairwise independent), and two values of one unit share one only when cols < m, with
+//   independent column signs. So each estimate's variance is that of the per-value hash; errors within a unit are
+//   correlated instead of independent (measured: the same relative L2 error on Zipf-weighted embedding rows). It
+//   buys a sketch and a decode that stream a unit into a contiguous window of each table row (vector adds and
+//   loads) instead of scattering every value at random: 10x and more on a CPU, coalesced atomics on a GPU.
 //   Bit 30 rather than bit 0: every bit of a value uniform on [0, p) is within 2^-31 of fair, and a middle bit
 //   keeps that true even when the inputs are structured (consecutive indices step the value by c_j mod p).
 //   Products are exact: 64 x 64 -> 128-bit multiply (unsigned __int128 on the host, __umul64hi on the device)
 //   and Mersenne reduction x mod p = (x & p) + (x >> 61), then one conditional subtract.
 //
 // ---- The ops ----
-//   table[j, h_j(i)] = sum over sketched i of s_j(i) * x_i, in float32, summed in increasing i (CPU).
-//   decode: estimate_i = median over j of s_j(i) * table[j, h_j(i)] (sketch_median below).
+//   table[j, h_j(u, col)] = sum over sketched values of s_j(u, col) * x, in float32, summed in increasing flat index
+//   (CPU). decode: estimate = median over j of s_j(u, col) * table[j, h_j(u, col)] (sketch_median below).
 //
 // Torch-free: raw pointers and sizes only. Arrays are contiguous and row-major.
 #pragma once
@@ -44,6 +57,7 @@ constexpr uint64_t kSketchPrime = (uint64_t{1} << 61) - 1;
 constexpr int kSketchMaxRows = 15;
 constexpr int64_t kSketchMaxCols = (int64_t{1} << 31) - 1;  // buckets fit 31 bits (the CPU kernel packs a sign bit)
 constexpr int kSketchSignBit = 30;
+constexpr uint64_t kSketchColumnSeed = 0x243F6A8885A308D3ULL;  // the column-sign stream's seed: seed ^ this
 
 // The value types the sketch reads; the table and the decoded values are always float32.
 using SketchValueType = StorageType;
@@ -91,15 +105,30 @@ struct SketchHash {
   int32_t rows;        // 1..kSketchMaxRows
   int64_t cols;        // 1..kSketchMaxCols
   uint64_t cols_inv;   // floor((2^64 - 1) / cols), for sketch_fastmod
-  uint64_t a[kSketchMaxRows], b[kSketchMaxRows], c[kSketchMaxRows], d[kSketchMaxRows];
+  uint64_t a[kSketchMaxRows], b[kSketchMaxRows], c[kSketchMaxRows], d[kSketchMaxRows], g[kSketchMaxRows];
 
-  // h_j(i)
-  FASTDIST_HOST_DEVICE int64_t bucket(int j, uint64_t i) const {
-    return static_cast<int64_t>(sketch_fastmod(sketch_affine(a[j], b[j], i), static_cast<uint64_t>(cols), cols_inv));
+  // Where unit u's window starts in row j: ((a_j u + b_j) mod p) mod cols.
+  FASTDIST_HOST_DEVICE int64_t start(int j, uint64_t u) const {
+    return static_cast<int64_t>(sketch_fastmod(sketch_affine(a[j], b[j], u), static_cast<uint64_t>(cols), cols_inv));
   }
-  // s_j(i) == -1
-  FASTDIST_HOST_DEVICE bool negative(int j, uint64_t i) const {
-    return (sketch_affine(c[j], d[j], i) >> kSketchSignBit) & 1;
+  // The unit's sign: bit kSketchSignBit of (c_j u + d_j) mod p.
+  FASTDIST_HOST_DEVICE bool unit_negative(int j, uint64_t u) const {
+    return (sketch_affine(c[j], d[j], u) >> kSketchSignBit) & 1;
+  }
+  // The column's sign: bit kSketchSignBit of (g_j col) mod p (0 for col 0).
+  FASTDIST_HOST_DEVICE bool column_negative(int j, uint64_t col) const {
+    return (sketch_mulmod(g[j], sketch_mod_p(col)) >> kSketchSignBit) & 1;
+  }
+  // h_j(u, col)
+  FASTDIST_HOST_DEVICE int64_t bucket(int j, uint64_t u, uint64_t col) const {
+    const uint64_t offset = col < (uint64_t{1} << 62) ? sketch_fastmod(col, static_cast<uint64_t>(cols), cols_inv)
+                                                      : col % static_cast<uint64_t>(cols);
+    const uint64_t b = static_cast<uint64_t>(start(j, u)) + offset;  // < 2 cols
+    return static_cast<int64_t>(b >= static_cast<uint64_t>(cols) ? b - cols : b);
+  }
+  // s_j(u, col) == -1
+  FASTDIST_HOST_DEVICE bool negative(int j, uint64_t u, uint64_t col) const {
+    return unit_negative(j, u) != column_negative(j, col);
   }
 };
 
@@ -126,6 +155,8 @@ inline SketchHash make_sketch_hash(uint64_t seed, int rows, int64_t cols) {
     h.c[j] = 1 + splitmix64_next(state) % (kSketchPrime - 1);
     h.d[j] = splitmix64_next(state) % kSketchPrime;
   }
+  uint64_t column_state = seed ^ kSketchColumnSeed;
+  for (int j = 0; j < rows; ++j) h.g[j] = 1 + splitmix64_next(column_state) % (kSketchPrime - 1);
   return h;
 }
 
@@ -170,35 +201,37 @@ void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uin
                         int64_t byte_end);
 
 // Sketch rows [row_begin, row_end) of the table (float32 [hash.rows, hash.cols]); overwrites those rows.
-// x: n * m values of `type`. support: packed units (nullptr: every unit). Adds s_j(i) * x_i into
-// table[j, h_j(i)] for every i of a supported unit, in increasing i, in float32 (float64 values are rounded to
-// float32 first). Zero values are skipped: adding a zero never changes a bucket (buckets start at +0.0 and
-// round-to-nearest never makes a sum -0.0 from a +0.0 operand), so the result is the same bits either way.
-// Each call reads the values once and hashes them once per sketch row of its range.
+// x: n * m values of `type`. support: packed units (nullptr: every unit). Adds s_j(u, col) * x into
+// table[j, h_j(u, col)] for every value of a supported unit, in increasing flat index, in float32 (float64 values
+// are rounded to float32 first). Whether zero values are added or skipped changes no bit: adding a zero never
+// changes a bucket (buckets start at +0.0 and round-to-nearest never makes a sum -0.0 from a +0.0 operand).
+// Each call reads the values once: m == 1 hashes each value per sketch row of its range; m > 1 hashes each unit
+// once per row and adds its values into the row's window with vector adds.
 void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
                       const SketchHash& hash, float* table, int row_begin, int row_end);
 
-// values: k units of m values of `type`, unit t being unit units[t] of a larger tensor (flat indices units[t] * m + e,
-// unsigned 64-bit arithmetic). The same table count_sketch_cpu builds from that tensor with the units' support, bit
+// values: k units of m values of `type`, unit t being unit units[t] of a larger tensor (taken as unsigned 64-bit).
+// The same table count_sketch_cpu builds from that tensor with the units' support, bit
 // for bit, when units are strictly increasing (values are added in the order listed). Zero values are skipped.
 void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
                             const SketchHash& hash, float* table, int row_begin, int row_end);
 
 // Decode units [unit_begin, unit_end) (0 <= unit_begin <= unit_end <= n) of out (float32 [n, m]): for each
-// supported unit, out[i] = sketch_median of s_j(i) * table[j, h_j(i)] over j < hash.rows; other units are 0.
+// supported unit u, out[u * m + col] = sketch_median of s_j(u, col) * table[j, h_j(u, col)] over j < hash.rows;
+// other units are 0.
 void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t n, int64_t m, const SketchHash& hash,
                              float* out, int64_t unit_begin, int64_t unit_end);
 
-// Decode listed units: for t in [begin, end), out[t * m + e] (float32 [k, m]) = sketch_median of
-// s_j(i) * table[j, h_j(i)] over j < hash.rows, i = units[t] * m + e (unsigned 64-bit arithmetic). The same values
+// Decode listed units: for t in [begin, end), out[t * m + col] (float32 [k, m]) = sketch_median of
+// s_j(u, col) * table[j, h_j(u, col)] over j < hash.rows, u = units[t] (unsigned 64-bit). The same values
 // count_sketch_decode_cpu writes for a supported unit, without touching the rest of [n, m].
 void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int64_t m, const SketchHash& hash,
                                    float* out, int64_t begin, int64_t end);
 
-// For t in [begin, end): bucket[j * len + t] = h_j(idx[t]), sign[j * len + t] = s_j(idx[t]) for j < hash.rows.
-// idx values are taken as unsigned 64-bit.
-void sketch_hash_cpu(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket, int8_t* sign,
-                     int64_t begin, int64_t end);
+// For t in [begin, end): bucket[j * len + t] = h_j(u, col), sign[j * len + t] = s_j(u, col) for j < hash.rows, where
+// idx[t] (taken as unsigned 64-bit) is the flat index u * m + col of a tensor of units of m >= 1 values.
+void sketch_hash_cpu(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
+                     int8_t* sign, int64_t begin, int64_t end);
 
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
 // Declared only for nvcc-compiled sources. Hashes are the same functions as above, so buckets and signs are
@@ -217,7 +250,7 @@ cudaError_t count_sketch_units_cuda(const void* values, SketchValueType type, co
                                     int64_t m, const SketchHash& hash, float* table, cudaStream_t stream);
 cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* units, int64_t k, int64_t m,
                                            const SketchHash& hash, float* out, cudaStream_t stream);
-cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, const SketchHash& hash, int64_t* bucket,
+cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
                              int8_t* sign, cudaStream_t stream);
 
 #endif  // __CUDACC__

@@ -147,12 +147,13 @@ inline int64_t check_count_sketch_decode_units(const at::Tensor& table, const at
 }
 
 // sketch_hash(idx, rows, cols, seed) -> (int64 [rows, len], int8 [rows, len])
-inline void check_sketch_hash(const at::Tensor& idx, int64_t rows, int64_t cols, int64_t seed) {
+inline void check_sketch_hash(const at::Tensor& idx, int64_t rows, int64_t cols, int64_t seed, int64_t m) {
   FD_CHECK_DTYPE(idx, at::kLong);
   FD_CHECK_DIM(idx, 1);
   check_rows(rows);
   check_cols(cols);
   check_seed(seed);
+  TORCH_CHECK(m >= 1, "fastdist: 'm' must be >= 1, got ", m);
 }
 
 inline SketchHash hash_for(int64_t seed, int64_t rows, int64_t cols) {

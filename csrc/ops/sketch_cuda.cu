@@ -74,14 +74,14 @@ at::Tensor count_sketch_decode_units_cuda_op(const at::Tensor& table, const at::
 }
 
 std::tuple<at::Tensor, at::Tensor> sketch_hash_cuda_op(const at::Tensor& idx, int64_t rows, int64_t cols,
-                                                       int64_t seed) {
-  check_sketch_hash(idx, rows, cols, seed);
+                                                       int64_t seed, int64_t m) {
+  check_sketch_hash(idx, rows, cols, seed, m);
   const c10::cuda::CUDAGuard guard(idx.device());
   const at::Tensor src = idx.contiguous();
   const int64_t len = src.numel();
   at::Tensor bucket = at::empty({rows, len}, src.options());
   at::Tensor sign = at::empty({rows, len}, src.options().dtype(at::kChar));
-  C10_CUDA_CHECK(fastdist::sketch_hash_cuda(src.const_data_ptr<int64_t>(), len, hash_for(seed, rows, cols),
+  C10_CUDA_CHECK(fastdist::sketch_hash_cuda(src.const_data_ptr<int64_t>(), len, m, hash_for(seed, rows, cols),
                                             bucket.data_ptr<int64_t>(), sign.data_ptr<int8_t>(),
                                             c10::cuda::getCurrentCUDAStream()));
   return {bucket, sign};

@@ -31,7 +31,7 @@ uint64_t ref_splitmix(uint64_t& state) {
 struct RefHash {
   int rows;
   uint64_t cols;
-  std::vector<uint64_t> a, b, c, d;
+  std::vector<uint64_t> a, b, c, d, g;
 
   RefHash(uint64_t seed, int rows_, uint64_t cols_) : rows(rows_), cols(cols_) {
     uint64_t state = seed;
@@ -41,9 +41,17 @@ struct RefHash {
       c.push_back(1 + ref_splitmix(state) % (kP - 1));
       d.push_back(ref_splitmix(state) % kP);
     }
+    uint64_t column_state = seed ^ 0x243F6A8885A308D3ULL;
+    for (int j = 0; j < rows; ++j) g.push_back(1 + ref_splitmix(column_state) % (kP - 1));
   }
-  int64_t bucket(int j, uint64_t i) const { return static_cast<int64_t>(((u128{a[j]} * i + b[j]) % kP) % cols); }
-  bool negative(int j, uint64_t i) const { return ((((u128{c[j]} * i + d[j]) % kP) >> 30) & 1) != 0; }
+  int64_t bucket(int j, uint64_t u, uint64_t col) const {
+    return static_cast<int64_t>(((u128{a[j]} * u + b[j]) % kP % cols + col) % cols);
+  }
+  bool negative(int j, uint64_t u, uint64_t col) const {
+    const bool unit = (((u128{c[j]} * u + d[j]) % kP) >> 30) & 1;
+    const bool column = (((u128{g[j]} * col) % kP) >> 30) & 1;
+    return unit != column;
+  }
 };
 
 float bits_float(uint32_t u) {
@@ -91,7 +99,8 @@ std::vector<float> ref_sketch(const void* x, SketchValueType type, int64_t n, in
   for (int64_t i = 0; i < n * m; ++i) {
     if (support != nullptr && !bit(*support, i / m)) continue;
     const float v = ref_value(x, type, i);
-    for (int j = 0; j < h.rows; ++j) table[j * h.cols + h.bucket(j, i)] += h.negative(j, i) ? -v : v;
+    const uint64_t u = static_cast<uint64_t>(i / m), col = static_cast<uint64_t>(i % m);
+    for (int j = 0; j < h.rows; ++j) table[j * h.cols + h.bucket(j, u, col)] += h.negative(j, u, col) ? -v : v;
   }
   return table;
 }
@@ -102,9 +111,10 @@ std::vector<float> ref_decode(const std::vector<float>& table, const std::vector
   for (int64_t i = 0; i < n * m; ++i) {
     if (!bit(support, i / m)) continue;
     std::vector<float> est;
+    const uint64_t u = static_cast<uint64_t>(i / m), col = static_cast<uint64_t>(i % m);
     for (int j = 0; j < h.rows; ++j) {
-      const float t = table[j * h.cols + h.bucket(j, i)];
-      est.push_back(h.negative(j, i) ? -t : t);
+      const float t = table[j * h.cols + h.bucket(j, u, col)];
+      est.push_back(h.negative(j, u, col) ? -t : t);
     }
     const auto first_nan = std::find_if(est.begin(), est.end(), [](float v) { return std::isnan(v); });
     if (first_nan != est.end()) {
@@ -200,16 +210,31 @@ FD_TEST(hash_matches_the_int128_reference) {
       const SketchHash h = fastdist::make_sketch_hash(seed, fastdist::kSketchMaxRows, cols);
       const RefHash ref(seed, fastdist::kSketchMaxRows, static_cast<uint64_t>(cols));
       std::vector<uint64_t> indices(std::begin(kEdgeIndices), std::end(kEdgeIndices));
-      for (int k = 0; k < 300; ++k) indices.push_back(rng() >> (k % 3 == 0 ? 1 : k % 3 == 1 ? 24 : 44));
+      for (int k = 0; k < 100; ++k) indices.push_back(rng() >> (k % 3 == 0 ? 1 : k % 3 == 1 ? 24 : 44));
+      // columns past 2^62 take the bucket's plain-% path
+      std::vector<uint64_t> columns = {0, 1, 2, 3, 1023, (uint64_t{1} << 62) - 1, uint64_t{1} << 62, kP, kP + 1,
+                                       (uint64_t{1} << 63) - 1};
+      for (int k = 0; k < 6; ++k) columns.push_back(rng() >> (k % 2 ? 20 : 50));
       for (int j = 0; j < h.rows; ++j) {
-        FD_EXPECT(h.a[j] == ref.a[j] && h.b[j] == ref.b[j] && h.c[j] == ref.c[j] && h.d[j] == ref.d[j],
+        FD_EXPECT(h.a[j] == ref.a[j] && h.b[j] == ref.b[j] && h.c[j] == ref.c[j] && h.d[j] == ref.d[j] &&
+                      h.g[j] == ref.g[j],
                   "coefficients of row " << j << " seed " << seed);
-        FD_EXPECT(h.a[j] >= 1 && h.a[j] < kP && h.b[j] < kP && h.c[j] >= 1 && h.c[j] < kP && h.d[j] < kP,
+        FD_EXPECT(h.a[j] >= 1 && h.a[j] < kP && h.b[j] < kP && h.c[j] >= 1 && h.c[j] < kP && h.d[j] < kP &&
+                      h.g[j] >= 1 && h.g[j] < kP,
                   "coefficient range, row " << j);
         for (uint64_t i : indices) {
-          FD_EXPECT(h.bucket(j, i) == ref.bucket(j, i),
-                    "seed=" << seed << " cols=" << cols << " j=" << j << " i=" << i);
-          FD_EXPECT(h.negative(j, i) == ref.negative(j, i), "seed=" << seed << " j=" << j << " i=" << i);
+          for (uint64_t col : columns) {
+            FD_EXPECT(h.bucket(j, i, col) == ref.bucket(j, i, col),
+                      "seed=" << seed << " cols=" << cols << " j=" << j << " u=" << i << " col=" << col);
+            FD_EXPECT(h.negative(j, i, col) == ref.negative(j, i, col),
+                      "seed=" << seed << " j=" << j << " u=" << i << " col=" << col);
+          }
+        }
+        // col 0 is the textbook per-value hash of the index: what element granularity (m = 1) uses
+        for (uint64_t i : indices) {
+          FD_EXPECT(h.bucket(j, i, 0) == static_cast<int64_t>(((u128{ref.a[j]} * i + ref.b[j]) % kP) % cols) &&
+                        h.negative(j, i, 0) == (((((u128{ref.c[j]} * i + ref.d[j]) % kP) >> 30) & 1) != 0),
+                    "seed=" << seed << " j=" << j << " i=" << i);
         }
       }
     }
@@ -222,17 +247,19 @@ FD_TEST(sketch_hash_cpu_writes_rows_by_len_over_split_ranges) {
   std::vector<int64_t> idx(1000);
   for (auto& i : idx) i = static_cast<int64_t>(rng());
   const int64_t len = static_cast<int64_t>(idx.size());
-  std::vector<int64_t> bucket(5 * len, -1);
-  std::vector<int8_t> sign(5 * len, 0);
-  const std::vector<int64_t> cuts = random_cuts(len, rng);
-  for (size_t k = 0; k + 1 < cuts.size(); ++k)
-    fastdist::sketch_hash_cpu(idx.data(), len, h, bucket.data(), sign.data(), cuts[k], cuts[k + 1]);
-  for (int j = 0; j < 5; ++j)
-    for (int64_t t = 0; t < len; ++t) {
-      const uint64_t i = static_cast<uint64_t>(idx[t]);
-      FD_EXPECT(bucket[j * len + t] == h.bucket(j, i), "j=" << j << " t=" << t);
-      FD_EXPECT(sign[j * len + t] == (h.negative(j, i) ? -1 : 1), "j=" << j << " t=" << t);
-    }
+  for (int64_t m : {int64_t{1}, int64_t{7}, int64_t{1024}}) {
+    std::vector<int64_t> bucket(5 * len, -1);
+    std::vector<int8_t> sign(5 * len, 0);
+    const std::vector<int64_t> cuts = random_cuts(len, rng);
+    for (size_t k = 0; k + 1 < cuts.size(); ++k)
+      fastdist::sketch_hash_cpu(idx.data(), len, m, h, bucket.data(), sign.data(), cuts[k], cuts[k + 1]);
+    for (int j = 0; j < 5; ++j)
+      for (int64_t t = 0; t < len; ++t) {
+        const uint64_t i = static_cast<uint64_t>(idx[t]), u = i / m, col = i % m;
+        FD_EXPECT(bucket[j * len + t] == h.bucket(j, u, col), "m=" << m << " j=" << j << " t=" << t);
+        FD_EXPECT(sign[j * len + t] == (h.negative(j, u, col) ? -1 : 1), "m=" << m << " j=" << j << " t=" << t);
+      }
+  }
 }
 
 FD_TEST(median_of_rows) {
@@ -301,7 +328,7 @@ FD_TEST(count_sketch_cpu_matches_in_order_reference) {
     int64_t n, m;
   };
   for (Shape s : {Shape{0, 5}, Shape{1, 1}, Shape{7, 1}, Shape{300, 1}, Shape{5000, 1}, Shape{40, 2}, Shape{50, 3},
-                  Shape{9, 257}, Shape{30, 64}, Shape{3, 1000}})
+                  Shape{9, 257}, Shape{30, 64}, Shape{3, 1000}, Shape{2, 20000}})  // past the column-sign cache
     for (double density : {0.002, 0.05, 0.5, 1.0})
       for (int support_kind = 0; support_kind < 3; ++support_kind) {  // none, unit bitmap, all units
         const std::vector<float> x = random_values(s.n * s.m, support_kind == 0 ? density : 1.0, rng);
@@ -369,7 +396,7 @@ FD_TEST(count_sketch_cpu_reads_every_value_type) {
 FD_TEST(float16_values_convert_exactly_for_every_bit_pattern) {
   // One value per call, one bucket: the table holds +-value exactly.
   const SketchHash h = fastdist::make_sketch_hash(0, 1, 1);
-  const float sign = h.negative(0, 0) ? -1.0f : 1.0f;
+  const float sign = h.negative(0, 0, 0) ? -1.0f : 1.0f;
   int wrong = 0;
   for (uint32_t bits = 0; bits < 65536; ++bits) {
     const uint16_t half = static_cast<uint16_t>(bits);
@@ -390,7 +417,7 @@ FD_TEST(count_sketch_decode_cpu_matches_reference_over_split_ranges) {
     int64_t n, m;
   };
   for (Shape s : {Shape{0, 3}, Shape{1, 1}, Shape{9, 1}, Shape{5000, 1}, Shape{40, 2}, Shape{70, 3}, Shape{9, 257},
-                  Shape{20, 64}, Shape{3, 1000}, Shape{5, 0}})
+                  Shape{20, 64}, Shape{3, 1000}, Shape{2, 20000}, Shape{5, 0}})
     for (double density : {0.002, 0.05, 0.5, 1.0})
       for (int rows : {1, 2, 3, 4, 5, 15}) {
         const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 500));

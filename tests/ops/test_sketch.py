@@ -36,7 +36,7 @@ def splitmix64(seed):
 
 
 def python_coefficients(seed, rows):
-    draws = splitmix64(seed)
+    draws, column_draws = splitmix64(seed), splitmix64(seed ^ 0x243F6A8885A308D3)
     coefficients = []
     for _ in range(rows):
         a = 1 + next(draws) % (P - 1)
@@ -44,14 +44,17 @@ def python_coefficients(seed, rows):
         c = 1 + next(draws) % (P - 1)
         d = next(draws) % P
         coefficients.append((a, b, c, d))
-    return coefficients
+    return [(a, b, c, d, 1 + next(column_draws) % (P - 1)) for a, b, c, d in coefficients]
 
 
-def python_hash(indices, rows, cols, seed):
-    """(bucket, sign) lists of lists [rows][len], straight from the definition."""
+def python_hash(indices, rows, cols, seed, m=1):
+    """(bucket, sign) lists of lists [rows][len] for flat indices of a tensor of units of m values, straight from the
+    definition."""
     coefficients = python_coefficients(seed, rows)
-    buckets = [[((a * i + b) % P) % cols for i in indices] for a, b, _, _ in coefficients]
-    signs = [[-1 if (((c * i + d) % P) >> 30) & 1 else 1 for i in indices] for _, _, c, d in coefficients]
+    places = [divmod(i, m) for i in indices]
+    buckets = [[(((a * u + b) % P) % cols + col) % cols for u, col in places] for a, b, _, _, _ in coefficients]
+    signs = [[-1 if ((((c * u + d) % P) >> 30) ^ (((g * col) % P) >> 30)) & 1 else 1 for u, col in places]
+             for _, _, c, d, g in coefficients]
     return buckets, signs
 
 
@@ -80,7 +83,7 @@ def oracle_sketch(x, rows, cols, seed, support=None, granularity="row"):
     """float32 table, each bucket summed in increasing index (np.add.at is unbuffered and in order)."""
     flat = x.detach().cpu().reshape(-1).float()
     idx = sketched_indices(x, support, granularity)
-    bucket, sign = sketch_hash(idx, rows, cols, seed)
+    bucket, sign = sketch_hash(idx, rows, cols, seed, max(units_of(x, granularity)[1], 1))
     table = np.zeros((rows, cols), dtype=np.float32)
     values = flat[idx].numpy()
     for j in range(rows):
@@ -103,7 +106,7 @@ def oracle_decode(table, support, n, m, seed):
     table = table.cpu()
     rows, cols = table.shape
     idx = unit_mask(support, n).repeat_interleave(m).nonzero().flatten()
-    bucket, sign = sketch_hash(idx, rows, cols, seed)
+    bucket, sign = sketch_hash(idx, rows, cols, seed, max(m, 1))
     est = torch.stack([sign[j].float() * table[j, bucket[j]] for j in range(rows)])
     out = torch.zeros(n * m, dtype=torch.float32)
     out[idx] = median_over_rows(est)
@@ -138,7 +141,7 @@ def assert_sketch_close(got, x, rows, cols, seed, support=None, granularity="row
     abs_sum = oracle_sketch(x.abs(), rows, cols, seed, support if support is not None else
                             nonzero_bitmap(x.cpu(), granularity), granularity)
     idx = sketched_indices(x, support, granularity)
-    bucket, _ = sketch_hash(idx, rows, cols, seed)
+    bucket, _ = sketch_hash(idx, rows, cols, seed, max(units_of(x, granularity)[1], 1))
     counts = torch.zeros(rows, cols).scatter_add_(1, bucket, torch.ones(bucket.shape))
     bound = (counts - 1).clamp(min=0) * 2.0**-24 * abs_sum * 2 + 1e-30
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -160,14 +163,39 @@ def hash_test_indices():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows, cols, seed", [(1, 1, 0), (3, 7, 1), (5, 1000, 12345), (3, 2**31 - 1, 2**63 - 1),
                                               (15, 65_537, 2**40 + 3)])
-def test_sketch_hash_matches_an_independent_python_implementation(device, rows, cols, seed):
+@pytest.mark.parametrize("m", [1, 3, 1024, 2**40 + 7])
+def test_sketch_hash_matches_an_independent_python_implementation(device, rows, cols, seed, m):
     indices = hash_test_indices()
-    bucket, sign = sketch_hash(torch.tensor(indices, device=device), rows, cols, seed)
-    want_bucket, want_sign = python_hash(indices, rows, cols, seed)
+    bucket, sign = sketch_hash(torch.tensor(indices, device=device), rows, cols, seed, m)
+    want_bucket, want_sign = python_hash(indices, rows, cols, seed, m)
     assert bucket.dtype == torch.int64 and sign.dtype == torch.int8
     assert bucket.shape == sign.shape == (rows, len(indices))
     assert bucket.cpu().tolist() == want_bucket
     assert sign.cpu().tolist() == want_sign
+
+
+def test_element_granularity_hash_is_the_textbook_per_index_hash():
+    indices = hash_test_indices()
+    bucket, sign = sketch_hash(torch.tensor(indices), 3, 1000, 9)
+    for j, (a, b, c, d, _) in enumerate(python_coefficients(9, 3)):
+        assert bucket[j].tolist() == [((a * i + b) % P) % 1000 for i in indices]
+        assert sign[j].tolist() == [-1 if (((c * i + d) % P) >> 30) & 1 else 1 for i in indices]
+
+
+def test_a_units_values_fill_consecutive_buckets_from_a_hashed_start_with_independent_signs():
+    m, cols = 300, 1000
+    units = torch.arange(2000)
+    idx = (units[:, None] * m + torch.arange(m)).reshape(-1)
+    bucket, sign = sketch_hash(idx, 3, cols, 4, m)
+    bucket, sign = bucket.reshape(3, -1, m), sign.reshape(3, -1, m)
+    assert torch.equal((bucket - bucket[:, :, :1]) % cols, torch.arange(m).expand_as(bucket))
+    starts = bucket[:, :, 0].flatten()
+    assert (torch.bincount(starts % 10, minlength=10).float() / 600 - 1).abs().max() < 0.2  # uniform starts
+    # over seeds, two values' signs are uncorrelated, in one unit or in two
+    pairs = torch.tensor([5 * m, 5 * m + 1, 5 * m + 299, 6 * m])
+    signs = torch.stack([sketch_hash(pairs, 3, cols, seed, m)[1].float() for seed in range(400)])  # [seed, row, 4]
+    for a, b in ((0, 1), (0, 2), (0, 3), (1, 3)):
+        assert abs((signs[:, :, a] * signs[:, :, b]).mean().item()) < 0.15  # 1200 products: std 0.03
 
 
 def test_sketch_hash_rows_do_not_depend_on_the_number_of_rows():
@@ -267,7 +295,7 @@ def test_count_sketch_matches_a_torch_index_add_oracle(device, granularity):
     x = random_sparse((700, 48), 0.1, granularity, seed=21, dtype=torch.float64)
     support = nonzero_bitmap(x, granularity)
     idx = sketched_indices(x, support, granularity)
-    bucket, sign = sketch_hash(idx, 5, 3000, 8)
+    bucket, sign = sketch_hash(idx, 5, 3000, 8, units_of(x, granularity)[1])
     want = torch.zeros(5, 3000, dtype=torch.float64)
     for j in range(5):
         want[j].index_add_(0, bucket[j], x.reshape(-1)[idx] * sign[j])  # float64: the exact sums, nearly
@@ -281,7 +309,7 @@ def test_count_sketch_of_a_small_case_equals_the_pure_python_definition():
     table = [[0.0] * cols for _ in range(rows)]
     flat = x.flatten().tolist()
     nonzero = [i for i, v in enumerate(flat) if v != 0]
-    buckets, signs = python_hash(nonzero, rows, cols, seed)
+    buckets, signs = python_hash(nonzero, rows, cols, seed, m=3)  # row granularity: 4 units of 3 values
     for t, i in enumerate(nonzero):
         for j in range(rows):
             table[j][buckets[j][t]] += signs[j][t] * flat[i]  # exact: a few dyadic values
@@ -553,9 +581,9 @@ def test_results_do_not_depend_on_the_cpu_thread_count(granularity):
 @pytest.mark.cuda
 def test_cuda_hash_is_bit_identical_to_cpu():
     idx = torch.tensor(hash_test_indices() + list(range(100_000)))
-    for rows, cols, seed in ((3, 1000, 1), (15, 2**31 - 1, 2**63 - 1)):
-        cpu = sketch_hash(idx, rows, cols, seed)
-        cuda = sketch_hash(idx.cuda(), rows, cols, seed)
+    for rows, cols, seed, m in ((3, 1000, 1, 1), (15, 2**31 - 1, 2**63 - 1, 1), (3, 1000, 1, 1024), (5, 77, 2, 3)):
+        cpu = sketch_hash(idx, rows, cols, seed, m)
+        cuda = sketch_hash(idx.cuda(), rows, cols, seed, m)
         assert_same(cuda[0], cpu[0])
         assert_same(cuda[1], cpu[1])
 
@@ -626,6 +654,7 @@ def test_opcheck_sketch_hash(device):
     for idx in (torch.arange(10), torch.tensor([2**40, 2**62], dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                 torch.arange(20)[::2]):
         torch.library.opcheck(torch.ops.fastdist.sketch_hash.default, (idx.to(device), 3, 100, 7))
+        torch.library.opcheck(torch.ops.fastdist.sketch_hash.default, (idx.to(device), 3, 100, 7, 64))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -736,6 +765,8 @@ BAD_INPUTS = {
                     r"'idx' must have 1 dimension\(s\), got shape \[2, 3\]"),
     "hash_zero_cols": (lambda d: sketch_hash(torch.zeros(3, dtype=torch.int64, device=d), 3, 0, 0),
                        r"'cols' must be in \[1, 2147483647\], got 0"),
+    "hash_zero_m": (lambda d: sketch_hash(torch.zeros(3, dtype=torch.int64, device=d), 3, 8, 0, 0),
+                    "'m' must be >= 1, got 0"),
 }
 
 

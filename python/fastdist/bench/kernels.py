@@ -14,7 +14,8 @@ granularity on a tensor whose values are half non-zero (--sketch-element-shape);
 tensor. Their GB/s count the values the op must read (nonzero_bitmap: all; count_sketch: the supported rows' with a
 row support, all without one) or produce (count_sketch_decode: the supported values; it also zero-fills the rest of
 its n x m output; count_sketch_decode_units: the same values, written compactly, as sketch_allreduce uses it).
-A sketch has 3 rows and as many columns as values sketched. The torch peer of count_sketch is sketch_hash +
+A sketch has 3 rows and a third as many columns as values sketched (a table as large as the values, what the
+issue's "sketch sized at the union's non-zeros" is). The torch peer of count_sketch is sketch_hash +
 index_add_ (it stores the hashes, which fastdist's kernel never does); of decode, sketch_hash + gather + median.
 """
 import functools
@@ -107,7 +108,8 @@ def _sketched_indices(x, support, granularity):
 
 def torch_count_sketch(x, rows, cols, seed, support, granularity):
     idx = _sketched_indices(x, support, granularity)
-    bucket, sign = sketch_hash(idx, rows, cols, seed)
+    m = max(x.numel() // x.shape[0], 1) if granularity == "row" and x.shape[0] else 1
+    bucket, sign = sketch_hash(idx, rows, cols, seed, m)
     values = x.reshape(-1)[idx].float()
     table = torch.zeros(rows, cols, device=x.device)
     for j in range(rows):
@@ -118,7 +120,7 @@ def torch_count_sketch(x, rows, cols, seed, support, granularity):
 def torch_count_sketch_decode(table, support, n, m, seed):
     units = torch_unpack_bits(support, n).nonzero().flatten()
     idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
-    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed)
+    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed, max(m, 1))
     est = torch.stack([table[j][bucket[j]] * sign[j] for j in range(table.shape[0])])
     out = torch.zeros(n * m, device=table.device)
     out[idx] = est.median(dim=0).values
@@ -127,7 +129,7 @@ def torch_count_sketch_decode(table, support, n, m, seed):
 
 def torch_count_sketch_decode_units(table, units, m, seed):
     idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
-    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed)
+    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed, max(m, 1))
     est = torch.stack([table[j][bucket[j]] * sign[j] for j in range(table.shape[0])])
     return est.median(dim=0).values.reshape(units.numel(), m)
 
@@ -243,7 +245,7 @@ def _sketch_cases(op, shape, element_shape, densities, device):
         # Row granularity: the row support is given. Element granularity: no support, the non-zeros are sketched.
         sup = support if granularity == "row" else None
         values = int(torch_unpack_bits(support, n).sum()) * m
-        cols = max(values, 1024)
+        cols = max(values // SKETCH_ROWS, 1024)  # a table as large as the values: a sketch "at the union's non-zeros"
         label["cols"] = cols
         if op == "count_sketch":
             cases.append((label, (lambda x=x, c=cols, s=sup, gr=granularity: count_sketch(x, SKETCH_ROWS, c,

@@ -8,13 +8,20 @@ A tensor ``x`` is viewed as ``n`` units (rows) of ``m`` values: ``granularity="r
 
 The hash family (defined once, in csrc/kernels/sketch.h, and reimplemented independently in
 tests/ops/test_sketch.py): with ``p = 2**61 - 1``, sketch row ``j`` draws ``a_j, b_j, c_j, d_j`` from a splitmix64
-stream seeded with ``seed`` (``a_j, c_j`` in ``[1, p-1]``, ``b_j, d_j`` in ``[0, p-1]``; row ``j``'s coefficients do
-not depend on ``rows`` or ``cols``), and
+stream seeded with ``seed`` and ``g_j`` from one seeded with ``seed ^ 0x243F6A8885A308D3`` (``a_j, c_j, g_j`` in
+``[1, p-1]``, ``b_j, d_j`` in ``[0, p-1]``; row ``j``'s coefficients do not depend on ``rows`` or ``cols``), and value
+``col`` of unit ``u`` goes to
 
-* bucket ``h_j(i) = ((a_j * i + b_j) mod p) mod cols``
-* sign ``s_j(i) = -1`` if bit 30 of ``(c_j * i + d_j) mod p`` is set, else ``+1``.
+* bucket ``h_j(u, col) = (((a_j * u + b_j) mod p) mod cols + col) mod cols``
+* with sign ``s_j(u, col) = -1`` if bit 30 of ``(c_j * u + d_j) mod p`` differs from bit 30 of ``(g_j * col) mod p``,
+  else ``+1``.
 
-:func:`sketch_hash` evaluates it for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
+For element granularity (``m = 1``, ``col = 0``) that is the textbook count-sketch hash of the index,
+``((a_j i + b_j) mod p) mod cols`` with the sign from ``(c_j i + d_j) mod p``. For units of ``m > 1`` values a unit
+fills consecutive buckets (cyclically) from a hashed start, each value with its own sign: values of different units
+collide with probability ``1 / cols`` with independent signs, as in the per-value hash, so each estimate has the same
+variance; the kernels stream whole units into the table instead of scattering every value. :func:`sketch_hash`
+evaluates the hash for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
 count_sketch_units, count_sketch_decode, count_sketch_decode_units, sketch_hash}`` with CPU and CUDA kernels and fake kernels for
 ``torch.compile``. Inputs may be non-contiguous (they are made contiguous first); outputs are contiguous and on the
 input's device.
@@ -65,8 +72,9 @@ def count_sketch(x: torch.Tensor, rows: int, cols: int, seed: int, support: torc
                  granularity: str = "row") -> torch.Tensor:
     """Count-sketch of ``x``: ``table[j, h_j(i)] += s_j(i) * x_i`` for every sketch row ``j < rows``.
 
-    The sum runs over the non-zero values of ``x`` when ``support`` is None (granularity then changes nothing), or
-    over every value of the units whose bit is set in ``support`` (values outside it are ignored, zero or not).
+    The sum runs over the non-zero values of ``x`` when ``support`` is None, or over every value of the units whose
+    bit is set in ``support`` (values outside it are ignored, zero or not). The granularity sets the units, and so
+    the hash (module docstring): decode with the same ``m``.
     Accumulation is in float32; float16 and bfloat16 values are exact in it, float64 values are rounded to float32
     first. The sketch is linear: ``count_sketch(a) + count_sketch(b)`` equals ``count_sketch(a + b)`` up to float32
     rounding, which is why ranks can SUM-all-reduce their tables.
@@ -160,21 +168,23 @@ def count_sketch_decode_units(table: torch.Tensor, units: torch.Tensor, m: int, 
     return torch.ops.fastdist.count_sketch_decode_units.default(table, units, m, _seed_in_range(seed))
 
 
-def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sketch's hash functions at the flat indices ``idx``, for oracles and tests.
+def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int, m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sketch's hash functions at the flat indices ``idx`` of a tensor of units of ``m`` values, for oracles and
+    tests.
 
     Args:
-        idx: int64 ``[len]`` flat indices (taken as unsigned 64-bit).
+        idx: int64 ``[len]`` flat indices ``u * m + col`` (taken as unsigned 64-bit).
         rows, cols, seed: as for :func:`count_sketch`.
+        m: values per unit, ``>= 1`` (``1``: element granularity).
 
     Returns:
-        ``(bucket, sign)``: int64 ``[rows, len]`` with ``bucket[j, t] = h_j(idx[t])`` and int8 ``[rows, len]`` with
-        ``sign[j, t] = s_j(idx[t])`` (+1 or -1).
+        ``(bucket, sign)``: int64 ``[rows, len]`` with ``bucket[j, t] = h_j(u, col)`` and int8 ``[rows, len]`` with
+        ``sign[j, t] = s_j(u, col)`` (+1 or -1).
 
     Raises:
-        RuntimeError: ``idx`` not int64 1-D; ``rows``, ``cols`` or ``seed`` out of range.
+        RuntimeError: ``idx`` not int64 1-D; ``rows``, ``cols``, ``seed`` or ``m`` out of range.
     """
-    return torch.ops.fastdist.sketch_hash.default(idx, rows, cols, _seed_in_range(seed))
+    return torch.ops.fastdist.sketch_hash.default(idx, rows, cols, _seed_in_range(seed), m)
 
 
 # Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the same
@@ -311,10 +321,12 @@ def _count_sketch_decode_units_fake(table, units, m, seed):
 
 
 @torch.library.register_fake("fastdist::sketch_hash")
-def _sketch_hash_fake(idx, rows, cols, seed):
+def _sketch_hash_fake(idx, rows, cols, seed, m=1):
     if idx.dtype != torch.int64:
         raise RuntimeError(f"fastdist: 'idx' must have dtype torch.int64, got {_dtype_name(idx.dtype)}")
     if idx.dim() != 1:
         raise RuntimeError(f"fastdist: 'idx' must have 1 dimension(s), got shape {list(idx.shape)}")
     _check_rows_cols_seed(rows, cols, seed)
+    if m < 1:
+        raise RuntimeError(f"fastdist: 'm' must be >= 1, got {m}")
     return idx.new_empty((rows, idx.shape[0])), idx.new_empty((rows, idx.shape[0]), dtype=torch.int8)
