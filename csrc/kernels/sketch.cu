@@ -132,11 +132,8 @@ struct UnitWindows {
     __syncthreads();
   }
 
-  // h_j(u, col) for the placed unit u, col < 2^62.
-  __device__ int64_t bucket(const SketchHash& h, int j, uint64_t col) const {
-    const int64_t b = start[j] + static_cast<int64_t>(sketch_fastmod(col, static_cast<uint64_t>(h.cols), h.cols_inv));
-    return b >= h.cols ? b - h.cols : b;
-  }
+  // h_j(u, col) for the placed unit u.
+  __device__ int64_t bucket(const SketchHash& h, int j, uint64_t col) const { return h.window_bucket(start[j], col); }
   __device__ bool sign_negative(const SketchHash& h, int j, uint64_t col) const {
     return negative[j] != h.column_negative(j, col);
   }

@@ -119,13 +119,15 @@ struct SketchHash {
   FASTDIST_HOST_DEVICE bool column_negative(int j, uint64_t col) const {
     return (sketch_mulmod(g[j], sketch_mod_p(col)) >> kSketchSignBit) & 1;
   }
-  // h_j(u, col)
-  FASTDIST_HOST_DEVICE int64_t bucket(int j, uint64_t u, uint64_t col) const {
+  // (start + col) mod cols for a window start in [0, cols): the bucket of column col of a unit starting there.
+  FASTDIST_HOST_DEVICE int64_t window_bucket(int64_t start, uint64_t col) const {
     const uint64_t offset = col < (uint64_t{1} << 62) ? sketch_fastmod(col, static_cast<uint64_t>(cols), cols_inv)
                                                       : col % static_cast<uint64_t>(cols);
-    const uint64_t b = static_cast<uint64_t>(start(j, u)) + offset;  // < 2 cols
+    const uint64_t b = static_cast<uint64_t>(start) + offset;  // < 2 cols
     return static_cast<int64_t>(b >= static_cast<uint64_t>(cols) ? b - cols : b);
   }
+  // h_j(u, col)
+  FASTDIST_HOST_DEVICE int64_t bucket(int j, uint64_t u, uint64_t col) const { return window_bucket(start(j, u), col); }
   // s_j(u, col) == -1
   FASTDIST_HOST_DEVICE bool negative(int j, uint64_t u, uint64_t col) const {
     return unit_negative(j, u) != column_negative(j, col);

@@ -96,20 +96,24 @@ def torch_bitwise_or_reduce(packed):
     return functools.reduce(torch.bitwise_or, packed)
 
 
+def _units(x, granularity):
+    """x as (n units, m values per unit)."""
+    n = x.shape[0] if granularity == "row" else x.numel()
+    return n, (x.numel() // n if n else 0)
+
+
 def _sketched_indices(x, support, granularity):
     """Flat indices a count-sketch adds: every value of the supported units (or the non-zeros)."""
     if support is None:
         return (x.reshape(-1) != 0).nonzero().flatten()
-    n = x.shape[0] if granularity == "row" else x.numel()
-    m = x.numel() // n if n else 0
+    n, m = _units(x, granularity)
     units = torch_unpack_bits(support, n).nonzero().flatten()
     return (units[:, None] * m + torch.arange(m, device=x.device)).flatten()
 
 
 def torch_count_sketch(x, rows, cols, seed, support, granularity):
     idx = _sketched_indices(x, support, granularity)
-    m = max(x.numel() // x.shape[0], 1) if granularity == "row" and x.shape[0] else 1
-    bucket, sign = sketch_hash(idx, rows, cols, seed, m)
+    bucket, sign = sketch_hash(idx, rows, cols, seed, max(_units(x, granularity)[1], 1))
     values = x.reshape(-1)[idx].float()
     table = torch.zeros(rows, cols, device=x.device)
     for j in range(rows):
