@@ -521,15 +521,20 @@ class ColumnSigns {
   alignas(64) uint32_t scratch_[kChunk + 4];
 };
 
-// table[(start + e) mod cols] += v[e] with its sign flipped by masks[e] ^ unit_mask, for e < len in increasing e.
+// table[(start + e) mod cols] += v[e] with its sign flipped by masks[e] ^ unit_mask, for e < len in increasing e,
+// where the bucket is in [lo, hi) (a thread's share of the row; the rest belongs to others).
 FASTDIST_SKETCH_CLONES void add_window(float* table, int64_t cols, int64_t start, const float* v,
-                                       const uint32_t* masks, uint32_t unit_mask, int64_t len) {
+                                       const uint32_t* masks, uint32_t unit_mask, int64_t len, int64_t lo,
+                                       int64_t hi) {
   for (int64_t done = 0; done < len; start = 0) {  // a window longer than the row wraps, maybe more than once
     const int64_t seg = std::min(len - done, cols - start);
-    float* __restrict t = table + start;
-    const float* __restrict x = v + done;
-    const uint32_t* __restrict mk = masks + done;
-    for (int64_t e = 0; e < seg; ++e) t[e] += bits_float(float_bits(x[e]) ^ mk[e] ^ unit_mask);
+    const int64_t b0 = std::max(start, lo), b1 = std::min(start + seg, hi);
+    if (b0 < b1) {
+      float* __restrict t = table + b0;
+      const float* __restrict x = v + done + (b0 - start);
+      const uint32_t* __restrict mk = masks + done + (b0 - start);
+      for (int64_t e = 0; e < b1 - b0; ++e) t[e] += bits_float(float_bits(x[e]) ^ mk[e] ^ unit_mask);
+    }
     done += seg;
   }
 }
@@ -555,30 +560,40 @@ FASTDIST_SKETCH_CLONES bool any_nonzero(const float* __restrict v, int64_t len) 
   return acc != 0;
 }
 
-// Sketches and decodes whole units of m > 1 values in the sketch rows [row_begin, row_end).
+// Sketches whole units of m > 1 values into the table positions [begin, end) (position j * cols + b is bucket b of
+// row j), and decodes them (with every position).
 class WindowSketcher {
  public:
-  WindowSketcher(const SketchHash& hash, int row_begin, int row_end, int64_t m)
-      : hash_(hash), row_begin_(row_begin), row_end_(row_end), m_(m), signs_(hash, row_begin, row_end, m) {}
+  WindowSketcher(const SketchHash& hash, int64_t begin, int64_t end, int64_t m)
+      : hash_(hash), row_begin_(static_cast<int>(begin / hash.cols)),
+        row_end_(static_cast<int>(end > begin ? (end - 1) / hash.cols + 1 : row_begin_)), m_(m),
+        signs_(hash, row_begin_, row_end_, m) {
+    for (int j = row_begin_; j < row_end_; ++j) {
+      lo_[j] = std::max<int64_t>(begin - j * hash.cols, 0);
+      hi_[j] = std::min<int64_t>(end - j * hash.cols, hash.cols);
+    }
+  }
 
-  // Adds unit u, whose m values start at flat index `offset` of x, into the table.
-  void sketch(float* table, const void* x, SketchValueType type, int64_t offset, uint64_t u) {
+  // Adds unit u, whose m values start at flat index `offset` of x, into the table. skip_zero_chunks: first check
+  // whether a chunk of the unit is all zero and skip it (it adds nothing, see count_sketch_cpu); worth it only when
+  // most units are zero.
+  void sketch(float* table, const void* x, SketchValueType type, int64_t offset, uint64_t u, bool skip_zero_chunks) {
     const int64_t cols = hash_.cols;
     bool placed = false;
     for (int64_t col0 = 0; col0 < m_; col0 += kChunk) {
       const int64_t len = std::min(kChunk, m_ - col0);
       const float* vals = chunk_values(x, type, offset + col0, len, buf_);
-      if (!any_nonzero(vals, len)) continue;  // adds nothing (see count_sketch_cpu)
+      if (skip_zero_chunks && !any_nonzero(vals, len)) continue;
       if (!placed) place(u);
       placed = true;
       for (int j = row_begin_; j < row_end_; ++j) {
         add_window(table + j * cols, cols, hash_.window_bucket(start_[j], col0), vals, signs_.get(j, col0, len),
-                   unit_mask_[j], len);
+                   unit_mask_[j], len, lo_[j], hi_[j]);
       }
     }
   }
 
-  // out[0, m) = the estimates of unit u (rows [row_begin, row_end) must be all the rows).
+  // out[0, m) = the estimates of unit u (the positions must be the whole table).
   void decode(const float* table, uint64_t u, float* out) {
     place(u);
     const int64_t cols = hash_.cols;
@@ -602,9 +617,10 @@ class WindowSketcher {
   }
 
   const SketchHash& hash_;
-  int row_begin_, row_end_;
+  int row_begin_, row_end_;  // the rows that hold positions of the range
   int64_t m_;
   ColumnSigns signs_;
+  int64_t lo_[kSketchMaxRows], hi_[kSketchMaxRows];  // row j's buckets in the range
   int64_t start_[kSketchMaxRows];
   uint32_t unit_mask_[kSketchMaxRows];
   alignas(64) float buf_[kChunk];
@@ -684,16 +700,19 @@ void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uin
 }
 
 void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
-                      const SketchHash& hash, float* table, int row_begin, int row_end) {
-  if (row_begin >= row_end) return;
-  std::memset(table + row_begin * hash.cols, 0, (row_end - row_begin) * hash.cols * sizeof(float));
+                      const SketchHash& hash, float* table, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  std::memset(table + begin, 0, (end - begin) * sizeof(float));
   const int64_t total = n * m;
   if (total == 0) return;
 
   if (m > 1) {
-    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, row_begin, row_end, m));  // ~20 KB
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, begin, end, m));  // ~20 KB
+    const bool skip_zero_chunks = support == nullptr;  // a supported unit is rarely all zero
     const auto add_units = [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) windows->sketch(table, x, type, u * m, static_cast<uint64_t>(u));
+      for (int64_t u = u0; u < u1; ++u) {
+        windows->sketch(table, x, type, u * m, static_cast<uint64_t>(u), skip_zero_chunks);
+      }
     };
     if (support != nullptr) {
       for_each_run(support, 0, n, add_units, [](int64_t, int64_t) {});
@@ -702,6 +721,7 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
     }
     return;
   }
+  const int row_begin = static_cast<int>(begin / hash.cols), row_end = static_cast<int>(end / hash.cols);
   // m == 1: one bit per value, or no support (every value)
   std::unique_ptr<Sketcher> sketcher(new Sketcher(hash, table, row_begin, row_end));  // ~190 KB: not on the stack
   uint64_t active[kChunkWords];
@@ -731,15 +751,18 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
 }
 
 void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
-                            const SketchHash& hash, float* table, int row_begin, int row_end) {
-  if (row_begin >= row_end) return;
-  std::memset(table + row_begin * hash.cols, 0, (row_end - row_begin) * hash.cols * sizeof(float));
+                            const SketchHash& hash, float* table, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  std::memset(table + begin, 0, (end - begin) * sizeof(float));
   if (k * m == 0) return;
   if (m > 1) {
-    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, row_begin, row_end, m));
-    for (int64_t t = 0; t < k; ++t) windows->sketch(table, values, type, t * m, static_cast<uint64_t>(units[t]));
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, begin, end, m));
+    for (int64_t t = 0; t < k; ++t) {
+      windows->sketch(table, values, type, t * m, static_cast<uint64_t>(units[t]), /*skip_zero_chunks=*/false);
+    }
     return;
   }
+  const int row_begin = static_cast<int>(begin / hash.cols), row_end = static_cast<int>(end / hash.cols);
   std::unique_ptr<Sketcher> sketcher(new Sketcher(hash, table, row_begin, row_end));
   uint64_t active[kChunkWords];
   for (int64_t t = 0; t < k; ++t) {  // m == 1: units are flat indices
@@ -755,7 +778,7 @@ void count_sketch_decode_cpu(const float* table, const uint8_t* support, int64_t
   (void)n;
   if (unit_begin >= unit_end || m == 0) return;
   if (m > 1) {
-    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, 0, hash.rows, m));
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, 0, hash.rows * hash.cols, m));
     for_each_run(
         support, unit_begin, unit_end,
         [&](int64_t u0, int64_t u1) {
@@ -782,7 +805,7 @@ void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int
                                    float* out, int64_t begin, int64_t end) {
   if (begin >= end || m == 0) return;
   if (m > 1) {
-    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, 0, hash.rows, m));
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, 0, hash.rows * hash.cols, m));
     for (int64_t t = begin; t < end; ++t) windows->decode(table, static_cast<uint64_t>(units[t]), out + t * m);
     return;
   }

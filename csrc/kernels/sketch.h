@@ -120,11 +120,12 @@ struct SketchHash {
     return (sketch_mulmod(g[j], sketch_mod_p(col)) >> kSketchSignBit) & 1;
   }
   // (start + col) mod cols for a window start in [0, cols): the bucket of column col of a unit starting there.
+  // Columns within one row width (the common case) need no division.
   FASTDIST_HOST_DEVICE int64_t window_bucket(int64_t start, uint64_t col) const {
-    const uint64_t offset = col < (uint64_t{1} << 62) ? sketch_fastmod(col, static_cast<uint64_t>(cols), cols_inv)
-                                                      : col % static_cast<uint64_t>(cols);
+    const uint64_t c = static_cast<uint64_t>(cols);
+    const uint64_t offset = col < c ? col : col < (uint64_t{1} << 62) ? sketch_fastmod(col, c, cols_inv) : col % c;
     const uint64_t b = static_cast<uint64_t>(start) + offset;  // < 2 cols
-    return static_cast<int64_t>(b >= static_cast<uint64_t>(cols) ? b - cols : b);
+    return static_cast<int64_t>(b >= c ? b - c : b);
   }
   // h_j(u, col)
   FASTDIST_HOST_DEVICE int64_t bucket(int j, uint64_t u, uint64_t col) const { return window_bucket(start(j, u), col); }
@@ -202,21 +203,24 @@ inline constexpr int64_t sketch_support_bytes(int64_t n) { return (n + 7) / 8; }
 void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out, int64_t byte_begin,
                         int64_t byte_end);
 
-// Sketch rows [row_begin, row_end) of the table (float32 [hash.rows, hash.cols]); overwrites those rows.
+// Sketch the table positions [begin, end) (0 <= begin <= end <= hash.rows * hash.cols; position j * cols + b is
+// bucket b of row j) of the table (float32 [hash.rows, hash.cols]); overwrites them. For m == 1 the range must be
+// whole rows (begin and end multiples of cols); for m > 1 any range, so that threads can share the buckets evenly.
 // x: n * m values of `type`. support: packed units (nullptr: every unit). Adds s_j(u, col) * x into
 // table[j, h_j(u, col)] for every value of a supported unit, in increasing flat index, in float32 (float64 values
 // are rounded to float32 first). Whether zero values are added or skipped changes no bit: adding a zero never
 // changes a bucket (buckets start at +0.0 and round-to-nearest never makes a sum -0.0 from a +0.0 operand).
-// Each call reads the values once: m == 1 hashes each value per sketch row of its range; m > 1 hashes each unit
-// once per row and adds its values into the row's window with vector adds.
+// So any split of the positions between calls gives the same table, bit for bit.
+// m == 1 hashes each value per sketch row of the range; m > 1 hashes each unit once per row and adds its values
+// into the row's window with vector adds, clipped to the range. Every call reads all the values it sketches.
 void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
-                      const SketchHash& hash, float* table, int row_begin, int row_end);
+                      const SketchHash& hash, float* table, int64_t begin, int64_t end);
 
 // values: k units of m values of `type`, unit t being unit units[t] of a larger tensor (taken as unsigned 64-bit).
-// The same table count_sketch_cpu builds from that tensor with the units' support, bit
-// for bit, when units are strictly increasing (values are added in the order listed). Zero values are skipped.
+// The same table positions count_sketch_cpu writes from that tensor with the units' support, bit for bit, when
+// units are strictly increasing (values are added in the order listed); the same range rules.
 void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
-                            const SketchHash& hash, float* table, int row_begin, int row_end);
+                            const SketchHash& hash, float* table, int64_t begin, int64_t end);
 
 // Decode units [unit_begin, unit_end) (0 <= unit_begin <= unit_end <= n) of out (float32 [n, m]): for each
 // supported unit u, out[u * m + col] = sketch_median of s_j(u, col) * table[j, h_j(u, col)] over j < hash.rows;

@@ -339,7 +339,7 @@ FD_TEST(count_sketch_cpu_matches_in_order_reference) {
           const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 700));
           std::vector<float> got(rows * h.cols, 1.0f);  // every row must be overwritten
           fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup ? sup->data() : nullptr, h,
-                                     got.data(), 0, rows);
+                                     got.data(), 0, rows * h.cols);
           const int64_t bad = first_mismatch(got, ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h));
           FD_EXPECT(bad == -1, "n=" << s.n << " m=" << s.m << " density=" << density << " support=" << support_kind
                                     << " rows=" << rows << " first wrong bucket " << bad);
@@ -347,7 +347,7 @@ FD_TEST(count_sketch_cpu_matches_in_order_reference) {
       }
 }
 
-FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {
+FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {  // element granularity splits whole rows
   std::mt19937_64 rng(8);
   const int rows = 7;
   const int64_t cols = 501;
@@ -359,7 +359,7 @@ FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {
     const std::vector<int64_t> cuts = random_cuts(rows, rng);
     for (size_t k = 0; k + 1 < cuts.size(); ++k) {
       fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h, got.data(),
-                                 static_cast<int>(cuts[k]), static_cast<int>(cuts[k + 1]));
+                                 cuts[k] * cols, cuts[k + 1] * cols);
       for (int64_t b = 0; b < rows * cols; ++b) {
         const bool written = b < cuts[k + 1] * cols;
         FD_EXPECT(same_bits(got[b], written ? want[b] : -1.0f), "density=" << density << " rows [" << cuts[k]
@@ -367,6 +367,46 @@ FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {
       }
     }
   }
+}
+
+FD_TEST(unit_sketches_over_any_position_ranges_write_only_those_positions_bit_for_bit) {
+  std::mt19937_64 rng(18);
+  struct Shape {
+    int64_t n, m, cols;
+  };
+  // windows inside a row, windows that wrap, windows longer than the row (cols < m), a unit past one chunk
+  for (Shape s : {Shape{300, 37, 501}, Shape{40, 600, 501}, Shape{50, 300, 7}, Shape{20, 1000, 4096}})
+    for (bool with_support : {false, true}) {
+      const int rows = 3;
+      const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, s.cols);
+      const std::vector<float> x = random_values(s.n * s.m, 0.5, rng);
+      const std::vector<uint8_t> support = random_bitmap(s.n, 0.3, rng);
+      const uint8_t* sup = with_support ? support.data() : nullptr;
+      const std::vector<float> want =
+          ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, with_support ? &support : nullptr, h);
+      std::vector<int64_t> units;  // the supported units' values, compacted, for count_sketch_units_cpu
+      std::vector<float> values;
+      for (int64_t u = 0; u < s.n; ++u) {
+        if (sup != nullptr && !((support[u >> 3] >> (u & 7)) & 1)) continue;
+        units.push_back(u);
+        values.insert(values.end(), x.begin() + u * s.m, x.begin() + (u + 1) * s.m);
+      }
+      std::vector<float> got(rows * s.cols, -1.0f), got_units(rows * s.cols, -1.0f);
+      const std::vector<int64_t> cuts = random_cuts(rows * s.cols, rng);
+      for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+        fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h, got.data(), cuts[k],
+                                   cuts[k + 1]);
+        fastdist::count_sketch_units_cpu(values.data(), SketchValueType::kFloat32, units.data(),
+                                         static_cast<int64_t>(units.size()), s.m, h, got_units.data(), cuts[k],
+                                         cuts[k + 1]);
+        for (int64_t b = 0; b < rows * s.cols; ++b) {
+          const float expected = b < cuts[k + 1] ? want[b] : -1.0f;
+          FD_EXPECT(same_bits(got[b], expected) && same_bits(got_units[b], expected),
+                    "n=" << s.n << " m=" << s.m << " cols=" << s.cols << " support=" << with_support << " range ["
+                         << cuts[k] << ", " << cuts[k + 1] << ") position " << b);
+        }
+      }
+    }
 }
 
 FD_TEST(count_sketch_cpu_reads_every_value_type) {
@@ -387,7 +427,7 @@ FD_TEST(count_sketch_cpu_reads_every_value_type) {
   for (Case c : {Case{halves.data(), SketchValueType::kFloat16}, Case{bf16.data(), SketchValueType::kBFloat16},
                  Case{doubles.data(), SketchValueType::kFloat64}}) {
     std::vector<float> got(3 * 4096);
-    fastdist::count_sketch_cpu(c.x, c.type, count, 1, nullptr, h, got.data(), 0, 3);
+    fastdist::count_sketch_cpu(c.x, c.type, count, 1, nullptr, h, got.data(), 0, 3 * 4096);
     const int64_t bad = first_mismatch(got, ref_sketch(c.x, c.type, count, 1, nullptr, h));
     FD_EXPECT(bad == -1, "type " << static_cast<int>(c.type) << " first wrong bucket " << bad);
   }
@@ -472,7 +512,7 @@ FD_TEST(decode_of_a_sketch_without_collisions_is_exact) {
   }
   const SketchHash h = fastdist::make_sketch_hash(13, 3, 4096);
   std::vector<float> table(3 * 4096), out(n);
-  fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3);
+  fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3 * 4096);
   fastdist::count_sketch_decode_cpu(table.data(), support.data(), n, 1, h, out.data(), 0, n);
   FD_EXPECT(out == x, "decoded values differ");
 }

@@ -560,14 +560,17 @@ def test_results_do_not_depend_on_the_cpu_thread_count(granularity):
     x = random_sparse((4096, 256), 0.1 if granularity == "row" else 0.5, granularity, seed=9)
     support = nonzero_bitmap(x, granularity)
     n, m = units_of(x, granularity)
+    units = unit_mask(support, n).nonzero().flatten()
+    values = x.reshape(n, m)[units]
     before = torch.get_num_threads()
     results = []
     try:
-        for threads in (1, 2, 1, 2):
+        for threads in (1, 2, 3, 1, 2):
             torch.set_num_threads(threads)
             table = count_sketch(x, 3, 100_003, 12, support, granularity)
             results.append((table, count_sketch_decode(table, support, n, m, 12), nonzero_bitmap(x, granularity),
-                            count_sketch(x, 4, 5000, 12, None, granularity)))
+                            count_sketch(x, 4, 5000, 12, None, granularity),
+                            count_sketch_units(values, units, 3, 100_003, 12)))
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:
