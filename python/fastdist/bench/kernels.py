@@ -1,9 +1,9 @@
 """`fastdist-bench kernels`: fastdist's kernels against the machine's copy bandwidth.
 
 For each op and size: the bytes the op must move (read + written), the median time, the achieved GB/s and
-that as a percentage of the copy bandwidth (a STREAM-like `dst.copy_(src)` of 256 MiB, timed in the same
-run), and the speed-up over the obvious pure-torch implementation of the same op, timed interleaved with
-ours. Sizes count mask elements (bits): pack_bits reads `size` bools and writes size/8 bytes, unpack_bits
+that as a percentage of the copy bandwidth (a STREAM-like `dst.copy_(src)` of 256 MiB, timed interleaved with
+every op: the percentage is the median over rounds of the op's GB/s over the copy's in the same round), and the
+speed-up over the obvious pure-torch implementation of the same op, timed interleaved with ours. Sizes count mask elements (bits): pack_bits reads `size` bools and writes size/8 bytes, unpack_bits
 the reverse, bitwise_or_reduce ORs --rows bitmaps of `size` bits. On CPU, sizes that fit in the caches run
 faster than the copy bandwidth, which is measured out of memory; each CPU sample follows an untimed call
 of the same function. On CUDA: CUDA events, and L2 is flushed (256 MiB written) before every timed call.
@@ -193,12 +193,18 @@ def kernel_timer(device):
     return _time_cpu, f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
 
 
-def copy_bandwidth(timer, device, repeats, warmup):
-    """The copy bandwidth in GB/s (read + write of a COPY_BYTES dst.copy_(src)) and its samples in seconds."""
+def copy_reference(device):
+    """The STREAM-like reference: (a COPY_BYTES dst.copy_(src), the bytes it reads + writes)."""
     src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    (samples,) = timer([lambda: dst.copy_(src)], repeats, warmup)
-    return 2 * COPY_BYTES / statistics.median(samples) / 1e9, samples
+    return (lambda: dst.copy_(src)), 2 * COPY_BYTES
+
+
+def copy_bandwidth(timer, device, repeats, warmup):
+    """The copy bandwidth in GB/s and its samples in seconds."""
+    copy, nbytes = copy_reference(device)
+    (samples,) = timer([copy], repeats, warmup)
+    return nbytes / statistics.median(samples) / 1e9, samples
 
 
 def _cases(op, size, rows, device):
@@ -308,10 +314,20 @@ def _run(args, device, ops, sizes, repeats, sketch):
     sweep_ops = [op for op in ops if op in SWEEP_OPS]
     sketch_ops = [op for op in ops if op in SKETCH_OPS]
     sketch_cases_per_op = len(sketch["densities"]) + 1
-    progress = report.Progress(1 + len(sweep_ops) * len(sizes) + len(sketch_ops) * sketch_cases_per_op, "kernels")
+    progress = report.Progress(len(sweep_ops) * len(sizes) + len(sketch_ops) * sketch_cases_per_op, "kernels")
+    copy, copy_bytes = copy_reference(device)
+    copy_samples = []
 
-    copy_gbps, copy_samples = copy_bandwidth(timer, device, repeats, args.warmup)
-    progress.step("copy")
+    def timed(ours, theirs, nbytes):
+        """Interleaved samples of ours, theirs and the copy; the % of copy is the median over rounds of our GB/s over
+        the copy's GB/s in the same round, so that drift in a shared machine's memory bandwidth cancels."""
+        ours_s, torch_s, copy_s = timer([ours, theirs, copy], repeats, args.warmup)
+        copy_samples.extend(copy_s)
+        t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
+        pct = 100 * statistics.median(nbytes * c / (copy_bytes * o) for o, c in zip(ours_s, copy_s))
+        return {"median_s": t, "gbps": nbytes / t / 1e9, "pct_copy": pct, "torch_median_s": t_torch,
+                "torch_gbps": nbytes / t_torch / 1e9, "speedup": t_torch / t, "samples_s": ours_s,
+                "torch_samples_s": torch_s, "copy_samples_s": copy_s}
 
     rows = []
     for op in sweep_ops:
@@ -319,14 +335,7 @@ def _run(args, device, ops, sizes, repeats, sketch):
             ours, theirs, nbytes = _cases(op, size, args.rows, device)
             if not torch.equal(ours(), theirs()):
                 raise RuntimeError(f"fastdist-bench kernels: {op} and its torch reference disagree at size {size}")
-            ours_s, torch_s = timer([ours, theirs], repeats, args.warmup)
-            t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
-            rows.append({
-                "op": op, "size": size, "bytes": nbytes,
-                "median_s": t, "gbps": nbytes / t / 1e9, "pct_copy": 100 * nbytes / t / 1e9 / copy_gbps,
-                "torch_median_s": t_torch, "torch_gbps": nbytes / t_torch / 1e9, "speedup": t_torch / t,
-                "samples_s": ours_s, "torch_samples_s": torch_s,
-            })
+            rows.append({"op": op, "size": size, "bytes": nbytes} | timed(ours, theirs, nbytes))
             progress.step(f"{op} {size}")
 
     sketch_rows = []
@@ -335,18 +344,13 @@ def _run(args, device, ops, sizes, repeats, sketch):
                                                                sketch["densities"], device):
             if not same(ours(), theirs()):
                 raise RuntimeError(f"fastdist-bench kernels: {op} and its torch reference disagree on {label}")
-            ours_s, torch_s = timer([ours, theirs], repeats, args.warmup)
-            t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
-            sketch_rows.append(label | {
-                "op": op, "bytes": nbytes, "median_s": t, "gbps": nbytes / t / 1e9,
-                "pct_copy": 100 * nbytes / t / 1e9 / copy_gbps, "torch_median_s": t_torch,
-                "torch_gbps": nbytes / t_torch / 1e9, "speedup": t_torch / t, "samples_s": ours_s,
-                "torch_samples_s": torch_s,
-            })
+            sketch_rows.append(label | {"op": op, "bytes": nbytes} | timed(ours, theirs, nbytes))
             progress.step(f"{op} {label['granularity']} {label['density']}")
 
+    copy_gbps = copy_bytes / statistics.median(copy_samples) / 1e9
     print(report.format_environment(env))
-    print(f"# copy bandwidth {copy_gbps:.1f} GB/s (dst.copy_(src), {report.human_bytes(COPY_BYTES)}, read + write)")
+    print(f"# copy bandwidth {copy_gbps:.1f} GB/s (dst.copy_(src), {report.human_bytes(COPY_BYTES)}, read + write; "
+          "median of all rounds, each op's % of copy is against the copy timed in its own rounds)")
     headers = ["op", "size", "bytes moved", "time (us)", "GB/s", "% of copy", "torch GB/s", "speed-up vs torch"]
     table = [[r["op"], r["size"], report.human_bytes(r["bytes"]), r["median_s"] * 1e6, r["gbps"], r["pct_copy"],
               r["torch_gbps"], r["speedup"]] for r in rows]
@@ -365,7 +369,8 @@ def _run(args, device, ops, sizes, repeats, sketch):
         print("# note: every call returns a new tensor; large CPU outputs (tens of MiB) come back from the\n"
               "# allocator as fresh pages, so those rows include first-touch page faults that the copy reference\n"
               "# (into an existing tensor) does not pay. THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU\n"
-              "# allocations) reduces them.")
+              "# allocations) helps the largest: count_sketch_decode at 2% took 53 -> 16 ms with it on the 2-core VM,\n"
+              "# while count_sketch, whose table is a few MiB, went 511 -> 678 us (a huge page zeroed per call).")
     return {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
             "copy_bytes": COPY_BYTES, "rows": rows, "sketch_rows": sketch_rows}
 
