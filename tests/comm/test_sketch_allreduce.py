@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.comm import last_stats, sketch_allreduce
+from fastdist.comm import sketch
 from fastdist.comm.sketch import HEADER_BITMAP_BYTES
 from fastdist.distributed import MismatchError, spawn
 
@@ -139,6 +140,7 @@ def _lossless_collectives():
         x[rows] = torch.randint(-8, 9, (rows.numel(), dim), generator=g).float()
         ref = _dense_sum(x)
         for op, async_op in (("sum", False), ("avg", True)):
+            sketch._exact_rates.clear()  # nothing timed yet: the choice by bytes
             y = x.clone()
             handle = sketch_allreduce(y, mode="exact", op=op, async_op=async_op)
             if async_op:
@@ -167,6 +169,40 @@ def test_lossless_mode_gathers_own_rows_when_supports_are_disjoint_and_reduces_t
         assert equal and union_method in ("allgather-or", "allreduce-max")
     sums = [[v[3] for k, v in out.items() if k != "large"] for out in outs]
     assert all(s == sums[0] for s in sums), sums  # every rank holds the same result
+
+
+def _timed_exact_choice():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.zeros(1024, 8)
+    x[rank * 16:rank * 16 + 16] = torch.arange(1.0, 129.0).view(16, 8) * (rank + 1)  # disjoint: the gather sends less
+    ref = _dense_sum(x)
+    steps = []
+
+    def call():
+        y = x.clone()
+        sketch_allreduce(y, mode="exact")
+        steps.append((last_stats().exact_collective, last_stats().exact_by, torch.equal(y, ref)))
+
+    call()  # by bytes: the gather
+    call()  # the union all-reduce, timed once
+    call()  # both timed: either, the same on every rank
+    for slow, forced in (("allgather-local", "allreduce-union"), ("allreduce-union", "allgather-local")):
+        if rank == world - 1:  # one slow rank decides for all
+            for rates in sketch._exact_rates.values():
+                rates[slow] = 1.0
+        call()
+        steps.append(forced)
+    return steps
+
+
+def test_auto_exact_collective_times_both_then_every_rank_takes_the_one_fastest_on_its_slowest_rank():
+    outs = spawn(_timed_exact_choice, 4, timeout=120)
+    for out in outs:
+        assert out == outs[0]  # every rank chose alike
+        assert all(step[2] for step in out if isinstance(step, tuple))  # and every result is exact
+        assert out[0][:2] == ("allgather-local", "bytes") and out[1][:2] == ("allreduce-union", "explore")
+        assert out[2][1] == "timed"
+        assert out[3][:2] == (out[4], "timed") and out[5][:2] == (out[6], "timed")
 
 
 def _sparse_like_dense():

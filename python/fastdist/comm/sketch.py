@@ -1,8 +1,9 @@
 """sketch_allreduce: sparse gradient all-reduce with a union bitmap and a count-sketch (S2 Reducer).
 
 Per call, on every rank of the group, in this order:
-  1. header: one fixed-size all-gather of (configuration fingerprint, local support size, the packed local
-     bitmap when it fits in HEADER_BITMAP_BYTES, e.g. 65536 embedding rows). Fixed size, so ranks that
+  1. header: one fixed-size all-gather of (configuration fingerprint, local support size, this rank's measured
+     cost of the two exact collectives, the packed local bitmap when it fits in HEADER_BITMAP_BYTES, e.g. 65536
+     embedding rows). Fixed size, so ranks that
      disagree on shape, dtype, seed, rows, cols, mode or op meet in the same collective and raise
      MismatchError together, every call, before any collective whose size depends on the configuration.
   2. union support U: the OR of the gathered bitmaps — from the header when they fit in it, else from an
@@ -11,6 +12,7 @@ Per call, on every rank of the group, in this order:
   3. method: "exact" sums the union's values losslessly — one all-reduce of the |U| rows (OmniReduce-style),
      or, when it sends clearly fewer bytes and the supports are known, one all-gather of each rank's own rows
      (AGsparse without indices: the bitmaps are the indices), summed in rank order identically on every rank;
+     once both have run for a configuration, the one measured faster per byte on the slowest rank;
      "sketch" sums an r x c count-sketch and decodes the union's coordinates from it; "dense" is a plain
      all-reduce; "auto" picks one from |U| — lossless whenever it costs at most `lossless_slack` times the sketch.
   4. the payload collective (asynchronous with async_op=True), then write-back into the tensor.
@@ -36,6 +38,14 @@ HEADER_BITMAP_BYTES = 8192  # bitmaps up to 65536 units ride in the header: one 
 # sums P blocks locally, which the ring all-reduce overlaps with its transfers (measured, 4 ranks at 1 Gbit/s:
 # at 0.67 of the bytes the gather is 1.2x faster; at 0.77, 10% slower).
 GATHER_MAX_BYTES_FRACTION = 0.75
+# Bytes alone do not pick the faster exact collective: where the CPU rather than the link is the bottleneck the
+# gather's local sums cost more than the bytes it saves (2 ranks at 10 Gbit/s, 2% rows: 41 vs 27 ms). So each
+# rank times the exact collectives it runs (seconds per wire byte, payload collective plus write-back, an
+# exponential average), per group and tensor configuration; the header carries the figures, and once both have
+# a figure on every rank, every rank takes the one whose slowest rank predicts the shorter time.
+TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
+EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
+_exact_rates = {}  # (group, world, shape, dtype, granularity) -> {collective: seconds per wire byte}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -55,6 +65,8 @@ class SketchStats:
     seconds: float           # wall time of the synchronous part
     error_feedback: bool = False  # the residual sketch was used and updated by this call
     exact_collective: str = ""    # method "exact": "allreduce-union" or "allgather-local"
+    exact_by: str = ""            # how exact_collective="auto" chose it: "bytes", "explore" (timing the other
+                                  # once) or "timed" (see TIMED_COLLECTIVES); "" when the caller named one
 
     @property
     def union_fraction(self):
@@ -126,16 +138,21 @@ def _collective_device(tensor, group):
     return torch.device("cpu")
 
 
-def _exchange_header(config, local_units, local_bits, group, world, device):
-    """All-gathers (fingerprint, local support size, local bitmap if it fits) in a buffer of fixed size;
-    raises MismatchError on every rank on disagreement. Returns the local sizes of all ranks and their
-    bitmaps as a uint8 [world, ceil(n / 8)] tensor, or None when the bitmaps did not fit."""
+HEADER_FIXED_BYTES = 32  # fingerprint, local support size (int64), the two exact collectives' rates (float64)
+
+
+def _exchange_header(config, local_units, rates, local_bits, group, world, device):
+    """All-gathers (fingerprint, local support size, this rank's seconds per byte of the TIMED_COLLECTIVES, NaN
+    where not measured, local bitmap if it fits) in a buffer of fixed size; raises MismatchError on every rank on
+    disagreement. Returns the local sizes of all ranks, their rates ([world][2]) and their bitmaps as a uint8
+    [world, ceil(n / 8)] tensor, or None when the bitmaps did not fit."""
     nbytes = local_bits.numel()
     inline = nbytes <= HEADER_BITMAP_BYTES
-    mine = torch.zeros(16 + HEADER_BITMAP_BYTES, dtype=torch.uint8)
+    mine = torch.zeros(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, dtype=torch.uint8)
     mine[:16] = torch.tensor([fingerprint(config), local_units], dtype=torch.int64).view(torch.uint8)
+    mine[16:32] = torch.tensor(rates, dtype=torch.float64).view(torch.uint8)
     if inline:
-        mine[16:16 + nbytes] = local_bits.cpu()
+        mine[32:32 + nbytes] = local_bits.cpu()
     out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     compat.all_gather_single(out, mine.to(device), group=group)
     out = out.view(world, mine.numel()).cpu()
@@ -146,8 +163,9 @@ def _exchange_header(config, local_units, local_bits, group, world, device):
         ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
         raise MismatchError("sketch_allreduce configuration (shape, dtype, granularity, rows, cols, seed, "
                             "mode, op)", dict(zip(ranks, reprs)))
-    bitmaps = out[:, 16:16 + nbytes].contiguous().to(local_bits.device) if inline else None
-    return head[:, 1].tolist(), bitmaps
+    all_rates = out[:, 16:32].contiguous().view(torch.float64).tolist()
+    bitmaps = out[:, 32:32 + nbytes].contiguous().to(local_bits.device) if inline else None
+    return head[:, 1].tolist(), all_rates, bitmaps
 
 
 def _union(local_bits, bitmaps, n, group, world, device):
@@ -179,6 +197,21 @@ def _choose(mode, union_values, total_values, rows, cols, lossless_slack, dense_
     if union_values > max_sketch_load * cols or union_values <= lossless_slack * rows * cols:
         return "exact"
     return "sketch"
+
+
+def _exact_choice(all_rates, gather_candidate, union_bytes, gather_bytes):
+    """(exact collective, why) from every rank's measured seconds per byte ([world][2], NaN: not measured), the
+    same on every rank. Until both are measured everywhere: the gather when it is a candidate, then the union
+    all-reduce once, so that both get a figure; then the lower predicted time on the slowest rank."""
+    if not gather_candidate:
+        return "allreduce-union", "bytes"
+    known = [all(not math.isnan(r[k]) for r in all_rates) for k in range(len(TIMED_COLLECTIVES))]
+    if all(known):
+        union_s, gather_s = (max(r[k] for r in all_rates) for k in range(len(TIMED_COLLECTIVES)))
+        return ("allgather-local" if gather_s * gather_bytes < union_s * union_bytes else "allreduce-union"), "timed"
+    if known[1]:
+        return "allreduce-union", "explore"
+    return "allgather-local", "bytes"
 
 
 class _Pending:
@@ -248,8 +281,10 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
                  (measured: cumulative error 1.4 at c = 0.85 |U| m vs 0.03 at c = |U| m after 64 calls).
                  Calls that skip it, or end up exact or dense, leave R unchanged (see last_stats().error_feedback).
     exact_collective: how "exact" sums the union: "allreduce-union", "allgather-local" (needs every rank's
-                 bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto" (the gather when
-                 it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes).
+                 bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto": the gather
+                 only when it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes; then, once each
+                 has run (the first such call gathers, the next all-reduces), the one measured faster per byte on
+                 the slowest rank, per group and tensor shape (last_stats().exact_by says which rule chose).
     Returns the result tensor (the input itself when dense), or a handle when async_op.
     """
     _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective)
@@ -284,8 +319,11 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     if not sparse_input:
         local_idx = ops.unpack_bits(local_bits, n).nonzero().flatten() if n else torch.zeros(0, dtype=torch.int64)
     local_units = int(local_idx.numel())
-    counts, bitmaps = _exchange_header(config, local_units, local_bits, group, world, device)
-    header_bytes = (16 + HEADER_BITMAP_BYTES) * (world - 1)
+    rate_key = (id(group) if group is not None else None, world, shape, str(dtype), granularity)
+    rates = _exact_rates.setdefault(rate_key, {})
+    my_rates = [rates.get(k, math.nan) for k in TIMED_COLLECTIVES]
+    counts, all_rates, bitmaps = _exchange_header(config, local_units, my_rates, local_bits, group, world, device)
+    header_bytes = (HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES) * (world - 1)
     union_bits, bitmaps, union_method, union_bytes = _union(local_bits, bitmaps, n, group, world, device)
     union_mask = ops.unpack_bits(union_bits, n)
     union_idx = union_mask.nonzero().flatten()
@@ -294,15 +332,17 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     method = _choose(mode, union_units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
     use_ef = residual is not None and method == "sketch" and union_units * m <= c
     # Lossless: all-reduce the union's rows, or all-gather every rank's own rows padded to the largest
-    # support: the gather only when it sends clearly fewer bytes (it needs every rank's bitmap: its row indices).
+    # support: the gather only when it sends clearly fewer bytes (it needs every rank's bitmap: its row indices),
+    # and once both have been timed, whichever is faster (see TIMED_COLLECTIVES).
     max_local = max(counts)
     gather_bytes = (world - 1) * max_local * m * esize
+    exact_by = ""
     if method != "exact":
         exact_collective = ""
     elif exact_collective == "auto" or bitmaps is None:
-        gather_wins = bitmaps is not None and \
-            gather_bytes <= GATHER_MAX_BYTES_FRACTION * _ring_bytes(union_units * m * esize, world)
-        exact_collective = "allgather-local" if gather_wins else "allreduce-union"
+        union_ring_bytes = _ring_bytes(union_units * m * esize, world)
+        gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
+        exact_collective, exact_by = _exact_choice(all_rates, gather_candidate, union_ring_bytes, gather_bytes)
 
     def own_rows():
         return local_rows if sparse_input else rows2d.index_select(0, local_idx)
@@ -380,17 +420,23 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             if work_buf is not tensor:
                 tensor.copy_(work_buf)
             result = tensor
+        if method == "exact" and payload_bytes:  # from issuing the payload to here (a late wait() counts too)
+            measured = (time.perf_counter() - issued) / payload_bytes
+            before = rates.get(exact_collective)
+            rates[exact_collective] = measured if before is None else \
+                (1 - EXACT_RATE_SMOOTHING) * before + EXACT_RATE_SMOOTHING * measured
         stats = SketchStats(
             method=method, mode=mode, units=n, unit_size=m, local_units=local_units, union_units=union_units,
             union_method=union_method, sketch_shape=(rows, c),
             wire_bytes=header_bytes + union_bytes + payload_bytes,
             dense_wire_bytes=_ring_bytes(n * m * esize, world), seconds=time.perf_counter() - start,
-            error_feedback=use_ef, exact_collective=exact_collective)
+            error_feedback=use_ef, exact_collective=exact_collective, exact_by=exact_by)
         _last = stats
         return result, stats
 
     # the payload's size is the same on every rank (|U| * m, P * max_local * m, r * c or n * m): all skip an
     # empty one together
+    issued = time.perf_counter()
     if exact_collective == "allgather-local":
         handle = compat.all_gather_single(gathered, mine.view(-1).to(device), group=group, async_op=async_op) \
             if gathered.numel() else None
