@@ -118,7 +118,7 @@ def test_row_sparse_adagrad_update_equals_the_dense_update():
 
 def test_method_names_and_groups():
     assert sparse_lm.parse_methods("dense,sketch-0.2x+ef", (0.2,)) == ["dense", "sketch-0.2x+ef"]
-    assert len(sparse_lm.parse_methods("all", sparse_lm.SKETCH_SIZES)) == 4 + 2 + 8
+    assert len(sparse_lm.parse_methods("all", sparse_lm.SKETCH_SIZES)) == 4 + 3 + 8
     assert sparse_lm.parse_methods("sketch", (1.0,)) == ["sketch-1x", "sketch-1x+ef"]
     with pytest.raises(SystemExit, match="unknown method"):
         sparse_lm.parse_methods("dense,topk", (1.0,))
@@ -148,7 +148,7 @@ def test_short_run_lossless_reducers_train_exactly_like_dense_and_every_reducer_
     out, png = tmp_path / "lm.json", tmp_path / "lm.png"
     cmd = [sys.executable, "-m", "fastdist.bench", "sparse-lm", "--ranks", "2", "--steps", "15",
            "--vocab", "1024", "--dim", "16", "--seq", "8", "--batch", "4", "--negatives", "64",
-           "--eval-every", "5", "--methods", "dense,omnireduce,auto,sketch-1x+ef", "--sketch-sizes", "1",
+           "--eval-every", "5", "--methods", "dense,omnireduce,auto,auto-bg,sketch-1x+ef", "--sketch-sizes", "1",
            "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -164,7 +164,7 @@ def test_short_run_lossless_reducers_train_exactly_like_dense_and_every_reducer_
         assert [s for s, _ in m["curve"]] == [0, 5, 10, 15]
         assert m["curve"][0][1] == pytest.approx(math.log(1024), abs=1e-4)            # same init everywhere
         assert m["final_loss"] < m["curve"][0][1] - 0.5, name                          # every reducer learns
-    for name in ("omnireduce", "auto"):  # lossless: the reduced gradient is what dense DDP's optimizer sees
+    for name in ("omnireduce", "auto", "auto-bg"):  # lossless: the reduced gradient is what dense DDP's sees
         for (s1, l1), (s2, l2) in zip(by[name]["curve"], dense["curve"]):
             assert abs(l1 - l2) < 1e-4, (name, s1, l1, l2)
         assert by[name]["lossless"]

@@ -140,7 +140,7 @@ def _lossless_collectives():
         x[rows] = torch.randint(-8, 9, (rows.numel(), dim), generator=g).float()
         ref = _dense_sum(x)
         for op, async_op in (("sum", False), ("avg", True)):
-            sketch._exact_rates.clear()  # nothing timed yet: the choice by bytes
+            sketch._exact_timings.clear()  # nothing timed yet: the choice by bytes
             y = x.clone()
             handle = sketch_allreduce(y, mode="exact", op=op, async_op=async_op)
             if async_op:
@@ -183,15 +183,20 @@ def _timed_exact_choice():
         sketch_allreduce(y, mode="exact")
         steps.append((last_stats().exact_collective, last_stats().exact_by, torch.equal(y, ref)))
 
-    call()  # by bytes: the gather
-    call()  # the union all-reduce, timed once
+    for _ in range(2):
+        call()  # by bytes: the gather (its first run is a warm-up, not timed)
+    for _ in range(2):
+        call()  # the union all-reduce, timed the same way
     call()  # both timed: either, the same on every rank
     for slow, forced in (("allgather-local", "allreduce-union"), ("allreduce-union", "allgather-local")):
         if rank == world - 1:  # one slow rank decides for all
-            for rates in sketch._exact_rates.values():
-                rates[slow] = 1.0
+            for timings in sketch._exact_timings.values():
+                timings.rate[slow] = 1.0
         call()
         steps.append(forced)
+    for timings in sketch._exact_timings.values():
+        timings.timed_choices = sketch.EXACT_REPROBE_EVERY - 1
+    call()  # the slower one is timed again now and then
     return steps
 
 
@@ -200,9 +205,11 @@ def test_auto_exact_collective_times_both_then_every_rank_takes_the_one_fastest_
     for out in outs:
         assert out == outs[0]  # every rank chose alike
         assert all(step[2] for step in out if isinstance(step, tuple))  # and every result is exact
-        assert out[0][:2] == ("allgather-local", "bytes") and out[1][:2] == ("allreduce-union", "explore")
-        assert out[2][1] == "timed"
-        assert out[3][:2] == (out[4], "timed") and out[5][:2] == (out[6], "timed")
+        assert [step[:2] for step in out[:4]] == [("allgather-local", "bytes")] * 2 + \
+            [("allreduce-union", "explore")] * 2
+        assert out[4][1] == "timed"
+        assert out[5][:2] == (out[6], "timed") and out[7][:2] == (out[8], "timed")
+        assert out[9][:2] == ("allreduce-union", "explore")  # gather is the faster now: the union is re-timed
 
 
 def _sparse_like_dense():

@@ -19,13 +19,13 @@ class TinyLM(torch.nn.Module):
         return self.out(self.emb(tokens).mean(1))
 
 
-def _train(hook_mode, steps=6, error_feedback=False, sparse=False):
+def _train(hook_mode, steps=6, error_feedback=False, sparse=False, background=False):
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(TinyLM(sparse=sparse), bucket_cap_mb=0.01)  # small buckets: the embedding and the head land apart
     state = None
     if hook_mode is not None:
-        state = SketchState(ratio=0.2, mode=hook_mode, seed=5, error_feedback=error_feedback)
+        state = SketchState(ratio=0.2, mode=hook_mode, seed=5, error_feedback=error_feedback, background=background)
         model.register_comm_hook(state, sketch_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(100 + rank)
@@ -79,6 +79,25 @@ def test_exact_and_auto_hooks_train_like_plain_ddp_and_sketch_still_learns():
     # ranks end with identical replicas in every mode
     for mode in (None, "exact", "auto", "sketch", "sketch+ef"):
         assert torch.equal(results[0][mode]["params"], results[1][mode]["params"]), mode
+
+
+def _background_variants():
+    runs = {}
+    for mode, sparse in (("exact", False), ("sketch", False), ("auto", True), ("sketch", True)):
+        for background in (False, True):
+            runs[mode, sparse, background] = _train(mode, sparse=sparse, background=background)
+    return runs
+
+
+def test_background_reduction_trains_to_the_same_bits_as_the_hook_on_the_backward_thread():
+    results = spawn(_background_variants, 4, timeout=300)
+    for r in results:
+        for mode, sparse in (("exact", False), ("sketch", False), ("auto", True), ("sketch", True)):
+            same = r[mode, sparse, False], r[mode, sparse, True]
+            assert torch.equal(same[0]["params"], same[1]["params"]), (mode, sparse)
+            assert same[0]["losses"] == same[1]["losses"], (mode, sparse)
+            restored = pickle.loads(same[1]["state"][0])  # the state pickles without its thread and group
+            assert restored.background and restored._worker is None
 
 
 def test_hook_state_counts_steps_per_bucket_pickles_without_its_group_and_round_trips():

@@ -10,6 +10,7 @@ that machine noise hits all of them alike:
   powersgd     torch's powerSGD_hook, rank 4, error feedback, start_iter 2
   omnireduce   fastdist sketch_hook, mode "exact": union bitmap + all-reduce of the union's rows          lossless
   auto         fastdist sketch_hook, mode "auto": dense, exact or sketch, chosen per call from |U|
+  auto-bg      the same with SketchState(background=True): buckets reduced on the hook's own thread and group
   sketch-Fx    fastdist sketch_hook, mode "sketch", table of F x the union's non-zeros (F = 0.1, 0.2, 0.5, 1)
   sketch-Fx+ef the same with sketch-space error feedback
 agsparse and every sketch_hook method train on nn.Embedding(sparse=True) gradients (the hook reduces them
@@ -58,7 +59,7 @@ from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
-OURS = ["omnireduce", "auto"]
+OURS = ["omnireduce", "auto", "auto-bg"]
 SKETCH_SIZES = (0.1, 0.2, 0.5, 1.0)
 LOSSLESS = {"dense", "agsparse", "omnireduce"}  # auto is lossless when it chooses exact/dense (reported)
 POWERSGD_RANK = 4
@@ -324,8 +325,8 @@ class Method:
             kwargs = {"rows": config["sketch_rows"], "seed": config["seed"]}
             if name == "omnireduce":
                 kwargs.update(mode="exact", exact_collective="allreduce-union")
-            elif name == "auto":
-                kwargs.update(mode="auto", ratio=config["auto_ratio"])
+            elif name in ("auto", "auto-bg"):
+                kwargs.update(mode="auto", ratio=config["auto_ratio"], background=name == "auto-bg")
             else:
                 size = float(name[len("sketch-"):].split("x")[0])
                 kwargs.update(mode="sketch", error_feedback=name.endswith("+ef"))
@@ -566,7 +567,7 @@ def summarize(result):
                 picks.setdefault(k, {}).setdefault(v, 0)
                 picks[k][v] += 1
         m["chosen_counts"] = picks
-        if m["method"] == "auto" and picks:
+        if m["method"] in ("auto", "auto-bg") and picks:
             m["lossless"] = all(v in ("exact", "dense") for p in picks.values() for v in p)
     dense = next((m for m in methods if m["method"] == "dense"), None)
     for m in methods:

@@ -8,8 +8,14 @@ single 2-D parameter (an embedding in its own bucket), per element otherwise. Wh
 bucket goes dense, exact or sketched is decided after the bitmap exchange, from the union's size, so every
 rank takes the same path. The hash seed changes per (bucket, step), identically on every rank, so the same
 coordinates do not collide step after step.
+
+With background=True the hook returns at once and the bucket's whole reduction (header, union, payload,
+write-back) runs on a thread of the state's own, one bucket at a time in bucket order, over a process group of its
+own: the header's collective no longer holds up backward.
 """
 import dataclasses
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -43,17 +49,22 @@ class SketchState:
     error_feedback:    keep a residual sketch per bucket (FetchSGD-style, see sketch_allreduce); the hash
                        seed then stays fixed per bucket instead of changing every step.
     exact_collective:  how the lossless path sums the union — see sketch_allreduce.
+    background:        reduce buckets on a thread and a process group of the state's own (see the module
+                       docstring); the group is created at the first hook call, a collective of every rank of the
+                       default group, so process_group must be the default group or span every rank.
     """
 
     def __init__(self, process_group=None, ratio=0.05, rows=3, seed=0, mode="auto", density_threshold=0.5,
-                 start_iter=0, error_feedback=False, exact_collective="auto"):
+                 start_iter=0, error_feedback=False, exact_collective="auto", background=False):
         self.process_group = process_group
         self.ratio, self.rows, self.seed, self.mode = float(ratio), int(rows), int(seed), mode
         self.density_threshold, self.start_iter = float(density_threshold), int(start_iter)
         self.error_feedback = bool(error_feedback)
         self.exact_collective = exact_collective
+        self.background = bool(background)
         self.iter = 0
         self.buckets = {}
+        self._worker = None
 
     def bucket_state(self, index, buffer):
         state = self.buckets.get(index)
@@ -80,7 +91,7 @@ class SketchState:
                 for i, s in sorted(self.buckets.items())}
 
     _CONFIG = ("ratio", "rows", "seed", "mode", "density_threshold", "start_iter", "error_feedback",
-               "exact_collective", "iter")
+               "exact_collective", "background", "iter")
 
     def state_dict(self):
         buckets = {i: dict(s, residual=self.buckets[i].residual) for i, s in self.stats().items()}
@@ -88,7 +99,7 @@ class SketchState:
 
     def load_state_dict(self, state):
         for key in self._CONFIG:
-            setattr(self, key, state[key])
+            setattr(self, key, state.get(key, False) if key == "background" else state[key])
         self.buckets = {int(i): BucketState(**b) for i, b in state["buckets"].items()}
 
     def __getstate__(self):
@@ -97,7 +108,43 @@ class SketchState:
     def __setstate__(self, state):
         self.process_group = None
         self.buckets = {}
+        self._worker = None
         self.load_state_dict(state)
+
+    def worker(self):
+        """The background reducer, created at first use (see `background`)."""
+        if self._worker is None:
+            self._worker = _BackgroundReducer(self.process_group)
+        return self._worker
+
+
+class _BackgroundReducer:
+    """Runs submitted reductions one at a time, in submission order, on its own daemon thread, over its own process
+    group. DDP hands buckets over in the same order on every rank, so every rank issues the same collectives in
+    the same order on that group, and none of them interleaves with collectives issued elsewhere."""
+
+    def __init__(self, process_group):
+        world = dist.get_world_size()
+        if process_group is not None and dist.get_world_size(process_group) != world:
+            raise ValueError("SketchState(background=True) needs process_group to span every rank "
+                             f"({dist.get_world_size(process_group)} of {world})")
+        self.group = dist.new_group(ranks=list(range(world)))
+        self._tasks = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="fastdist-sketch-hook", daemon=True).start()
+
+    def submit(self, fn):
+        """A torch Future of fn(), run after every earlier submission."""
+        fut = torch.futures.Future()
+        self._tasks.put((fn, fut))
+        return fut
+
+    def _run(self):
+        while True:
+            fn, fut = self._tasks.get()
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # reaches the caller through the future (DDP re-raises it)
+                fut.set_exception(e)
 
 
 def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -118,19 +165,26 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
         view, granularity = buffer.view(params[0].shape), "row"
     else:
         view, granularity = buffer, "element"
-    handle = sketch_allreduce(view, ratio=state.ratio, rows=state.rows, seed=state.seed_for(index, step),
-                              granularity=granularity, mode=state.mode, op="avg", group=state.process_group,
-                              async_op=True, dense_fraction=state.density_threshold,
-                              residual=state.residual_for(bucket_state, buffer),
-                              exact_collective=state.exact_collective)
+    kwargs = dict(ratio=state.ratio, rows=state.rows, seed=state.seed_for(index, step), granularity=granularity,
+                  mode=state.mode, op="avg", dense_fraction=state.density_threshold,
+                  residual=state.residual_for(bucket_state, buffer), exact_collective=state.exact_collective)
 
-    def record(fut):
-        stats = handle.stats
+    def record(stats, result):
         bucket_state.calls += 1
         bucket_state.last_method = stats.method + ("+ef" if stats.error_feedback else "")
         bucket_state.ef_calls += int(stats.error_feedback)
         bucket_state.wire_bytes += stats.wire_bytes
         bucket_state.dense_wire_bytes += stats.dense_wire_bytes
-        return fut.value() if buffer.is_sparse else buffer  # sparse: a new tensor holding U's rows
+        return result if buffer.is_sparse else buffer  # sparse: a new tensor holding U's rows
 
-    return handle.get_future().then(record)
+    if state.background:
+        worker = state.worker()
+
+        def reduce():
+            handle = sketch_allreduce(view, group=worker.group, async_op=True, **kwargs)
+            result = handle.result()
+            return record(handle.stats, result)
+
+        return worker.submit(reduce)
+    handle = sketch_allreduce(view, group=state.process_group, async_op=True, **kwargs)
+    return handle.get_future().then(lambda fut: record(handle.stats, fut.value()))

@@ -40,12 +40,37 @@ HEADER_BITMAP_BYTES = 8192  # bitmaps up to 65536 units ride in the header: one 
 GATHER_MAX_BYTES_FRACTION = 0.75
 # Bytes alone do not pick the faster exact collective: where the CPU rather than the link is the bottleneck the
 # gather's local sums cost more than the bytes it saves (2 ranks at 10 Gbit/s, 2% rows: 41 vs 27 ms). So each
-# rank times the exact collectives it runs (seconds per wire byte, payload collective plus write-back, an
-# exponential average), per group and tensor configuration; the header carries the figures, and once both have
-# a figure on every rank, every rank takes the one whose slowest rank predicts the shorter time.
+# rank times the exact collectives it runs, per group and tensor configuration (_ExactTimings); the header carries
+# the figures, and once both have a figure on every rank, every rank takes the one whose slowest rank predicts the
+# shorter time, trying the other again every EXACT_REPROBE_EVERY calls.
 TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
 EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
-_exact_rates = {}  # (group, world, shape, dtype, granularity) -> {collective: seconds per wire byte}
+EXACT_REPROBE_EVERY = 32
+_exact_timings = {}  # (group, world, shape, dtype, granularity) -> _ExactTimings
+
+
+class _ExactTimings:
+    """This process's measured cost of each exact collective for one configuration: seconds per wire byte of the
+    payload collective plus the write-back, less the call's header time (a collective's latency, so that small
+    payloads are not charged it per byte), averaged exponentially. A collective's first run is not counted: it pays
+    one-time costs (connections, first-touch buffers) that would bias the choice for good."""
+
+    def __init__(self):
+        self.runs = dict.fromkeys(TIMED_COLLECTIVES, 0)
+        self.rate = dict.fromkeys(TIMED_COLLECTIVES, math.nan)
+        self.timed_choices = 0  # the same count on every rank: it follows the gathered header
+
+    def header(self):
+        return [self.rate[k] for k in TIMED_COLLECTIVES]
+
+    def record(self, collective, seconds, header_seconds, nbytes):
+        self.runs[collective] += 1
+        if self.runs[collective] == 1 or not nbytes:
+            return
+        rate = max(seconds - header_seconds, 0.1 * seconds) / nbytes
+        before = self.rate[collective]
+        self.rate[collective] = rate if math.isnan(before) else \
+            (1 - EXACT_RATE_SMOOTHING) * before + EXACT_RATE_SMOOTHING * rate
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -199,19 +224,25 @@ def _choose(mode, union_values, total_values, rows, cols, lossless_slack, dense_
     return "sketch"
 
 
-def _exact_choice(all_rates, gather_candidate, union_bytes, gather_bytes):
+def _exact_choice(timings, all_rates, gather_candidate, union_bytes, gather_bytes):
     """(exact collective, why) from every rank's measured seconds per byte ([world][2], NaN: not measured), the
     same on every rank. Until both are measured everywhere: the gather when it is a candidate, then the union
-    all-reduce once, so that both get a figure; then the lower predicted time on the slowest rank."""
+    all-reduce, so that both get a figure; then the lower predicted time on the slowest rank, and every
+    EXACT_REPROBE_EVERY-th call the other one, to refresh its figure."""
     if not gather_candidate:
         return "allreduce-union", "bytes"
     known = [all(not math.isnan(r[k]) for r in all_rates) for k in range(len(TIMED_COLLECTIVES))]
-    if all(known):
-        union_s, gather_s = (max(r[k] for r in all_rates) for k in range(len(TIMED_COLLECTIVES)))
-        return ("allgather-local" if gather_s * gather_bytes < union_s * union_bytes else "allreduce-union"), "timed"
-    if known[1]:
+    if not known[1]:
+        return "allgather-local", "bytes"
+    if not known[0]:
         return "allreduce-union", "explore"
-    return "allgather-local", "bytes"
+    union_s, gather_s = (max(r[k] for r in all_rates) for k in range(len(TIMED_COLLECTIVES)))
+    faster, slower = ("allgather-local", "allreduce-union") if gather_s * gather_bytes < union_s * union_bytes \
+        else ("allreduce-union", "allgather-local")
+    timings.timed_choices += 1
+    if timings.timed_choices % EXACT_REPROBE_EVERY == 0:
+        return slower, "explore"
+    return faster, "timed"
 
 
 class _Pending:
@@ -283,8 +314,9 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     exact_collective: how "exact" sums the union: "allreduce-union", "allgather-local" (needs every rank's
                  bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto": the gather
                  only when it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes; then, once each
-                 has run (the first such call gathers, the next all-reduces), the one measured faster per byte on
-                 the slowest rank, per group and tensor shape (last_stats().exact_by says which rule chose).
+                 has been timed (such calls gather twice, then all-reduce twice: a first run is not counted), the
+                 one measured faster per byte on the slowest rank, per group and tensor shape, with the other
+                 re-timed every EXACT_REPROBE_EVERY calls (last_stats().exact_by says which rule chose).
     Returns the result tensor (the input itself when dense), or a handle when async_op.
     """
     _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective)
@@ -320,9 +352,11 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
         local_idx = ops.unpack_bits(local_bits, n).nonzero().flatten() if n else torch.zeros(0, dtype=torch.int64)
     local_units = int(local_idx.numel())
     rate_key = (id(group) if group is not None else None, world, shape, str(dtype), granularity)
-    rates = _exact_rates.setdefault(rate_key, {})
-    my_rates = [rates.get(k, math.nan) for k in TIMED_COLLECTIVES]
-    counts, all_rates, bitmaps = _exchange_header(config, local_units, my_rates, local_bits, group, world, device)
+    timings = _exact_timings.setdefault(rate_key, _ExactTimings())
+    header_start = time.perf_counter()
+    counts, all_rates, bitmaps = _exchange_header(config, local_units, timings.header(), local_bits, group, world,
+                                                  device)
+    header_seconds = time.perf_counter() - header_start
     header_bytes = (HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES) * (world - 1)
     union_bits, bitmaps, union_method, union_bytes = _union(local_bits, bitmaps, n, group, world, device)
     union_mask = ops.unpack_bits(union_bits, n)
@@ -342,7 +376,8 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     elif exact_collective == "auto" or bitmaps is None:
         union_ring_bytes = _ring_bytes(union_units * m * esize, world)
         gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
-        exact_collective, exact_by = _exact_choice(all_rates, gather_candidate, union_ring_bytes, gather_bytes)
+        exact_collective, exact_by = _exact_choice(timings, all_rates, gather_candidate, union_ring_bytes,
+                                                   gather_bytes)
 
     def own_rows():
         return local_rows if sparse_input else rows2d.index_select(0, local_idx)
@@ -420,11 +455,8 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             if work_buf is not tensor:
                 tensor.copy_(work_buf)
             result = tensor
-        if method == "exact" and payload_bytes:  # from issuing the payload to here (a late wait() counts too)
-            measured = (time.perf_counter() - issued) / payload_bytes
-            before = rates.get(exact_collective)
-            rates[exact_collective] = measured if before is None else \
-                (1 - EXACT_RATE_SMOOTHING) * before + EXACT_RATE_SMOOTHING * measured
+        if method == "exact":  # from issuing the payload to here (a late wait() counts too)
+            timings.record(exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
         stats = SketchStats(
             method=method, mode=mode, units=n, unit_size=m, local_units=local_units, union_units=union_units,
             union_method=union_method, sketch_shape=(rows, c),
