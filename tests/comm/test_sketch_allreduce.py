@@ -183,9 +183,9 @@ def _timed_exact_choice():
         sketch_allreduce(y, mode="exact")
         steps.append((last_stats().exact_collective, last_stats().exact_by, torch.equal(y, ref)))
 
-    for _ in range(2):
+    for _ in range(sketch.EXACT_COUNTED_RUNS + 1):
         call()  # by bytes: the gather (its first run is a warm-up, not timed)
-    for _ in range(2):
+    for _ in range(sketch.EXACT_COUNTED_RUNS + 1):
         call()  # the union all-reduce, timed the same way
     call()  # both timed: either, the same on every rank
     for slow, forced in (("allgather-local", "allreduce-union"), ("allreduce-union", "allgather-local")):
@@ -205,11 +205,13 @@ def test_auto_exact_collective_times_both_then_every_rank_takes_the_one_fastest_
     for out in outs:
         assert out == outs[0]  # every rank chose alike
         assert all(step[2] for step in out if isinstance(step, tuple))  # and every result is exact
-        assert [step[:2] for step in out[:4]] == [("allgather-local", "bytes")] * 2 + \
-            [("allreduce-union", "explore")] * 2
-        assert out[4][1] == "timed"
-        assert out[5][:2] == (out[6], "timed") and out[7][:2] == (out[8], "timed")
-        assert out[9][:2] == ("allreduce-union", "explore")  # gather is the faster now: the union is re-timed
+        runs = sketch.EXACT_COUNTED_RUNS + 1
+        assert [step[:2] for step in out[:2 * runs]] == [("allgather-local", "bytes")] * runs + \
+            [("allreduce-union", "explore")] * runs
+        out = out[2 * runs:]
+        assert out[0][1] == "timed"
+        assert out[1][:2] == (out[2], "timed") and out[3][:2] == (out[4], "timed")
+        assert out[5][:2] == ("allreduce-union", "explore")  # gather is the faster now: the union is re-timed
 
 
 def _sparse_like_dense():

@@ -41,10 +41,14 @@ GATHER_MAX_BYTES_FRACTION = 0.75
 # Bytes alone do not pick the faster exact collective: where the CPU rather than the link is the bottleneck the
 # gather's local sums cost more than the bytes it saves (2 ranks at 10 Gbit/s, 2% rows: 41 vs 27 ms). So each
 # rank times the exact collectives it runs, per group and tensor configuration (_ExactTimings); the header carries
-# the figures, and once both have a figure on every rank, every rank takes the one whose slowest rank predicts the
-# shorter time, trying the other again every EXACT_REPROBE_EVERY calls.
+# the figures, and once both have a figure on every rank, every rank keeps the gather unless the slowest rank
+# predicts it EXACT_SWITCH_MARGIN times slower than the union all-reduce (one call's time varies by about that much
+# on a shared machine, and the gather won wherever the link was the bottleneck), trying the other collective again
+# every EXACT_REPROBE_EVERY calls.
 TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
 EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
+EXACT_SWITCH_MARGIN = 1.25
+EXACT_COUNTED_RUNS = 2  # runs averaged before a collective has a figure (after its first, uncounted one)
 EXACT_REPROBE_EVERY = 32
 _exact_timings = {}  # (group, world, shape, dtype, granularity) -> _ExactTimings
 
@@ -61,7 +65,7 @@ class _ExactTimings:
         self.timed_choices = 0  # the same count on every rank: it follows the gathered header
 
     def header(self):
-        return [self.rate[k] for k in TIMED_COLLECTIVES]
+        return [self.rate[k] if self.runs[k] > EXACT_COUNTED_RUNS else math.nan for k in TIMED_COLLECTIVES]
 
     def record(self, collective, seconds, header_seconds, nbytes):
         self.runs[collective] += 1
@@ -227,8 +231,8 @@ def _choose(mode, union_values, total_values, rows, cols, lossless_slack, dense_
 def _exact_choice(timings, all_rates, gather_candidate, union_bytes, gather_bytes):
     """(exact collective, why) from every rank's measured seconds per byte ([world][2], NaN: not measured), the
     same on every rank. Until both are measured everywhere: the gather when it is a candidate, then the union
-    all-reduce, so that both get a figure; then the lower predicted time on the slowest rank, and every
-    EXACT_REPROBE_EVERY-th call the other one, to refresh its figure."""
+    all-reduce, so that both get a figure; then the gather unless the slowest rank predicts it EXACT_SWITCH_MARGIN
+    times slower than the all-reduce, and every EXACT_REPROBE_EVERY-th call the other one, to refresh its figure."""
     if not gather_candidate:
         return "allreduce-union", "bytes"
     known = [all(not math.isnan(r[k]) for r in all_rates) for k in range(len(TIMED_COLLECTIVES))]
@@ -237,8 +241,8 @@ def _exact_choice(timings, all_rates, gather_candidate, union_bytes, gather_byte
     if not known[0]:
         return "allreduce-union", "explore"
     union_s, gather_s = (max(r[k] for r in all_rates) for k in range(len(TIMED_COLLECTIVES)))
-    faster, slower = ("allgather-local", "allreduce-union") if gather_s * gather_bytes < union_s * union_bytes \
-        else ("allreduce-union", "allgather-local")
+    gather_stays = gather_s * gather_bytes <= EXACT_SWITCH_MARGIN * union_s * union_bytes
+    faster, slower = TIMED_COLLECTIVES[::-1] if gather_stays else TIMED_COLLECTIVES
     timings.timed_choices += 1
     if timings.timed_choices % EXACT_REPROBE_EVERY == 0:
         return slower, "explore"
@@ -314,9 +318,10 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     exact_collective: how "exact" sums the union: "allreduce-union", "allgather-local" (needs every rank's
                  bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto": the gather
                  only when it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes; then, once each
-                 has been timed (such calls gather twice, then all-reduce twice: a first run is not counted), the
-                 one measured faster per byte on the slowest rank, per group and tensor shape, with the other
-                 re-timed every EXACT_REPROBE_EVERY calls (last_stats().exact_by says which rule chose).
+                 has been timed (such calls gather 3 times, then all-reduce 3 times: a first run is not counted),
+                 the gather unless it is measured EXACT_SWITCH_MARGIN times slower on the slowest rank, per group
+                 and tensor shape, with the other re-timed every EXACT_REPROBE_EVERY calls
+                 (last_stats().exact_by says which rule chose).
     Returns the result tensor (the input itself when dense), or a handle when async_op.
     """
     _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective)
