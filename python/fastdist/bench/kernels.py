@@ -3,7 +3,8 @@
 For each op and size: the bytes the op must move (read + written), the median time, the achieved GB/s and
 that as a percentage of the copy bandwidth (a STREAM-like `dst.copy_(src)` of 256 MiB, timed interleaved with
 every op: the percentage is the median over rounds of the op's GB/s over the copy's in the same round), and the
-speed-up over the obvious pure-torch implementation of the same op, timed interleaved with ours. Sizes count mask elements (bits): pack_bits reads `size` bools and writes size/8 bytes, unpack_bits
+speed-up over the obvious pure-torch implementation of the same op, timed interleaved with ours. Sizes count
+mask elements (bits): pack_bits reads `size` bools and writes size/8 bytes, unpack_bits
 the reverse, bitwise_or_reduce ORs --rows bitmaps of `size` bits. On CPU, sizes that fit in the caches run
 faster than the copy bandwidth, which is measured out of memory; each CPU sample follows an untimed call
 of the same function. On CUDA: CUDA events, and L2 is flushed (256 MiB written) before every timed call.

@@ -75,6 +75,8 @@ class _ExactTimings:
         before = self.rate[collective]
         self.rate[collective] = rate if math.isnan(before) else \
             (1 - EXACT_RATE_SMOOTHING) * before + EXACT_RATE_SMOOTHING * rate
+
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -179,9 +181,9 @@ def _exchange_header(config, local_units, rates, local_bits, group, world, devic
     inline = nbytes <= HEADER_BITMAP_BYTES
     mine = torch.zeros(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, dtype=torch.uint8)
     mine[:16] = torch.tensor([fingerprint(config), local_units], dtype=torch.int64).view(torch.uint8)
-    mine[16:32] = torch.tensor(rates, dtype=torch.float64).view(torch.uint8)
+    mine[16:HEADER_FIXED_BYTES] = torch.tensor(rates, dtype=torch.float64).view(torch.uint8)
     if inline:
-        mine[32:32 + nbytes] = local_bits.cpu()
+        mine[HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes] = local_bits.cpu()
     out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     compat.all_gather_single(out, mine.to(device), group=group)
     out = out.view(world, mine.numel()).cpu()
@@ -192,8 +194,9 @@ def _exchange_header(config, local_units, rates, local_bits, group, world, devic
         ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
         raise MismatchError("sketch_allreduce configuration (shape, dtype, granularity, rows, cols, seed, "
                             "mode, op)", dict(zip(ranks, reprs)))
-    all_rates = out[:, 16:32].contiguous().view(torch.float64).tolist()
-    bitmaps = out[:, 32:32 + nbytes].contiguous().to(local_bits.device) if inline else None
+    all_rates = out[:, 16:HEADER_FIXED_BYTES].contiguous().view(torch.float64).tolist()
+    bitmaps = out[:, HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes].contiguous().to(local_bits.device) \
+        if inline else None
     return head[:, 1].tolist(), all_rates, bitmaps
 
 
