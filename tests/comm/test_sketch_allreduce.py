@@ -214,6 +214,45 @@ def test_auto_exact_collective_times_both_then_every_rank_takes_the_one_fastest_
         assert out[5][:2] == ("allreduce-union", "explore")  # gather is the faster now: the union is re-timed
 
 
+def _timed_choice_per_size():
+    rank = dist.get_rank()
+    steps = []
+
+    def call(units):  # `units` disjoint rows per rank: the gather sends less; sizes 16x apart are two classes
+        x = torch.zeros(1024, 8)
+        x[rank * units:(rank + 1) * units] = 1.0 + rank
+        ref = _dense_sum(x)
+        sketch_allreduce(x, mode="exact")
+        steps.append((last_stats().exact_collective, last_stats().exact_by, torch.equal(x, ref)))
+
+    explore = 2 * (sketch.EXACT_COUNTED_RUNS + 1)
+    for _ in range(explore + 1):
+        call(4)
+    for _ in range(explore + 1):
+        call(64)
+    for _ in range(2):
+        call(4)
+    return steps
+
+
+def test_auto_exact_collective_times_each_size_class_of_the_union_apart():
+    outs = spawn(_timed_choice_per_size, 2, timeout=120)
+    runs = sketch.EXACT_COUNTED_RUNS + 1
+    for out in outs:
+        assert out == outs[0] and all(step[2] for step in out)
+        small, large, back = out[:2 * runs + 1], out[2 * runs + 1:4 * runs + 2], out[4 * runs + 2:]
+        assert small[-1][1] == "timed"
+        # the first larger call decides with the smaller size's figures, then the larger size is timed afresh:
+        # the call just made counts as the first (untimed) run of the collective it chose
+        assert large[0][1] == "timed"
+        first = large[0][0]
+        assert [s[:2] for s in large[1:]] == \
+            [("allgather-local", "bytes")] * (runs - (first == "allgather-local")) + \
+            [("allreduce-union", "explore")] * (runs - (first == "allreduce-union")) + \
+            [(large[-1][0], "timed")]
+        assert [s[1] for s in back] == ["timed", "timed"]  # a size timed before is not explored again
+
+
 def _sparse_like_dense():
     rank = dist.get_rank()
     out = {}

@@ -16,7 +16,10 @@ warm-up first, each call on a fresh copy of the same gradient:
               all-reduce sends (or --topk-ratio x numel)
   sketch      sketch_allreduce(mode="sketch"), a table of --sketch-rows x cols holding --sketch-size x the
               union's non-zero values in all (default 0.5; as in sparse-lm: 1.0 sends what the union does)
-  auto        sketch_allreduce(mode="auto") with the same sketch size; the table notes what it chose
+  auto        sketch_allreduce(mode="auto") with the same sketch size; the table notes what it chose. Its
+              first EXACT_EXPLORE_CALLS calls per density, where it times both exact collectives at that
+              union size, run before the repetitions (a training run pays them once): the note gives
+              their median
 
 Columns: time is the median over repetitions of the slowest rank's time per call; speed-up is dense's
 median over the method's; wire B/rank is the method's model of what a rank sends (ring all-reduce
@@ -180,7 +183,8 @@ class _Gradient:
             sketch_allreduce(w, mode=mode, cols=self.sketch_cols, rows=self.sketch_rows, seed=self.spec.seed,
                              exact_collective="allreduce-union" if name == "omnireduce" else "auto")
             s = last_stats()
-            return s.wire_bytes, s.method
+            return s.wire_bytes, f"{s.method}/{s.exact_collective}" if name == "auto" and s.exact_collective \
+                else s.method
         if name == "dense":
             bl.dense_allreduce(w)
         elif name == "fp16":
@@ -200,12 +204,24 @@ class _Gradient:
 
 
 def _bench_density(config, density, world, rank, device, progress):
+    from fastdist.comm.sketch import EXACT_EXPLORE_CALLS
+
     g = _Gradient(config, density, world, rank, device)
     methods = config["methods"]
     if "powersgd" in methods:  # torch's hook all-reduces densely for its first start_powerSGD_iter calls
         while g.powersgd.iter < g.powersgd.start_powerSGD_iter:
             g.work.copy_(g.grad)
             g.call("powersgd")
+    explore = []
+    if "auto" in methods:  # auto times both exact collectives on the first calls at a new size: kept apart
+        for _ in range(EXACT_EXPLORE_CALLS):
+            g.work.copy_(g.grad)
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            g.call("auto")
+            _sync(device)
+            explore.append(time.perf_counter() - t0)
     samples = {m: [] for m in methods}
     tx = {m: [] for m in methods}
     wire = {m: [] for m in methods}
@@ -252,6 +268,7 @@ def _bench_density(config, density, world, rank, device, progress):
             "algbw": nbytes / t / 1e9, "size": nbytes, "ran": sorted(set(chose[name])),
             "sketch_shape": [g.sketch_rows, g.sketch_cols] if name in ("sketch", "auto") else None,
             "topk_k": g.topk_k if name == "topk" else None,
+            "explore_ms": statistics.median(_all_max(explore, device)) * 1e3 if name == "auto" and explore else None,
         })
     dense = next((r for r in rows if r["method"] == "dense"), None)
     for r in rows:
@@ -307,7 +324,9 @@ def run(args):
 def _note(r):
     notes = []
     if r["method"] == "auto":
-        notes.append("chose " + "/".join(r["ran"]))
+        notes.append("chose " + ", ".join(r["ran"]))
+        if r.get("explore_ms") is not None:
+            notes.append(f"after exploring ({r['explore_ms']:.3g} ms median)")
     if r["sketch_shape"]:
         notes.append(f"{r['sketch_shape'][0]}x{r['sketch_shape'][1]}")
     if r["topk_k"]:

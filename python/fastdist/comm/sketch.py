@@ -44,13 +44,20 @@ GATHER_MAX_BYTES_FRACTION = 0.75
 # the figures, and once both have a figure on every rank, every rank keeps the gather unless the slowest rank
 # predicts it EXACT_SWITCH_MARGIN times slower than the union all-reduce (one call's time varies by about that much
 # on a shared machine, and the gather won wherever the link was the bottleneck), trying the other collective again
-# every EXACT_REPROBE_EVERY calls.
+# every EXACT_REPROBE_EVERY calls. The figures are kept per size class of the union (powers of two of its ring
+# bytes): per-byte costs measured at one size do not carry to one 16x larger (2 ranks at 10 Gbit/s: the gather,
+# timed faster at 0.9% union rows, was 1.4x slower at 16%). A call decides with the figures of the class of the
+# previous call's union, which every rank knows alike before the header, and records into its own union's class.
 TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
 EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
 EXACT_SWITCH_MARGIN = 1.25
 EXACT_COUNTED_RUNS = 2  # runs averaged before a collective has a figure (after its first, uncounted one)
 EXACT_REPROBE_EVERY = 32
-_exact_timings = {}  # (group, world, shape, dtype, granularity) -> _ExactTimings
+# calls at a new union size class until auto has timed both exact collectives there (the first decides with the
+# previous class's figures; then three runs of each, the first of each untimed)
+EXACT_EXPLORE_CALLS = 2 * (EXACT_COUNTED_RUNS + 1) + 1
+_exact_timings = {}  # ((group, world, shape, dtype, granularity), union size class) -> _ExactTimings
+_union_class = {}  # (group, world, shape, dtype, granularity) -> size class of its last exact call's union
 
 
 class _ExactTimings:
@@ -360,7 +367,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
         local_idx = ops.unpack_bits(local_bits, n).nonzero().flatten() if n else torch.zeros(0, dtype=torch.int64)
     local_units = int(local_idx.numel())
     rate_key = (id(group) if group is not None else None, world, shape, str(dtype), granularity)
-    timings = _exact_timings.setdefault(rate_key, _ExactTimings())
+    timings = _exact_timings.setdefault((rate_key, _union_class.get(rate_key)), _ExactTimings())
     header_start = time.perf_counter()
     counts, all_rates, bitmaps = _exchange_header(config, local_units, timings.header(), local_bits, group, world,
                                                   device)
@@ -381,14 +388,14 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     exact_by = ""
     if method != "exact":
         exact_collective = ""
-    elif exact_collective == "auto" or bitmaps is None:
+    else:
         union_ring_bytes = _ring_bytes(union_units * m * esize, world)
-        gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
-        exact_collective, exact_by = _exact_choice(timings, all_rates, gather_candidate, union_ring_bytes,
-                                                   gather_bytes)
-
-    def own_rows():
-        return local_rows if sparse_input else rows2d.index_select(0, local_idx)
+        if exact_collective == "auto" or bitmaps is None:
+            gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
+            exact_collective, exact_by = _exact_choice(timings, all_rates, gather_candidate, union_ring_bytes,
+                                                       gather_bytes)
+        _union_class[rate_key] = union_ring_bytes.bit_length()  # what this call's timing is filed under
+        timings = _exact_timings.setdefault((rate_key, _union_class[rate_key]), _ExactTimings())
 
     def union_position():  # a unit's row in the compact union
         return union_mask.cumsum(0) - 1
@@ -420,8 +427,12 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             reduced = payload.to(dev)
             return reduced.div_(divisor) if divisor != 1 else reduced
     elif exact_collective == "allgather-local":
-        mine = torch.zeros(max_local, m, dtype=dtype, device=dev)
-        mine[:local_units] = own_rows()
+        mine = torch.empty(max_local, m, dtype=dtype, device=dev)
+        if sparse_input:
+            mine[:local_units] = local_rows
+        else:
+            torch.index_select(rows2d, 0, local_idx, out=mine[:local_units])
+        mine[local_units:].zero_()
         gathered = torch.empty(world * max_local * m, dtype=dtype, device=device)
         payload_bytes = gather_bytes
 
