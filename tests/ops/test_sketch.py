@@ -578,6 +578,25 @@ def test_results_do_not_depend_on_the_cpu_thread_count(granularity):
             assert_same(one, two)
 
 
+def test_a_freed_cpu_table_is_reused_by_the_next_sketch_of_its_size_and_a_live_one_never_is():
+    x = random_sparse((500, 40), 0.1, "row", seed=3)
+    support = nonzero_bitmap(x, "row")
+    units = unit_mask(support, 500).nonzero().flatten()
+    want = oracle_sketch(x, 3, 1234, 3, support, "row")
+    first = count_sketch(x, 3, 1234, 3, support, "row")
+    held = count_sketch(x, 3, 1234, 3, support, "row")
+    assert held.data_ptr() != first.data_ptr()
+    for sketch in (lambda: count_sketch(x, 3, 1234, 3, support, "row"), lambda: count_sketch_units(x[units], units,
+                                                                                                   3, 1234, 3)):
+        address = first.data_ptr()
+        first.fill_(float("nan"))  # what the last user left in it must not leak into the next table
+        del first
+        first = sketch()
+        assert first.data_ptr() == address
+        assert_same(first, want)
+    assert_same(held, want)
+
+
 # ---- CUDA agreement ----
 
 @needs_cuda

@@ -42,15 +42,15 @@ GATHER_MAX_BYTES_FRACTION = 0.75
 # gather's local sums cost more than the bytes it saves (2 ranks at 10 Gbit/s, 2% rows: 41 vs 27 ms). So each
 # rank times the exact collectives it runs, per group and tensor configuration (_ExactTimings); the header carries
 # the figures, and once both have a figure on every rank, every rank keeps the gather unless the slowest rank
-# predicts it EXACT_SWITCH_MARGIN times slower than the union all-reduce (one call's time varies by about that much
-# on a shared machine, and the gather won wherever the link was the bottleneck), trying the other collective again
-# every EXACT_REPROBE_EVERY calls. The figures are kept per size class of the union (powers of two of its ring
+# predicts it EXACT_SWITCH_MARGIN times slower than the union all-reduce (the gather won wherever the link was the
+# bottleneck; where the CPU was, the all-reduce was 15-25% faster: 4 ranks at 10 Gbit/s, 2% rows), trying the other
+# collective again every EXACT_REPROBE_EVERY calls. The figures are kept per size class of the union (powers of two of its ring
 # bytes): per-byte costs measured at one size do not carry to one 16x larger (2 ranks at 10 Gbit/s: the gather,
 # timed faster at 0.9% union rows, was 1.4x slower at 16%). A call decides with the figures of the class of the
 # previous call's union, which every rank knows alike before the header, and records into its own union's class.
 TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
 EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
-EXACT_SWITCH_MARGIN = 1.25
+EXACT_SWITCH_MARGIN = 1.1
 EXACT_COUNTED_RUNS = 2  # runs averaged before a collective has a figure (after its first, uncounted one)
 EXACT_REPROBE_EVERY = 32
 # calls at a new union size class until auto has timed both exact collectives there (the first decides with the
@@ -329,8 +329,9 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
                  bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto": the gather
                  only when it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes; then, once each
                  has been timed (such calls gather 3 times, then all-reduce 3 times: a first run is not counted),
-                 the gather unless it is measured EXACT_SWITCH_MARGIN times slower on the slowest rank, per group
-                 and tensor shape, with the other re-timed every EXACT_REPROBE_EVERY calls
+                 the gather unless it is measured EXACT_SWITCH_MARGIN times slower on the slowest rank, per group,
+                 tensor shape and size class of the union (at most EXACT_EXPLORE_CALLS calls explore a new one),
+                 with the other re-timed every EXACT_REPROBE_EVERY calls
                  (last_stats().exact_by says which rule chose).
     Returns the result tensor (the input itself when dense), or a handle when async_op.
     """
