@@ -369,9 +369,9 @@ def _run(args, device, ops, sizes, repeats, sketch):
     if device == "cpu":
         print("# note: every call returns a new tensor; large CPU outputs (tens of MiB) come back from the\n"
               "# allocator as fresh pages, so those rows include first-touch page faults that the copy reference\n"
-              "# (into an existing tensor) does not pay. THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU\n"
-              "# allocations) helps the largest: count_sketch_decode at 2% took 53 -> 16 ms with it on the 2-core VM,\n"
-              "# while count_sketch, whose table is a few MiB, went 511 -> 678 us (a huge page zeroed per call).")
+              "# (into an existing tensor) does not pay; count_sketch takes its tables from a pool of freed ones\n"
+              "# (csrc/ops/sketch.cpp). THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU allocations) helps the\n"
+              "# largest: count_sketch_decode at 2% took 53 -> 16 ms with it on the 2-core VM.")
     return {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
             "copy_bytes": COPY_BYTES, "rows": rows, "sketch_rows": sketch_rows}
 

@@ -44,10 +44,10 @@ GATHER_MAX_BYTES_FRACTION = 0.75
 # the figures, and once both have a figure on every rank, every rank keeps the gather unless the slowest rank
 # predicts it EXACT_SWITCH_MARGIN times slower than the union all-reduce (the gather won wherever the link was the
 # bottleneck; where the CPU was, the all-reduce was 15-25% faster: 4 ranks at 10 Gbit/s, 2% rows), trying the other
-# collective again every EXACT_REPROBE_EVERY calls. The figures are kept per size class of the union (powers of two of its ring
-# bytes): per-byte costs measured at one size do not carry to one 16x larger (2 ranks at 10 Gbit/s: the gather,
-# timed faster at 0.9% union rows, was 1.4x slower at 16%). A call decides with the figures of the class of the
-# previous call's union, which every rank knows alike before the header, and records into its own union's class.
+# collective again every EXACT_REPROBE_EVERY calls. The figures are kept per size class of the union (powers of two
+# of its ring bytes): per-byte costs measured at one size do not carry to one 16x larger (2 ranks at 10 Gbit/s: the
+# gather, timed faster at 0.9% union rows, was 1.4x slower at 16%). A call decides with the figures of the class of
+# the previous call's union, which every rank knows alike before the header, and records into its own union's class.
 TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
 EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
 EXACT_SWITCH_MARGIN = 1.1
