@@ -225,10 +225,9 @@ def _timed_choice_per_size():
         sketch_allreduce(x, mode="exact")
         steps.append((last_stats().exact_collective, last_stats().exact_by, torch.equal(x, ref)))
 
-    explore = 2 * (sketch.EXACT_COUNTED_RUNS + 1)
-    for _ in range(explore + 1):
+    for _ in range(sketch.EXACT_EXPLORE_CALLS):
         call(4)
-    for _ in range(explore + 1):
+    for _ in range(sketch.EXACT_EXPLORE_CALLS):
         call(64)
     for _ in range(2):
         call(4)
