@@ -203,6 +203,21 @@ class _Gradient:
         return s.wire_bytes, s.method
 
 
+def _timed_call(g, name, config, device):
+    """One call of `name` on a fresh copy of the gradient, all ranks started together: (seconds, bytes the
+    interface sent, wire bytes model, what ran)."""
+    g.work.copy_(g.grad)
+    for residual in g.powersgd.error_dict.values():
+        residual.zero_()
+    _sync(device)
+    dist.barrier()
+    tx0 = tx_counter(config["measure_tx"])
+    t0 = time.perf_counter()
+    wire_bytes, ran = g.call(name)
+    _sync(device)
+    return time.perf_counter() - t0, tx_counter(config["measure_tx"]) - tx0, wire_bytes, ran
+
+
 def _bench_density(config, density, world, rank, device, progress):
     from fastdist.comm.sketch import EXACT_EXPLORE_CALLS
 
@@ -212,16 +227,9 @@ def _bench_density(config, density, world, rank, device, progress):
         while g.powersgd.iter < g.powersgd.start_powerSGD_iter:
             g.work.copy_(g.grad)
             g.call("powersgd")
-    explore = []
-    if "auto" in methods:  # auto times both exact collectives on the first calls at a new size: kept apart
-        for _ in range(EXACT_EXPLORE_CALLS):
-            g.work.copy_(g.grad)
-            _sync(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            g.call("auto")
-            _sync(device)
-            explore.append(time.perf_counter() - t0)
+    # auto times both exact collectives on its first calls at a new size: kept apart from its repetitions
+    explore = [_timed_call(g, "auto", config, device)[0] for _ in range(EXACT_EXPLORE_CALLS)] \
+        if "auto" in methods else []
     samples = {m: [] for m in methods}
     tx = {m: [] for m in methods}
     wire = {m: [] for m in methods}
@@ -230,17 +238,7 @@ def _bench_density(config, density, world, rank, device, progress):
     for it in range(config["warmup"] + config["reps"]):
         shift = it % len(methods)
         for name in methods[shift:] + methods[:shift]:
-            g.work.copy_(g.grad)
-            for residual in g.powersgd.error_dict.values():
-                residual.zero_()
-            _sync(device)
-            dist.barrier()
-            tx0 = tx_counter(config["measure_tx"])
-            t0 = time.perf_counter()
-            wire_bytes, ran = g.call(name)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            sent = tx_counter(config["measure_tx"]) - tx0
+            dt, sent, wire_bytes, ran = _timed_call(g, name, config, device)
             if it >= config["warmup"]:
                 samples[name].append(dt)
                 tx[name].append(sent)

@@ -386,7 +386,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     # and once both have been timed, whichever is faster (see TIMED_COLLECTIVES).
     max_local = max(counts)
     gather_bytes = (world - 1) * max_local * m * esize
-    exact_by = ""
+    exact_by, filed = "", None  # filed: where this call's exact timing goes (its own union's size class)
     if method != "exact":
         exact_collective = ""
     else:
@@ -395,8 +395,8 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
             exact_collective, exact_by = _exact_choice(timings, all_rates, gather_candidate, union_ring_bytes,
                                                        gather_bytes)
-        _union_class[rate_key] = union_ring_bytes.bit_length()  # what this call's timing is filed under
-        timings = _exact_timings.setdefault((rate_key, _union_class[rate_key]), _ExactTimings())
+        _union_class[rate_key] = union_ring_bytes.bit_length()
+        filed = _exact_timings.setdefault((rate_key, _union_class[rate_key]), _ExactTimings())
 
     def union_position():  # a unit's row in the compact union
         return union_mask.cumsum(0) - 1
@@ -475,8 +475,8 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             if work_buf is not tensor:
                 tensor.copy_(work_buf)
             result = tensor
-        if method == "exact":  # from issuing the payload to here (a late wait() counts too)
-            timings.record(exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
+        if filed is not None:  # from issuing the payload to here (a late wait() counts too)
+            filed.record(exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
         stats = SketchStats(
             method=method, mode=mode, units=n, unit_size=m, local_units=local_units, union_units=union_units,
             union_method=union_method, sketch_shape=(rows, c),
