@@ -98,6 +98,34 @@ def test_embedding_gradients_are_row_sparse_at_the_expected_density(corpus):
     assert torch.equal(sparse_lm.row_sparse(g).to_dense(), g)
 
 
+def test_a_wide_input_embedding_feeds_the_lstm_and_keeps_its_gradient_row_sparse():
+    torch.manual_seed(0)
+    model = sparse_lm.SparseLM(512, 16, embed_dim=96)
+    assert tuple(model.embed.weight.shape) == (512, 96) and tuple(model.out.weight.shape) == (512, 17)
+    assert (model.lstm.input_size, model.lstm.hidden_size) == (96, 16)
+    torch.nn.init.normal_(model.out.weight, std=0.1)
+    inputs = torch.tensor([[3, 7, 7, 9]])
+    targets = torch.tensor([[7, 7, 9, 1]])
+    model(inputs, targets, torch.tensor([0, 5, 11]), torch.zeros(512)).backward()
+    assert torch.equal(model.embed.weight.grad.ne(0).any(1).nonzero().flatten(), torch.tensor([3, 7, 9]))
+    assert tuple(sparse_lm.SparseLM(512, 16).embed.weight.shape) == (512, 16)  # D defaults to d
+
+
+def test_embed_dim_option_reaches_the_config_and_the_printed_model_and_defaults_to_dim():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sparse_lm.add_arguments(parser)
+    wide = sparse_lm.make_config(parser.parse_args(["--embed-dim", "1024", "--dim", "32"]))
+    assert (wide["embed_dim"], wide["dim"]) == (1024, 32)
+    assert sparse_lm.make_config(parser.parse_args(["--dim", "32"]))["embed_dim"] == 32
+    with pytest.raises(SystemExit, match="embed-dim"):
+        sparse_lm.make_config(parser.parse_args(["--embed-dim", "0"]))
+    calib = {name: {"union_rows": 10, "union_fraction": 0.01, "local_rows": 5} for name in ("embed", "out")}
+    setup = sparse_lm.format_setup({"config": wide, "calibration": calib})
+    assert "Embedding(32768, 1024) + LSTM(1024 -> 32) + output embedding (32768, 33)" in setup
+
+
 def test_row_sparse_adagrad_update_equals_the_dense_update():
     torch.manual_seed(1)
     grads = []

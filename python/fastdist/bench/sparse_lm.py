@@ -88,17 +88,19 @@ class NegativeSampler:
 
 
 class SparseLM(nn.Module):
-    """Embedding(V, d) -> LSTM(d, d) -> output embedding V x (d + 1) (the last column is the bias).
+    """Embedding(V, D) -> LSTM(D, d) -> output embedding V x (d + 1) (the last column is the bias); D = d unless
+    `embed_dim` says otherwise (a wide input embedding makes its gradient, not the compute, the large part).
 
     forward() is the sampled-softmax training loss (row-sparse gradients in both V-row matrices);
     full_loss() the full-softmax cross-entropy, for evaluation. sparse=True makes both embeddings produce
     torch.sparse_coo gradients (for DDP's sparse all-reduce)."""
 
-    def __init__(self, vocab, dim, sparse=False):
+    def __init__(self, vocab, dim, sparse=False, embed_dim=None):
         super().__init__()
         self.vocab, self.dim = int(vocab), int(dim)
-        self.embed = nn.Embedding(vocab, dim, sparse=sparse)
-        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.embed_dim = int(embed_dim or dim)
+        self.embed = nn.Embedding(vocab, self.embed_dim, sparse=sparse)
+        self.lstm = nn.LSTM(self.embed_dim, dim, batch_first=True)
         self.out = nn.Embedding(vocab, dim + 1, sparse=sparse)
         nn.init.normal_(self.embed.weight, std=0.1)
         nn.init.zeros_(self.out.weight)  # uniform predictions at first: the loss starts at log(V)
@@ -297,7 +299,8 @@ class Method:
         torch.manual_seed(config["seed"])  # the same initialization for every method
         # agsparse and ours get nn.Embedding(sparse=True) gradients (what a user with a large vocabulary has);
         # DDP hands sparse buckets to the hook as they are
-        self.model = SparseLM(config["vocab"], config["dim"], sparse=name == "agsparse" or uses_sketch_hook(name))
+        self.model = SparseLM(config["vocab"], config["dim"], sparse=name == "agsparse" or uses_sketch_hook(name),
+                              embed_dim=config["embed_dim"])
         # One bucket per parameter, so that the hook sees each V-row matrix alone -- except for PowerSGD:
         # torch's hook issues its second and third all-reduces from future callbacks, which gloo runs on
         # its own threads, so with several buckets in flight ranks can issue them in different orders and
@@ -373,7 +376,7 @@ class Method:
             return _ring_bytes(sum(self.numels) * size, w), _ring_bytes(sum(vrow) * size, w)
         if self.name == "agsparse":
             sparse = 0
-            for i, width in enumerate((self.config["dim"], self.config["dim"] + 1)):
+            for i, width in enumerate((self.config["embed_dim"], self.config["dim"] + 1)):
                 chunks = [int(r) * (8 + width * esize) for r in local_rows[:, i].tolist()]  # int64 index + row
                 sparse += sum(chunks) - min(chunks)  # ring all-gatherv: the busiest rank forwards all but one
             return _ring_bytes((sum(self.numels) - sum(vrow)) * esize, w) + sparse, sparse
@@ -488,6 +491,9 @@ def add_arguments(p):
                    help="sketch sizes as multiples of the union's non-zeros (default 0.1,0.2,0.5,1)")
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V (default 32768)")
     p.add_argument("--dim", type=int, default=64, help="embedding and LSTM width d (default 64)")
+    p.add_argument("--embed-dim", type=int, default=None,
+                   help="input embedding width D, if not d: 1024 makes a 128 MiB embedding gradient at V 32768, "
+                        "the issue's size, with the compute of the d-wide model (default d)")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--negatives", type=int, default=1024, help="sampled-softmax negatives per step (default 1024)")
@@ -510,11 +516,13 @@ def make_config(args):
     sizes = tuple(float(x) for x in args.sketch_sizes.split(",") if x.strip())
     if any(not 0 < f <= 10 for f in sizes):
         raise SystemExit(f"fastdist-bench sparse-lm: sketch sizes must be in (0, 10], got {sizes}")
-    if args.steps < 1 or args.ranks < 1 or args.vocab < 2 or args.dim < 1:
-        raise SystemExit("fastdist-bench sparse-lm: steps, ranks, dim must be >= 1 and vocab >= 2")
+    embed_dim = args.dim if args.embed_dim is None else args.embed_dim
+    if args.steps < 1 or args.ranks < 1 or args.vocab < 2 or args.dim < 1 or embed_dim < 1:
+        raise SystemExit("fastdist-bench sparse-lm: steps, ranks, dim, embed-dim must be >= 1 and vocab >= 2")
     return {
         "methods": parse_methods(args.methods, sizes), "sketch_sizes": sizes, "steps": args.steps,
-        "vocab": args.vocab, "dim": args.dim, "seq": args.seq, "batch": args.batch, "negatives": args.negatives,
+        "vocab": args.vocab, "dim": args.dim, "embed_dim": embed_dim, "seq": args.seq, "batch": args.batch,
+        "negatives": args.negatives,
         "exponent": args.exponent, "lr": args.lr, "optimizer": "adagrad", "seed": args.seed,
         "eval_every": args.eval_every or max(1, args.steps // 20), "eval_batch": args.eval_batch,
         "sketch_rows": args.sketch_rows, "auto_ratio": args.auto_ratio,
@@ -611,7 +619,9 @@ def summarize(result):
 
 def format_setup(result):
     c, cal = result["config"], result["calibration"]
-    model = (f"# model         Embedding({c['vocab']}, {c['dim']}) + LSTM({c['dim']}) + output embedding "
+    embed_dim = c.get("embed_dim", c["dim"])  # runs recorded before --embed-dim have none
+    lstm = f"LSTM({c['dim']})" if embed_dim == c["dim"] else f"LSTM({embed_dim} -> {c['dim']})"
+    model = (f"# model         Embedding({c['vocab']}, {embed_dim}) + {lstm} + output embedding "
              f"({c['vocab']}, {c['dim'] + 1}); sampled softmax, {c['negatives']} negatives; Adagrad lr {c['lr']}, "
              + ("row-sparse" if c["sparse_update"] else "dense") + " update")
     data = (f"# data          Zipf({c['exponent']}) Markov corpus, {c['batch']} x {c['seq']} tokens per rank per "
@@ -706,7 +716,9 @@ def plot(result, path):
     ax3.set_title("squares: lossless, circles: lossy; filled: on the Pareto front", fontsize=9)
     ax3.grid(True, which="both", alpha=0.3)
     env, c = result["env"], result["config"]
-    fig.suptitle(f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, d={c['dim']}, "
+    embed_dim = c.get("embed_dim", c["dim"])
+    width = f"d={c['dim']}" if embed_dim == c["dim"] else f"D={embed_dim} (input embedding), d={c['dim']}"
+    fig.suptitle(f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, {width}, "
                  f"{c['steps']} steps\n{env['network']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
