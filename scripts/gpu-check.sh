@@ -58,5 +58,14 @@ for ranks in 4 8; do
     | grep -v '^moe \[' | tee "$out/moe-cpu-${ranks}r-1epr.txt"
 done
 
+log "sparse-lm on this machine's CPU cores: the 128 MiB embedding, 4 ranks with cores of their own, 1 Gbit/s"
+# issue 3's end-to-end 1.8x over AGsparse: on the 2-core VM the step is mostly the 4 ranks' compute
+if $PY -c "import sys; from fastdist import netsim; ok, why = netsim.available(); print(why); sys.exit(0 if ok else 1)"; then
+  $PY -m fastdist.bench sparse-lm --ranks 4 --net 1gbit --steps 60 --embed-dim 1024 --batch 48 \
+    --methods agsparse,auto-bg,sketch-0.2x+ef,sketch-0.3x+ef --sketch-sizes 0.2,0.3 \
+    --json "$out/sparse-lm-cpu-4r-1gbit-128mib.json" --plot "$out/sparse-lm-cpu-4r-1gbit-128mib.png" 2>&1 \
+    | grep -v '^sparse-lm \[' | tee "$out/sparse-lm-cpu-4r-1gbit-128mib.txt"
+fi
+
 log "done: results in $out (op and memory tests exit code $tests_rc)"
 exit "$tests_rc"
