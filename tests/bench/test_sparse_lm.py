@@ -1,5 +1,6 @@
 """fastdist-bench sparse-lm: the corpus, the model's sparse gradients, and a short convergence run in which the
 lossless reducers train exactly like dense DDP and every reducer learns."""
+import argparse
 import json
 import math
 import os
@@ -112,8 +113,6 @@ def test_a_wide_input_embedding_feeds_the_lstm_and_keeps_its_gradient_row_sparse
 
 
 def test_embed_dim_option_reaches_the_config_and_the_printed_model_and_defaults_to_dim():
-    import argparse
-
     parser = argparse.ArgumentParser()
     sparse_lm.add_arguments(parser)
     wide = sparse_lm.make_config(parser.parse_args(["--embed-dim", "1024", "--dim", "32"]))

@@ -16,10 +16,10 @@ that machine noise hits all of them alike:
 agsparse and every sketch_hook method train on nn.Embedding(sparse=True) gradients (the hook reduces them
 sparse, without a dense copy); dense, fp16 and powersgd on dense gradients, as those hooks need.
 
-The model (`SparseLM`): Embedding(V, d) -> LSTM(d, d) -> output embedding (V, d + 1: the last column is the
-output bias), trained with a sampled softmax: each position scores its target against a set of negatives drawn
-per step from the unigram^0.75 distribution, identically on every rank, with the usual log-expected-count
-correction. So both V-row matrices get row-sparse gradients (input: the tokens seen; output: targets and
+The model (`SparseLM`): Embedding(V, D) -> LSTM(D, d) -> output embedding (V, d + 1: the last column is the
+output bias; D = d unless `--embed-dim` says otherwise), trained with a sampled softmax: each position scores
+its target against a set of negatives drawn per step from the unigram^0.75 distribution, identically on every
+rank, with the usual log-expected-count correction. So both V-row matrices get row-sparse gradients (input: the tokens seen; output: targets and
 negatives). The reported loss is the FULL-softmax cross-entropy on a fixed held-out batch, computed on rank 0
 without communication. Every parameter has its own DDP bucket, in every method, so the hook sees each
 V-row matrix alone and reduces it per row; the LSTM's small dense buckets take a plain all-reduce. DDP's
@@ -98,7 +98,7 @@ class SparseLM(nn.Module):
     def __init__(self, vocab, dim, sparse=False, embed_dim=None):
         super().__init__()
         self.vocab, self.dim = int(vocab), int(dim)
-        self.embed_dim = int(embed_dim or dim)
+        self.embed_dim = self.dim if embed_dim is None else int(embed_dim)
         self.embed = nn.Embedding(vocab, self.embed_dim, sparse=sparse)
         self.lstm = nn.LSTM(self.embed_dim, dim, batch_first=True)
         self.out = nn.Embedding(vocab, dim + 1, sparse=sparse)
@@ -617,9 +617,13 @@ def summarize(result):
     return result
 
 
+def _embed_dim(config):
+    return config.get("embed_dim", config["dim"])  # runs recorded before --embed-dim have none
+
+
 def format_setup(result):
     c, cal = result["config"], result["calibration"]
-    embed_dim = c.get("embed_dim", c["dim"])  # runs recorded before --embed-dim have none
+    embed_dim = _embed_dim(c)
     lstm = f"LSTM({c['dim']})" if embed_dim == c["dim"] else f"LSTM({embed_dim} -> {c['dim']})"
     model = (f"# model         Embedding({c['vocab']}, {embed_dim}) + {lstm} + output embedding "
              f"({c['vocab']}, {c['dim'] + 1}); sampled softmax, {c['negatives']} negatives; Adagrad lr {c['lr']}, "
@@ -716,7 +720,7 @@ def plot(result, path):
     ax3.set_title("squares: lossless, circles: lossy; filled: on the Pareto front", fontsize=9)
     ax3.grid(True, which="both", alpha=0.3)
     env, c = result["env"], result["config"]
-    embed_dim = c.get("embed_dim", c["dim"])
+    embed_dim = _embed_dim(c)
     width = f"d={c['dim']}" if embed_dim == c["dim"] else f"D={embed_dim} (input embedding), d={c['dim']}"
     fig.suptitle(f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, {width}, "
                  f"{c['steps']} steps\n{env['network']}", fontsize=9)
