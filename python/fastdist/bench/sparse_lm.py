@@ -19,8 +19,8 @@ sparse, without a dense copy); dense, fp16 and powersgd on dense gradients, as t
 The model (`SparseLM`): Embedding(V, D) -> LSTM(D, d) -> output embedding (V, d + 1: the last column is the
 output bias; D = d unless `--embed-dim` says otherwise), trained with a sampled softmax: each position scores
 its target against a set of negatives drawn per step from the unigram^0.75 distribution, identically on every
-rank, with the usual log-expected-count correction. So both V-row matrices get row-sparse gradients (input: the tokens seen; output: targets and
-negatives). The reported loss is the FULL-softmax cross-entropy on a fixed held-out batch, computed on rank 0
+rank, with the usual log-expected-count correction. So both V-row matrices get row-sparse gradients (input: the
+tokens seen; output: targets and negatives). The reported loss is the FULL-softmax cross-entropy on a fixed held-out batch, computed on rank 0
 without communication. Every parameter has its own DDP bucket, in every method, so the hook sees each
 V-row matrix alone and reduces it per row; the LSTM's small dense buckets take a plain all-reduce. DDP's
 first step uses one bucket for everything (the hook then works per element). PowerSGD alone gets a single
