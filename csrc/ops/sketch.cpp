@@ -17,6 +17,7 @@
 
 #include <deque>
 #include <mutex>
+#include <vector>
 
 #include "ops/sketch.h"
 
@@ -59,7 +60,7 @@ class TablePool {
   }
 
   void give(void* data, size_t nbytes) {
-    std::deque<void*> evicted;
+    std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (nbytes > kPooledBytes) {

@@ -20,12 +20,12 @@ The model (`SparseLM`): Embedding(V, D) -> LSTM(D, d) -> output embedding (V, d 
 output bias; D = d unless `--embed-dim` says otherwise), trained with a sampled softmax: each position scores
 its target against a set of negatives drawn per step from the unigram^0.75 distribution, identically on every
 rank, with the usual log-expected-count correction. So both V-row matrices get row-sparse gradients (input: the
-tokens seen; output: targets and negatives). The reported loss is the FULL-softmax cross-entropy on a fixed held-out batch, computed on rank 0
-without communication. Every parameter has its own DDP bucket, in every method, so the hook sees each
-V-row matrix alone and reduces it per row; the LSTM's small dense buckets take a plain all-reduce. DDP's
-first step uses one bucket for everything (the hook then works per element). PowerSGD alone gets a single
-bucket: torch's hook issues collectives from future callbacks, which with several buckets in flight on gloo
-can run in different orders on different ranks and deadlock.
+tokens seen; output: targets and negatives). The reported loss is the FULL-softmax cross-entropy on a fixed
+held-out batch, computed on rank 0 without communication. Every parameter has its own DDP bucket, in every
+method, so the hook sees each V-row matrix alone and reduces it per row; the LSTM's small dense buckets take a
+plain all-reduce. DDP's first step uses one bucket for everything (the hook then works per element). PowerSGD
+alone gets a single bucket: torch's hook issues collectives from future callbacks, which with several buckets
+in flight on gloo can run in different orders on different ranks and deadlock.
 
 The optimizer is Adagrad (per-row adaptive steps suit Zipf-distributed rows). For every method it updates
 only the rows of the two V-row matrices whose reduced gradient is non-zero (the gradient is handed to it
