@@ -17,7 +17,7 @@ namespace {
 template <typename T>
 int64_t route_rows(const T* logits, int64_t num_experts, int64_t k, float* probs, float* lse, int64_t* topk_idx,
                    float* topk_weight, int64_t t_begin, int64_t t_end) {
-  int64_t nan_rows = 0;
+  int64_t bad_rows = 0;
   for (int64_t t = t_begin; t < t_end; ++t) {
     const T* row = logits + t * num_experts;
     float* p = probs + t * num_experts;
@@ -30,7 +30,8 @@ int64_t route_rows(const T* logits, int64_t num_experts, int64_t k, float* probs
       has_nan |= std::isnan(v);
       mx = v > mx ? v : mx;
     }
-    nan_rows += has_nan;
+    // +inf, or every logit -inf, leaves no softmax (inf - inf): NaN probabilities, as a NaN logit does
+    bad_rows += has_nan || !std::isfinite(mx);
     Acc sum = 0;
     for (int64_t e = 0; e < num_experts; ++e) {
       const Acc v = std::exp(static_cast<Acc>(row[e]) - mx);
@@ -58,7 +59,7 @@ int64_t route_rows(const T* logits, int64_t num_experts, int64_t k, float* probs
       w[j] = best_p;
     }
   }
-  return nan_rows;
+  return bad_rows;
 }
 
 template <typename Format>

@@ -78,14 +78,19 @@ __global__ void route_kernel(const T* __restrict__ logits, int64_t tokens, int64
           best_p = v;
         }
       }
-      // Warp arg-max; a tie goes to the lower expert id, an empty lane (best < 0) loses to any other.
+      // Warp arg-max; a tie goes to the lower expert id, an empty lane (best < 0) loses to any other. Two NaNs tie
+      // (a row whose logits hold +inf or are all -inf has NaN probabilities, unchecked on CUDA), and lane 0's pick is
+      // then broadcast: NaN comparisons can leave lanes disagreeing, and chosen[] must be the same on every lane.
       for (int off = kWarp / 2; off > 0; off /= 2) {
         const int64_t other = __shfl_xor_sync(0xffffffffu, best, off);
         const float other_p = __shfl_xor_sync(0xffffffffu, best_p, off);
-        const bool take = other >= 0 && (best < 0 || other_p > best_p || (other_p == best_p && other < best));
+        const bool tie = other_p == best_p || (isnan(other_p) && isnan(best_p));
+        const bool take = other >= 0 && (best < 0 || other_p > best_p || (tie && other < best));
         best = take ? other : best;
         best_p = take ? other_p : best_p;
       }
+      best = __shfl_sync(0xffffffffu, best, 0);
+      best_p = __shfl_sync(0xffffffffu, best_p, 0);
       chosen[j] = best;
       if (lane == 0) {
         topk_idx[t * k + j] = best;
@@ -246,6 +251,13 @@ __global__ void permute_kernel(const typename Format::Storage* __restrict__ x, i
   }
 }
 
+// acc + w * v with the product rounded before the add, as the CPU computes it: nvcc would contract it into one
+// fused multiply-add, whose single rounding differs from the CPU's in the last bit for about a quarter of values.
+__device__ __forceinline__ float mul_add_rounded(float acc, float w, float v) { return __fadd_rn(acc, __fmul_rn(w, v)); }
+__device__ __forceinline__ double mul_add_rounded(double acc, double w, double v) {
+  return __dadd_rn(acc, __dmul_rn(w, v));
+}
+
 template <typename Format>
 __global__ void unpermute_kernel(const typename Format::Storage* __restrict__ y, int64_t tokens, int64_t d,
                                  int64_t k, const int64_t* __restrict__ row_of_slot,
@@ -260,7 +272,7 @@ __global__ void unpermute_kernel(const typename Format::Storage* __restrict__ y,
         const int64_t r = row_of_slot[t * k + j];
         if (r < 0) continue;
         const Acc w = weight == nullptr ? Acc(1) : Format::load(weight[t * k + j]);
-        acc += w * Format::load(y[r * d + col]);
+        acc = mul_add_rounded(acc, w, Format::load(y[r * d + col]));
       }
       dst[col] = Format::store(acc);
     }

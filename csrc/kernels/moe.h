@@ -52,7 +52,8 @@ using MoeValueType = StorageType;
 // Gate over tokens [t_begin, t_end): probs[t] = softmax(logits[t]) in float32 (float64 for float64 logits is
 // rounded to float32 after the softmax in double), lse[t] = logsumexp(logits[t]); topk_idx[t, :] the k largest
 // probabilities in decreasing order, ties to the lower expert id; topk_weight[t, j] = probs[t, topk_idx[t, j]].
-// Returns the number of rows in the range holding a NaN (their outputs are unspecified; the glue raises).
+// Returns the number of rows in the range with no softmax -- holding a NaN or +inf, or all -inf -- (their outputs
+// are unspecified; the glue raises).
 int64_t moe_route_cpu(const void* logits, MoeValueType type, int64_t num_experts, int64_t k, float* probs,
                       float* lse, int64_t* topk_idx, float* topk_weight, int64_t t_begin, int64_t t_end);
 
@@ -90,7 +91,8 @@ void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, c
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launches ----
 #ifdef __CUDACC__
 
-// One warp per token row. NaN rows give unspecified choices (the CUDA glue does not sync to check).
+// One warp per token row. Rows with no softmax (see moe_route_cpu) give unspecified choices of distinct valid ids
+// (the CUDA glue does not sync to check).
 cudaError_t moe_route_cuda(const void* logits, MoeValueType type, int64_t tokens, int64_t num_experts, int64_t k,
                            float* probs, float* lse, int64_t* topk_idx, float* topk_weight, cudaStream_t stream);
 

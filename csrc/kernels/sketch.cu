@@ -5,7 +5,8 @@
 // once per block, the unit is hashed once per row (into shared memory), an unsupported unit costs one byte load, and
 // a supported one is read with coalesced loads and added to consecutive buckets (its window, sketch.h). Otherwise
 // one thread per value, which reads its unit's bit (m == 1: the value's own bit) and hashes the value in full.
-// count_sketch accumulates with float atomicAdd (see sketch.h for the resulting tolerance); zeros are skipped.
+// count_sketch accumulates with float atomicAdd (see sketch.h for the resulting tolerance, and for subnormals, which
+// the atomics flush to zero); zeros are skipped.
 #include <cstdint>
 
 #include "kernels/sketch.h"
@@ -109,11 +110,17 @@ cudaError_t launch_nonzero(const void* x, int64_t n, int64_t m, uint8_t* out, cu
 
 // ---- count sketch ----
 
+// v with its sign bit flipped when `negative`: the CPU's XOR, so that a NaN keeps its payload as it does there
+// (a negation may canonicalize it).
+__device__ __forceinline__ float flip_sign(float v, bool negative) {
+  return __uint_as_float(__float_as_uint(v) ^ (negative ? 0x80000000u : 0u));
+}
+
 // Value col of unit u, hashed in full (one thread per value).
 __device__ __forceinline__ void add_value(const SketchHash& h, float* __restrict__ table, uint64_t u, uint64_t col,
                                           float v) {
   for (int j = 0; j < h.rows; ++j) {
-    atomicAdd(table + j * h.cols + h.bucket(j, u, col), h.negative(j, u, col) ? -v : v);
+    atomicAdd(table + j * h.cols + h.bucket(j, u, col), flip_sign(v, h.negative(j, u, col)));
   }
 }
 
@@ -165,7 +172,7 @@ __global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_
       const float v = load_value<kType>(x, u * m + e);
       if (v == 0.0f) continue;
       for (int j = 0; j < h.rows; ++j) {
-        atomicAdd(table + j * h.cols + w.bucket(h, j, e), w.sign_negative(h, j, e) ? -v : v);
+        atomicAdd(table + j * h.cols + w.bucket(h, j, e), flip_sign(v, w.sign_negative(h, j, e)));
       }
     }
   }
@@ -181,7 +188,24 @@ void launch_sketch(const void* x, int64_t n, int64_t m, const uint8_t* support, 
   }
 }
 
-// Listed units: one thread per value; value i is value i % m of unit units[i / m].
+// Listed units, one block per unit (long units): the unit is hashed once per block, as in sketch_rows_kernel.
+template <SketchValueType kType>
+__global__ void sketch_units_rows_kernel(const void* __restrict__ values, const int64_t* __restrict__ units,
+                                         int64_t k, int64_t m, const SketchHash h, float* __restrict__ table) {
+  __shared__ UnitWindows w;
+  for (int64_t t = blockIdx.x; t < k; t += gridDim.x) {
+    w.place(h, static_cast<uint64_t>(units[t]));
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
+      const float v = load_value<kType>(values, t * m + e);
+      if (v == 0.0f) continue;
+      for (int j = 0; j < h.rows; ++j) {
+        atomicAdd(table + j * h.cols + w.bucket(h, j, e), flip_sign(v, w.sign_negative(h, j, e)));
+      }
+    }
+  }
+}
+
+// Listed units, one thread per value (short units); value i is value i % m of unit units[i / m].
 template <SketchValueType kType>
 __global__ void sketch_units_kernel(const void* __restrict__ values, const int64_t* __restrict__ units, int64_t total,
                                     int64_t m, const SketchHash h, float* __restrict__ table) {
@@ -193,6 +217,16 @@ __global__ void sketch_units_kernel(const void* __restrict__ values, const int64
   }
 }
 
+template <SketchValueType kType>
+void launch_sketch_units(const void* values, const int64_t* units, int64_t k, int64_t m, const SketchHash& hash,
+                         float* table, cudaStream_t stream) {
+  if (m >= kRowKernelMinValues) {
+    sketch_units_rows_kernel<kType><<<grid_for_units(k), kThreads, 0, stream>>>(values, units, k, m, hash, table);
+  } else {
+    sketch_units_kernel<kType><<<grid_for(k * m), kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+  }
+}
+
 // ---- decode ----
 
 __device__ __forceinline__ float estimate(const SketchHash& h, const float* __restrict__ table, uint64_t u,
@@ -200,7 +234,7 @@ __device__ __forceinline__ float estimate(const SketchHash& h, const float* __re
   float v[kSketchMaxRows];
   for (int j = 0; j < h.rows; ++j) {
     const float t = table[j * h.cols + h.bucket(j, u, col)];
-    v[j] = h.negative(j, u, col) ? -t : t;
+    v[j] = flip_sign(t, h.negative(j, u, col));
   }
   return sketch_median(v, h.rows);
 }
@@ -210,7 +244,7 @@ __device__ __forceinline__ float window_estimate(const SketchHash& h, const Unit
   float v[kSketchMaxRows];
   for (int j = 0; j < h.rows; ++j) {
     const float t = table[j * h.cols + w.bucket(h, j, col)];
-    v[j] = w.sign_negative(h, j, col) ? -t : t;
+    v[j] = flip_sign(t, w.sign_negative(h, j, col));
   }
   return sketch_median(v, h.rows);
 }
@@ -296,6 +330,8 @@ cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, in
     case SketchValueType::kBFloat16:
       launch_sketch<SketchValueType::kBFloat16>(x, n, m, support, hash, table, stream);
       break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -315,21 +351,21 @@ cudaError_t count_sketch_units_cuda(const void* values, SketchValueType type, co
                                     int64_t m, const SketchHash& hash, float* table, cudaStream_t stream) {
   const cudaError_t cleared = cudaMemsetAsync(table, 0, hash.rows * hash.cols * sizeof(float), stream);
   if (cleared != cudaSuccess || k * m == 0) return cleared;
-  const int grid = grid_for(k * m);
   switch (type) {
     case SketchValueType::kFloat32:
-      sketch_units_kernel<SketchValueType::kFloat32><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+      launch_sketch_units<SketchValueType::kFloat32>(values, units, k, m, hash, table, stream);
       break;
     case SketchValueType::kFloat64:
-      sketch_units_kernel<SketchValueType::kFloat64><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+      launch_sketch_units<SketchValueType::kFloat64>(values, units, k, m, hash, table, stream);
       break;
     case SketchValueType::kFloat16:
-      sketch_units_kernel<SketchValueType::kFloat16><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+      launch_sketch_units<SketchValueType::kFloat16>(values, units, k, m, hash, table, stream);
       break;
     case SketchValueType::kBFloat16:
-      sketch_units_kernel<SketchValueType::kBFloat16><<<grid, kThreads, 0, stream>>>(values, units, k * m, m, hash,
-                                                                                     table);
+      launch_sketch_units<SketchValueType::kBFloat16>(values, units, k, m, hash, table, stream);
       break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -242,8 +242,11 @@ void sketch_hash_cpu(const int64_t* idx, int64_t len, int64_t m, const SketchHas
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
 // Declared only for nvcc-compiled sources. Hashes are the same functions as above, so buckets and signs are
 // bit-identical to the CPU's. count_sketch_cuda accumulates with float atomicAdd: each bucket is the same sum as
-// on the CPU in an unspecified order, so it differs from the CPU result by rounding only (at most
-// (k - 1) * 2^-24 * sum |s * x| for a bucket of k values) and may differ run to run.
+// on the CPU in an unspecified order, so it differs from the CPU result by rounding only (each order is within
+// (k - 1) * 2^-24 * sum |s * x| of the exact sum for a bucket of k values, so the two within twice that) and may
+// differ run to run. One more difference: a global float atomicAdd flushes subnormal operands and results to zero
+// (whatever -ftz says), so subnormal values (|x| < 2^-126, bfloat16's subnormals among them) add nothing on CUDA,
+// and a bucket whose sum is subnormal reads +-0.
 #ifdef __CUDACC__
 
 cudaError_t nonzero_bitmap_cuda(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out,

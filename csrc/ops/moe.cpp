@@ -33,14 +33,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_cpu_op(cons
   at::Tensor idx = at::empty({tokens, k}, src.options().dtype(at::kLong));
   at::Tensor weight = at::empty({tokens, k}, f32);
   const MoeValueType type = value_type_of(src, "logits");
-  std::atomic<int64_t> nan_rows{0};
+  std::atomic<int64_t> bad_rows{0};
   at::parallel_for(0, tokens, grain_for(experts * (8 + 4 * k)), [&](int64_t begin, int64_t end) {
-    nan_rows += fastdist::moe_route_cpu(src.const_data_ptr(), type, experts, k, probs.data_ptr<float>(),
+    bad_rows += fastdist::moe_route_cpu(src.const_data_ptr(), type, experts, k, probs.data_ptr<float>(),
                                         lse.data_ptr<float>(), idx.data_ptr<int64_t>(), weight.data_ptr<float>(),
                                         begin, end);
   });
-  TORCH_CHECK(nan_rows.load() == 0, "fastdist: 'logits' must not contain NaN, got ", nan_rows.load(),
-              " row(s) with NaN");
+  TORCH_CHECK(bad_rows.load() == 0, "fastdist: 'logits' rows must hold no NaN and a finite maximum (no +inf, not "
+              "all -inf: such a row has no softmax), got ", bad_rows.load(), " row(s) without one");
   return {probs, lse, idx, weight};
 }
 

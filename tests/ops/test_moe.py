@@ -4,7 +4,7 @@ import pytest
 import torch
 from fastdist.ops import moe_layout, moe_permute, moe_route, moe_unpermute
 from fastdist.ops.moe import capacity_for
-from op_testing import DEVICES
+from op_testing import DEVICES, needs_cuda
 
 # ---- oracles ----
 
@@ -104,11 +104,34 @@ def test_route_breaks_ties_toward_the_lower_expert_id(device):
     assert idx.cpu().tolist() == [[0, 1, 2], [1, 2, 0], [0, 2, 3]]
 
 
-def test_route_rejects_nan_logits():
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
+def test_route_rejects_rows_without_a_softmax(bad):
     logits = torch.zeros(3, 4)
-    logits[1, 2] = float("nan")
-    with pytest.raises(RuntimeError, match="'logits' must not contain NaN, got 1 row"):
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 2] = float(bad)
+    with pytest.raises(RuntimeError, match="'logits' rows must hold no NaN and a finite maximum .* got 1 row"):
         moe_route(logits, 1)
+
+
+def test_route_accepts_minus_inf_as_a_masked_expert():
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])
+    probs, _, idx, _ = moe_route(logits, 2)
+    assert idx.tolist() == [[2, 0]]
+    assert probs[0, 1] == 0 and probs[0, 3] == 0
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_route_on_cuda_gives_distinct_valid_experts_for_rows_without_a_softmax():
+    logits = torch.zeros(3, 40, device="cuda")
+    logits[0] = float("-inf")
+    logits[1, 7] = float("inf")
+    logits[2, 5] = float("nan")
+    _, _, idx, _ = moe_route(logits, 3)
+    for row in idx.cpu().tolist():
+        assert len(set(row)) == 3 and all(0 <= e < 40 for e in row)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -240,6 +263,33 @@ def test_unpermute_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cuda_unpermute_is_bit_identical_to_cpu(dtype):
+    _, y, w, row_of_slot, _ = layout_case(4000, 2, 16, -1, 64, dtype, seed=6)
+    assert torch.equal(moe_unpermute(y.cuda(), row_of_slot.cuda(), w.cuda()).cpu(), moe_unpermute(y, row_of_slot, w))
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_route_layout_and_permute_on_a_side_stream_match_cpu():
+    logits = torch.randn(3000, 16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3000, 32, generator=torch.Generator().manual_seed(3))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # inputs made on the side stream: ops on another stream would race them
+        logits_d, x_d = logits.cuda() * 1, x.cuda() * 1
+        _, _, idx_d, w_d = moe_route(logits_d, 2)
+        layout_d = moe_layout(idx_d, 16, 4, 400)
+        out_d = moe_unpermute(moe_permute(x_d, layout_d[4], int(layout_d[1][-1])), layout_d[4], w_d)
+    stream.synchronize()
+    _, _, idx, w = moe_route(logits, 2)
+    layout = moe_layout(idx, 16, 4, 400)
+    assert torch.equal(idx_d.cpu(), idx)
+    assert_layout_equal([t.cpu() for t in layout_d], layout)
+    torch.testing.assert_close(out_d.cpu(), moe_unpermute(moe_permute(x, layout[4], int(layout[1][-1])), layout[4], w))
 
 
 @pytest.mark.parametrize("capacity", [-1, 3])

@@ -624,6 +624,39 @@ def test_cuda_tables_agree_with_cpu_and_decode_is_bit_identical(granularity):
     assert_same(nonzero_bitmap(x.cuda(), granularity), support)
 
 
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("granularity", ["row", "element"])
+def test_cuda_sketch_of_the_most_rows_agrees_with_cpu(granularity):
+    x = random_sparse((2048, 96), 0.05, granularity, seed=13)
+    support = nonzero_bitmap(x, granularity)
+    n, m = units_of(x, granularity)
+    cuda = count_sketch(x.cuda(), 15, 3001, 9, support.cuda(), granularity)
+    assert_sketch_close(cuda, x, 15, 3001, 9, support, granularity)
+    table = count_sketch(x, 15, 3001, 9, support, granularity)
+    assert_same(count_sketch_decode(table.cuda(), support.cuda(), n, m, 9), count_sketch_decode(table, support, n, m, 9))
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_sketch_ops_on_a_side_stream_agree_with_cpu():
+    x = random_sparse((4096, 256), 0.02, "row", seed=14)
+    support = nonzero_bitmap(x, "row")
+    units = unit_mask(support, 4096).nonzero().flatten()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # inputs made on the side stream: ops on another stream would race them
+        x_d, units_d = x.cuda() * 1, units.cuda() + 0
+        support_d = nonzero_bitmap(x_d, "row")
+        table_d = count_sketch(x_d, 3, 20_000, 2, support_d, "row")
+        listed_d = count_sketch_units(x_d[units_d], units_d, 3, 20_000, 2)
+        decoded_d = count_sketch_decode_units(table_d, units_d, 256, 2)
+    stream.synchronize()
+    assert_same(support_d, support)
+    assert_sketch_close(table_d, x, 3, 20_000, 2, support, "row")
+    assert_sketch_close(listed_d, x, 3, 20_000, 2, support, "row")
+    assert_same(decoded_d, count_sketch_decode_units(table_d.cpu(), units, 256, 2))
+
+
 # ---- torch integration ----
 
 @pytest.mark.parametrize("device", DEVICES)

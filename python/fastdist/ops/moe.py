@@ -34,7 +34,9 @@ def moe_route(logits: torch.Tensor, k: int):
     """The top-k gate: softmax in float32 (float64 logits: computed in float64, stored as float32), top-k choices.
 
     Args:
-        logits: float32 or float64 ``[T, E]``, no NaN (checked on CPU).
+        logits: float32 or float64 ``[T, E]``; each row free of NaN and +inf and not all -inf, so that it has a
+            softmax (-inf masks an expert). Checked on CPU; on CUDA such a row gets distinct valid but unspecified
+            experts.
         k: choices per token, ``1 <= k <= min(16, E)``.
 
     Returns:
@@ -43,7 +45,8 @@ def moe_route(logits: torch.Tensor, k: int):
         float32 ``[T, k]`` their probabilities. Differentiable in ``probs``, ``lse`` and ``topk_weight``.
 
     Raises:
-        RuntimeError: logits not float32/float64 2-D with at least one column, ``k`` out of range, NaN in logits.
+        RuntimeError: logits not float32/float64 2-D with at least one column, ``k`` out of range, a row without a
+            softmax (NaN, +inf, or all -inf; CPU only).
     """
     return torch.ops.fastdist.moe_route.default(logits, k)
 
