@@ -1,10 +1,11 @@
 // CUDA count-sketch. Hashes are computed with the header's functions (64-bit multiplies via __umul64hi), so they are
 // the CPU's bit for bit; grid-stride loops cover any size with a bounded grid.
 //
-// Units of many values (m >= kRowKernelMinValues, row granularity) go one unit per block: the support bit is read
-// once per block, the unit is hashed once per row (into shared memory), an unsupported unit costs one byte load, and
-// a supported one is read with coalesced loads and added to consecutive buckets (its window, sketch.h). Otherwise
-// one thread per value, which reads its unit's bit (m == 1: the value's own bit) and hashes the value in full.
+// Units of many values (m >= kRowKernelMinValues, row granularity) go one unit at a time per block: a block takes a
+// tile of units, reads the tile's support bits once and visits the supported units only; each is hashed once per
+// row (into shared memory) and read with coalesced loads into consecutive buckets (its window, sketch.h), with the
+// column signs hashed once per block (shared memory, units up to kCachedColumns values). Otherwise one thread per
+// value, which reads its unit's bit (m == 1: the value's own bit) and hashes the value in full.
 // count_sketch accumulates with float atomicAdd (see sketch.h for the resulting tolerance, and for subnormals, which
 // the atomics flush to zero); zeros are skipped.
 #include <cstdint>
@@ -124,14 +125,28 @@ __device__ __forceinline__ void add_value(const SketchHash& h, float* __restrict
   }
 }
 
-// A unit's window starts and signs per sketch row, hashed once per block into shared memory. Every thread of the
-// block must call place() (it synchronizes).
+// Units of up to this many values keep their column signs in shared memory, one bit per column and sketch row
+// (7.5 KiB at 15 rows): a column sign is a 64-bit multiply mod p, which per value and row would cost more
+// instructions than the value's load and atomic add.
+constexpr int64_t kCachedColumns = 4096;
+constexpr int kColumnWords = static_cast<int>(kCachedColumns / 32);
+
+// A unit's window starts and signs per sketch row, hashed once per block into shared memory, and the column signs of
+// units of m values, hashed once per block when m <= kCachedColumns. Every thread of the block must call place() (it
+// synchronizes).
 struct UnitWindows {
   int64_t start[kSketchMaxRows];
   bool negative[kSketchMaxRows];
+  bool columns_cached;  // column_bits holds the column signs (set by the first place())
+  uint32_t column_bits[kSketchMaxRows * kColumnWords];
 
-  __device__ void place(const SketchHash& h, uint64_t u) {
-    __syncthreads();  // the previous unit's readers are done
+  __device__ void init() {
+    if (threadIdx.x == 0) columns_cached = false;
+  }
+
+  __device__ void place(const SketchHash& h, uint64_t u, int64_t m) {
+    __syncthreads();  // the previous unit's readers are done (and init() is seen)
+    if (!columns_cached && m <= kCachedColumns) cache_columns(h, m);  // uniform: the first unit of the block
     if (threadIdx.x < h.rows) {
       start[threadIdx.x] = h.start(threadIdx.x, u);
       negative[threadIdx.x] = h.unit_negative(threadIdx.x, u);
@@ -142,9 +157,48 @@ struct UnitWindows {
   // h_j(u, col) for the placed unit u.
   __device__ int64_t bucket(const SketchHash& h, int j, uint64_t col) const { return h.window_bucket(start[j], col); }
   __device__ bool sign_negative(const SketchHash& h, int j, uint64_t col) const {
-    return negative[j] != h.column_negative(j, col);
+    const bool column = columns_cached ? (column_bits[j * kColumnWords + (col >> 5)] >> (col & 31)) & 1
+                                       : h.column_negative(j, col);
+    return negative[j] != column;
+  }
+
+ private:
+  // One ballot per 32 columns. The loop bound is a multiple of 32 and so is blockDim.x, so every warp runs whole
+  // iterations and the ballot sees all its lanes.
+  __device__ void cache_columns(const SketchHash& h, int64_t m) {
+    const int per_row = static_cast<int>((m + 31) / 32) * 32;
+    for (int i = threadIdx.x; i < h.rows * per_row; i += blockDim.x) {
+      const int j = i / per_row, col = i - j * per_row;
+      const uint32_t bits = __ballot_sync(0xffffffffu, col < m && h.column_negative(j, static_cast<uint64_t>(col)));
+      if ((threadIdx.x & 31) == 0) column_bits[j * kColumnWords + col / 32] = bits;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) columns_cached = true;
   }
 };
+static_assert(kThreads % 32 == 0, "UnitWindows::cache_columns: whole warps");
+
+// The support bits of the tile of units [u0, u0 + 32 * words) into shared memory, bit b of word w = unit u0 + 32 w + b;
+// units at or past n read 0; a null support is every unit. All threads call it (it synchronizes).
+__device__ void load_tile_bits(const uint8_t* __restrict__ support, int64_t n, int64_t u0, int words,
+                               uint32_t* tile_bits) {
+  __syncthreads();  // the previous tile's readers are done
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    const int64_t first = u0 + 32 * static_cast<int64_t>(w);
+    uint32_t bits = 0;
+    if (first < n) {
+      if (support == nullptr) {
+        bits = ~0u;
+      } else {
+        const int64_t byte0 = first >> 3, bytes = (n + 7) >> 3;  // first is a multiple of 8
+        for (int b = 0; b < 4 && byte0 + b < bytes; ++b) bits |= static_cast<uint32_t>(support[byte0 + b]) << (8 * b);
+      }
+      if (n - first < 32) bits &= (1u << (n - first)) - 1;
+    }
+    tile_bits[w] = bits;
+  }
+  __syncthreads();
+}
 
 // One thread per value. support may be null (every value); otherwise value i belongs to unit i / m.
 template <SketchValueType kType>
@@ -159,30 +213,58 @@ __global__ void sketch_elements_kernel(const void* __restrict__ x, int64_t total
   }
 }
 
-// One block per supported unit (null support: every unit): consecutive threads add to consecutive buckets.
+// Adds the placed unit's m values, starting at values[0], to its windows: consecutive threads, consecutive buckets.
+template <SketchValueType kType>
+__device__ void add_unit(const void* __restrict__ values, int64_t offset, int64_t m, const SketchHash& h,
+                         const UnitWindows& w, float* __restrict__ table) {
+  for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
+    const float v = load_value<kType>(values, offset + e);
+    if (v == 0.0f) continue;
+    for (int j = 0; j < h.rows; ++j) {
+      atomicAdd(table + j * h.cols + w.bucket(h, j, e), flip_sign(v, w.sign_negative(h, j, e)));
+    }
+  }
+}
+
+// Tiles of 32 * tile_words units per block (grid-stride); a block reads its tile's support bits once and visits the
+// supported units only, one after the other (null support: every unit), so that a sparse support costs a bit per
+// unit, not a block iteration.
+constexpr int kMaxTileWords = 32;  // 1024 units
+
 template <SketchValueType kType>
 __global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_t m,
-                                   const uint8_t* __restrict__ support, const SketchHash h,
+                                   const uint8_t* __restrict__ support, int tile_words, const SketchHash h,
                                    float* __restrict__ table) {
   __shared__ UnitWindows w;
-  for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
-    if (support != nullptr && !unit_bit(support, u)) continue;  // uniform over the block
-    w.place(h, static_cast<uint64_t>(u));
-    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
-      const float v = load_value<kType>(x, u * m + e);
-      if (v == 0.0f) continue;
-      for (int j = 0; j < h.rows; ++j) {
-        atomicAdd(table + j * h.cols + w.bucket(h, j, e), flip_sign(v, w.sign_negative(h, j, e)));
+  __shared__ uint32_t tile_bits[kMaxTileWords];
+  w.init();
+  const int64_t tile_units = 32 * static_cast<int64_t>(tile_words);
+  for (int64_t u0 = blockIdx.x * tile_units; u0 < n; u0 += gridDim.x * tile_units) {
+    load_tile_bits(support, n, u0, tile_words, tile_bits);
+    for (int word = 0; word < tile_words; ++word) {
+      for (uint32_t bits = tile_bits[word]; bits != 0; bits &= bits - 1) {  // uniform over the block
+        const int64_t u = u0 + 32 * word + (__ffs(bits) - 1);
+        w.place(h, static_cast<uint64_t>(u), m);
+        add_unit<kType>(x, u * m, m, h, w, table);
       }
     }
   }
+}
+
+// Words of 32 units per tile: enough tiles for about kMaxBlocks / 8 blocks (a few per multiprocessor), each tile
+// at most kMaxTileWords words.
+int tile_words_for(int64_t n) {
+  const int64_t words = (n + 31) / 32, per_tile = (words + kMaxBlocks / 8 - 1) / (kMaxBlocks / 8);
+  return static_cast<int>(per_tile < 1 ? 1 : per_tile < kMaxTileWords ? per_tile : kMaxTileWords);
 }
 
 template <SketchValueType kType>
 void launch_sketch(const void* x, int64_t n, int64_t m, const uint8_t* support, const SketchHash& hash,
                    float* table, cudaStream_t stream) {
   if (m >= kRowKernelMinValues) {
-    sketch_rows_kernel<kType><<<grid_for_units(n), kThreads, 0, stream>>>(x, n, m, support, hash, table);
+    const int tile_words = tile_words_for(n);
+    const int grid = grid_for_units((n + 32 * tile_words - 1) / (32 * tile_words));
+    sketch_rows_kernel<kType><<<grid, kThreads, 0, stream>>>(x, n, m, support, tile_words, hash, table);
   } else {
     sketch_elements_kernel<kType><<<grid_for(n * m), kThreads, 0, stream>>>(x, n * m, m, support, hash, table);
   }
@@ -193,15 +275,10 @@ template <SketchValueType kType>
 __global__ void sketch_units_rows_kernel(const void* __restrict__ values, const int64_t* __restrict__ units,
                                          int64_t k, int64_t m, const SketchHash h, float* __restrict__ table) {
   __shared__ UnitWindows w;
+  w.init();
   for (int64_t t = blockIdx.x; t < k; t += gridDim.x) {
-    w.place(h, static_cast<uint64_t>(units[t]));
-    for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
-      const float v = load_value<kType>(values, t * m + e);
-      if (v == 0.0f) continue;
-      for (int j = 0; j < h.rows; ++j) {
-        atomicAdd(table + j * h.cols + w.bucket(h, j, e), flip_sign(v, w.sign_negative(h, j, e)));
-      }
-    }
+    w.place(h, static_cast<uint64_t>(units[t]), m);
+    add_unit<kType>(values, t * m, m, h, w, table);
   }
 }
 
@@ -261,12 +338,13 @@ __global__ void decode_elements_kernel(const float* __restrict__ table, const ui
 __global__ void decode_rows_kernel(const float* __restrict__ table, const uint8_t* __restrict__ support, int64_t n,
                                    int64_t m, const SketchHash h, float* __restrict__ out) {
   __shared__ UnitWindows w;
+  w.init();
   for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
     if (!unit_bit(support, u)) {  // uniform over the block
       for (int64_t e = threadIdx.x; e < m; e += blockDim.x) out[u * m + e] = 0.0f;
       continue;
     }
-    w.place(h, static_cast<uint64_t>(u));
+    w.place(h, static_cast<uint64_t>(u), m);
     for (int64_t e = threadIdx.x; e < m; e += blockDim.x) out[u * m + e] = window_estimate(h, w, table, e);
   }
 }
@@ -275,8 +353,9 @@ __global__ void decode_rows_kernel(const float* __restrict__ table, const uint8_
 __global__ void decode_units_rows_kernel(const float* __restrict__ table, const int64_t* __restrict__ units,
                                          int64_t k, int64_t m, const SketchHash h, float* __restrict__ out) {
   __shared__ UnitWindows w;
+  w.init();
   for (int64_t t = blockIdx.x; t < k; t += gridDim.x) {
-    w.place(h, static_cast<uint64_t>(units[t]));
+    w.place(h, static_cast<uint64_t>(units[t]), m);
     for (int64_t e = threadIdx.x; e < m; e += blockDim.x) out[t * m + e] = window_estimate(h, w, table, e);
   }
 }

@@ -639,6 +639,25 @@ def test_cuda_sketch_of_the_most_rows_agrees_with_cpu(granularity):
 
 @needs_cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("n, m", [(1, 64), (33, 64), (1057, 100), (40_000, 64), (70, 4096), (50, 4097), (9, 5000)])
+def test_cuda_row_sketch_and_decode_across_unit_tiles_and_the_column_sign_cache_agree_with_cpu(n, m):
+    # tiles of 32-1024 units per block; column signs cached in shared memory up to 4096 values per unit
+    x = random_sparse((n, m), 0.9, "element", seed=n + m)
+    g = torch.Generator().manual_seed(n)
+    for density in (0.01, 0.5, 1.0):
+        support = pack_bits(torch.rand(n, generator=g) < density)
+        assert_sketch_close(count_sketch(x.cuda(), 3, 5003, 7, support.cuda(), "row"), x, 3, 5003, 7, support, "row")
+        table = count_sketch(x, 3, 5003, 7, support, "row")
+        assert_same(count_sketch_decode(table.cuda(), support.cuda(), n, m, 7),
+                    count_sketch_decode(table, support, n, m, 7))
+        units = unit_mask(support, n).nonzero().flatten()
+        assert_sketch_close(count_sketch_units(x[units].cuda(), units.cuda(), 3, 5003, 7), x, 3, 5003, 7, support,
+                            "row")
+    assert_sketch_close(count_sketch(x.cuda(), 3, 5003, 7, None, "row"), x, 3, 5003, 7, None, "row")
+
+
+@needs_cuda
+@pytest.mark.cuda
 def test_cuda_sketch_ops_on_a_side_stream_agree_with_cpu():
     x = random_sparse((4096, 256), 0.02, "row", seed=14)
     support = nonzero_bitmap(x, "row")
