@@ -253,7 +253,9 @@ __global__ void permute_kernel(const typename Format::Storage* __restrict__ x, i
 
 // acc + w * v with the product rounded before the add, as the CPU computes it: nvcc would contract it into one
 // fused multiply-add, whose single rounding differs from the CPU's in the last bit for about a quarter of values.
-__device__ __forceinline__ float mul_add_rounded(float acc, float w, float v) { return __fadd_rn(acc, __fmul_rn(w, v)); }
+__device__ __forceinline__ float mul_add_rounded(float acc, float w, float v) {
+  return __fadd_rn(acc, __fmul_rn(w, v));
+}
 __device__ __forceinline__ double mul_add_rounded(double acc, double w, double v) {
   return __dadd_rn(acc, __dmul_rn(w, v));
 }
