@@ -73,8 +73,9 @@ phase_cuda() {
   step kernels-cuda 180 "$PY -m fastdist.bench kernels --device cuda --json $out/kernels-cuda.json \
     --plot $out/kernels-cuda.png"
   # the default 128 MiB gradient's 2% is 2.5 MiB of values, under a microsecond of HBM: a launch costs more
-  step kernels-cuda-1gib 120 "$PY -m fastdist.bench kernels --device cuda --ops count_sketch,count_sketch_decode,count_sketch_decode_units \
-    --sketch-shape 262144x1024 --json $out/kernels-cuda-1gib.json"
+  step kernels-cuda-1gib 120 "$PY -m fastdist.bench kernels --device cuda \
+    --ops count_sketch,count_sketch_decode,count_sketch_decode_units --sketch-shape 262144x1024 \
+    --json $out/kernels-cuda-1gib.json"
   step moe-layout-cuda 60 "$PY -c \"from fastdist.bench.moe import layout_timing; \
     print(layout_timing(1 << 20, device='cuda'))\""
 }
