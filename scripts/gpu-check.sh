@@ -46,15 +46,16 @@ step() {
 
 # build cuda|cpu: the extension in place; CPU-only is a minute, CUDA (sm_90) a few.
 build() {
-  local kind=$1
+  local kind=$1 what=cpu
   if [ "$kind" = cuda ]; then
     export FASTDIST_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
     unset FASTDIST_FORCE_CPU
+    what="cuda, arch $TORCH_CUDA_ARCH_LIST"
   else
     export FASTDIST_FORCE_CPU=1
     unset FASTDIST_FORCE_CUDA
   fi
-  log "build ($kind${TORCH_CUDA_ARCH_LIST:+, arch $TORCH_CUDA_ARCH_LIST})"
+  log "build ($what)"
   rm -f python/fastdist/_C*.so
   # a build folder per kind: a CPU build must not relink objects compiled with the CUDA ops registered
   if ! MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace --build-temp "build/temp-gpu-check-$kind" \
