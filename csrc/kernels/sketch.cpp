@@ -296,27 +296,40 @@ void gather(const float* table, const uint32_t* __restrict code, float* __restri
   }
 }
 
-// out[e] = sketch_median(est[0][e], est[1][e], ...) for e < len. Three rows: the same min/max network as
-// sketch_median, branch-free so that it vectorizes.
+// sketch_median of three values: the same min/max network, branch-free so that loops over it vectorize.
+inline float median3(float a, float b, float c) {
+  const float lo = a < b ? a : b;
+  const float hi = a < b ? b : a;
+  const float mid = hi < c ? hi : c;
+  const float med = lo < mid ? mid : lo;
+  return a != a ? a : b != b ? b : c != c ? c : med;
+}
+
+// out[e] = sketch_median(est[0][e], est[1][e], ...) for e < len.
 FASTDIST_SKETCH_CLONES void medians(const float (*est)[kChunk], int rows, int64_t len, float* __restrict out) {
   if (rows == 3) {
     const float* __restrict e0 = est[0];
     const float* __restrict e1 = est[1];
     const float* __restrict e2 = est[2];
-    for (int64_t e = 0; e < len; ++e) {
-      const float a = e0[e], b = e1[e], c = e2[e];
-      const float lo = a < b ? a : b;
-      const float hi = a < b ? b : a;
-      const float mid = hi < c ? hi : c;
-      const float med = lo < mid ? mid : lo;
-      out[e] = a != a ? a : b != b ? b : c != c ? c : med;
-    }
+    for (int64_t e = 0; e < len; ++e) out[e] = median3(e0[e], e1[e], e2[e]);
     return;
   }
   for (int64_t e = 0; e < len; ++e) {
     float v[kSketchMaxRows];
     for (int j = 0; j < rows; ++j) v[j] = est[j][e];
     out[e] = sketch_median(v, rows);
+  }
+}
+
+// out[e] = the median of three whole windows' estimates (read_window without the wrap) for e < len, as medians does.
+FASTDIST_SKETCH_CLONES void median_of_windows3(const float* __restrict t0, const float* __restrict t1,
+                                               const float* __restrict t2, const uint32_t* __restrict m0,
+                                               const uint32_t* __restrict m1, const uint32_t* __restrict m2,
+                                               uint32_t u0, uint32_t u1, uint32_t u2, float* __restrict out,
+                                               int64_t len) {
+  for (int64_t e = 0; e < len; ++e) {
+    out[e] = median3(bits_float(float_bits(t0[e]) ^ m0[e] ^ u0), bits_float(float_bits(t1[e]) ^ m1[e] ^ u1),
+                     bits_float(float_bits(t2[e]) ^ m2[e] ^ u2));
   }
 }
 
@@ -477,8 +490,11 @@ const float* chunk_values(const void* x, SketchValueType type, int64_t s, int64_
 // ---- units of m > 1 values: windows ----
 // Unit u's values land on the consecutive buckets (start_j(u) + col) mod cols of row j (sketch.h), so a unit is
 // sketched by adding its values, sign-flipped, into a window of the row, and decoded by reading the windows back:
-// vector adds and loads over contiguous memory, one hash per unit and row. Units go kChunk columns at a time, so
-// that the values of a chunk stay in L1 while every row of the range adds them.
+// vector adds and loads over contiguous memory, one hash per unit and row. A sketch adds up to kWindowChunk columns
+// of a unit into all of its rows' windows in one pass, so each value is loaded once (measured on the 2% embedding
+// gradient, one thread: 612 -> 360 us against one row at a time over 256-column chunks); a decode reads kChunk
+// columns of every row, then takes their medians.
+constexpr int64_t kWindowChunk = 1024;
 
 // masks[e] = column_negative(col0 + e) << 31 for e < len, in a row with column coefficient g: (g col) mod p steps
 // by g per column, four lanes at a time. Writes up to 3 masks past len.
@@ -506,11 +522,11 @@ class ColumnSigns {
     for (int j = row_begin; j < row_end; ++j) column_masks(hash.g[j], 0, cached_, cache_.get() + (j - row_begin) * stride_);
   }
 
-  // The masks of columns [col0, col0 + len) of row j, len <= kChunk.
+  // The masks of columns [col0, col0 + len) of row j, len <= kWindowChunk. Valid until the next get() for the same row.
   const uint32_t* get(int j, int64_t col0, int64_t len) {
     if (col0 + len <= cached_) return cache_.get() + (j - row_begin_) * stride_ + col0;
-    column_masks(hash_.g[j], static_cast<uint64_t>(col0), len, scratch_);
-    return scratch_;
+    column_masks(hash_.g[j], static_cast<uint64_t>(col0), len, scratch_[j - row_begin_]);
+    return scratch_[j - row_begin_];
   }
 
  private:
@@ -518,7 +534,7 @@ class ColumnSigns {
   int row_begin_;
   int64_t cached_, stride_;
   std::unique_ptr<uint32_t[]> cache_;
-  alignas(64) uint32_t scratch_[kChunk + 4];
+  alignas(64) uint32_t scratch_[kSketchMaxRows][kWindowChunk + 4];  // per row: several rows' masks are used at once
 };
 
 // table[(start + e) mod cols] += v[e] with its sign flipped by masks[e] ^ unit_mask, for e < len in increasing e,
@@ -536,6 +552,30 @@ FASTDIST_SKETCH_CLONES void add_window(float* table, int64_t cols, int64_t start
       for (int64_t e = 0; e < b1 - b0; ++e) t[e] += bits_float(float_bits(x[e]) ^ mk[e] ^ unit_mask);
     }
     done += seg;
+  }
+}
+
+// The same add into two or three whole windows of different table rows (no wrap, no clipping), each value loaded
+// once for all of them.
+FASTDIST_SKETCH_CLONES void add_windows2(float* __restrict t0, float* __restrict t1, const float* __restrict v,
+                                         const uint32_t* __restrict m0, const uint32_t* __restrict m1, uint32_t u0,
+                                         uint32_t u1, int64_t len) {
+  for (int64_t e = 0; e < len; ++e) {
+    const uint32_t b = float_bits(v[e]);
+    t0[e] += bits_float(b ^ m0[e] ^ u0);
+    t1[e] += bits_float(b ^ m1[e] ^ u1);
+  }
+}
+
+FASTDIST_SKETCH_CLONES void add_windows3(float* __restrict t0, float* __restrict t1, float* __restrict t2,
+                                         const float* __restrict v, const uint32_t* __restrict m0,
+                                         const uint32_t* __restrict m1, const uint32_t* __restrict m2, uint32_t u0,
+                                         uint32_t u1, uint32_t u2, int64_t len) {
+  for (int64_t e = 0; e < len; ++e) {
+    const uint32_t b = float_bits(v[e]);
+    t0[e] += bits_float(b ^ m0[e] ^ u0);
+    t1[e] += bits_float(b ^ m1[e] ^ u1);
+    t2[e] += bits_float(b ^ m2[e] ^ u2);
   }
 }
 
@@ -580,15 +620,42 @@ class WindowSketcher {
   void sketch(float* table, const void* x, SketchValueType type, int64_t offset, uint64_t u, bool skip_zero_chunks) {
     const int64_t cols = hash_.cols;
     bool placed = false;
-    for (int64_t col0 = 0; col0 < m_; col0 += kChunk) {
-      const int64_t len = std::min(kChunk, m_ - col0);
+    for (int64_t col0 = 0; col0 < m_; col0 += kWindowChunk) {
+      const int64_t len = std::min(kWindowChunk, m_ - col0);
       const float* vals = chunk_values(x, type, offset + col0, len, buf_);
       if (skip_zero_chunks && !any_nonzero(vals, len)) continue;
       if (!placed) place(u);
       placed = true;
+      // Windows wholly inside this range's part of their row go two or three rows at a time; a window that wraps
+      // or crosses the range's edge goes alone. Every bucket still sees the units in increasing order.
+      int whole[kSketchMaxRows], n_whole = 0;
+      int64_t at[kSketchMaxRows];
       for (int j = row_begin_; j < row_end_; ++j) {
-        add_window(table + j * cols, cols, hash_.window_bucket(start_[j], col0), vals, signs_.get(j, col0, len),
-                   unit_mask_[j], len, lo_[j], hi_[j]);
+        const int64_t b = hash_.window_bucket(start_[j], col0);
+        if (b + len <= cols && b >= lo_[j] && b + len <= hi_[j]) {
+          at[n_whole] = j * cols + b;
+          whole[n_whole++] = j;
+        } else {
+          add_window(table + j * cols, cols, b, vals, signs_.get(j, col0, len), unit_mask_[j], len, lo_[j], hi_[j]);
+        }
+      }
+      int w = 0;
+      for (; n_whole - w >= 3; w += 3) {
+        const int j0 = whole[w], j1 = whole[w + 1], j2 = whole[w + 2];
+        add_windows3(table + at[w], table + at[w + 1], table + at[w + 2], vals, signs_.get(j0, col0, len),
+                     signs_.get(j1, col0, len), signs_.get(j2, col0, len), unit_mask_[j0], unit_mask_[j1],
+                     unit_mask_[j2], len);
+      }
+      if (n_whole - w == 2) {
+        const int j0 = whole[w], j1 = whole[w + 1];
+        add_windows2(table + at[w], table + at[w + 1], vals, signs_.get(j0, col0, len), signs_.get(j1, col0, len),
+                     unit_mask_[j0], unit_mask_[j1], len);
+        w += 2;
+      }
+      if (w < n_whole) {
+        const int j = whole[w];
+        add_window(table + j * cols, cols, at[w] - j * cols, vals, signs_.get(j, col0, len), unit_mask_[j], len,
+                   lo_[j], hi_[j]);
       }
     }
   }
@@ -597,13 +664,26 @@ class WindowSketcher {
   void decode(const float* table, uint64_t u, float* out) {
     place(u);
     const int64_t cols = hash_.cols;
-    for (int64_t col0 = 0; col0 < m_; col0 += kChunk) {
-      const int64_t len = std::min(kChunk, m_ - col0);
-      for (int j = 0; j < hash_.rows; ++j) {
-        read_window(table + j * cols, cols, hash_.window_bucket(start_[j], col0), signs_.get(j, col0, len),
-                    unit_mask_[j], est_[j], len);
+    for (int64_t col0 = 0; col0 < m_; col0 += kWindowChunk) {
+      const int64_t len = std::min(kWindowChunk, m_ - col0);
+      if (hash_.rows == 3) {  // the usual sketch: three whole windows go in one pass, without the estimates' copies
+        const int64_t b0 = hash_.window_bucket(start_[0], col0), b1 = hash_.window_bucket(start_[1], col0),
+                      b2 = hash_.window_bucket(start_[2], col0);
+        if (std::max({b0, b1, b2}) + len <= cols) {
+          median_of_windows3(table + b0, table + cols + b1, table + 2 * cols + b2, signs_.get(0, col0, len),
+                             signs_.get(1, col0, len), signs_.get(2, col0, len), unit_mask_[0], unit_mask_[1],
+                             unit_mask_[2], out + col0, len);
+          continue;
+        }
       }
-      medians(est_, hash_.rows, len, out + col0);
+      for (int64_t c0 = col0; c0 < col0 + len; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, col0 + len - c0);
+        for (int j = 0; j < hash_.rows; ++j) {
+          read_window(table + j * cols, cols, hash_.window_bucket(start_[j], c0), signs_.get(j, c0, n),
+                      unit_mask_[j], est_[j], n);
+        }
+        medians(est_, hash_.rows, n, out + c0);
+      }
     }
   }
 
@@ -623,7 +703,7 @@ class WindowSketcher {
   int64_t lo_[kSketchMaxRows], hi_[kSketchMaxRows];  // row j's buckets in the range
   int64_t start_[kSketchMaxRows];
   uint32_t unit_mask_[kSketchMaxRows];
-  alignas(64) float buf_[kChunk];
+  alignas(64) float buf_[kWindowChunk];
   alignas(64) float est_[kSketchMaxRows][kChunk];
 };
 
@@ -707,7 +787,7 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
   if (total == 0) return;
 
   if (m > 1) {
-    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, begin, end, m));  // ~20 KB
+    std::unique_ptr<WindowSketcher> windows(new WindowSketcher(hash, begin, end, m));  // ~80 KB
     const bool skip_zero_chunks = support == nullptr;  // a supported unit is rarely all zero
     const auto add_units = [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {

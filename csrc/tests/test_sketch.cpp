@@ -374,10 +374,13 @@ FD_TEST(unit_sketches_over_any_position_ranges_write_only_those_positions_bit_fo
   struct Shape {
     int64_t n, m, cols;
   };
-  // windows inside a row, windows that wrap, windows longer than the row (cols < m), a unit past one chunk
-  for (Shape s : {Shape{300, 37, 501}, Shape{40, 600, 501}, Shape{50, 300, 7}, Shape{20, 1000, 4096}})
+  // windows inside a row, windows that wrap, windows longer than the row (cols < m), a unit past one chunk, units
+  // past the column-sign cache whose windows are whole (several rows added in one pass); 3 rows go in one pass, 5 as
+  // three and two
+  for (Shape s : {Shape{300, 37, 501}, Shape{40, 600, 501}, Shape{50, 300, 7}, Shape{20, 1000, 4096},
+                  Shape{20, 3000, 40000}, Shape{3, 17000, 60000}})
+    for (int rows : {3, 5})
     for (bool with_support : {false, true}) {
-      const int rows = 3;
       const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, s.cols);
       const std::vector<float> x = random_values(s.n * s.m, 0.5, rng);
       const std::vector<uint8_t> support = random_bitmap(s.n, 0.3, rng);
@@ -460,7 +463,10 @@ FD_TEST(count_sketch_decode_cpu_matches_reference_over_split_ranges) {
                   Shape{20, 64}, Shape{3, 1000}, Shape{2, 20000}, Shape{5, 0}})
     for (double density : {0.002, 0.05, 0.5, 1.0})
       for (int rows : {1, 2, 3, 4, 5, 15}) {
-        const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 500));
+        // short rows: windows that wrap; long ones: whole windows, which three rows decode in one pass
+        const int64_t cols =
+            rng() % 2 ? 1 + static_cast<int64_t>(rng() % 500) : 20000 + static_cast<int64_t>(rng() % 50000);
+        const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, cols);
         std::vector<float> table = random_values(rows * h.cols, 1.0, rng);
         if (rows == 3) table[rng() % table.size()] = std::nanf("");
         const std::vector<uint8_t> support = random_bitmap(s.n, density, rng);
@@ -480,7 +486,7 @@ FD_TEST(count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed_unit
   std::mt19937_64 rng(21);
   for (int64_t m : {1, 2, 7, 300, 1000}) {
     const int64_t n = 3000 / m + 20;
-    const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, 3, 97);
+    const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, 3, m % 2 ? 97 : 40009);
     const std::vector<float> table = random_values(3 * h.cols, 1.0, rng);
     const std::vector<uint8_t> all(static_cast<size_t>((n + 7) / 8), 0xFF);
     std::vector<float> full(n * m);
