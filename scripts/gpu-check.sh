@@ -88,7 +88,8 @@ phase_ranks() {
     step "moe-cpu-${ranks}r-1epr" 200 "$PY -m fastdist.bench moe --ranks $ranks --experts-per-rank 1 --steps 20 \
       --layout-size 0 --json $out/moe-cpu-${ranks}r-1epr.json --plot $out/moe-cpu-${ranks}r-1epr.png"
   done
-  # issue 3's end-to-end 1.8x over AGsparse: on the 2-core VM the step is mostly the 4 ranks' compute
+  # issue 3's end-to-end step time with a core per rank (2-core VM: the 4 ranks' compute is most of a step; even
+  # with a core each, one rank's 106 ms of compute bounds the sketch's gain over AGsparse near 1.36x: README)
   if $PY -c "import sys; from fastdist import netsim; ok, why = netsim.available(); print(why); sys.exit(not ok)" \
     | tee -a "$out/summary.txt"; then
     step sparse-lm-cpu-4r-1gbit-128mib 240 "$PY -m fastdist.bench sparse-lm --ranks 4 --net 1gbit --steps 60 \
