@@ -1,8 +1,8 @@
 // CUDA kernels of the torch.ops.fastdist MoE routing ops (schemas in moe.cpp). Work runs on the current stream of
 // the input's device. Two checks need the data on the host and therefore one device sync each: expert ids in range
 // (moe_layout) and rows in range (moe_permute / moe_unpermute). The MoE layer syncs once per layer anyway for the
-// all-to-all split sizes. NaN or infinite logits are not checked on CUDA (a row with
-// no softmax gets distinct valid experts, otherwise unspecified).
+// all-to-all split sizes. NaN or infinite logits are not checked on CUDA (a row with no softmax gets distinct valid
+// experts, otherwise unspecified).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -522,7 +522,8 @@ def make_config(args):
     return {
         "methods": parse_methods(args.methods, sizes), "sketch_sizes": sizes, "steps": args.steps,
         "vocab": args.vocab, "dim": args.dim, "embed_dim": embed_dim, "seq": args.seq, "batch": args.batch,
-        "negatives": args.negatives, "exponent": args.exponent, "lr": args.lr, "optimizer": "adagrad", "seed": args.seed,
+        "negatives": args.negatives, "exponent": args.exponent, "lr": args.lr, "optimizer": "adagrad",
+        "seed": args.seed,
         "eval_every": args.eval_every or max(1, args.steps // 20), "eval_batch": args.eval_batch,
         "sketch_rows": args.sketch_rows, "auto_ratio": args.auto_ratio,
         "calibration_steps": args.calibration_steps, "warmup": args.warmup, "measure_tx": False,
