@@ -1,0 +1,113 @@
+"""What every benchmark suite shares: argument types for sizes, shapes and comma lists.
+
+Each type raises `argparse.ArgumentTypeError` with the offending text and the grammar it expected, so a bad
+flag ends in argparse's usage message rather than a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Collection
+from decimal import Decimal
+from typing import Any
+
+SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
+                "an optional 'iB' or 'B' follows, case-insensitive)")
+SHAPE_GRAMMAR = "positive integers joined by 'x' or ',', such as 8192x256 or 512,512,512"
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"(?P<base>\d+)\s*\^\s*(?P<exp>\d+)"
+                   r"|(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?:(?P<unit>[KMGT])I?)?B?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Parses a size such as '64K' into a whole number (bytes or elements, as the flag says).
+
+    Args:
+        text: A plain count ('4096'), a number with a binary unit ('64K', '1.5M', '16MiB', '1GB'), or a power
+            ('2^20'). Case-insensitive; surrounding spaces are ignored.
+
+    Returns:
+        The size as an int (>= 0).
+
+    Raises:
+        argparse.ArgumentTypeError: `text` does not follow the grammar, or names a fraction of a byte.
+    """
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: expected {SIZE_GRAMMAR}")
+    if match["base"] is not None:
+        return int(match["base"]) ** int(match["exp"])
+    value = Decimal(match["number"]) * _UNITS[(match["unit"] or "").upper()]
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: {value} is not a whole number; expected {SIZE_GRAMMAR}")
+    return int(value)
+
+
+def parse_shape(text: str, ndim: int | None = None) -> tuple[int, ...]:
+    """Parses a shape such as '8192x256' or '512,512,512' into a tuple of positive ints.
+
+    Args:
+        text: Positive integers joined by 'x' (or '*') or by ','.
+        ndim: The number of dimensions required; None accepts any number >= 1.
+
+    Returns:
+        The shape as a tuple of ints, each >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: `text` is not such a list, has a dimension < 1, or has not `ndim` entries.
+    """
+    parts = [p.strip() for p in re.split(r"[x*,]", text.strip().lower())]
+    if not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"bad shape {text!r}: expected {SHAPE_GRAMMAR}")
+    shape = tuple(int(p) for p in parts)
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"bad shape {text!r}: every dimension must be >= 1")
+    if ndim is not None and len(shape) != ndim:
+        raise argparse.ArgumentTypeError(f"bad shape {text!r}: expected {ndim} dimensions, got {len(shape)}")
+    return shape
+
+
+def shape_type(ndim: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse `type` that parses a shape of exactly `ndim` dimensions (see `parse_shape`)."""
+
+    def shape(text: str) -> tuple[int, ...]:
+        return parse_shape(text, ndim)
+
+    shape.__name__ = f"shape{ndim}d"
+    return shape
+
+
+def comma_list(item_type: Callable[[str], Any] = str,
+               choices: Collection[Any] | None = None) -> Callable[[str], list[Any]]:
+    """An argparse `type` for a comma-separated list: 'a,b,c' -> [item_type('a'), ...].
+
+    Empty items (a trailing comma, spaces) are dropped; an empty list is an error.
+
+    Args:
+        item_type: Converts one stripped item; a ValueError or ArgumentTypeError from it names the item.
+        choices: When given, every converted item must be one of these.
+
+    Returns:
+        A function from the flag's text to the list of converted items, in the order given.
+    """
+
+    def parse(text: str) -> list[Any]:
+        items = []
+        for raw in (p.strip() for p in text.split(",")):
+            if not raw:
+                continue
+            try:
+                item = item_type(raw)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise argparse.ArgumentTypeError(f"bad item {raw!r} in {text!r}: {e}") from None
+            if choices is not None and item not in choices:
+                allowed = ", ".join(str(c) for c in choices)
+                raise argparse.ArgumentTypeError(f"unknown item {raw!r} in {text!r}; choose from {allowed}")
+            items.append(item)
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one comma-separated item")
+        return items
+
+    parse.__name__ = "comma_list"
+    return parse
