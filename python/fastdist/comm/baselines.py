@@ -25,7 +25,7 @@ The OmniReduce-style lossless union all-reduce is `sketch_allreduce(t, mode="exa
 
 What each call sent is recorded, one style for all: `last_baseline_stats()` returns the BaselineStats of
 the last call on this process -- `wire_bytes` is the model of the bytes this rank sends over all of the
-call's collectives (all-reduce: bandwidth-optimal ring, 2(P-1)/P x payload; all-gather: ring,
+call's collectives (fastdist.comm.wire: all-reduce: ring, 2(P-1)/P x payload; all-gather: ring,
 (P-1) x this rank's block), the same model as SketchStats.wire_bytes, so the two compare directly.
 Indices travel as int32 when the tensor has fewer than 2^31 elements (rows), int64 otherwise.
 """
@@ -36,6 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
 from fastdist.distributed.fingerprint import check_same
 
@@ -76,16 +77,6 @@ _last = None
 def last_baseline_stats():
     """The BaselineStats of the last baseline call on this process (None before any)."""
     return _last
-
-
-def ring_allreduce_bytes(nbytes, world):
-    """Bytes each rank sends in a bandwidth-optimal (ring) all-reduce of `nbytes`."""
-    return int(2 * (world - 1) * nbytes // world) if world > 1 else 0
-
-
-def ring_allgather_bytes(block_bytes, world):
-    """Bytes each rank sends in a ring all-gather of one `block_bytes` block per rank."""
-    return int((world - 1) * block_bytes)
 
 
 def _record(method, t, world, start, **fields):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist import ops
+from fastdist.comm.wire import ring_allreduce_bytes
 from fastdist.distributed import compat
 from fastdist.distributed.fingerprint import MismatchError, fingerprint
 
@@ -117,10 +118,6 @@ _last = None
 def last_stats():
     """The SketchStats of the last completed sketch_allreduce call on this process (None before any)."""
     return _last
-
-
-def _ring_bytes(nbytes, world):
-    return int(2 * (world - 1) / world * nbytes)
 
 
 def _view_rows(t, granularity):
@@ -214,7 +211,7 @@ def _union(local_bits, bitmaps, n, group, world, device):
         return ops.bitwise_or_reduce(bitmaps), bitmaps, "header", 0
     nbytes = local_bits.numel()
     gather_bytes = (world - 1) * nbytes
-    max_bytes = _ring_bytes(n, world)
+    max_bytes = ring_allreduce_bytes(n, world)
     if gather_bytes <= max_bytes:
         gathered = torch.empty(world * nbytes, dtype=torch.uint8, device=device)
         compat.all_gather_single(gathered, local_bits.to(device), group=group)
@@ -390,7 +387,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
     if method != "exact":
         exact_collective = ""
     else:
-        union_ring_bytes = _ring_bytes(union_units * m * esize, world)
+        union_ring_bytes = ring_allreduce_bytes(union_units * m * esize, world)
         if exact_collective == "auto" or bitmaps is None:
             gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
             exact_collective, exact_by = _exact_choice(timings, all_rates, gather_candidate, union_ring_bytes,
@@ -407,7 +404,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             work_buf = sp.to_dense()
             rows2d = work_buf.view(n, m)
         payload = work_buf if device == work_buf.device else work_buf.to(device)
-        payload_bytes = _ring_bytes(payload.numel() * esize, world)
+        payload_bytes = ring_allreduce_bytes(payload.numel() * esize, world)
 
         def finish():
             if payload is not work_buf:
@@ -422,7 +419,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             payload = payload.to(device)
         else:
             payload = rows2d.index_select(0, union_idx).to(device)
-        payload_bytes = _ring_bytes(payload.numel() * esize, world)
+        payload_bytes = ring_allreduce_bytes(payload.numel() * esize, world)
 
         def finish():  # rows outside U are zero on every rank already: only the union's rows change
             reduced = payload.to(dev)
@@ -452,7 +449,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             support = local_bits if granularity == "row" else None
             table = ops.count_sketch(work_buf, rows, c, seed, support=support, granularity=granularity)
         payload = table.to(device)
-        payload_bytes = _ring_bytes(payload.numel() * 4, world)
+        payload_bytes = ring_allreduce_bytes(payload.numel() * 4, world)
 
         def finish():  # decodes only U's rows: rows outside U are zero on every rank already
             table = payload.to(dev)
@@ -481,7 +478,7 @@ def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granulari
             method=method, mode=mode, units=n, unit_size=m, local_units=local_units, union_units=union_units,
             union_method=union_method, sketch_shape=(rows, c),
             wire_bytes=header_bytes + union_bytes + payload_bytes,
-            dense_wire_bytes=_ring_bytes(n * m * esize, world), seconds=time.perf_counter() - start,
+            dense_wire_bytes=ring_allreduce_bytes(n * m * esize, world), seconds=time.perf_counter() - start,
             error_feedback=use_ef, exact_collective=exact_collective, exact_by=exact_by)
         _last = stats
         return result, stats
