@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastdist.tp.linear import chunk_bounds
+from fastdist.tp.chunks import chunk_bounds
 
 __all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "default_cost_model", "set_default_cost_model"]
 

@@ -37,19 +37,10 @@ from torch import nn
 from fastdist.distributed import check_same
 from fastdist.ops.epilogue import bias_epilogue
 from fastdist.tp import comm
+from fastdist.tp.chunks import chunk_bounds
+from fastdist.tp.cost import default_cost_model
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "chunk_bounds"]
-
-
-def chunk_bounds(n, k):
-    """``k`` consecutive ``(start, stop)`` ranges covering ``range(n)``, sizes differing by at most one."""
-    base, extra = divmod(n, k)
-    bounds, start = [], 0
-    for i in range(k):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
 def _world(group):
@@ -248,7 +239,6 @@ class _ParallelLinear(nn.Module):
         if k is not None:
             return k
         if self.overlap_chunks == "auto":
-            from fastdist.tp.cost import default_cost_model
             model = self.cost_model or default_cost_model()
             k = min(model.choose_chunks(self._gemm_shape(rows), op=self._kind, world_size=self.world_size), rows)
             k = max(k, 1)
