@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import torch
 
-from fastdist.compress.compressors import Compressor, Packet, _check_tensor, as_rows
+from fastdist.compress.compressors import Compressor, Packet, as_rows, check_compressible, check_compressor
 
 __all__ = ["AQSGD", "MemoryStore", "MmapStore", "StoreCorruptedError", "StoreFullError"]
 
@@ -280,8 +280,7 @@ class AQSGD(Compressor):
     name = "aqsgd"
 
     def __init__(self, c, store, warmup_epochs=1):
-        if not isinstance(c, Compressor):
-            raise TypeError(f"fastdist.compress.AQSGD: expected a compressor, got {type(c).__name__}")
+        check_compressor(c, "AQSGD")
         if not isinstance(store, _Store):
             raise TypeError(f"fastdist.compress.AQSGD: 'store' must be a MemoryStore or MmapStore, got "
                             f"{type(store).__name__}")
@@ -334,7 +333,7 @@ class AQSGD(Compressor):
         return out
 
     def compress(self, x, sample_ids=None):
-        _check_tensor(x, "AQSGD")
+        check_compressible(x, "AQSGD")
         x = x.detach()
         ids = self._ids(x, sample_ids)
         rows = as_rows(x)

@@ -17,7 +17,7 @@ from fastdist.compress.aqsgd import AQSGD
 from fastdist.compress.compressors import Compressor, Identity
 from fastdist.ops import topk_decompress
 
-__all__ = ["Boundary", "batch", "current_batch"]
+__all__ = ["Boundary", "batch", "check_boundary_arguments", "current_batch"]
 
 _BATCH = contextvars.ContextVar("fastdist_compress_batch", default=None)
 
@@ -37,10 +37,29 @@ def current_batch():
     return _BATCH.get() or {}
 
 
-def _check_compressor(c, name):
-    if c is not None and not isinstance(c, Compressor):
-        raise TypeError(f"fastdist.compress.Boundary: '{name}' must be a fastdist.compress compressor or None, got "
-                        f"{type(c).__name__}")
+def check_boundary_arguments(who, fwd, bwd, backward_mask):
+    """The argument checks :class:`Boundary` and :class:`~fastdist.compress.StageBoundary` share.
+
+    Args:
+        who: the class's name, for the messages.
+        fwd: the activation's compressor, or None.
+        bwd: the gradient's compressor, or None (never AQ-SGD, which keeps state per sample).
+        backward_mask: ``"reuse"`` or ``"independent"``.
+
+    Raises:
+        TypeError: ``fwd`` or ``bwd`` is not a compressor, or ``bwd`` is AQ-SGD.
+        ValueError: ``backward_mask`` is neither choice.
+    """
+    for name, c in (("fwd", fwd), ("bwd", bwd)):
+        if c is not None and not isinstance(c, Compressor):
+            raise TypeError(f"fastdist.compress.{who}: '{name}' must be a fastdist.compress compressor or None, "
+                            f"got {type(c).__name__}")
+    if isinstance(bwd, AQSGD):
+        raise TypeError(f"fastdist.compress.{who}: AQ-SGD compresses activations per sample; gradients are "
+                        "quantized directly (e.g. bwd=Quantize(8))")
+    if backward_mask not in ("reuse", "independent"):
+        raise ValueError(f"fastdist.compress.{who}: 'backward_mask' must be \"reuse\" or \"independent\", got "
+                         f"{backward_mask!r}")
 
 
 class _BoundaryFunction(torch.autograd.Function):
@@ -100,14 +119,7 @@ class Boundary(nn.Module):
 
     def __init__(self, fwd=None, bwd=None, backward_mask="reuse", at_inference=False):
         super().__init__()
-        _check_compressor(fwd, "fwd")
-        _check_compressor(bwd, "bwd")
-        if isinstance(bwd, AQSGD):
-            raise TypeError("fastdist.compress.Boundary: AQ-SGD compresses activations per sample; gradients are "
-                            "quantized directly (e.g. bwd=Quantize(8))")
-        if backward_mask not in ("reuse", "independent"):
-            raise ValueError(f"fastdist.compress.Boundary: 'backward_mask' must be \"reuse\" or \"independent\", got "
-                             f"{backward_mask!r}")
+        check_boundary_arguments("Boundary", fwd, bwd, backward_mask)
         self.fwd, self.bwd = fwd, bwd
         self.backward_mask, self.at_inference = backward_mask, bool(at_inference)
         self.stats = {}

@@ -12,7 +12,8 @@ from fastdist.ops import (dequantize, quantize, topk_bitmap_to_indices, topk_com
                           topk_indices_to_bitmap)
 from fastdist.ops.topk import topk_k
 
-__all__ = ["Chain", "Compressor", "Identity", "Packet", "Quantize", "TopK", "as_rows"]
+__all__ = ["Chain", "Compressor", "Identity", "Packet", "Quantize", "TopK", "as_rows", "check_compressible",
+           "check_compressor"]
 
 
 @dataclasses.dataclass
@@ -44,13 +45,34 @@ def as_rows(x):
     return x.reshape(x.shape[0], -1)
 
 
-def _check_tensor(x, who):
+def check_compressible(x, who):
+    """Raises unless ``x`` is what every compressor accepts: a non-empty floating-point tensor.
+
+    Args:
+        x: the input to compress.
+        who: the compressor's name, for the message.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or not floating point.
+        ValueError: ``x`` is empty.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fastdist.compress.{who}: expected a tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"fastdist.compress.{who}: expected a floating-point tensor, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"fastdist.compress.{who}: cannot compress an empty tensor (shape {tuple(x.shape)})")
+
+
+def check_compressor(c, who):
+    """Raises TypeError unless ``c`` is a :class:`Compressor` (the inner compressor of a stateful wrapper).
+
+    Args:
+        c: the object given as a compressor.
+        who: the wrapper's name, for the message.
+    """
+    if not isinstance(c, Compressor):
+        raise TypeError(f"fastdist.compress.{who}: expected a compressor, got {type(c).__name__}")
 
 
 class Compressor:
@@ -104,7 +126,7 @@ class Identity(Compressor):
     name = "none"
 
     def compress(self, x):
-        _check_tensor(x, "Identity")
+        check_compressible(x, "Identity")
         return Packet("dense", tuple(x.shape), x.dtype, {"x": x.detach().contiguous()})
 
     def decompress(self, packet):
@@ -143,7 +165,7 @@ class TopK(Compressor):
         return (d + 7) // 8 < 4 * k
 
     def compress(self, x):
-        _check_tensor(x, "TopK")
+        check_compressible(x, "TopK")
         rows = self._rows(x.detach())
         d = rows.shape[1]
         k = topk_k(self.ratio, d)
@@ -210,7 +232,7 @@ class Quantize(Compressor):
         return self.granularity
 
     def compress(self, x):
-        _check_tensor(x, "Quantize")
+        check_compressible(x, "Quantize")
         x = x.detach()
         group = self._group(x)
         seed = (self.seed + self.calls) % 2**63

@@ -5,14 +5,9 @@ calls ``decompress``. In one process (a :class:`~fastdist.compress.Boundary`) ``
 """
 import torch
 
-from fastdist.compress.compressors import Compressor, _check_tensor
+from fastdist.compress.compressors import Compressor, check_compressible, check_compressor
 
 __all__ = ["EF21", "ErrorFeedback"]
-
-
-def _check_inner(c, who):
-    if not isinstance(c, Compressor):
-        raise TypeError(f"fastdist.compress.{who}: expected a compressor, got {type(c).__name__}")
 
 
 def _check_shape(state, x, who, what):
@@ -28,7 +23,7 @@ class ErrorFeedback(Compressor):
     name = "ef"
 
     def __init__(self, c):
-        _check_inner(c, "ErrorFeedback")
+        check_compressor(c, "ErrorFeedback")
         self.c = c
         self.residual = None
 
@@ -42,7 +37,7 @@ class ErrorFeedback(Compressor):
         self.residual = None
 
     def _corrected(self, x):
-        _check_tensor(x, "ErrorFeedback")
+        check_compressible(x, "ErrorFeedback")
         x = x.detach()
         _check_shape(self.residual, x, "ErrorFeedback", "residual")
         return x if self.residual is None else x + self.residual
@@ -81,7 +76,7 @@ class EF21(Compressor):
     name = "ef21"
 
     def __init__(self, c):
-        _check_inner(c, "EF21")
+        check_compressor(c, "EF21")
         self.c = c
         self.sent = None       # the sender's A
         self.received = None   # the receiver's A
@@ -96,7 +91,7 @@ class EF21(Compressor):
         self.sent = self.received = None
 
     def compress(self, x):
-        _check_tensor(x, "EF21")
+        check_compressible(x, "EF21")
         x = x.detach()
         _check_shape(self.sent, x, "EF21", "estimate")
         a = self.sent if self.sent is not None else torch.zeros_like(x)

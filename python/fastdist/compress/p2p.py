@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from fastdist.compress.aqsgd import AQSGD
-from fastdist.compress.compressors import Compressor, Identity, Packet
+from fastdist.compress.boundary import check_boundary_arguments
+from fastdist.compress.compressors import Identity, Packet
 from fastdist.distributed import MismatchError, fingerprint
 from fastdist.ops import topk_decompress
 
@@ -223,16 +224,7 @@ class StageBoundary:
         rank = dist.get_rank()
         if rank not in (sender, receiver) or sender == receiver:
             raise ValueError(f"fastdist.compress.StageBoundary: rank {rank} is neither end of {sender} -> {receiver}")
-        for name, c in (("fwd", fwd), ("bwd", bwd)):
-            if c is not None and not isinstance(c, Compressor):
-                raise TypeError(f"fastdist.compress.StageBoundary: '{name}' must be a compressor or None, got "
-                                f"{type(c).__name__}")
-        if isinstance(bwd, AQSGD):
-            raise TypeError("fastdist.compress.StageBoundary: gradients are not compressed with AQ-SGD; use e.g. "
-                            "bwd=Quantize(8)")
-        if backward_mask not in ("reuse", "independent"):
-            raise ValueError(f"fastdist.compress.StageBoundary: 'backward_mask' must be \"reuse\" or "
-                             f"\"independent\", got {backward_mask!r}")
+        check_boundary_arguments("StageBoundary", fwd, bwd, backward_mask)
         self.sender, self.receiver, self.group = sender, receiver, group
         self.fwd = fwd if fwd is not None else Identity()
         self.bwd = bwd if bwd is not None else Identity()
