@@ -1,0 +1,129 @@
+"""The docs' result tables are generated from bench/*.json and checked to be current."""
+import json
+import os
+
+import pytest
+
+from fastdist.bench import results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ENV = {"fastdist": "0.1.0", "torch": "2.13.0+cpu", "backend": "gloo", "device": "cpu", "ranks": 4,
+       "network": "netsim: 4 hosts, 1 Gbit/s links", "cuda_kernels": False, "host_cpus": 2, "torch_threads": 2,
+       "date": "2026-11-22T06:36:53", "command": "__main__.py compress --ranks 4 --net 1gbit"}
+PIPELINE = {
+    "suite": "compress", "env": ENV,
+    "config": {"batch": 8, "seq": 4096, "hidden": 16, "steps": 5, "warmup": 2},
+    "rows": [
+        {"method": "none", "time_ms": 113.40788, "speedup": 1.0, "link_ms_model": 100.668672,
+         "fwd_wire_bytes": 2097264.0, "bwd_wire_bytes": 2097264.0, "tx_bytes": 4204352.0, "dense_bytes": 2097152},
+        {"method": "topk10+q8", "time_ms": 33.5832, "speedup": 3.3769230, "link_ms_model": 7.87392,
+         "fwd_wire_bytes": 275424.0, "bwd_wire_bytes": 52656.0, "tx_bytes": 330358.0, "dense_bytes": 2097152},
+    ],
+}
+EXPECTED_TABLE = """\
+| method | step (ms) | vs none | link, model (ms) | fwd (B/boundary) | bwd (B/boundary) | tx (B/boundary) | fwd ratio |
+|---|---:|---:|---:|---:|---:|---:|---:|
+| none | 113.4 | 1.00x | 100.7 | 2097264 | 2097264 | 4204352 | 1.0x |
+| topk10+q8 | 33.6 | 3.38x | 7.9 | 275424 | 52656 | 330358 | 7.6x |"""
+PROSE_BEFORE = "# Compression\n\nHand-written findings: TopK 10% is the fastest.\n\n"
+PROSE_AFTER = "\nMore hand-written prose.\n"
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A bench folder with one recorded pipeline run and a docs page with an empty block for it."""
+    bench, docs = tmp_path / "bench", tmp_path / "docs"
+    bench.mkdir()
+    docs.mkdir()
+    (bench / "compress-4r.json").write_text(json.dumps(PIPELINE))
+    page = docs / "compression.md"
+    page.write_text(PROSE_BEFORE + "<!-- results:compress-4r -->\n<!-- /results -->\n" + PROSE_AFTER)
+    return bench, docs, page
+
+
+def test_make_docs_fills_the_block_with_the_recorded_table_and_keeps_the_prose(tree):
+    bench, docs, page = tree
+    assert results.main([str(bench), str(docs)]) == 0
+    text = page.read_text()
+    assert text.startswith(PROSE_BEFORE + "<!-- results:compress-4r -->\n")
+    assert text.endswith("<!-- /results -->\n" + PROSE_AFTER)
+    assert EXPECTED_TABLE in text
+    assert "[bench/compress-4r.json](../bench/compress-4r.json)" in text
+    assert "`fastdist-bench compress --ranks 4 --net 1gbit`" in text
+    assert "netsim: 4 hosts, 1 Gbit/s links" in text
+    assert results.main([str(bench), str(docs), "--check"]) == 0
+
+
+def test_a_wrong_number_in_a_generated_table_fails_the_check_with_a_diff(tree, capsys):
+    bench, docs, page = tree
+    results.main([str(bench), str(docs)])
+    page.write_text(page.read_text().replace("| topk10+q8 | 33.6 | 3.38x |", "| topk10+q8 | 31.2 | 3.38x |"))
+    capsys.readouterr()
+
+    assert results.main([str(bench), str(docs), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "-| topk10+q8 | 31.2 | 3.38x |" in out
+    assert "+| topk10+q8 | 33.6 | 3.38x |" in out
+
+
+def test_a_new_recording_makes_the_docs_stale_until_regenerated(tree, capsys):
+    bench, docs, page = tree
+    results.main([str(bench), str(docs)])
+    rerun = json.loads(json.dumps(PIPELINE))
+    rerun["rows"][1]["time_ms"] = 36.04
+    (bench / "compress-4r.json").write_text(json.dumps(rerun))
+
+    assert results.main([str(bench), str(docs), "--check"]) == 1
+    assert results.main([str(bench), str(docs)]) == 0
+    assert "| topk10+q8 | 36.0 |" in page.read_text()
+    assert results.main([str(bench), str(docs), "--check"]) == 0
+
+
+def test_a_recorded_file_shown_on_no_page_fails_the_check(tree, capsys):
+    bench, docs, page = tree
+    (bench / "compress-2r.json").write_text(json.dumps(PIPELINE))
+    assert results.main([str(bench), str(docs)]) == 1
+    assert "compress-2r.json is shown on no page" in capsys.readouterr().err
+
+
+def test_a_marker_naming_no_recorded_file_or_part_fails_the_check(tree, capsys):
+    bench, docs, page = tree
+    for marker, message in [("compress-8r", "compress-8r.json is not a recorded suite result"),
+                            ("compress-4r#kernels", "compress-4r.json has no part 'kernels'")]:
+        page.write_text(f"<!-- results:compress-4r -->\n<!-- /results -->\n<!-- results:{marker} -->\n"
+                        "<!-- /results -->\n")
+        assert results.main([str(bench), str(docs), "--check"]) == 1
+        assert message in capsys.readouterr().err
+
+
+def test_a_part_marker_shows_only_that_table(tree):
+    bench, docs, page = tree
+    page.write_text("<!-- results:compress-4r#pipeline -->\n<!-- /results -->\n")
+    assert results.main([str(bench), str(docs)]) == 0
+    assert EXPECTED_TABLE in page.read_text()
+
+
+def test_a_file_of_an_unknown_suite_fails_the_check_unless_listed_as_not_a_suite_result(tree, capsys, monkeypatch):
+    bench, docs, page = tree
+    (bench / "summary.json").write_text(json.dumps({"gpu": "H100", "phases": ["cuda"]}))
+    assert results.main([str(bench), str(docs), "--check"]) == 1
+    assert "summary.json: no renderer for suite None" in capsys.readouterr().err
+
+    monkeypatch.setitem(results.NOT_SUITE_RESULTS, "summary.json", "gpu-check's phase summary")
+    results.main([str(bench), str(docs)])
+    assert results.main([str(bench), str(docs), "--check"]) == 0
+    assert "skipped summary.json: gpu-check's phase summary" in capsys.readouterr().out
+
+
+def test_a_column_keeps_one_format_whatever_the_magnitude():
+    columns = [results.col("time (ms)", "t", results.fixed(1)), results.col("error", "e", results.scientific(2))]
+    table = results.markdown_table(columns, [{"t": 101.94, "e": 0.012}, {"t": 82.59, "e": 1.7e-4}, {"t": 3.0, "e": 0}])
+    assert table.splitlines()[2:] == ["| 101.9 | 1.20e-02 |", "| 82.6 | 1.70e-04 |", "| 3.0 | 0 |"]
+
+
+def test_a_column_missing_from_every_row_is_left_out_and_a_missing_value_is_a_dash():
+    columns = [results.col("method", "m"), results.col("tx (B)", "tx", results.integer),
+               results.col("note", "note")]
+    table = results.markdown_table(columns, [{"m": "dense", "tx": 10}, {"m": "auto", "tx": None}])
+    assert table.splitlines() == ["| method | tx (B) |", "|---|---:|", "| dense | 10 |", "| auto | - |"]
