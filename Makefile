@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 BUILD_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 CMAKE_DIR := build/cmake
 
-.PHONY: bench test kernel-check cuda-glue-check env clean
+.PHONY: bench test kernel-check cuda-glue-check env clean docs
 
 $(VENV)/.deps: requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(VENV)/.built
 
 env: $(VENV)/.built
 	$(PY) -m fastdist.env
+
+# docs/*.md's result tables, regenerated from bench/*.json (tests/test_docs.py fails when they are stale)
+docs: $(VENV)/.built
+	$(PY) -m fastdist.bench.results bench docs
 
 kernel-check:
 	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release
