@@ -2,9 +2,8 @@
 
   fastdist-bench                         a short tour of every suite (4 ranks, simulated 10 Gbit/s if possible)
   fastdist-bench collectives [opts]      nccl-tests style sweep of torch.distributed collectives
-  fastdist-bench kernels [opts]          fastdist's kernels vs the machine's copy bandwidth
+  fastdist-bench kernels [opts]          every op family vs its torch path and the machine's copy bandwidth
   fastdist-bench compress [opts]         4-stage pipeline, one rank per stage: activation/gradient compressors
-  fastdist-bench compress-kernels [opts] TopK / quantization kernels vs torch.topk, scatter, torch quantization
   fastdist-bench compress-findings [opts] convergence table: CNN and GPT with compressed stage boundaries
   fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
   fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
@@ -25,7 +24,6 @@ SUITES = {
     "collectives": "fastdist.bench.collectives",
     "compress": "fastdist.bench.compress",
     "compress-findings": "fastdist.bench.compress_findings",
-    "compress-kernels": "fastdist.bench.compress_kernels",
     "kernels": "fastdist.bench.kernels",
     "moe": "fastdist.bench.moe",
     "sparse": "fastdist.bench.sparse",
@@ -38,7 +36,6 @@ SUITES = {
 TOUR = {
     "collectives": ["--ranks", "4", "--net", "10gbit", "--max-size", "16M", "--min-time", "0.1"],
     "kernels": ["--quick"],
-    "compress-kernels": ["--topk-shape", "64x65536", "--repeats", "5"],
     "compress": ["--steps", "5", "--warmup", "2"],
     "sparse": ["--ranks", "2", "--net", "10gbit", "--shape", "8192x256", "--densities", "2"],
     "moe": ["--ranks", "2", "--tokens", "512", "--d-ff", "512", "--steps", "5", "--warmup", "2",

@@ -1,83 +1,117 @@
-"""`fastdist-bench kernels`: fastdist's kernels against the machine's copy bandwidth.
+"""`fastdist-bench kernels`: every op family against its pure-torch path and the machine's copy bandwidth.
 
-For each op and size: the bytes the op must move (read + written), the median time, the achieved GB/s and
-that as a percentage of the copy bandwidth (a STREAM-like `dst.copy_(src)` of 256 MiB, timed interleaved with
-every op: the percentage is the median over rounds of the op's GB/s over the copy's in the same round), and the
-speed-up over the obvious pure-torch implementation of the same op, timed interleaved with ours. Sizes count
-mask elements (bits): pack_bits reads `size` bools and writes size/8 bytes, unpack_bits
-the reverse, bitwise_or_reduce ORs --rows bitmaps of `size` bits. On CPU, sizes that fit in the caches run
-faster than the copy bandwidth, which is measured out of memory; each CPU sample follows an untimed call
-of the same function. On CUDA: CUDA events, and L2 is flushed (256 MiB written) before every timed call.
+Each row is one op on one input: the bytes it moves, its median time, the achieved GB/s, that as a percentage of
+the copy bandwidth, and the speed-up over the op's torch path. The copy is a STREAM-like `dst.copy_(src)` of 256 MiB
+timed in the same rounds as the op and its torch path (interleaved, warm-up first); "% of copy" is the median over
+rounds of the op's GB/s over the copy's in that round, so drift in a shared machine's bandwidth cancels. Every op is
+checked against its torch path before it is timed. On CPU each sample follows an untimed call of the same function,
+and inputs that fit in the caches beat the copy, which runs out of memory. On CUDA: CUDA events, and L2 is flushed
+(256 MiB written) before every timed call.
 
-The count-sketch ops run on an embedding-shaped gradient (--sketch-shape, default 32768 x 1024 float32):
-count_sketch and count_sketch_decode with a row support at row densities 0.5 %, 2 % and 10 %, and with element
-granularity on a tensor whose values are half non-zero (--sketch-element-shape); nonzero_bitmap reads the whole
-tensor. Their GB/s count the values the op must read (nonzero_bitmap: all; count_sketch: the supported rows' with a
-row support, all without one) or produce (count_sketch_decode: the supported values; it also zero-fills the rest of
-its n x m output; count_sketch_decode_units: the same values, written compactly, as sketch_allreduce uses it).
-A sketch has 3 rows and a third as many columns as values sketched (a table as large as the values, what the
-issue's "sketch sized at the union's non-zeros" is). The torch peer of count_sketch is sketch_hash +
-index_add_ (it stores the hashes, which fastdist's kernel never does); of decode, sketch_hash + gather + median.
+Bytes moved, per op (read + write; the sketch ops count the values sketched or decoded, the measure their targets
+are set in), and the torch path each is timed against:
+
+  bitpack (--sizes, in mask elements)
+    pack_bits                  size + size/8         bool mask * bit weights, summed per byte
+    unpack_bits                size/8 + size         packed & bit weights != 0
+    bitwise_or_reduce          (rows + 1) * size/8   functools.reduce(torch.bitwise_or) over --rows bitmaps
+  sketch (an embedding-shaped float32 gradient, --sketch-shape, with a row support at row densities 0.5, 2 and 10 %;
+          element granularity on --sketch-element-shape, half of its values non-zero; 3-row sketches with a third
+          as many columns as values sketched, a table as large as the values)
+    nonzero_bitmap             4 * numel             any(!= 0) per row (or element), packed as above
+    count_sketch               4 * values sketched   sketch_hash + index_add_ (it stores the hashes; ours never does)
+    count_sketch_decode        4 * values decoded    sketch_hash + gather + median, into a zero n x m output
+    count_sketch_decode_units  4 * values decoded    the same, written compactly (what sketch_allreduce uses)
+  topk (x = --shape float32 rows, k = ceil(--ratio * cols) per row)
+    topk_compress              4 n + 8 rows k        torch.topk(x.abs()) + gather
+    topk_decompress            8 rows k + 4 n        torch.zeros + scatter_
+  quantize (x as above, 8 and 4 bits, one minmax group per row)
+    quantize                   4 n + n bits/8        per-row min/max, round, uint8 (one code per byte: no packing)
+    dequantize                 n bits/8 + 4 n        codes unpacked with shifts, q * scale + zero
+  moe (T * k = --layout-size assignments, k = 2, 64 experts of Zipf-like popularity)
+    moe_layout                 8 Tk + 25 Tk + 16 E   stable sort + bincount + cumsum (int64 ids in; int64 permutation,
+                                                     row_of_slot, position, bool keep, int64 counts, offsets out)
+  epilogue (x and a residual of --shape, a bias of its columns)
+    bias_epilogue              12 n + 4 cols         eager act(x + bias) + residual, for gelu_tanh and gelu_erf
 """
+import argparse
 import functools
 import math
 import statistics
 import time
+from typing import Callable, NamedTuple
 
 import torch
 
 import fastdist
 from fastdist.bench import report
-from fastdist.ops import (bitwise_or_reduce, count_sketch, count_sketch_decode, count_sketch_decode_units,
-                          nonzero_bitmap, pack_bits, sketch_hash, unpack_bits)
+from fastdist.bench.toolkit import comma_list, parse_size, shape_type
+from fastdist.ops import (bias_epilogue, bitwise_or_reduce, count_sketch, count_sketch_decode,
+                          count_sketch_decode_units, dequantize, moe_layout, nonzero_bitmap, pack_bits, quantize,
+                          sketch_hash, topk_compress, topk_decompress, unpack_bits)
+from fastdist.ops.topk import topk_k
 
-SWEEP_OPS = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]  # timed over --sizes
-SKETCH_OPS = ["nonzero_bitmap", "count_sketch", "count_sketch_decode", "count_sketch_decode_units"]  # --sketch-shape
-OPS = SWEEP_OPS + SKETCH_OPS
+FAMILIES = {
+    "bitpack": ["pack_bits", "unpack_bits", "bitwise_or_reduce"],
+    "sketch": ["nonzero_bitmap", "count_sketch", "count_sketch_decode", "count_sketch_decode_units"],
+    "topk": ["topk_compress", "topk_decompress"],
+    "quantize": ["quantize", "dequantize"],
+    "moe": ["moe_layout"],
+    "epilogue": ["bias_epilogue"],
+}
+OPS = [op for ops in FAMILIES.values() for op in ops]
+FAMILY_OF = {op: family for family, ops in FAMILIES.items() for op in ops}
 SKETCH_ROWS = 3
 SKETCH_SEED = 1234
 SKETCH_DENSITIES = [0.005, 0.02, 0.10]
-QUICK_SKETCH_DENSITIES = [0.02]
+QUANTIZE_BITS = [8, 4]
+MOE_K, MOE_EXPERTS = 2, 64
+ACTIVATIONS = {"gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+               "gelu_erf": torch.nn.functional.gelu}
 COPY_BYTES = 256 << 20
 FLUSH_BYTES = 256 << 20
-MIN_SAMPLE_S = 2e-3  # on CPU, small sizes repeat inside one sample until it takes this long (timer noise)
-DEFAULT_SIZES = {"cpu": [1 << k for k in range(16, 27, 2)], "cuda": [1 << k for k in range(16, 31, 2)]}
-QUICK_SIZES = [1 << k for k in range(16, 23, 2)]
+MIN_SAMPLE_S = 2e-3  # on CPU, small inputs repeat inside one sample until it takes this long (timer noise)
+# (full run, --quick) per option; a dict where CPU and CUDA differ
+DEFAULTS = {
+    "sizes": ({"cpu": [1 << k for k in range(16, 27, 2)], "cuda": [1 << k for k in range(16, 31, 2)]},
+              [1 << k for k in range(16, 23, 2)]),
+    "sketch_shape": ((32768, 1024), (8192, 1024)),
+    "sketch_element_shape": ((4096, 1024), (1024, 1024)),
+    "densities": (SKETCH_DENSITIES, [0.02]),
+    "shape": ({"cpu": (256, 65536), "cuda": (64, 1 << 20)}, (64, 65536)),
+    "layout_size": (1 << 20, 1 << 18),
+}
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the kernels run (cuda needs fastdist's CUDA kernels; default cpu)")
-    p.add_argument("--sizes", default=None,
-                   help="comma-separated sizes in mask elements, e.g. 64K,1M,2^24 "
-                        "(default 2^16..2^26 on cpu, 2^16..2^30 on cuda, step x4)")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    p.add_argument("--family", type=comma_list(str, list(FAMILIES)), default=None,
+                   help="comma-separated families (default all): " + ",".join(FAMILIES))
+    p.add_argument("--ops", type=comma_list(str, OPS), default=None,
+                   help="comma-separated ops (default all of the families chosen): " + ",".join(OPS))
+    p.add_argument("--sizes", type=comma_list(parse_size), default=None,
+                   help="bitpack sizes in mask elements, e.g. 64K,1M,2^24 (default 2^16..2^26 on cpu, 2^16..2^30 on "
+                        "cuda, step x4; --quick 2^16..2^22)")
     p.add_argument("--rows", type=int, default=8, help="bitmaps ORed by bitwise_or_reduce, as ranks (default 8)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per size, >= 5 (default 7)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size (default 2)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
-    p.add_argument("--sketch-shape", default=None,
-                   help="gradient shape ROWSxCOLS for the count-sketch ops (default 32768x1024; --quick 8192x1024)")
-    p.add_argument("--sketch-element-shape", default=None,
+    p.add_argument("--sketch-shape", type=shape_type(2), default=None,
+                   help="gradient ROWSxCOLS for the sketch ops (default 32768x1024; --quick 8192x1024)")
+    p.add_argument("--sketch-element-shape", type=shape_type(2), default=None,
                    help="shape for element granularity, half of its values non-zero (default 4096x1024; "
                         "--quick 1024x1024)")
-    p.add_argument("--quick", action="store_true",
-                   help="short sweep 2^16..2^22, smaller sketch shapes at 2 %% density, 5 repetitions")
+    p.add_argument("--shape", type=shape_type(2), default=None,
+                   help="float32 ROWSxCOLS for topk, quantize and bias_epilogue (default 256x65536 on cpu, "
+                        "64x1048576 on cuda; --quick 64x65536)")
+    p.add_argument("--ratio", type=float, default=0.1, help="TopK keeps ceil(ratio * cols) per row (default 0.1)")
+    p.add_argument("--layout-size", type=parse_size, default=None,
+                   help="T * k assignments for moe_layout (default 2^20; --quick 2^18)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per case, >= 5 (default 7)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per case (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
+    p.add_argument("--quick", action="store_true", help="small inputs (see each option), 5 repetitions")
 
 
-def parse_size(text):
-    """'64K' -> 65536, '2^20' -> 1048576; K/M/G are binary."""
-    text = text.strip().upper()
-    if "^" in text:
-        base, exp = text.split("^")
-        return int(base) ** int(exp)
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if text and text[-1] in scale:
-        return int(float(text[:-1]) * scale[text[-1]])
-    return int(text)
-
-
-# ---- the obvious pure-torch implementations (the peer column) ----
+# ---- the pure-torch paths (the peer column) ----
 
 _POWERS = 1 << torch.arange(8, dtype=torch.uint8)
 
@@ -122,16 +156,6 @@ def torch_count_sketch(x, rows, cols, seed, support, granularity):
     return table
 
 
-def torch_count_sketch_decode(table, support, n, m, seed):
-    units = torch_unpack_bits(support, n).nonzero().flatten()
-    idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
-    bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed, max(m, 1))
-    est = torch.stack([table[j][bucket[j]] * sign[j] for j in range(table.shape[0])])
-    out = torch.zeros(n * m, device=table.device)
-    out[idx] = est.median(dim=0).values
-    return out.reshape(n, m)
-
-
 def torch_count_sketch_decode_units(table, units, m, seed):
     idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
     bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed, max(m, 1))
@@ -139,10 +163,212 @@ def torch_count_sketch_decode_units(table, units, m, seed):
     return est.median(dim=0).values.reshape(units.numel(), m)
 
 
+def torch_count_sketch_decode(table, support, n, m, seed):
+    units = torch_unpack_bits(support, n).nonzero().flatten()
+    out = torch.zeros(n, m, device=table.device)
+    out[units] = torch_count_sketch_decode_units(table, units, m, seed)
+    return out
+
+
 def torch_nonzero_bitmap(x, granularity):
     if granularity == "row":
         return torch_pack_bits((x.reshape(x.shape[0], -1) != 0).any(dim=1))
     return torch_pack_bits(x.reshape(-1) != 0)
+
+
+def torch_topk(x, k):
+    idx = torch.topk(x.abs(), k, dim=1).indices
+    return x.gather(1, idx), idx
+
+
+def torch_topk_decompress(values, indices, d):
+    return torch.zeros(values.shape[0], d, dtype=values.dtype, device=values.device).scatter_(1, indices, values)
+
+
+def torch_quantize_rows(x, bits):
+    lo = x.amin(1, keepdim=True)
+    hi = x.amax(1, keepdim=True)
+    scale = (hi - lo) / (2**bits - 1)
+    q = ((x - lo) / scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
+    return q, scale, lo
+
+
+def torch_dequantize_rows(packed, scale, lo, bits, shape):
+    """Codes packed least-significant-bit first (fastdist.ops.quantize's layout), unpacked and scaled per row."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(shape)
+    return codes.float() * scale + lo
+
+
+def torch_moe_layout(ids, num_experts):
+    """(counts, permutation, row_of_slot, position) of a dropless layout by stable sort, as moe_layout defines them."""
+    tokens, k = ids.shape
+    flat = ids.t().reshape(-1)  # priority order: choice-major
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cumsum(counts, 0) - counts
+    rows = torch.arange(flat.numel(), device=ids.device)
+    slot = (order % tokens) * k + order // tokens
+    row_of_slot, position = torch.empty_like(slot), torch.empty_like(slot)
+    row_of_slot[slot] = rows
+    position[slot] = rows - offsets[flat[order]]
+    return counts, slot, row_of_slot.view(tokens, k), position.view(tokens, k)
+
+
+# ---- the cases: each op on its inputs, with its torch path and its bytes moved ----
+
+class Case(NamedTuple):
+    op: str
+    label: str  # the input, as the table shows it
+    config: dict  # the input, as the JSON stores it
+    ours: Callable
+    theirs: Callable
+    nbytes: int
+    agree: Callable  # agree(ours(), theirs()) -> bool
+
+
+def _bitpack_cases(op, inputs, device):
+    for size in inputs["sizes"]:
+        g = torch.Generator().manual_seed(size)
+        nbytes = (size + 7) // 8
+        if op == "pack_bits":
+            mask = (torch.rand(size, generator=g) < 0.5).to(device)
+            yield Case(op, f"{size} bits", {"size": size}, lambda m=mask: pack_bits(m),
+                       lambda m=mask: torch_pack_bits(m), size + nbytes, torch.equal)
+        elif op == "unpack_bits":
+            packed = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).to(device)
+            yield Case(op, f"{size} bits", {"size": size}, lambda p=packed, s=size: unpack_bits(p, s),
+                       lambda p=packed, s=size: torch_unpack_bits(p, s), nbytes + size, torch.equal)
+        else:
+            packed = torch.randint(0, 256, (inputs["rows"], nbytes), generator=g, dtype=torch.uint8).to(device)
+            yield Case(op, f"{inputs['rows']} x {size} bits", {"size": size, "rows": inputs["rows"]},
+                       lambda p=packed: bitwise_or_reduce(p), lambda p=packed: torch_bitwise_or_reduce(p),
+                       (inputs["rows"] + 1) * nbytes, torch.equal)
+
+
+def _gradient(shape, density, granularity, device, seed=0):
+    """float32 values in [-1, 1), with a fraction `density` of the rows (or of the elements) non-zero."""
+    g = torch.Generator().manual_seed(seed)
+    if granularity == "row":
+        x = torch.zeros(shape)
+        rows = torch.rand(shape[0], generator=g) < density
+        x[rows] = torch.rand(int(rows.sum()), shape[1], generator=g) * 2 - 1
+    else:
+        x = (torch.rand(shape, generator=g) * 2 - 1) * (torch.rand(shape, generator=g) < density)
+    return x.to(device)
+
+
+def _sketch_cases(op, inputs, device):
+    configs = [("row", inputs["sketch_shape"], density) for density in inputs["densities"]]
+    configs.append(("element", inputs["sketch_element_shape"], 0.5))
+    for granularity, shape, density in configs:
+        x = _gradient(shape, density, granularity, device)
+        support = nonzero_bitmap(x, granularity)
+        n, m = _units(x, granularity)
+        config = {"shape": f"{shape[0]}x{shape[1]}", "granularity": granularity, "density": density, "cols": None}
+        label = f"{config['shape']} {granularity} {100 * density:g}%"
+        if op == "nonzero_bitmap":
+            yield Case(op, label, config, lambda x=x, gr=granularity: nonzero_bitmap(x, gr),
+                       lambda x=x, gr=granularity: torch_nonzero_bitmap(x, gr), x.numel() * 4, torch.equal)
+            continue
+        units = torch_unpack_bits(support, n).nonzero().flatten()
+        values = units.numel() * m
+        cols = max(values // SKETCH_ROWS, 1024)  # a table as large as the values sketched
+        config["cols"], label = cols, f"{label} cols {cols}"
+        if op == "count_sketch":
+            # Row granularity: the row support is given. Element granularity: no support, the non-zeros are sketched.
+            sup = support if granularity == "row" else None
+            yield Case(op, label, config,
+                       lambda x=x, c=cols, s=sup, gr=granularity: count_sketch(x, SKETCH_ROWS, c, SKETCH_SEED, s, gr),
+                       lambda x=x, c=cols, s=sup, gr=granularity: torch_count_sketch(x, SKETCH_ROWS, c, SKETCH_SEED,
+                                                                                     s, gr),
+                       (values if sup is not None else x.numel()) * x.element_size(),
+                       lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4))
+            continue
+        table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
+        if op == "count_sketch_decode_units":
+            yield Case(op, label, config, lambda t=table, u=units, m=m: count_sketch_decode_units(t, u, m, SKETCH_SEED),
+                       lambda t=table, u=units, m=m: torch_count_sketch_decode_units(t, u, m, SKETCH_SEED),
+                       values * 4, torch.equal)
+        else:
+            yield Case(op, label, config,
+                       lambda t=table, s=support, n=n, m=m: count_sketch_decode(t, s, n, m, SKETCH_SEED),
+                       lambda t=table, s=support, n=n, m=m: torch_count_sketch_decode(t, s, n, m, SKETCH_SEED),
+                       values * 4, torch.equal)
+
+
+def _matrix(inputs, device):
+    return torch.randn(inputs["shape"], generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def _topk_cases(op, inputs, device):
+    x = _matrix(inputs, device)
+    rows, d = x.shape
+    k = topk_k(inputs["ratio"], d)
+    config, label, nbytes = {"shape": f"{rows}x{d}", "k": k}, f"{rows}x{d} k={k}", 4 * x.numel() + 8 * rows * k
+    if op == "topk_compress":
+        def agree(ours, theirs):  # ours come in ascending index order, torch's in descending magnitude
+            idx, order = theirs[1].sort(1)
+            return torch.equal(ours[1].long(), idx) and torch.equal(ours[0], theirs[0].gather(1, order))
+        yield Case(op, label, config, lambda: topk_compress(x, k), lambda: torch_topk(x, k), nbytes, agree)
+    else:
+        values, indices = topk_compress(x, k)
+        indices64 = indices.long()  # torch's scatter_ takes int64 only
+        yield Case(op, label, config, lambda: topk_decompress(values, indices, d),
+                   lambda: torch_topk_decompress(values, indices64, d), nbytes, torch.equal)
+
+
+def _quantize_cases(op, inputs, device):
+    x = _matrix(inputs, device)
+    rows, d = x.shape
+    for bits in QUANTIZE_BITS:
+        config, label = {"shape": f"{rows}x{d}", "bits": bits}, f"{rows}x{d} {bits}-bit"
+        nbytes = 4 * x.numel() + x.numel() * bits // 8
+        if op == "quantize":
+            def agree(ours, theirs, bits=bits):  # rounding ties may differ from torch's: check the error bound
+                packed, scales, zeros = ours
+                y = dequantize(packed, scales, zeros, bits, "minmax", d, x.shape)
+                return torch.equal(scales, theirs[1].flatten()) and bool(
+                    ((y - x).abs() <= scales[:, None] * 0.5001 + 1e-6).all())
+            yield Case(op, label, config, lambda b=bits: quantize(x, b, "minmax", d),
+                       lambda b=bits: torch_quantize_rows(x, b), nbytes, agree)
+        else:
+            packed, scales, zeros = quantize(x, bits, "minmax", d)
+            yield Case(op, label, config,
+                       lambda p=packed, s=scales, z=zeros, b=bits: dequantize(p, s, z, b, "minmax", d, x.shape),
+                       lambda p=packed, s=scales[:, None], z=zeros[:, None], b=bits: torch_dequantize_rows(
+                           p, s, z, b, x.shape), nbytes, lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+
+
+def _moe_cases(op, inputs, device):
+    tokens = inputs["layout_size"] // MOE_K
+    popularity = 1.0 / torch.arange(1, MOE_EXPERTS + 1, dtype=torch.float64) ** 1.2
+    ids = torch.multinomial(popularity.float(), tokens * MOE_K, replacement=True,
+                            generator=torch.Generator().manual_seed(0)).view(tokens, MOE_K).to(device)
+
+    def agree(ours, theirs):
+        counts, _, _, permutation, row_of_slot, position, _ = ours
+        return all(map(torch.equal, (counts, permutation, row_of_slot, position), theirs))
+    yield Case(op, f"{tokens * MOE_K} assignments, {MOE_EXPERTS} experts",
+               {"assignments": tokens * MOE_K, "k": MOE_K, "experts": MOE_EXPERTS},
+               lambda: moe_layout(ids, MOE_EXPERTS, 1, -1), lambda: torch_moe_layout(ids, MOE_EXPERTS),
+               33 * tokens * MOE_K + 16 * MOE_EXPERTS, agree)
+
+
+def _epilogue_cases(op, inputs, device):
+    x = _matrix(inputs, device)
+    g = torch.Generator().manual_seed(1)
+    bias, residual = torch.randn(x.shape[1], generator=g).to(device), torch.randn(x.shape, generator=g).to(device)
+    rows, d = x.shape
+    for activation, act in ACTIVATIONS.items():
+        yield Case(op, f"{rows}x{d} {activation} +bias +residual",
+                   {"shape": f"{rows}x{d}", "activation": activation},
+                   lambda a=activation: bias_epilogue(x, bias, residual, a), lambda f=act: f(x + bias) + residual,
+                   12 * x.numel() + 4 * d, lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+
+
+CASES = {"bitpack": _bitpack_cases, "sketch": _sketch_cases, "topk": _topk_cases, "quantize": _quantize_cases,
+         "moe": _moe_cases, "epilogue": _epilogue_cases}
 
 
 # ---- timing ----
@@ -185,7 +411,7 @@ def _time_cuda(fns, repeats, warmup, flush):
     return samples
 
 
-def kernel_timer(device):
+def kernel_timer(device: str) -> tuple[Callable, str]:
     """(timer, backend label) for kernels on `device`: CUDA events with L2 flushed before every call, or
     interleaved CPU samples."""
     if device == "cuda":
@@ -194,95 +420,19 @@ def kernel_timer(device):
     return _time_cpu, f"fastdist CPU kernels, {torch.get_num_threads()} torch threads"
 
 
-def copy_reference(device):
-    """The STREAM-like reference: (a COPY_BYTES dst.copy_(src), the bytes it reads + writes)."""
-    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return (lambda: dst.copy_(src)), 2 * COPY_BYTES
+def inputs_from(args: argparse.Namespace) -> dict:
+    """The inputs of every family, from the arguments and the defaults for the device and --quick."""
+    chosen = {"rows": args.rows, "ratio": args.ratio}
+    for name, (full, quick) in DEFAULTS.items():
+        default = quick if args.quick else full
+        given = getattr(args, name, None)
+        if given is None:
+            given = default[args.device] if isinstance(default, dict) else default
+        chosen[name] = given
+    return chosen
 
 
-def copy_bandwidth(timer, device, repeats, warmup):
-    """The copy bandwidth in GB/s and its samples in seconds."""
-    copy, nbytes = copy_reference(device)
-    (samples,) = timer([copy], repeats, warmup)
-    return nbytes / statistics.median(samples) / 1e9, samples
-
-
-def _cases(op, size, rows, device):
-    """(fastdist fn, torch fn, bytes read + written) for one op and size."""
-    g = torch.Generator().manual_seed(size)
-    nbytes = (size + 7) // 8
-    if op == "pack_bits":
-        mask = (torch.rand(size, generator=g) < 0.5).to(device)
-        return (lambda: pack_bits(mask)), (lambda: torch_pack_bits(mask)), size + nbytes
-    if op == "unpack_bits":
-        packed = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).to(device)
-        return (lambda: unpack_bits(packed, size)), (lambda: torch_unpack_bits(packed, size)), nbytes + size
-    packed = torch.randint(0, 256, (rows, nbytes), generator=g, dtype=torch.uint8).to(device)
-    return (lambda: bitwise_or_reduce(packed)), (lambda: torch_bitwise_or_reduce(packed)), (rows + 1) * nbytes
-
-
-def parse_shape(text):
-    rows, cols = (int(v) for v in text.lower().split("x"))
-    return rows, cols
-
-
-def _gradient(shape, density, granularity, device, seed=0):
-    """float32 values in [-1, 1), with a fraction `density` of the rows (or of the elements) non-zero."""
-    g = torch.Generator().manual_seed(seed)
-    if granularity == "row":
-        x = torch.zeros(shape)
-        rows = torch.rand(shape[0], generator=g) < density
-        x[rows] = torch.rand(int(rows.sum()), shape[1], generator=g) * 2 - 1
-    else:
-        x = (torch.rand(shape, generator=g) * 2 - 1) * (torch.rand(shape, generator=g) < density)
-    return x.to(device)
-
-
-def _sketch_cases(op, shape, element_shape, densities, device):
-    """[(label dict, fastdist fn, torch fn, bytes, compare)] for one count-sketch op."""
-    cases = []
-    configs = [("row", shape, d) for d in densities] + [("element", element_shape, 0.5)]
-    for granularity, shp, density in configs:
-        x = _gradient(shp, density, granularity, device)
-        support = nonzero_bitmap(x, granularity)
-        n = shp[0] if granularity == "row" else shp[0] * shp[1]
-        m = x.numel() // n
-        label = {"shape": f"{shp[0]}x{shp[1]}", "granularity": granularity, "density": density}
-        if op == "nonzero_bitmap":
-            cases.append((label | {"cols": None}, (lambda x=x, gr=granularity: nonzero_bitmap(x, gr)),
-                          (lambda x=x, gr=granularity: torch_nonzero_bitmap(x, gr)), x.numel() * 4, torch.equal))
-            continue
-        # Row granularity: the row support is given. Element granularity: no support, the non-zeros are sketched.
-        sup = support if granularity == "row" else None
-        values = int(torch_unpack_bits(support, n).sum()) * m
-        cols = max(values // SKETCH_ROWS, 1024)  # a table as large as the values: a sketch "at the union's non-zeros"
-        label["cols"] = cols
-        if op == "count_sketch":
-            cases.append((label, (lambda x=x, c=cols, s=sup, gr=granularity: count_sketch(x, SKETCH_ROWS, c,
-                                                                                           SKETCH_SEED, s, gr)),
-                          (lambda x=x, c=cols, s=sup, gr=granularity: torch_count_sketch(x, SKETCH_ROWS, c,
-                                                                                         SKETCH_SEED, s, gr)),
-                          (values if sup is not None else x.numel()) * x.element_size(), _tables_close))
-        elif op == "count_sketch_decode_units":
-            table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
-            units = torch_unpack_bits(support, n).nonzero().flatten()
-            cases.append((label, (lambda t=table, u=units, m=m: count_sketch_decode_units(t, u, m, SKETCH_SEED)),
-                          (lambda t=table, u=units, m=m: torch_count_sketch_decode_units(t, u, m, SKETCH_SEED)),
-                          values * 4, torch.equal))
-        else:
-            table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
-            cases.append((label, (lambda t=table, s=support, n=n, m=m: count_sketch_decode(t, s, n, m, SKETCH_SEED)),
-                          (lambda t=table, s=support, n=n, m=m: torch_count_sketch_decode(t, s, n, m, SKETCH_SEED)),
-                          values * 4, torch.equal))
-    return cases
-
-
-def _tables_close(a, b):
-    return torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-
-
-def run(args):
+def run(args: argparse.Namespace) -> dict:
     device = args.device
     if device == "cuda" and not fastdist.cuda_kernels_available():
         raise SystemExit("fastdist-bench kernels: --device cuda needs a CUDA device and fastdist built with CUDA "
@@ -290,137 +440,86 @@ def run(args):
                          f"device visible: {torch.cuda.is_available()})")
     if args.repeats < 5:
         raise SystemExit("fastdist-bench kernels: --repeats must be >= 5 (speeds are medians of >= 5 samples)")
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
-        raise SystemExit(f"fastdist-bench kernels: unknown op(s) {unknown}; choose from {OPS}")
-    if args.sizes:
-        sizes = [parse_size(s) for s in args.sizes.split(",")]
-    else:
-        sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES[device]
-    repeats = 5 if args.quick else args.repeats
-    sketch = {
-        "shape": parse_shape(args.sketch_shape or ("8192x1024" if args.quick else "32768x1024")),
-        "element_shape": parse_shape(args.sketch_element_shape or ("1024x1024" if args.quick else "4096x1024")),
-        "densities": QUICK_SKETCH_DENSITIES if args.quick else SKETCH_DENSITIES,
-    }
-
+    ops = [op for op in OPS if op in (args.ops or OPS) and FAMILY_OF[op] in (args.family or FAMILIES)]
+    if not ops:
+        raise SystemExit(f"fastdist-bench kernels: none of --ops {','.join(args.ops)} is in --family "
+                         f"{','.join(args.family)}")
     with report.torch_threads(args.threads):
-        return _run(args, device, ops, sizes, repeats, sketch)
+        return _run(device, ops, inputs_from(args), 5 if args.quick else args.repeats, args.warmup)
 
 
-def _run(args, device, ops, sizes, repeats, sketch):
+def _run(device, ops, chosen, repeats, warmup):
     timer, backend = kernel_timer(device)
     env = report.environment(backend=backend, device=device, ranks=1, network="-")
-    sweep_ops = [op for op in ops if op in SWEEP_OPS]
-    sketch_ops = [op for op in ops if op in SKETCH_OPS]
-    sketch_cases_per_op = len(sketch["densities"]) + 1
-    progress = report.Progress(len(sweep_ops) * len(sizes) + len(sketch_ops) * sketch_cases_per_op, "kernels")
-    copy, copy_bytes = copy_reference(device)
-    copy_samples = []
-
-    def timed(ours, theirs, nbytes):
-        """Interleaved samples of ours, theirs and the copy; the % of copy is the median over rounds of our GB/s over
-        the copy's GB/s in the same round, so that drift in a shared machine's memory bandwidth cancels."""
-        ours_s, torch_s, copy_s = timer([ours, theirs, copy], repeats, args.warmup)
-        copy_samples.extend(copy_s)
-        t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
-        pct = 100 * statistics.median(nbytes * c / (copy_bytes * o) for o, c in zip(ours_s, copy_s))
-        return {"median_s": t, "gbps": nbytes / t / 1e9, "pct_copy": pct, "torch_median_s": t_torch,
-                "torch_gbps": nbytes / t_torch / 1e9, "speedup": t_torch / t, "samples_s": ours_s,
-                "torch_samples_s": torch_s, "copy_samples_s": copy_s}
-
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_bytes = 2 * COPY_BYTES  # read + write
+    progress = report.Progress(len(ops), "kernels")
     rows = []
-    for op in sweep_ops:
-        for size in sizes:
-            ours, theirs, nbytes = _cases(op, size, args.rows, device)
-            if not torch.equal(ours(), theirs()):
-                raise RuntimeError(f"fastdist-bench kernels: {op} and its torch reference disagree at size {size}")
-            rows.append({"op": op, "size": size, "bytes": nbytes} | timed(ours, theirs, nbytes))
-            progress.step(f"{op} {size}")
-
-    sketch_rows = []
-    for op in sketch_ops:
-        for label, ours, theirs, nbytes, same in _sketch_cases(op, sketch["shape"], sketch["element_shape"],
-                                                               sketch["densities"], device):
-            if not same(ours(), theirs()):
-                raise RuntimeError(f"fastdist-bench kernels: {op} and its torch reference disagree on {label}")
-            sketch_rows.append(label | {"op": op, "bytes": nbytes} | timed(ours, theirs, nbytes))
-            progress.step(f"{op} {label['granularity']} {label['density']}")
-
+    for op in ops:
+        for case in CASES[FAMILY_OF[op]](op, chosen, device):
+            if not case.agree(case.ours(), case.theirs()):
+                raise RuntimeError(f"fastdist-bench kernels: {op} and its torch path disagree on {case.label}")
+            ours_s, torch_s, copy_s = timer([case.ours, case.theirs, lambda: dst.copy_(src)], repeats, warmup)
+            t, t_torch = statistics.median(ours_s), statistics.median(torch_s)
+            pct = 100 * statistics.median(case.nbytes * c / (copy_bytes * s) for s, c in zip(ours_s, copy_s))
+            rows.append({"op": op, "family": FAMILY_OF[op], "case": case.label} | case.config | {
+                "bytes": case.nbytes, "median_s": t, "gbps": case.nbytes / t / 1e9, "pct_copy": pct,
+                "torch_median_s": t_torch, "torch_gbps": case.nbytes / t_torch / 1e9, "speedup": t_torch / t,
+                "samples_s": ours_s, "torch_samples_s": torch_s, "copy_samples_s": copy_s})
+        progress.step(op)
+    copy_samples = [c for r in rows for c in r["copy_samples_s"]]
     copy_gbps = copy_bytes / statistics.median(copy_samples) / 1e9
     print(report.format_environment(env))
     print(f"# copy bandwidth {copy_gbps:.1f} GB/s (dst.copy_(src), {report.human_bytes(COPY_BYTES)}, read + write; "
           "median of all rounds, each op's % of copy is against the copy timed in its own rounds)")
-    headers = ["op", "size", "bytes moved", "time (us)", "GB/s", "% of copy", "torch GB/s", "speed-up vs torch"]
-    table = [[r["op"], r["size"], report.human_bytes(r["bytes"]), r["median_s"] * 1e6, r["gbps"], r["pct_copy"],
-              r["torch_gbps"], r["speedup"]] for r in rows]
-    if rows:
-        print(report.format_table(headers, table, align=["l", "r", "r", "r", "r", "r", "r", "r"]))
-    if sketch_rows:
-        print(f"# count-sketch ops: {SKETCH_ROWS}-row sketches, GB/s of values read (count_sketch, nonzero_bitmap) "
-              "or decoded (count_sketch_decode); row cases pass the row support, element cases none")
-        headers = ["op", "shape", "granularity", "density", "cols", "values", "time (us)", "GB/s", "% of copy",
-                   "torch GB/s", "speed-up vs torch"]
-        table = [[r["op"], r["shape"], r["granularity"], f"{100 * r['density']:g}%",
-                  "-" if r["cols"] is None else r["cols"], report.human_bytes(r["bytes"]), r["median_s"] * 1e6,
-                  r["gbps"], r["pct_copy"], r["torch_gbps"], r["speedup"]] for r in sketch_rows]
-        print(report.format_table(headers, table, align=["l", "l", "l", "r", "r", "r", "r", "r", "r", "r", "r"]))
+    print(format_rows(rows))
     if device == "cpu":
         print("# note: every call returns a new tensor; large CPU outputs (tens of MiB) come back from the\n"
               "# allocator as fresh pages, so those rows include first-touch page faults that the copy reference\n"
               "# (into an existing tensor) does not pay; count_sketch takes its tables from a pool of freed ones\n"
-              "# (csrc/ops/sketch.cpp). THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU allocations) helps the\n"
-              "# largest: count_sketch_decode at 2% took 53 -> 16 ms with it on the 2-core VM.")
+              "# (csrc/ops/sketch.cpp). THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU allocations) helps.")
     return {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
-            "copy_bytes": COPY_BYTES, "rows": rows, "sketch_rows": sketch_rows}
+            "copy_bytes": COPY_BYTES, "rows": rows}
 
 
-def plot(result, path):
+TABLE = [  # header, cell of a row, format
+    ("op", lambda r: r["op"], "s"), ("input", lambda r: r["case"], "s"),
+    ("bytes moved", lambda r: report.human_bytes(r["bytes"]), "s"), ("time (us)", lambda r: r["median_s"] * 1e6, ".1f"),
+    ("GB/s", lambda r: r["gbps"], ".2f"), ("% of copy", lambda r: r["pct_copy"], ".1f"),
+    ("torch (us)", lambda r: r["torch_median_s"] * 1e6, ".1f"), ("torch GB/s", lambda r: r["torch_gbps"], ".2f"),
+    ("vs torch (x)", lambda r: r["speedup"], ".2f"),
+]
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The rows as a table with one number format per column."""
+    cells = [[format(cell(r), fmt) for _, cell, fmt in TABLE] for r in rows]
+    return report.format_table([h for h, _, _ in TABLE], cells, align=["l", "l"] + ["r"] * (len(TABLE) - 2))
+
+
+def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sketch_rows = result.get("sketch_rows", [])
-    panels = (1 if result["rows"] else 0) + (1 if sketch_rows else 0)
-    fig, axes = plt.subplots(1, max(panels, 1), figsize=(10 * max(panels, 1), 5), squeeze=False)
-    axes = list(axes[0])
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(10, 1.5 + 0.28 * len(rows)))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    family_color = {family: colors[i % len(colors)] for i, family in enumerate(FAMILIES)}
+    pos = range(len(rows))[::-1]
+    ax.barh(pos, [r["pct_copy"] for r in rows], color=[family_color[r["family"]] for r in rows])
+    for p, r in zip(pos, rows):
+        ax.text(r["pct_copy"], p, f" {r['pct_copy']:.1f}%, {r['speedup']:.1f}x torch", va="center", fontsize=7)
+    ax.set_yticks(list(pos), [f"{r['op']} {r['case']}" for r in rows], fontsize=7)
+    ax.axvline(100, color="black", linestyle=":", label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
+    ax.set_xscale("log")
+    ax.set_xlabel("% of the copy bandwidth timed in the same rounds (bytes moved / time; log scale)")
     env = result["env"]
-    title = f"fastdist kernels: {env['backend']}\nfastdist {env['fastdist']}, torch {env['torch']}, {env['date']}"
-    if result["rows"]:
-        ax = axes.pop(0)
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
-        for op, color in zip(ops, colors):
-            rows = [r for r in result["rows"] if r["op"] == op]
-            sizes = [r["size"] for r in rows]
-            ax.plot(sizes, [r["gbps"] for r in rows], "o-", color=color, label=f"{op} (fastdist)")
-            ax.plot(sizes, [r["torch_gbps"] for r in rows], "x--", color=color, alpha=0.6,
-                    label=f"{op} (pure torch)")
-        ax.axhline(result["copy_gbps"], color="black", linestyle=":",
-                   label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("size (mask elements)")
-        ax.set_ylabel("achieved GB/s (bytes read + written / time)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    if sketch_rows:
-        ax = axes.pop(0)
-        labels = [f"{r['op']}\n{r['granularity']} {100 * r['density']:g}%" for r in sketch_rows]
-        pos = range(len(sketch_rows))
-        ax.bar([p - 0.2 for p in pos], [r["gbps"] for r in sketch_rows], width=0.4, label="fastdist")
-        ax.bar([p + 0.2 for p in pos], [r["torch_gbps"] for r in sketch_rows], width=0.4, label="torch peer")
-        ax.axhline(result["copy_gbps"], color="black", linestyle=":",
-                   label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
-        ax.set_xticks(list(pos), labels, fontsize=7, rotation=45, ha="right")
-        ax.set_yscale("log")
-        ax.set_ylabel("GB/s of values read (decode: values decoded)")
-        shapes = ", ".join(dict.fromkeys(f"{r['granularity']} {r['shape']}" for r in sketch_rows))
-        ax.set_title(f"count-sketch ops ({shapes}; {env['backend']})", fontsize=9)
-        ax.grid(True, axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    ax.set_title(f"fastdist kernels: {env['backend']}\nfastdist {env['fastdist']}, torch {env['torch']}, "
+                 f"{env['date']}", fontsize=9)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
