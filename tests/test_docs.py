@@ -1,12 +1,14 @@
 """The docs' result tables are generated from bench/*.json and checked to be current."""
 import json
 import os
+import re
 
 import pytest
 
 from fastdist.bench import results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH, DOCS = os.path.join(ROOT, "bench"), os.path.join(ROOT, "docs")
 
 ENV = {"fastdist": "0.1.0", "torch": "2.13.0+cpu", "backend": "gloo", "device": "cpu", "ranks": 4,
        "network": "netsim: 4 hosts, 1 Gbit/s links", "cuda_kernels": False, "host_cpus": 2, "torch_threads": 2,
@@ -127,3 +129,32 @@ def test_a_column_missing_from_every_row_is_left_out_and_a_missing_value_is_a_da
                results.col("note", "note")]
     table = results.markdown_table(columns, [{"m": "dense", "tx": 10}, {"m": "auto", "tx": None}])
     assert table.splitlines() == ["| method | tx (B) |", "|---|---:|", "| dense | 10 |", "| auto | - |"]
+
+
+def test_the_docs_tables_are_the_ones_generated_from_the_recorded_results(capsys):
+    status = results.main([BENCH, DOCS, "--check"])
+    captured = capsys.readouterr()
+    assert status == 0, "docs/ is stale: run `make docs`\n" + captured.out + captured.err
+
+
+def test_every_recorded_json_in_bench_is_rendered_from_its_suite():
+    recorded, skipped, errors = results.load_results(BENCH)
+    assert errors == []
+    on_disk = {os.path.relpath(os.path.join(root, f), BENCH)[:-len(".json")]
+               for root, _, files in os.walk(BENCH) for f in files if f.endswith(".json")}
+    assert set(recorded) == on_disk - {name[:-len(".json")] for name in results.NOT_SUITE_RESULTS}
+    assert all(recorded[name].parts for name in recorded)
+
+
+def _links(path):
+    text = open(path).read()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return [m.group(1) for m in re.finditer(r"\]\(([^)\s]+)\)", text)]
+
+
+@pytest.mark.parametrize("page", ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(DOCS))])
+def test_relative_links_in_readme_and_docs_point_to_files_that_exist(page):
+    path = os.path.join(ROOT, page)
+    missing = [link for link in _links(path) if not re.match(r"[a-z]+:", link)
+               and not os.path.exists(os.path.join(os.path.dirname(path), link.split("#")[0]))]
+    assert missing == []
