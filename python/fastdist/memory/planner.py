@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from fastdist.memory.calibrate import calibrate
-from fastdist.memory.prefetcher import SwapPrefetcher, _is_parameter_like
+from fastdist.memory.prefetcher import SwapPrefetcher, is_parameter_or_view
 
 POLICIES = ("delta", "dtr", "msps")
 ACTIONS = ("keep", "swap", "recompute")
@@ -198,7 +198,7 @@ def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20
     seconds = {name: [] for name in names}
     active = []
     counted = set()
-    other = [0]
+    outside_segments_bytes = 0
 
     def pre(name):
         def hook(module, inputs):
@@ -215,14 +215,15 @@ def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20
         return hook
 
     def pack(t):
+        nonlocal outside_segments_bytes
         strided = t.layout == torch.strided
         key = StorageWeakRef(t.untyped_storage()).cdata if strided else id(t)
-        if key in counted or _is_parameter_like(t):
+        if key in counted or is_parameter_or_view(t):
             return t
         counted.add(key)
         nbytes = t.untyped_storage().nbytes() if strided else t.nbytes
         if not active:
-            other[0] += nbytes
+            outside_segments_bytes += nbytes
             return t
         seg = stats[active[-1][0]]
         seg.saved_bytes += nbytes
@@ -266,7 +267,8 @@ def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20
                 b.copy_(saved)
     for name in names:
         stats[name].forward_seconds = statistics.median(seconds[name])
-    return Profile([stats[n] for n in names], other[0], statistics.median(forward), statistics.median(backward))
+    return Profile([stats[n] for n in names], outside_segments_bytes, statistics.median(forward),
+                   statistics.median(backward))
 
 
 # ---- planning ----

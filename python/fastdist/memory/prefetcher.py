@@ -83,7 +83,13 @@ class _Saved:
             return
 
 
-def _is_parameter_like(t):
+def is_parameter_or_view(t):
+    """True when ``t`` is a parameter, a leaf that requires grad, or a view of one: saved tensors that are in
+    memory for the whole step anyway, so swapping or counting them would save nothing.
+
+    Args:
+        t: a tensor autograd saves.
+    """
     base = t._base if t._base is not None else t
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
@@ -304,7 +310,7 @@ class SwapPrefetcher:
     # ---- pack ----
 
     def _keeps(self, t):
-        return (t.layout != torch.strided or not self._store.accepts(t) or _is_parameter_like(t)
+        return (t.layout != torch.strided or not self._store.accepts(t) or is_parameter_or_view(t)
                 or t.untyped_storage().nbytes() < self.min_bytes)
 
     def _pack(self, t):

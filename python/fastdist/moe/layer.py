@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdist.distributed import MismatchError, check_same, compat, fingerprint
+from fastdist.moe.calibrate import calibrate
 from fastdist.moe.planner import Plan, Planner, loads
 from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
 
@@ -319,7 +320,6 @@ class MoELayer(nn.Module):
 
     def _ensure_cost_model(self):
         if self.planner.cost is None and self.balance != "none":
-            from fastdist.moe.calibrate import calibrate
             self.planner.cost = calibrate(self.group if self.distributed else None, self.d_model, self.d_ff,
                                           self.w1.dtype, num_experts=self.num_experts, k=self.k)
 
@@ -364,12 +364,12 @@ class MoELayer(nn.Module):
         if len(set(gathered[:, -1].tolist())) > 1:
             raise MismatchError("MoELayer plan", {r: f"plan fingerprint {int(v):#x}"
                                                   for r, v in enumerate(gathered[:, -1])})
-        cnt = gathered[:, :self.num_experts]
+        kept_counts = gathered[:, :self.num_experts]
         all_counts = gathered[:, self.num_experts:2 * self.num_experts]
         # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
-        planning = _planner_thread().submit(self.planner.update, cnt) if self.world > 1 else None
+        planning = _planner_thread().submit(self.planner.update, kept_counts) if self.world > 1 else None
 
-        route = self._dispatch_plan(cnt, plan, x.device)
+        route = self._dispatch_plan(kept_counts, plan, x.device)
         rows = moe_permute(x, row_of_slot, route.kept_rows)
         if route.local_experts:
             send_rows = rows.index_select(0, route.send_index)
@@ -412,12 +412,12 @@ class MoELayer(nn.Module):
             self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * probs.mean(0)).sum()
         else:
             self.aux_loss = probs.sum() * 0.0
-        self._record(cnt, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
+        self._record(kept_counts, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
         if planning is not None:
             planning.result()  # the next forward's all-gather checks that every rank planned alike
         return out.reshape(shape)
 
-    def _dispatch_plan(self, cnt, plan, device):
+    def _dispatch_plan(self, kept_counts, plan, device):
         """Where this rank's rows go and where the received rows come from, from the count matrix and the plan.
 
         Rows (kept assignments, grouped by expert) of experts this rank replicates stay here (local_index, in expert
@@ -425,7 +425,7 @@ class MoELayer(nn.Module):
         rows are source-major; to_expert_major reorders them for the owned experts.
         """
         replicated_here = set(plan.replicated_on(self.rank))
-        my_kept = cnt[self.rank]
+        my_kept = kept_counts[self.rank]
         my_offsets = np.cumsum(my_kept) - my_kept
         send_experts = [e for e in range(self.num_experts) if e not in replicated_here]
         local_experts = sorted(replicated_here)
@@ -434,7 +434,7 @@ class MoELayer(nn.Module):
                        for r in range(self.world)]
         # What each source sends here: its rows for my experts it does not replicate. [R, E_local]
         mine = range(self.first_expert, self.first_expert + per)
-        recv_counts = np.array([[0 if e in plan.replicated_on(s) else cnt[s, e] for e in mine]
+        recv_counts = np.array([[0 if e in plan.replicated_on(s) else kept_counts[s, e] for e in mine]
                                 for s in range(self.world)], dtype=np.int64)
         flat_counts = recv_counts.reshape(-1)
         src_starts = np.cumsum(flat_counts) - flat_counts
@@ -450,10 +450,10 @@ class MoELayer(nn.Module):
             owned_sizes=[int(v) for v in recv_counts.sum(axis=0)],
             local_sizes=[int(my_kept[e]) for e in local_experts])
 
-    def _record(self, cnt, all_counts, plan, seconds, send_splits, recv_splits):
-        h, inbound, outbound = loads(cnt, plan)
-        h0, _, _ = loads(cnt, Plan())
-        per_expert = cnt.sum(axis=0)
+    def _record(self, kept_counts, all_counts, plan, seconds, send_splits, recv_splits):
+        h, inbound, outbound = loads(kept_counts, plan)
+        h0, _, _ = loads(kept_counts, Plan())
+        per_expert = kept_counts.sum(axis=0)
         mean_h = max(h.mean(), 1e-12)
         elem = self.w1.element_size()
         rank_self = self.rank
@@ -467,14 +467,14 @@ class MoELayer(nn.Module):
             "tokens_in": inbound.tolist(), "tokens_out": outbound.tolist(),
             "a2a_bytes_per_rank": [int(max(i, o)) * self.d_model * elem for i, o in zip(inbound, outbound)],
             "a2a_bytes_this_rank": a2a_bytes,
-            "dropped": int(all_counts.sum() - cnt.sum()),
+            "dropped": int(all_counts.sum() - kept_counts.sum()),
             "tokens_per_expert": per_expert.tolist(),
             "std_tokens_per_expert": float(per_expert.std()),
             "std_tokens_per_rank_before": float(h0.std()),
             "std_tokens_per_rank_after": float(h.std()),
             "replicas": [list(p) for p in plan.replicas],
-            "predicted_s": cost.time(cnt, plan)[0] if cost is not None else None,
-            "predicted_unbalanced_s": cost.time(cnt, Plan())[0] if cost is not None else None,
+            "predicted_s": cost.time(kept_counts, plan)[0] if cost is not None else None,
+            "predicted_unbalanced_s": cost.time(kept_counts, Plan())[0] if cost is not None else None,
             "forward_s": seconds,
         }
 
