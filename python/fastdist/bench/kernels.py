@@ -42,6 +42,7 @@ import time
 from typing import Callable, NamedTuple
 
 import torch
+from torch import Tensor
 
 import fastdist
 from fastdist.bench import report
@@ -74,7 +75,7 @@ MIN_SAMPLE_S = 2e-3  # on CPU, small inputs repeat inside one sample until it ta
 # (full run, --quick) per option; a dict where CPU and CUDA differ
 DEFAULTS = {
     "sizes": ({"cpu": [1 << k for k in range(16, 27, 2)], "cuda": [1 << k for k in range(16, 31, 2)]},
-              [1 << k for k in range(16, 23, 2)]),
+              [1 << 16, 1 << 22]),
     "sketch_shape": ((32768, 1024), (8192, 1024)),
     "sketch_element_shape": ((4096, 1024), (1024, 1024)),
     "densities": (SKETCH_DENSITIES, [0.02]),
@@ -92,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated ops (default all of the families chosen): " + ",".join(OPS))
     p.add_argument("--sizes", type=comma_list(parse_size), default=None,
                    help="bitpack sizes in mask elements, e.g. 64K,1M,2^24 (default 2^16..2^26 on cpu, 2^16..2^30 on "
-                        "cuda, step x4; --quick 2^16..2^22)")
+                        "cuda, step x4; --quick 2^16,2^22)")
     p.add_argument("--rows", type=int, default=8, help="bitmaps ORed by bitwise_or_reduce, as ranks (default 8)")
     p.add_argument("--sketch-shape", type=shape_type(2), default=None,
                    help="gradient ROWSxCOLS for the sketch ops (default 32768x1024; --quick 8192x1024)")
@@ -116,18 +117,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _POWERS = 1 << torch.arange(8, dtype=torch.uint8)
 
 
-def torch_pack_bits(mask):
+def torch_pack_bits(mask: Tensor) -> Tensor:
+    """pack_bits in torch: each group of 8 bools times the bit weights, summed into a byte."""
     n = mask.shape[-1]
     m = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8))
     return (m.view(*m.shape[:-1], -1, 8) * _POWERS.to(m.device)).sum(-1, dtype=torch.uint8)
 
 
-def torch_unpack_bits(packed, n):
+def torch_unpack_bits(packed: Tensor, n: int) -> Tensor:
+    """unpack_bits in torch: each byte ANDed with the bit weights, the first `n` bits kept."""
     bits = (packed.unsqueeze(-1) & _POWERS.to(packed.device)) != 0
     return bits.flatten(-2)[..., :n]
 
 
-def torch_bitwise_or_reduce(packed):
+def torch_bitwise_or_reduce(packed: Tensor) -> Tensor:
+    """bitwise_or_reduce in torch: the rows ORed one after another."""
     return functools.reduce(torch.bitwise_or, packed)
 
 
@@ -146,7 +150,9 @@ def _sketched_indices(x, support, granularity):
     return (units[:, None] * m + torch.arange(m, device=x.device)).flatten()
 
 
-def torch_count_sketch(x, rows, cols, seed, support, granularity):
+def torch_count_sketch(x: Tensor, rows: int, cols: int, seed: int, support: Tensor | None,
+                       granularity: str) -> Tensor:
+    """count_sketch in torch: the hashes stored by sketch_hash, then one index_add_ per sketch row."""
     idx = _sketched_indices(x, support, granularity)
     bucket, sign = sketch_hash(idx, rows, cols, seed, max(_units(x, granularity)[1], 1))
     values = x.reshape(-1)[idx].float()
@@ -156,36 +162,42 @@ def torch_count_sketch(x, rows, cols, seed, support, granularity):
     return table
 
 
-def torch_count_sketch_decode_units(table, units, m, seed):
+def torch_count_sketch_decode_units(table: Tensor, units: Tensor, m: int, seed: int) -> Tensor:
+    """count_sketch_decode_units in torch: sketch_hash, a gather per sketch row, the median of the estimates."""
     idx = (units[:, None] * m + torch.arange(m, device=table.device)).flatten()
     bucket, sign = sketch_hash(idx, table.shape[0], table.shape[1], seed, max(m, 1))
     est = torch.stack([table[j][bucket[j]] * sign[j] for j in range(table.shape[0])])
     return est.median(dim=0).values.reshape(units.numel(), m)
 
 
-def torch_count_sketch_decode(table, support, n, m, seed):
+def torch_count_sketch_decode(table: Tensor, support: Tensor, n: int, m: int, seed: int) -> Tensor:
+    """count_sketch_decode in torch: the supported units decoded into a zero [n, m] tensor."""
     units = torch_unpack_bits(support, n).nonzero().flatten()
     out = torch.zeros(n, m, device=table.device)
     out[units] = torch_count_sketch_decode_units(table, units, m, seed)
     return out
 
 
-def torch_nonzero_bitmap(x, granularity):
+def torch_nonzero_bitmap(x: Tensor, granularity: str) -> Tensor:
+    """nonzero_bitmap in torch: any non-zero per row (or element), packed."""
     if granularity == "row":
         return torch_pack_bits((x.reshape(x.shape[0], -1) != 0).any(dim=1))
     return torch_pack_bits(x.reshape(-1) != 0)
 
 
-def torch_topk(x, k):
+def torch_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """topk_compress in torch: torch.topk of the magnitudes, then the values gathered (descending magnitude)."""
     idx = torch.topk(x.abs(), k, dim=1).indices
     return x.gather(1, idx), idx
 
 
-def torch_topk_decompress(values, indices, d):
+def torch_topk_decompress(values: Tensor, indices: Tensor, d: int) -> Tensor:
+    """topk_decompress in torch: the values scattered into zeros [rows, d] (int64 indices)."""
     return torch.zeros(values.shape[0], d, dtype=values.dtype, device=values.device).scatter_(1, indices, values)
 
 
-def torch_quantize_rows(x, bits):
+def torch_quantize_rows(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row minmax quantize in torch: (one uint8 code per value, scale [rows, 1], zero point [rows, 1])."""
     lo = x.amin(1, keepdim=True)
     hi = x.amax(1, keepdim=True)
     scale = (hi - lo) / (2**bits - 1)
@@ -193,14 +205,14 @@ def torch_quantize_rows(x, bits):
     return q, scale, lo
 
 
-def torch_dequantize_rows(packed, scale, lo, bits, shape):
+def torch_dequantize_rows(packed: Tensor, scale: Tensor, lo: Tensor, bits: int, shape: tuple[int, ...]) -> Tensor:
     """Codes packed least-significant-bit first (fastdist.ops.quantize's layout), unpacked and scaled per row."""
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(shape)
     return codes.float() * scale + lo
 
 
-def torch_moe_layout(ids, num_experts):
+def torch_moe_layout(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(counts, permutation, row_of_slot, position) of a dropless layout by stable sort, as moe_layout defines them."""
     tokens, k = ids.shape
     flat = ids.t().reshape(-1)  # priority order: choice-major
