@@ -158,3 +158,43 @@ def test_relative_links_in_readme_and_docs_point_to_files_that_exist(page):
     missing = [link for link in _links(path) if not re.match(r"[a-z]+:", link)
                and not os.path.exists(os.path.join(os.path.dirname(path), link.split("#")[0]))]
     assert missing == []
+
+
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def _section(text, heading):
+    return text.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_sets_up_with_exactly_the_two_make_commands():
+    block = re.search(r"```bash\n(.*?)```", _section(_readme(), "Set up"), re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert commands == ["make bench", "make test"]
+
+
+def test_readme_recipes_marked_runnable_run_as_written(capsys):
+    recipes = re.findall(r"<!-- runs in tests/test_docs.py -->\n```python\n(.*?)```", _readme(), re.S)
+    assert len(recipes) == 2
+    for recipe in recipes:
+        exec(compile(recipe, "README.md", "exec"), {"__name__": "readme_recipe"})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] in ("True", "False")
+    assert printed[1].endswith("bytes instead of 131072")
+
+
+def test_readme_feature_table_gives_each_family_a_docs_page_and_its_status_in_words():
+    rows = [line.split("|")[1:-1] for line in _section(_readme(), "What is in it").splitlines()
+            if line.startswith("| ") and not line.startswith("| family")]
+    assert len(rows) >= 7
+    for family, _, status, docs in rows:
+        assert not re.search(r"\d", status), f"{family.strip()}: measured numbers belong in docs/, not README"
+        if status.strip() != "later":
+            page = re.search(r"\]\((docs/[a-z]+\.md)\)", docs).group(1)
+            assert os.path.exists(os.path.join(ROOT, page))
+
+
+def test_readme_stays_a_short_first_read():
+    assert len(_readme().split()) < 2000
