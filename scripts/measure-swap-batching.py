@@ -2,30 +2,16 @@
 one os.pwrite per tensor, one os.pwritev over all, torch.cat into one buffer + one pwrite, and the reads
 likewise (os.preadv per tensor vs one os.preadv). Medians of 7 after one warm-up call.
 
-Result on the 2-core VM (2026-11-22): batching pays only for tensors of <= 64 KiB (256 x 4 KiB: pwrite each
-0.40 ms, one pwritev 0.12 ms), which the prefetcher keeps resident anyway; at 1 MiB and above one call per
-tensor is as fast as one batched call (16 x 1 MiB: 2.2 vs 2.6 ms) and gathering into one buffer first is ~10x
-slower (20 ms). Where batching helps, os.pwritev / os.preadv already do it in one system call, so fastdist has
-no C++ op for it.
+What was found, and why fastdist has no C++ op for batched swaps: bench/README.md.
 
     PYTHONPATH=python python3 scripts/measure-swap-batching.py
 """
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 
-
-def median_seconds(fn, reps=7):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from fastdist.distributed.timing import time_fn
 
 
 def main():
@@ -59,7 +45,7 @@ def main():
                      ("pread each", read_each), ("preadv batch", read_batched)]
             cells = []
             for label, fn in cases:
-                t = median_seconds(fn)
+                t = time_fn(fn, reps=7).median
                 cells.append(f"{label} {t * 1e3:.3f} ms ({total / t / 1e9:.2f} GB/s)")
             print(f"{count} x {size} B: " + "  ".join(cells))
     finally:

@@ -11,13 +11,13 @@ busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others (broa
 e.g. gloo's reduce_scatter is an all-reduce in disguise and sends twice the optimum.
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.toolkit import all_max, all_sum, together
 from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
@@ -133,33 +133,14 @@ class Case:
         return int((self.buf != self.expected).sum().item())
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _all_max(values, device):
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _all_sum(values, device):
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def _timed_iterations(case, count, device):
     """Runs the collective `count` times from fresh inputs; returns (seconds per call, #wrong elements)."""
     samples, wrong = [], 0
     for _ in range(count):
         case.reset()
-        dist.barrier()
-        t0 = time.perf_counter()
-        case.call()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
+        with together(device) as watch:
+            case.call()
+        samples.append(watch.seconds)
         wrong += case.wrong()
     return samples, wrong
 
@@ -176,15 +157,15 @@ def bench_rank(config):
     for op, size in plan:
         case = Case(op, size, dtype, device)
         warm, wrong = _timed_iterations(case, config["warmup"], device)
-        estimate = _all_max([max(warm) if warm else 1e-3], device)[0]
+        estimate = all_max([max(warm) if warm else 1e-3], device)[0]
         reps = int(min(config["max_iters"], max(config["iters"], config["min_time"] / max(estimate, 1e-9))))
         tx0 = tx_counter(config["measure_tx"])
         samples, wrong_timed = _timed_iterations(case, reps, device)
         wrong += wrong_timed
         tx = (tx_counter(config["measure_tx"]) - tx0) / reps
-        times = _all_max(samples, device)  # an iteration lasts until its slowest rank is done
-        wire_max, tx_max = _all_max([case.wire, tx], device)
-        wrong_total = int(_all_sum([wrong], device)[0])
+        times = all_max(samples, device)  # an iteration lasts until its slowest rank is done
+        wire_max, tx_max = all_max([case.wire, tx], device)
+        wrong_total = int(all_sum([wrong], device)[0])
         if rank == 0:
             t = statistics.median(times)
             algbw = case.bytes / t / 1e9

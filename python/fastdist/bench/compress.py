@@ -26,7 +26,6 @@ With --net 1gbit (default) the ranks run on a simulated cluster whose links are 
 otherwise on loopback, which the output says.
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.toolkit import all_sum, together
 
 METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
 
@@ -142,12 +142,6 @@ class _Pipeline:
         return fwd, bwd
 
 
-def _all_sum(values):
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def bench_rank(config):
     rank, world = dist.get_rank(), dist.get_world_size()
     methods = config["methods"]
@@ -159,16 +153,14 @@ def bench_rank(config):
     for it in range(config["warmup"] + config["steps"]):
         shift = it % len(methods)
         for m in methods[shift:] + methods[:shift]:
-            dist.barrier()
-            tx0 = tx_counter(config["measure_tx"])
-            t0 = time.perf_counter()
-            fwd_bytes, bwd_bytes = pipes[m].step()
-            dt = time.perf_counter() - t0
+            with together() as watch:
+                tx0 = tx_counter(config["measure_tx"])
+                fwd_bytes, bwd_bytes = pipes[m].step()
             dist.barrier()  # every rank's sends are done: the counters hold the whole step
             sent = tx_counter(config["measure_tx"]) - tx0
-            totals = _all_sum([fwd_bytes, bwd_bytes, sent])
+            totals = all_sum([fwd_bytes, bwd_bytes, sent])
             if it >= config["warmup"]:
-                times[m].append(dt)
+                times[m].append(watch.seconds)
                 wire[m].append(totals[:2])
                 tx[m].append(totals[2])
             if progress is not None:

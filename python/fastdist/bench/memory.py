@@ -33,12 +33,12 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.toolkit import time_fn
 
 CONFIGS = ["none", "checkpoint", "save_on_cpu", "swap", "fastdist"]
 MODELS = ["transformer", "cnn", "resnet50"]
@@ -283,11 +283,7 @@ def run_config(spec):
             out["hwm_reset"] = True
         except OSError:  # some sandboxes forbid it: the peak then includes set-up, which the row says
             out["hwm_reset"] = False
-    samples = []
-    for _ in range(spec["steps"]):
-        start = time.perf_counter()
-        step(batch)
-        samples.append(time.perf_counter() - start)
+    samples = time_fn(lambda: step(batch), reps=spec["steps"], warmup=0, device=device).samples
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status_kib("VmHWM") * 1024)
     out.update(step_ms=1e3 * statistics.median(samples), samples_ms=[1e3 * s for s in samples],
                base_bytes=base, peak_bytes=peak, activation_peak_bytes=peak - base,

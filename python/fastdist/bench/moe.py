@@ -30,7 +30,6 @@ against a torch sort/bincount layout at T * k = --layout-size assignments.
 import math
 import os
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
+from fastdist.bench.toolkit import all_max, time_fn, together
 
 METHODS = {
     "static": {"balance": "none", "dropless": False},
@@ -136,16 +136,10 @@ def _build_layers(config, world, cost, device):
 
 
 def _time_step(layer, x, device):
-    dist.barrier()
-    start = time.perf_counter()
-    out = layer(x)
-    out.float().pow(2).mean().backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    mine = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    with together(device) as watch:
+        layer(x).float().pow(2).mean().backward()
     layer.zero_grad(set_to_none=True)
-    return float(mine.item())
+    return all_max([watch.seconds], device)[0]
 
 
 def bench_rank(config):
@@ -247,7 +241,6 @@ def layout_timing(size, k=2, num_experts=64, reps=21, device="cpu"):
     g = torch.Generator().manual_seed(0)
     pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
     ids = torch.multinomial(pop.float(), tokens * k, replacement=True, generator=g).view(tokens, k).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def torch_layout():
         flat = ids.t().reshape(-1)  # priority order: choice-major
@@ -266,15 +259,8 @@ def layout_timing(size, k=2, num_experts=64, reps=21, device="cpu"):
 
     result = {}
     for name, fn in (("fastdist", ours), ("torch", torch_layout)):
-        fn()
-        sync()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        result[name] = {"median_ms": statistics.median(times) * 1e3, "samples_ms": [t * 1e3 for t in times]}
+        timing = time_fn(fn, reps, device=device)
+        result[name] = {"median_ms": timing.median * 1e3, "samples_ms": [t * 1e3 for t in timing.samples]}
     result["speedup"] = result["torch"]["median_ms"] / result["fastdist"]["median_ms"]
     result["assignments"] = tokens * k
     result["threads"] = torch.get_num_threads()

@@ -34,13 +34,13 @@ updates the residual, at full cost).
 """
 import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.toolkit import all_max, together
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 EXTRA_METHODS = ["bf16"]
@@ -128,19 +128,6 @@ def _require_sketch_ops(methods):
 
 # --- one rank --------------------------------------------------------------------------------------
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _all_max(values, device):
-    if not values:
-        return []
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 class _Gradient:
     """One density's gradient on this rank, its exact sum, and the sizes every method is configured with."""
 
@@ -209,13 +196,10 @@ def _timed_call(g, name, config, device):
     g.work.copy_(g.grad)
     for residual in g.powersgd.error_dict.values():
         residual.zero_()
-    _sync(device)
-    dist.barrier()
-    tx0 = tx_counter(config["measure_tx"])
-    t0 = time.perf_counter()
-    wire_bytes, ran = g.call(name)
-    _sync(device)
-    return time.perf_counter() - t0, tx_counter(config["measure_tx"]) - tx0, wire_bytes, ran
+    with together(device) as watch:
+        tx0 = tx_counter(config["measure_tx"])
+        wire_bytes, ran = g.call(name)
+    return watch.seconds, tx_counter(config["measure_tx"]) - tx0, wire_bytes, ran
 
 
 def _bench_density(config, density, world, rank, device, progress):
@@ -251,10 +235,10 @@ def _bench_density(config, density, world, rank, device, progress):
     rows = []
     nbytes = g.grad.numel() * g.grad.element_size()
     for name in methods:
-        times = _all_max(samples[name], device)  # a call lasts until its slowest rank is done
-        tx_max = _all_max(tx[name], device)
-        wire_max = _all_max(wire[name], device)
-        err_max = _all_max(errors[name], device)
+        times = all_max(samples[name], device)  # a call lasts until its slowest rank is done
+        tx_max = all_max(tx[name], device)
+        wire_max = all_max(wire[name], device)
+        err_max = all_max(errors[name], device)
         t = statistics.median(times)
         rows.append({
             "method": name, "density": density, "local_rows": g.local_rows, "union_rows": g.union_rows,
@@ -266,7 +250,7 @@ def _bench_density(config, density, world, rank, device, progress):
             "algbw": nbytes / t / 1e9, "size": nbytes, "ran": sorted(set(chose[name])),
             "sketch_shape": [g.sketch_rows, g.sketch_cols] if name in ("sketch", "auto") else None,
             "topk_k": g.topk_k if name == "topk" else None,
-            "explore_ms": statistics.median(_all_max(explore, device)) * 1e3 if name == "auto" and explore else None,
+            "explore_ms": statistics.median(all_max(explore, device)) * 1e3 if name == "auto" and explore else None,
         })
     dense = next((r for r in rows if r["method"] == "dense"), None)
     for r in rows:

@@ -46,7 +46,6 @@ the Pareto front of bytes vs final loss.
 """
 import math
 import statistics
-import time
 import warnings
 
 import torch
@@ -56,6 +55,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.toolkit import together
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
@@ -432,11 +432,10 @@ def train_rank(config):
         rows = SparseLM.touched_rows(inputs, targets, negatives)
         local_rows[step] = torch.tensor([rows[0].numel(), rows[1].numel()])
         for i, m in enumerate(methods):
-            dist.barrier()
-            tx0, (w0, s0) = tx_counter(config["measure_tx"]), m.wire_counter()
-            t0 = time.perf_counter()
-            train_loss[i].append(m.train_step(inputs, targets, negatives, sampler.log_expected))
-            times[i, step] = time.perf_counter() - t0
+            with together() as watch:
+                tx0, (w0, s0) = tx_counter(config["measure_tx"]), m.wire_counter()
+                train_loss[i].append(m.train_step(inputs, targets, negatives, sampler.log_expected))
+            times[i, step] = watch.seconds
             tx[i, step] = tx_counter(config["measure_tx"]) - tx0
             w1, s1 = m.wire_counter()
             wire[i, step], sparse_wire[i, step] = w1 - w0, s1 - s0

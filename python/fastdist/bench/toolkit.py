@@ -1,7 +1,8 @@
-"""What every benchmark suite shares: argument types for sizes, shapes and comma lists.
+"""What every benchmark suite shares: argument types for sizes, shapes and comma lists, and the timers.
 
-Each type raises `argparse.ArgumentTypeError` with the offending text and the grammar it expected, so a bad
-flag ends in argparse's usage message rather than a traceback.
+The timers live in `fastdist.distributed.timing` (the library's calibrations use them too, without importing
+the bench package) and are re-exported here. Each argument type raises `argparse.ArgumentTypeError` with the
+offending text and the grammar it expected, so a bad flag ends in argparse's usage message, not a traceback.
 """
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import re
 from collections.abc import Callable, Collection
 from decimal import Decimal
 from typing import Any
+
+from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, sync, time_fn, time_ranks, together
+
+__all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Stopwatch", "Timing", "all_max", "all_sum", "comma_list",
+           "parse_shape", "parse_size", "shape_type", "sync", "time_fn", "time_ranks", "together"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.launch import pin_to_core, run_ranks
+from fastdist.bench.toolkit import all_max, time_fn, together
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
@@ -76,17 +77,14 @@ def _interleaved(variants, reps, warmup, progress, label):
         # before it, and a fixed rotation would give each variant the same predecessor every time.
         order = random.Random(it).sample(names, len(names))
         for name in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            variants[name]()
-            dt = time.perf_counter() - t0
+            with together() as watch:
+                variants[name]()
             if it >= warmup:
-                samples[name].append(dt)
+                samples[name].append(watch.seconds)
             if progress is not None:
                 progress.step(f"{label} {name}")
-    flat = torch.tensor([samples[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
-    return {n: flat[i].tolist() for i, n in enumerate(names)}
+    slowest = all_max([t for n in names for t in samples[n]])  # a step lasts until its slowest rank is done
+    return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
 
 
 def _op_variants(config, model):
@@ -187,24 +185,13 @@ def bench_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def _one_core_median(fn, reps=5):
-    with report.torch_threads(1):
-        for _ in range(2):
-            fn()
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def op_balanced_rate(op_shape, world):
     """(bit/s, GEMM s): the link rate at which the ring all-reduce of the row op's float32 output takes as long
     as its GEMM on one core: 2 (t - 1) / t * M * N * 4 bytes over the GEMM time."""
     m, k_full, n = op_shape
     x, w = torch.randn(m, k_full // world), torch.randn(n, k_full // world)
-    gemm_s = _one_core_median(lambda: x @ w.t())
+    with report.torch_threads(1):
+        gemm_s = time_fn(lambda: x @ w.t(), reps=5, warmup=2).median
     return 8 * 2 * (world - 1) / world * m * n * 4 / gemm_s, gemm_s
 
 
@@ -217,7 +204,8 @@ def block_balanced_rate(block, world):
     torch.manual_seed(0)
     ref = GPTBlock(hidden, heads)
     x = torch.randn(batch, seq, hidden)
-    compute_s = _one_core_median(lambda: ref(x.requires_grad_()).sum().backward(), reps=3) / world
+    with report.torch_threads(1):
+        compute_s = time_fn(lambda: ref(x.requires_grad_()).sum().backward(), reps=3, warmup=2).median / world
     wire = 4 * 2 * (world - 1) / world * batch * seq * hidden * 4
     return 8 * wire / compute_s, compute_s
 

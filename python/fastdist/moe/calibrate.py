@@ -14,12 +14,11 @@ model then shares the host between them (fastdist.moe.planner.shared_makespan).
 """
 import os
 import socket
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from fastdist.distributed.timing import time_fn
 from fastdist.moe.planner import CostModel
 
 __all__ = ["calibrate", "clear_cache"]
@@ -33,15 +32,9 @@ def clear_cache():
 
 def _typical_time(fn, reps):
     """The median of `reps` runs after a warm-up: what the layer meets step after step (the fastest run is the
-    hardware's best case, which a step shared with other work rarely sees; measured, it put the predictions
-    10-20% under the layer's times on a 2-core VM)."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    hardware's best case, which a step shared with other work rarely sees, and put the predictions under the
+    layer's times)."""
+    return time_fn(fn, reps).median
 
 
 def _group_ranks(group):

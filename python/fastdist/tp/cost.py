@@ -24,13 +24,12 @@ Calibration times every measurement on every rank and keeps the slowest rank's m
 same model and make the same choices (the linears also check that with a fingerprint exchange).
 """
 import dataclasses
-import statistics
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastdist.distributed.timing import all_max, time_ranks
 from fastdist.tp.chunks import chunk_bounds
 
 __all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "default_cost_model", "set_default_cost_model"]
@@ -164,26 +163,8 @@ class CostModel:
             chunk_bytes = {-(-rows // k) * n_out * elem for rows, _, n_out in shapes for k in CHUNK_CHOICES}
             sizes = sorted({1 << 14, 1 << 16} | chunk_bytes)
 
-        def sync():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        def timed(fn):
-            samples = []
-            for i in range(reps + 1):
-                sync()
-                dist.barrier(group)
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                if i:  # the first is warm-up
-                    samples.append(time.perf_counter() - t0)
-            return statistics.median(samples)
-
-        def slowest(values):  # the slowest rank's numbers, everywhere
-            values = torch.tensor(values, dtype=torch.float64, device=device)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-            return values.cpu().tolist()
+        def timed(fn):  # this rank's median after one warm-up; the slowest rank's figures are taken below
+            return time_ranks(fn, reps, device=device, group=group, slowest=False).median
 
         raw = []
         for nbytes in sizes:
@@ -199,7 +180,7 @@ class CostModel:
                 x = torch.randn(m, k_in, dtype=dtype, device=device)
                 table_keys.append((m, k_in, n_out, str(dtype)))
                 gemm_raw.append(timed(lambda x=x, w=w: x @ w.t()))
-        values = slowest(raw + gemm_raw)
+        values = all_max(raw + gemm_raw, device, group)  # the slowest rank's figures, everywhere
         raw, gemm_raw = values[:len(raw)], values[len(raw):]
         # Relative least squares: the small sizes pin alpha, the large ones beta.
         a, b = _fit_line(np.array(sizes, dtype=float), np.array(raw), relative=True)
@@ -230,7 +211,7 @@ class CostModel:
                     work.wait()
 
             piped.append(timed(pipeline))
-        for k, t_k in zip(CHUNK_CHOICES[1:], slowest(piped)):
+        for k, t_k in zip(CHUNK_CHOICES[1:], all_max(piped, device, group)):
             m = -(-rows // k)
             nbytes = m * n_out * elem
             g, c = model.gemm_time(m, k_in, n_out, dtype), model.allreduce_time(nbytes)
