@@ -1,7 +1,14 @@
 """fastdist: fast distributed training of large models where links are slow and memory is short.
 
-`import fastdist` loads the C++/CUDA ops (torch.ops.fastdist.*) and their Python wrappers.
+`import fastdist` loads the C++/CUDA ops (torch.ops.fastdist.*) and their Python wrappers. The families and
+their plumbing (``fastdist.comm``, ``.compress``, ``.distributed``, ``.memory``, ``.moe``, ``.netsim``, ``.tp``)
+are attributes too, imported on first use, so that ``import fastdist`` costs no more than loading the ops. The
+benchmark CLI, ``fastdist.bench``, is not one of them: it is a program (``fastdist-bench``), not library API, and
+is imported by name when wanted.
 """
+import importlib
+import types
+
 import torch
 
 from fastdist._version import __version__
@@ -13,7 +20,7 @@ except ImportError as e:  # the package was imported from a source tree that was
                       "`pip install --no-build-isolation -e .` (or `make test`).") from e
 
 
-def _torch_release(version):
+def _torch_release(version: str) -> list[str]:
     return version.split("+")[0].split(".")[:2]
 
 
@@ -38,4 +45,18 @@ def cuda_kernels_available() -> bool:
             and torch.cuda.is_available())
 
 
-__all__ = ["__version__", "cuda_kernels_available", "cuda_kernels_built", "ops"]
+# Imported on first attribute access (PEP 562), as torch does for its own subpackages.
+_SUBMODULES = ("comm", "compress", "distributed", "memory", "moe", "netsim", "tp")
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fastdist.{name}")  # binds fastdist.<name>: called once per submodule
+    raise AttributeError(f"module 'fastdist' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBMODULES))
+
+
+__all__ = ["__version__", "cuda_kernels_available", "cuda_kernels_built", "ops", *_SUBMODULES]
