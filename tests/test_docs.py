@@ -198,3 +198,18 @@ def test_readme_feature_table_gives_each_family_a_docs_page_and_its_status_in_wo
 
 def test_readme_stays_a_short_first_read():
     assert len(_readme().split()) < 2000
+
+
+def test_a_kernels_recording_of_every_family_gets_one_table_per_family():
+    def row(op, family, case):
+        return {"op": op, "family": family, "case": case, "bytes": 2 ** 20, "median_s": 1e-4, "gbps": 10.48576,
+                "pct_copy": 40.0, "torch_median_s": 1e-3, "torch_gbps": 1.048576, "speedup": 10.0}
+
+    recording = {"suite": "kernels", "env": ENV, "copy_gbps": 26.2,
+                 "rows": [row("pack_bits", "bitpack", "65536 bits"), row("topk_compress", "topk", "256x65536 k=6554"),
+                          row("topk_decompress", "topk", "256x65536 k=6554")]}
+    parts = results.RENDERERS["kernels"](recording)
+    assert [p.name for p in parts] == ["bitpack", "topk"]
+    assert parts[1].table.splitlines()[2:] == [
+        "| topk_compress | 256x65536 k=6554 | 1.00 | 100.0 | 10.49 | 40.0 | 1.049 | 10.0x |",
+        "| topk_decompress | 256x65536 k=6554 | 1.00 | 100.0 | 10.49 | 40.0 | 1.049 | 10.0x |"]

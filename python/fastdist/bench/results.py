@@ -147,21 +147,22 @@ def _collectives(d: dict) -> list[Part]:
 
 
 def _kernels(d: dict) -> list[Part]:
+    """One part per op family: 'bitpack' and 'sketch' in recordings that kept the sketch ops in `sketch_rows`,
+    each row's `family` in recordings that cover every family in `rows`."""
     caption = f"Copy bandwidth (median over the run): {d['copy_gbps']:.1f} GB/s."
-    ops = [col("op", "op"), col("elements", "size", integer), col("moved (MiB)", "bytes", scaled(MIB, 2)),
-           col("time (us)", lambda r: 1e6 * r["median_s"], fixed(1)), col("GB/s", "gbps", fixed(1)),
-           col("of copy (%)", "pct_copy", fixed(1)), col("torch (GB/s)", "torch_gbps", fixed(2)),
-           col("vs torch", "speedup", times(1))]
-    sketch = [col("op", "op"), col("shape", _shape),
-              col("granularity", "granularity"), col("density (%)", "density", percent(1)),
-              col("cols", "cols", integer), col("values (MiB)", "bytes", scaled(MIB, 2)),
-              col("time (us)", lambda r: 1e6 * r["median_s"], fixed(1)), col("GB/s", "gbps", fixed(2)),
+    timing = [col("time (us)", lambda r: 1e6 * r["median_s"], fixed(1)), col("GB/s", "gbps", fixed(2)),
               col("of copy (%)", "pct_copy", fixed(1)), col("torch (GB/s)", "torch_gbps", fixed(3)),
               col("vs torch", "speedup", times(1))]
-    parts = [Part("ops", markdown_table(ops, d["rows"]), caption)]
-    if d.get("sketch_rows"):
-        parts.append(Part("sketch", markdown_table(sketch, d["sketch_rows"]), caption))
-    return parts
+    if "sketch_rows" in d:
+        bitpack = [col("op", "op"), col("elements", "size", integer), col("moved (MiB)", "bytes", scaled(MIB, 2))]
+        sketch = [col("op", "op"), col("shape", _shape), col("granularity", "granularity"),
+                  col("density (%)", "density", percent(1)), col("cols", "cols", integer),
+                  col("values (MiB)", "bytes", scaled(MIB, 2))]
+        return [Part("bitpack", markdown_table(bitpack + timing, d["rows"]), caption),
+                Part("sketch", markdown_table(sketch + timing, d["sketch_rows"]), caption)]
+    columns = [col("op", "op"), col("input", "case"), col("moved (MiB)", "bytes", scaled(MIB, 2))] + timing
+    families = dict.fromkeys(r["family"] for r in d["rows"])
+    return [Part(f, markdown_table(columns, [r for r in d["rows"] if r["family"] == f]), caption) for f in families]
 
 
 def _compress_kernels(d: dict) -> list[Part]:
