@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from fastdist.ops import bitwise_or_reduce, pack_bits, unpack_bits
-from op_testing import DEVICES, bad_input_tests, needs_cuda
+from op_testing import DEVICES, bad_input_tests
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 65_537, 1_000_003]
 
@@ -154,7 +154,6 @@ def test_results_do_not_depend_on_the_cpu_thread_count():
         assert_same(one, two)
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(1,), (9,), (3, 13), (4, 3, 64), (2_000_003,), (5, 100_001)])
 def test_cuda_and_cpu_results_are_bit_identical(shape):

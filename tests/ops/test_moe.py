@@ -4,7 +4,7 @@ import pytest
 import torch
 from fastdist.ops import moe_layout, moe_permute, moe_route, moe_unpermute
 from fastdist.ops.moe import capacity_for
-from op_testing import DEVICES, needs_cuda
+from op_testing import DEVICES
 
 # ---- oracles ----
 
@@ -122,7 +122,6 @@ def test_route_accepts_minus_inf_as_a_masked_expert():
     assert probs[0, 1] == 0 and probs[0, 3] == 0
 
 
-@needs_cuda
 @pytest.mark.cuda
 def test_route_on_cuda_gives_distinct_valid_experts_for_rows_without_a_softmax():
     logits = torch.zeros(3, 40, device="cuda")
@@ -265,7 +264,6 @@ def test_unpermute_does_not_depend_on_the_thread_count():
     assert torch.equal(one, many)
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_cuda_unpermute_is_bit_identical_to_cpu(dtype):
@@ -273,7 +271,6 @@ def test_cuda_unpermute_is_bit_identical_to_cpu(dtype):
     assert torch.equal(moe_unpermute(y.cuda(), row_of_slot.cuda(), w.cuda()).cpu(), moe_unpermute(y, row_of_slot, w))
 
 
-@needs_cuda
 @pytest.mark.cuda
 def test_cuda_route_layout_and_permute_on_a_side_stream_match_cpu():
     logits = torch.randn(3000, 16, generator=torch.Generator().manual_seed(2))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastdist.ops import dequantize, quantize
 from hypothesis import given, settings
-from op_testing import DEVICES, bad_input_tests, needs_cuda
+from op_testing import DEVICES, bad_input_tests
 
 BITS = [1, 2, 4, 8]
 SCHEMES = ["minmax", "absmax"]
@@ -189,7 +189,6 @@ def test_ops_compile_with_fullgraph(device):
     assert torch.equal(torch.compile(round_trip, fullgraph=True)(x), round_trip(x))
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("bits", BITS)

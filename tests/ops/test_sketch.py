@@ -15,7 +15,7 @@ from fastdist.ops import (
     pack_bits,
     sketch_hash,
 )
-from op_testing import DEVICES, bad_input_tests, needs_cuda
+from op_testing import DEVICES, bad_input_tests
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -599,7 +599,6 @@ def test_a_freed_cpu_table_is_reused_by_the_next_sketch_of_its_size_and_a_live_o
 
 # ---- CUDA agreement ----
 
-@needs_cuda
 @pytest.mark.cuda
 def test_cuda_hash_is_bit_identical_to_cpu():
     idx = torch.tensor(hash_test_indices() + list(range(100_000)))
@@ -610,7 +609,6 @@ def test_cuda_hash_is_bit_identical_to_cpu():
         assert_same(cuda[1], cpu[1])
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("granularity", ["row", "element"])
 @pytest.mark.parametrize("rows, cols, shape", [(3, 50_000, (8192, 128)), (15, 3001, (2048, 96))])
@@ -625,7 +623,6 @@ def test_cuda_tables_agree_with_cpu_and_decode_is_bit_identical(granularity, row
     assert_same(nonzero_bitmap(x.cuda(), granularity), support)
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("n, m", [(1, 64), (33, 64), (1057, 100), (40_000, 64), (70, 4096), (50, 4097), (9, 5000)])
 def test_cuda_row_sketch_and_decode_across_unit_tiles_and_the_column_sign_cache_agree_with_cpu(n, m):
@@ -644,7 +641,6 @@ def test_cuda_row_sketch_and_decode_across_unit_tiles_and_the_column_sign_cache_
     assert_sketch_close(count_sketch(x.cuda(), 3, 5003, 7, None, "row"), x, 3, 5003, 7, None, "row")
 
 
-@needs_cuda
 @pytest.mark.cuda
 def test_cuda_sketch_ops_on_a_side_stream_agree_with_cpu():
     x = random_sparse((4096, 256), 0.02, "row", seed=14)
@@ -836,7 +832,6 @@ test_bad_inputs_raise_a_clear_error, test_fake_kernels_reject_bad_inputs_like_th
     bad_input_tests(BAD_INPUTS)
 
 
-@needs_cuda
 @pytest.mark.cuda
 def test_support_on_another_device_is_rejected():
     with pytest.raises(RuntimeError, match="'support' and 'x' must be on the same device"):

@@ -13,7 +13,7 @@ from fastdist.ops import (
 )
 from fastdist.ops.topk import topk_k
 from hypothesis import given, settings
-from op_testing import DEVICES, bad_input_tests, needs_cuda
+from op_testing import DEVICES, bad_input_tests
 
 
 def oracle_topk(x, k):
@@ -252,7 +252,6 @@ def test_ops_compile_with_fullgraph(device):
     assert torch.equal(torch.compile(round_trip, fullgraph=True)(x), round_trip(x))
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape, k", [((3, 5000), 500), ((2, 70000), 7), ((1, 3000), 3000)])
 def test_cuda_selection_is_bit_identical_to_cpu(shape, k):
