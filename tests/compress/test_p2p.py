@@ -1,6 +1,8 @@
 """fastdist.compress send/recv and StageBoundary across ranks (gloo, through fastdist.distributed.spawn): the
 receiver sees exactly what a one-process Boundary computes, gradients come back, and mismatched configurations
 raise on both ends instead of hanging."""
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -8,12 +10,10 @@ from torch import nn
 from fastdist.compress import (AQSGD, Boundary, Chain, ErrorFeedback, Identity, MemoryStore, Quantize,
                                StageBoundary, TopK, recv, send)
 from fastdist.distributed import MismatchError, spawn
+from helpers import randn
 
 TIMEOUT = 120
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+FRAME_OVERHEAD = 400  # bytes: the 16-byte prefix, the pickled header, the alignment padding
 
 
 def _compressors():
@@ -127,8 +127,9 @@ def test_stage_boundary_gradients_equal_the_one_process_boundary():
         assert loss == want_loss
         assert torch.equal(grad, want_grad)
         assert stats0["fwd_wire_bytes"] < stats0["fwd_dense_bytes"] / 3
-        if mask == "reuse":  # k = 7 values per row back (1 byte each at 8 bits), no indices
-            assert stats1["bwd_wire_bytes"] < 8 * 7 * 4 + 400
+        if mask == "reuse":  # k values per row back (float32 at most), no indices, in one frame
+            rows, k = 8, math.ceil(0.1 * 64)
+            assert stats1["bwd_wire_bytes"] < rows * k * 4 + FRAME_OVERHEAD
 
 
 def _mismatched_config():
@@ -171,11 +172,12 @@ def _four_stage_aqsgd_pipeline():
             loss.backward()
             losses.append(float(loss))
     store = links[1].fwd.store.get(ids) if 1 in links else None
-    return store, losses, block.weight.grad is not None
+    return store, losses, block.weight.grad
 
 
 def test_four_stage_pipeline_with_aqsgd_keeps_both_stores_identical():
     results = spawn(_four_stage_aqsgd_pipeline, 4, backend="gloo", timeout=TIMEOUT)
     assert torch.equal(results[1][0], results[2][0])
-    assert all(r[2] for r in results)  # every stage got a gradient
+    for rank, (_, _, weight_grad) in enumerate(results):  # every stage got a gradient
+        assert weight_grad is not None and weight_grad.abs().sum() > 0, f"rank {rank}"
     assert len(results[3][1]) == 3
