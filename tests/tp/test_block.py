@@ -1,24 +1,57 @@
 """fastdist.tp.OverlappedTransformerBlock (the Oases schedule) and parallelize(GPTBlock): the same function and
 gradients as the single-process GPTBlock on 2 and 4 ranks, with and without recompute; the collectives per layer
-per step are the ones the schedule promises."""
+per step are the ones the schedule promises. What runs on the ranks is in tp_on_ranks.py."""
 import pytest
 import torch
-from conftest import outcome
 from fastdist.tp import GPTBlock
+from helpers import assert_close
+from tp_on_ranks import TOLERANCE, oases_case, parallelize_case, reference_block, shard
+
+
+def _single_process_block(x, weight):
+    """The reference block after one step on ``x``: (block with its gradients, output, input gradient)."""
+    block = reference_block()
+    x = x.clone().requires_grad_()
+    out = block(x)
+    (out * weight).sum().backward()
+    return block, out.detach(), x.grad
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_oases_block_equals_the_single_process_block_with_and_without_recompute(tp_ranks, world):
-    assert outcome(tp_ranks(world), "oases_block") == [True] * world
+    ref, out, input_grad = _single_process_block(*oases_case())
+    # each Oases parameter's gradient: the reference's, and the dimension along which a rank holds its part
+    # (column-parallel qkv and fc1 by rows, row-parallel proj and fc2 by columns; None: replicated)
+    want = {"output": (out, None), "input_grad": (input_grad, None),
+            "ln1_weight": (ref.ln1.weight.grad, None), "ln1_bias": (ref.ln1.bias.grad, None),
+            "qkv_weight": (ref.attn.qkv.weight.grad, 0), "qkv_bias": (ref.attn.qkv.bias.grad, 0),
+            "proj_weight": (ref.attn.proj.weight.grad, 1), "proj_bias": (ref.attn.proj.bias.grad, None),
+            "ln2_weight": (ref.ln2.weight.grad, None), "ln2_bias": (ref.ln2.bias.grad, None),
+            "fc1_weight": (ref.mlp.fc1.weight.grad, 0), "fc1_bias": (ref.mlp.fc1.bias.grad, 0),
+            "fc2_weight": (ref.mlp.fc2.weight.grad, 1), "fc2_bias": (ref.mlp.fc2.bias.grad, None)}
+    for rank, by_recompute in enumerate(tp_ranks(world, "oases_block")):
+        for recompute, got in by_recompute.items():
+            assert set(got) == set(want)
+            for name, (full, dim) in want.items():
+                assert_close(got[name], shard(full, world, rank, dim),
+                             f"rank {rank} of {world}, recompute={recompute}, {name}", **TOLERANCE)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallelize_turns_a_gpt_block_into_an_equivalent_tensor_parallel_one(tp_ranks, world):
-    assert outcome(tp_ranks(world), "parallelized_block") == [True] * world
+    ref, out, input_grad = _single_process_block(*parallelize_case())
+    want = {"output": (out, None), "input_grad": (input_grad, None), "fc1_weight_grad": (ref.mlp.fc1.weight.grad, 0),
+            "proj_weight_grad": (ref.attn.proj.weight.grad, 1), "ln1_weight_grad": (ref.ln1.weight.grad, None)}
+    for rank, by_chunks in enumerate(tp_ranks(world, "parallelized_block")):
+        for k, got in by_chunks.items():
+            assert (got["qkv_type"], got["fc2_type"]) == ("ColumnParallelLinear", "RowParallelLinear")
+            for name, (full, dim) in want.items():
+                assert_close(got[name], shard(full, world, rank, dim), f"rank {rank} of {world}, k={k}, {name}",
+                             **TOLERANCE)
 
 
 def test_megatron_checkpointing_all_reduces_6_activations_per_layer_and_oases_recompute_4(tp_ranks):
-    counts = outcome(tp_ranks(2), "block_counts")[0]
+    counts = tp_ranks(2, "block_counts")[0]
     assert counts["megatron"] == {"forward": 2, "backward": 2, "recompute": 0}
     assert counts["megatron_checkpoint"] == {"forward": 2, "backward": 2, "recompute": 2}
     assert sum(counts["megatron_checkpoint"].values()) == 6
@@ -32,7 +65,7 @@ def test_megatron_checkpointing_all_reduces_6_activations_per_layer_and_oases_re
 def test_oases_issues_its_all_reduces_in_the_schedule_order(tp_ranks):
     # Forward: A then B attention, A then B MLP; backward: B then A for fc1's input gradient, then B then A
     # for qkv's. A is the first 2 sequences of the batch of 3, B the last one.
-    assert outcome(tp_ranks(2), "oases_order")[0] == [
+    assert tp_ranks(2, "oases_order")[0] == [
         ("oases.forward.attn", 2), ("oases.forward.attn", 1), ("oases.forward.mlp", 2), ("oases.forward.mlp", 1),
         ("oases.backward.mlp", 1), ("oases.backward.mlp", 2), ("oases.backward.attn", 1), ("oases.backward.attn", 2)]
 

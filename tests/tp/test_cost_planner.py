@@ -5,9 +5,10 @@ import itertools
 import time
 
 import pytest
-from conftest import outcome
 from fastdist.tp import CostModel, ModelConfig, TPOp, plan
+from fastdist.tp.cost import CHUNK_CHOICES
 from fastdist.tp.planner import plan_cost
+from tp_on_ranks import CALIBRATION_SHAPE
 
 
 def _model(**kw):
@@ -106,12 +107,14 @@ def test_cost_model_state_dict_round_trips():
 
 
 def test_calibration_gives_every_rank_the_same_positive_model(tp_ranks):
-    (state0, text), (state1, _) = outcome(tp_ranks(2), "calibrate")
+    (state0, text), (state1, _) = tp_ranks(2, "calibrate")
     assert state0 == state1
     assert state0["alpha"] > 0 and state0["beta"] > 0 and state0["gemm_rate"] > 0
-    compute = dict(state0["comm_compute_table"])  # S at the 2-, 4-, 8-way chunks' output bytes
-    assert sorted(compute) == [8 * 32 * 4, 16 * 32 * 4, 32 * 32 * 4] and all(v >= 0 for v in compute.values())
-    assert len(state0["gemm_table"]) == 4  # the shape and its 2-, 4-, 8-way chunks
+    rows, _, out_features = CALIBRATION_SHAPE
+    compute = dict(state0["comm_compute_table"])  # S at the 2-, 4-, 8-way chunks' float32 output bytes
+    assert sorted(compute) == sorted(-(-rows // k) * out_features * 4 for k in CHUNK_CHOICES[1:])
+    assert all(v >= 0 for v in compute.values())
+    assert len(state0["gemm_table"]) == len(CHUNK_CHOICES)  # the shape and its 2-, 4-, 8-way chunks
     assert text.startswith("CostModel(alpha=")
 
 
@@ -152,6 +155,7 @@ def test_plan_raises_when_nothing_fits():
         plan(SMALL, 8, 1e6)
 
 
+@pytest.mark.timing
 def test_plan_solves_a_48_layer_model_in_under_a_second():
     config = ModelConfig(layers=48, hidden=8192, heads=64, seq_len=2048, global_batch=16)
     plan(SMALL, 8, 1e12)  # imports scipy

@@ -1,10 +1,14 @@
 """fastdist.tp Column/RowParallelLinear: outputs and gradients equal the single-process layers (weights sharded
 from the same full weights) for every chunk count, ragged token counts, with and without sequence parallelism,
 on 2 and 4 ranks; the collectives issued are the ones the overlap schedule says; bad shapes raise clearly.
-The rank-side halves of these tests are in _checks.py."""
+What runs on the ranks is in tp_on_ranks.py."""
 import pytest
-from conftest import outcome
+import torch.nn.functional as F
 from fastdist.tp import chunk_bounds
+from fastdist.tp.cost import UNCALIBRATED_CHUNKS
+from helpers import assert_close
+from tp_on_ranks import (CHUNKS, COLLECTIVES_FEATURES, COLLECTIVES_ROWS, TOLERANCE, gather_split_case, mlp_case,
+                         shard)
 
 
 def test_chunk_bounds_cover_the_rows_with_sizes_differing_by_at_most_one():
@@ -17,27 +21,58 @@ def test_chunk_bounds_cover_the_rows_with_sizes_differing_by_at_most_one():
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
+def _single_process_mlp(world, sequence_parallel):
+    fc1, fc2, x, residual, weight_out = mlp_case(world, sequence_parallel)
+    x, residual = x.requires_grad_(), residual.requires_grad_()
+    out = fc2(F.gelu(fc1(x), approximate="tanh")) + residual
+    (out * weight_out).sum().backward()
+    return {"output": out.detach(), "input_grad": x.grad, "residual_grad": residual.grad,
+            "column_weight_grad": fc1.weight.grad, "column_bias_grad": fc1.bias.grad,
+            "row_weight_grad": fc2.weight.grad, "row_bias_grad": fc2.bias.grad}
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("check", ["mlp", "mlp_sp"], ids=["no-sp", "sp"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-sp", "sp"])
 def test_column_then_row_parallel_equal_the_single_process_mlp_for_k_1_2_3_4_8_and_ragged_tokens(tp_ranks, world,
-                                                                                                 check):
-    assert outcome(tp_ranks(world), check) == [True] * world
+                                                                                                 sequence_parallel):
+    want = _single_process_mlp(world, sequence_parallel)
+    rows = 0 if sequence_parallel else None  # sequence parallelism: each rank holds its share of the tokens
+    # the dimension along which each rank holds its part (None: all of it)
+    held = {"output": rows, "input_grad": rows, "residual_grad": rows, "column_weight_grad": 0,
+            "column_bias_grad": 0, "row_weight_grad": 1, "row_bias_grad": None}
+    for rank, by_chunks in enumerate(tp_ranks(world, "mlp_sp" if sequence_parallel else "mlp")):
+        assert list(by_chunks) == CHUNKS
+        for k, got in by_chunks.items():
+            for name, dim in held.items():
+                assert_close(got[name], shard(want[name], world, rank, dim), f"rank {rank} of {world}, k={k}, {name}",
+                             **TOLERANCE)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gather_output_and_replicated_row_input_equal_the_single_process_layers(tp_ranks, world):
-    assert outcome(tp_ranks(world), "gather_split") == [True] * world
+    a, b, x = gather_split_case(world)
+    x.requires_grad_()
+    gathered = a(x)
+    out = b(gathered)
+    out.square().sum().backward()
+    want = {"gathered": gathered.detach(), "output": out.detach(), "input_grad": x.grad,
+            "column_weight_grad": a.weight.grad, "row_weight_grad": b.weight.grad}
+    held = {"gathered": None, "output": None, "input_grad": None, "column_weight_grad": 0, "row_weight_grad": 1}
+    for rank, got in enumerate(tp_ranks(world, "gather_split")):
+        for name, dim in held.items():
+            assert_close(got[name], shard(want[name], world, rank, dim), f"rank {rank} of {world}, {name}", **TOLERANCE)
 
 
 def test_chunked_linears_issue_one_collective_per_chunk_in_the_right_phase(tp_ranks):
-    logs = outcome(tp_ranks(2), "collectives")[0]
-    # No sequence parallelism: row forward all-reduces [6, 8] in k chunks (all in flight at once), column
-    # backward all-reduces the input gradient [6, 8] in k chunks; nothing else.
+    logs = tp_ranks(2, "collectives")[0]
+    # No sequence parallelism: row forward all-reduces its output [rows, features] in k chunks (all in flight at
+    # once), column backward all-reduces the input gradient [rows, features] in k chunks; nothing else.
+    activation = COLLECTIVES_ROWS * COLLECTIVES_FEATURES
     for k in (1, 3):
         records, in_flight = logs[False, k]
         assert [(kind, phase, site) for kind, phase, site, _ in records] == \
             [("all_reduce", "forward", "row.forward")] * k + [("all_reduce", "backward", "column.backward")] * k
-        assert sum(n for *_, n in records[:k]) == 6 * 8 and sum(n for *_, n in records[k:]) == 6 * 8
+        assert sum(n for *_, n in records[:k]) == activation and sum(n for *_, n in records[k:]) == activation
         assert in_flight == k
     # Sequence parallelism: column forward all-gathers the input as a ring (t - 1 = 1 exchange on 2 ranks), row
     # forward reduce-scatters, row backward all-gathers the output gradient (and all-reduces its bias gradient),
@@ -51,7 +86,7 @@ def test_chunked_linears_issue_one_collective_per_chunk_in_the_right_phase(tp_ra
 
 
 def test_bad_shapes_raise_clear_errors(tp_ranks):
-    m = outcome(tp_ranks(2), "bad_shapes")[0]
+    m = tp_ranks(2, "bad_shapes")[0]
     assert m["column_out"] == ("fastdist: ColumnParallelLinear: out_features=5 is not divisible by the "
                                "tensor-parallel world size 2")
     assert m["row_in"] == ("fastdist: RowParallelLinear: in_features=7 is not divisible by the tensor-parallel "
@@ -66,6 +101,6 @@ def test_bad_shapes_raise_clear_errors(tp_ranks):
 
 
 def test_auto_chunks_default_to_four_and_a_cross_rank_disagreement_raises_on_every_rank(tp_ranks):
-    for r in outcome(tp_ranks(2), "auto_chunks"):
-        assert r["uncalibrated"] == 4 and r["few_rows"] == 3
+    for r in tp_ranks(2, "auto_chunks"):
+        assert r["uncalibrated"] == UNCALIBRATED_CHUNKS and r["few_rows"] == 3  # never more chunks than rows
         assert r["mismatch"] is not None and "overlap_chunks for 64 rows" in r["mismatch"]
