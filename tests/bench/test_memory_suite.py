@@ -36,7 +36,7 @@ def test_cli_run_measures_every_configuration_in_its_own_process(tmp_path):
            "--min-bytes", "4096", "--swap-dir", str(tmp_path), "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "# target:" in proc.stdout and "memory [" in proc.stderr
+    assert "# target:" in proc.stdout and "memory: 100%" in proc.stderr
     result = json.loads(out.read_text())
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"none", "checkpoint", "swap", "fastdist-50"}

@@ -1,11 +1,13 @@
 """The bench toolkit: argument types accept their grammar and name what they reject; the timers warm up, keep
 every sample and take the median; the multi-rank timer keeps the slowest rank's time."""
 import argparse
+import io
 import time
 
 import pytest
+import tqdm
 
-from fastdist.bench import toolkit
+from fastdist.bench import report, toolkit
 from fastdist.distributed import spawn, timing
 
 
@@ -113,3 +115,52 @@ def test_time_ranks_keeps_the_slowest_ranks_time_per_repetition_or_this_ranks_ow
     assert slowest[0] == slowest[1] and len(slowest[0]) == 3
     assert min(slowest[0]) >= 0.25                     # rank 0's quick calls count as long as rank 1's
     assert max(own[0]) < 0.25 <= min(own[1])           # each rank's own samples
+
+
+def test_format_table_gives_each_float_column_one_format():
+    table = report.format_table(["method", "time(ms)", "rel.err"], [["a", 101.9, 1.7e-4], ["b", 82.59, 0.012]])
+    lines = table.splitlines()
+    assert lines[1].split() == ["a", "101.9", "1.70e-04"]  # three digits on the column's smallest value
+    assert lines[2].split() == ["b", "82.6", "1.20e-02"]   # the same decimals all the way down
+
+
+def test_format_table_takes_a_format_per_column_by_header_and_rejects_unknown_headers():
+    table = report.format_table(["n", "algbw(GB/s)"], [[1, 0.5], [2, 12.25]], {"algbw(GB/s)": ".3f"})
+    assert [line.split() for line in table.splitlines()[1:]] == [["1", "0.500"], ["2", "12.250"]]
+    with pytest.raises(ValueError, match="unknown columns"):
+        report.format_table(["n"], [[1]], {"time": ".1f"})
+
+
+def test_format_table_right_aligns_number_columns_and_left_aligns_text():
+    table = report.format_table(["name", "speed-up", "x"], [["long-name", "1.50x", 3], ["a", "-", 10]])
+    assert table.splitlines() == ["name       speed-up   x",
+                                  "long-name     1.50x   3",
+                                  "a                 -  10"]
+
+
+class _Log(io.StringIO):
+    def isatty(self):
+        return False
+
+
+def test_progress_off_a_terminal_writes_a_line_every_interval_and_the_last(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    log = _Log()
+    bar = toolkit.progress(100, "suite", stream=log, interval=5.0)
+    for i in range(100):
+        clock[0] += 0.5  # 50 s of steps: one line per 5 s at most
+        bar.step(f"step {i}")
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("suite:") and "0/100" in lines[0]
+    assert 100 // 10 <= len(lines) - 1 <= 100 // 10 + 1        # every 10th step, and the last
+    assert "100/100" in lines[-1] and "step 99" in lines[-1]
+    assert all("\r" not in line for line in lines)
+
+
+def test_a_disabled_progress_bar_writes_nothing():
+    log = _Log()
+    bar = toolkit.progress(3, "suite", enabled=False, stream=log)
+    for _ in range(3):
+        bar.step("x")
+    assert log.getvalue() == ""

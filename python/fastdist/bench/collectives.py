@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_max, all_sum, together
+from fastdist.bench.toolkit import all_max, all_sum, progress, together
 from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
@@ -152,7 +152,7 @@ def bench_rank(config):
         else torch.device("cpu")
     dtype = DTYPES[config["dtype"]]
     plan = [(op, size) for op in config["ops"] for size in config["sizes"]]
-    progress = report.Progress(len(plan), "collectives") if rank == 0 else None
+    bar = progress(len(plan), "collectives", enabled=rank == 0)
     rows = []
     for op, size in plan:
         case = Case(op, size, dtype, device)
@@ -175,7 +175,7 @@ def bench_rank(config):
                 "wire_bytes": wire_max, "tx_bytes": tx_max if config["measure_tx"] else None,
                 "wrong": wrong_total, "reps": reps, "samples_us": [s * 1e6 for s in times],
             })
-            progress.step(f"{op} {report.human_bytes(case.bytes)}")
+            bar.step(f"{op} {report.human_bytes(case.bytes)}")
         del case
     return rows if rank == 0 else None
 
@@ -204,12 +204,12 @@ def run(args):
 
 
 def format_rows(rows):
-    headers = ["collective", "size", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
+    headers = ["collective", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
                "wire B/rank", "tx B/rank", "#wrong"]
     table = [[r["collective"], r["size"], r["count"], r["dtype"], r["time_us"], r["algbw"], r["busbw"],
               int(r["wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), r["wrong"]]
              for r in rows]
-    return report.format_table(headers, table, align=["l", "r", "r", "l", "r", "r", "r", "r", "r", "r"])
+    return report.format_table(headers, table, {"time(us)": ".1f", "algbw(GB/s)": ".3f", "busbw(GB/s)": ".3f"})
 
 
 def plot(result, path):

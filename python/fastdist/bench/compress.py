@@ -33,7 +33,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_sum, together
+from fastdist.bench.toolkit import all_sum, progress, together
 
 METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
 
@@ -146,7 +146,7 @@ def bench_rank(config):
     rank, world = dist.get_rank(), dist.get_world_size()
     methods = config["methods"]
     pipes = {m: _Pipeline(m, config, rank, world) for m in methods}
-    progress = report.Progress((config["warmup"] + config["steps"]) * len(methods), "compress") if rank == 0 else None
+    bar = progress((config["warmup"] + config["steps"]) * len(methods), "compress", enabled=rank == 0)
     times = {m: [] for m in methods}
     wire = {m: [] for m in methods}
     tx = {m: [] for m in methods}
@@ -163,9 +163,7 @@ def bench_rank(config):
                 times[m].append(watch.seconds)
                 wire[m].append(totals[:2])
                 tx[m].append(totals[2])
-            if progress is not None:
-                phase = "warm-up" if it < config["warmup"] else f"step {it - config['warmup'] + 1}"
-                progress.step(f"{phase} {m}")
+            bar.step(("warm-up" if it < config["warmup"] else f"step {it - config['warmup'] + 1}") + f" {m}")
     if rank != 0:
         return None
     boundaries = world - 1
@@ -215,7 +213,7 @@ def format_rows(rows):
               "-" if r["link_ms_model"] is None else r["link_ms_model"],
               int(r["fwd_wire_bytes"]), int(r["bwd_wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]),
               f"{r['dense_bytes'] / max(r['fwd_wire_bytes'], 1):.1f}x"] for r in rows]
-    return report.format_table(headers, table, align=["l", "r", "r", "r", "r", "r", "r", "r"])
+    return report.format_table(headers, table)
 
 
 def plot(result, path):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.toolkit import progress
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 from fastdist.compress import AQSGD, Boundary, ErrorFeedback, MemoryStore, Quantize, TopK, batch
 
@@ -221,7 +222,7 @@ def run(args):
     with report.torch_threads(args.threads):
         env = report.environment(backend=f"one process, {torch.get_num_threads()} torch threads", device="cpu",
                                  ranks=1, network="- (in-process Boundary modules)")
-        progress = report.Progress(len(tasks) * len(rows), "compress-findings")
+        bar = progress(len(tasks) * len(rows), "compress-findings")
         results = []
         for task in tasks:
             data = _data(task, config)
@@ -229,7 +230,7 @@ def run(args):
                 start = time.monotonic()
                 r = _train(task, row, data, config)
                 results.append({"task": task, "row": row, **r, "seconds": time.monotonic() - start})
-                progress.step(f"{task} {row}")
+                bar.step(f"{task} {row}")
     print(report.format_environment(env))
     print(f"# {config['epochs']} epochs, {config['train']} training samples, seed {config['seed']}; cnn: test accuracy "
           "(higher is better), gpt: held-out cross-entropy in nats (lower is better)")
@@ -238,10 +239,10 @@ def run(args):
 
 
 def format_rows(rows):
-    headers = ["task", "row", "compressed inf.", "uncompressed inf.", "train loss", "s"]
+    headers = ["task", "row", "compressed inf.", "uncompressed inf.", "train loss", "time(s)"]
     table = [[r["task"], r["row"], r["compressed"], r["uncompressed"], r["train_loss_last_epoch"], r["seconds"]]
              for r in rows]
-    return report.format_table(headers, table, align=["l", "l", "r", "r", "r", "r"])
+    return report.format_table(headers, table, {"time(s)": ".1f"})
 
 
 def plot(result, path):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
-from fastdist.bench.toolkit import time_fn
+from fastdist.bench.toolkit import progress, time_fn
 
 CONFIGS = ["none", "checkpoint", "save_on_cpu", "swap", "fastdist"]
 MODELS = ["transformer", "cnn", "resnet50"]
@@ -395,7 +395,7 @@ def run(args):
     print(report.format_environment(env))
     print(f"# threads       {args.threads} torch threads per run; models at scale {args.scale}")
     runs = {}
-    progress = report.Progress(args.rounds * len(models) * len(configs), "memory")
+    bar = progress(args.rounds * len(models) * len(configs), "memory")
     for round_ in range(args.rounds):
         for model in models:
             shift = round_ % len(configs)  # rotate the order each round: no configuration always runs first
@@ -406,7 +406,7 @@ def run(args):
                             memory_cap_bytes=int(args.memory_cap * 2**30) if args.memory_cap else None,
                             max_batch=args.max_batch)
                 runs.setdefault((model, name), []).append(_run_child(spec, args.timeout))
-                progress.step(f"round {round_ + 1} {model} {name}")
+                bar.step(f"round {round_ + 1} {model} {name}")
     rows = [_merge_rounds(runs[(model, name)]) for model in models for name, _, _ in configs]
     _derive(rows)
     print(_table(rows))
@@ -442,8 +442,8 @@ def _derive(rows):
 
 
 def _table(rows):
-    headers = ["model", "config", "batch", "samples/s", "step ms", "overhead %", "act. peak MiB", "saved %",
-               "swapped MiB", "copy ms", "exposed ms", "hidden %", "plan"]
+    headers = ["model", "config", "batch", "samples/s", "step(ms)", "overhead(%)", "act. peak(MiB)", "saved(%)",
+               "swapped(MiB)", "copy(ms)", "exposed(ms)", "hidden(%)", "plan"]
     out = []
     for r in rows:
         p = r.get("prefetcher") or {}

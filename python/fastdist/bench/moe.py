@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, time_fn, together
+from fastdist.bench.toolkit import all_max, progress, time_fn, together
 
 METHODS = {
     "static": {"balance": "none", "dropless": False},
@@ -157,7 +157,7 @@ def bench_rank(config):
     num_experts = config["experts_per_rank"] * world
     samples = {name: [] for name in config["methods"]}
     steps = config["warmup"] + config["steps"]
-    progress = report.Progress(steps * len(config["methods"]), "moe") if rank == 0 else None
+    bar = progress(steps * len(config["methods"]), "moe", enabled=rank == 0)
     for step in range(steps):
         col = gate_column(num_experts, step, config).to(device)
         x = tokens_for(step, rank, config, device)
@@ -170,8 +170,7 @@ def bench_rank(config):
             seconds = _time_step(layer, x, device)
             if step >= config["warmup"]:
                 samples[name].append({"seconds": seconds, **layer.stats()})
-            if progress:
-                progress.step(name)
+            bar.step(name)
     if rank != 0:
         return None
     return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts}
@@ -292,7 +291,7 @@ def run(args):
               f"{r['tokens_max_over_mean']:.2f}", f"{r['a2a_max_over_mean']:.2f}",
               f"{r['std_before']:.0f}/{r['std_after']:.0f}", r["dropped"], r["replicas"], r["predicted_ms"],
               f"{100 * r['model_error_of_medians']:.0f}%", f"{100 * r['model_error']:.0f}%"] for r in rows]
-    print(report.format_table(headers, table, align=["l"] + ["r"] * 10))
+    print(report.format_table(headers, table))
     cm = launch.result["cost_model"]
     sharing = (f"ranks share cores: hosts {list(cm['rank_hosts'])}, {list(cm['host_slots'])} running at once per "
                f"host; the model shares them" if cm["rank_hosts"] else "a core (or device) per rank")
@@ -308,7 +307,7 @@ def run(args):
         [[p["ranks"], p["experts"], p["predicted_ms"]["dropless"], p["predicted_ms"]["shadow"],
           p["predicted_ms"]["prophet"], f"{p['prophet_vs_dropless']:.2f}x", f"{p['prophet_vs_shadow']:.2f}x",
           f"{p['tokens_max_over_mean']['dropless']:.2f} -> {p['tokens_max_over_mean']['prophet']:.2f}"]
-         for p in proj], align=["r"] * 8))
+         for p in proj]))
     layout = None
     if config["layout_size"]:
         layout = layout_timing(config["layout_size"])

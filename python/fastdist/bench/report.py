@@ -1,15 +1,21 @@
-"""What every benchmark suite prints and writes: environment header, tables, progress, JSON."""
+"""What every benchmark suite prints and writes: environment header, tables, JSON."""
+from __future__ import annotations
+
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
+import re
 import sys
-import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 import fastdist
+from fastdist.bench.toolkit import progress
 
 
 @contextlib.contextmanager
@@ -47,12 +53,32 @@ def format_environment(env):
     return "\n".join(f"# {k:<13} {env[k]}" for k in keys if k in env)
 
 
-def format_table(headers, rows, align=None):
-    """Fixed-width text table; numbers right-aligned, text left-aligned (or per `align` 'l'/'r')."""
-    cells = [[_cell(v) for v in row] for row in rows]
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], formats: Mapping[str, str] | None = None,
+                 align: Sequence[str] | None = None) -> str:
+    """A fixed-width text table in which every column has one number format.
+
+    Args:
+        headers: Column titles; a column of numbers names its unit in its title ("time(ms)").
+        rows: Cells: numbers, or text (pre-formatted numbers, "-" for none).
+        formats: Format specs by header ("time(us)": ".1f"). A float column without one gets one spec for all of
+            its cells from its smallest non-zero magnitude (`column_format`); ints print whole.
+        align: 'l' or 'r' per column; by default a column of numbers (or of text that starts like one: "1.20x",
+            "+3%"; "-" for none) is right-aligned, any other left.
+
+    Returns:
+        The table, header first, without a trailing newline.
+    """
+    formats = dict(formats or {})
+    unknown = sorted(set(formats) - set(headers))
+    if unknown:
+        raise ValueError(f"format_table: formats for unknown columns {unknown}; the columns are {list(headers)}")
+    columns = list(zip(*rows)) if rows else [() for _ in headers]
+    specs = [formats.get(h) or column_format(col) for h, col in zip(headers, columns)]
+    cells = [[_cell(v, spec) for v, spec in zip(row, specs)] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     if align is None:
-        align = ["r" if rows and isinstance(rows[0][i], (int, float)) else "l" for i in range(len(headers))]
+        align = ["r" if all(_is_number(v) or _NUMBER_LIKE.match(str(v)) for v in col if v not in ("-", "")) else "l"
+                 for col in columns]
 
     def line(values):
         return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(values, widths, align)).rstrip()
@@ -60,17 +86,30 @@ def format_table(headers, rows, align=None):
     return "\n".join([line(headers)] + [line(r) for r in cells])
 
 
-def _cell(v):
+def column_format(values: Sequence[Any]) -> str:
+    """One format spec for a column's floats: three significant digits on its smallest non-zero magnitude (at
+    most three decimals), scientific when that is below 0.001; "" (plain str) for a column without floats."""
+    magnitudes = [abs(v) for v in values if isinstance(v, float) and math.isfinite(v) and v != 0]
+    if not magnitudes:
+        return ".1f" if any(isinstance(v, float) for v in values) else ""
+    smallest = min(magnitudes)
+    if smallest < 1e-3:
+        return ".2e"
+    return f".{min(3, max(0, 2 - math.floor(math.log10(smallest))))}f"
+
+
+_NUMBER_LIKE = re.compile(r"[-+]?\.?\d")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _cell(v: Any, spec: str) -> str:
     if isinstance(v, float):
-        if v != v:
-            return "nan"
-        if v == 0:
-            return "0"
-        if abs(v) >= 100:
-            return f"{v:.1f}"
-        if abs(v) >= 0.01:
-            return f"{v:.3f}"
-        return f"{v:.2e}"
+        return "nan" if math.isnan(v) else format(v, spec or "g")
+    if _is_number(v) and spec and not spec.endswith(("d", "s")):
+        return format(v, spec)
     return str(v)
 
 
@@ -82,27 +121,7 @@ def human_bytes(n):
     return f"{n}B"
 
 
-class Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
-
-    def __init__(self, total, desc, stream=None):
-        self.total, self.desc, self.done = max(int(total), 1), desc, 0
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.start = time.monotonic()
-
-    def step(self, what=""):
-        self.done += 1
-        elapsed = time.monotonic() - self.start
-        eta = elapsed / self.done * (self.total - self.done)
-        frac = self.done / self.total
-        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-        msg = f"{self.desc} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s eta {eta:5.1f}s {what}"
-        if self.tty:
-            self.stream.write("\r" + msg[:160].ljust(160) + ("\n" if self.done >= self.total else ""))
-        else:
-            self.stream.write(msg + "\n")
-        self.stream.flush()
+Progress = progress  # the name the kernels suite still uses
 
 
 def write_json(path, payload):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_max, together
+from fastdist.bench.toolkit import all_max, progress, together
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 EXTRA_METHODS = ["bf16"]
@@ -202,7 +202,7 @@ def _timed_call(g, name, config, device):
     return watch.seconds, tx_counter(config["measure_tx"]) - tx0, wire_bytes, ran
 
 
-def _bench_density(config, density, world, rank, device, progress):
+def _bench_density(config, density, world, rank, device, bar):
     from fastdist.comm.sketch import EXACT_EXPLORE_CALLS
 
     g = _Gradient(config, density, world, rank, device)
@@ -229,9 +229,8 @@ def _bench_density(config, density, world, rank, device, progress):
                 wire[name].append(wire_bytes)
                 errors[name].append(g.error(g.work))
                 chose[name].append(ran)
-            if progress is not None:
-                phase = "warm-up" if it < config["warmup"] else f"rep {it - config['warmup'] + 1}"
-                progress.step(f"{density * 100:g}% {phase} {name}")
+            phase = "warm-up" if it < config["warmup"] else f"rep {it - config['warmup'] + 1}"
+            bar.step(f"{density * 100:g}% {phase} {name}")
     rows = []
     nbytes = g.grad.numel() * g.grad.element_size()
     for name in methods:
@@ -268,10 +267,10 @@ def bench_rank(config):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     steps = len(config["densities"]) * (config["warmup"] + config["reps"]) * len(config["methods"])
-    progress = report.Progress(steps, "sparse") if rank == 0 else None
+    bar = progress(steps, "sparse", enabled=rank == 0)
     rows, gradients = [], []
     for density in config["densities"]:
-        r, g = _bench_density(config, density, world, rank, device, progress)
+        r, g = _bench_density(config, density, world, rank, device, bar)
         rows += r
         gradients.append(g)
     return (rows, gradients) if rank == 0 else None
@@ -323,7 +322,7 @@ def format_rows(rows):
               "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", int(r["wire_bytes"]),
               "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), float(r["rel_error"]), r["algbw"], _note(r)]
              for r in rows]
-    return report.format_table(headers, table, align=["l", "l", "r", "r", "r", "r", "r", "r", "l"])
+    return report.format_table(headers, table, {"rel.err": ".2e", "eff.algbw(GB/s)": ".3f"})
 
 
 def plot(result, path):

@@ -55,7 +55,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import together
+from fastdist.bench.toolkit import progress, together
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
@@ -425,7 +425,7 @@ def train_rank(config):
                 curves[i].append((step, m.model.full_loss(held_in, held_tgt)))
         dist.barrier()
 
-    progress = report.Progress(steps, "sparse-lm", stream=None) if rank == 0 else None
+    bar = progress(steps, "sparse-lm", enabled=rank == 0)
     evaluate(0)
     for step in range(steps):
         inputs, targets, negatives = step_batch(corpus, sampler, rank, step, config)
@@ -443,9 +443,9 @@ def train_rank(config):
                 chosen[i].append(m.router.last_methods())
         if step + 1 in eval_steps:
             evaluate(step + 1)
-        if progress is not None:
+        if rank == 0:
             last = " ".join(f"{m.name}={c[-1][1]:.3f}" for m, c in zip(methods, curves) if c)
-            progress.step(f"held-out loss at step {curves[0][-1][0] if curves[0] else 0}: {last}"[:400])
+            bar.step(f"held-out loss at step {curves[0][-1][0] if curves[0] else 0}: {last}")
 
     # every rank's samples -> per step, the busiest rank (slowest, most bytes)
     stacked = torch.stack([times, wire, tx, sparse_wire])
@@ -650,8 +650,7 @@ def format_methods(result):
             row.append("-" if m["median_tx_bytes"] is None else int(m["median_tx_bytes"]))
         row += ["yes" if m["lossless"] else "no", how]
         rows.append(row)
-    align = ["l", "r", "r", "r", "r", "r"] + (["r"] if has_tx else []) + ["l", "l"]
-    return report.format_table(headers, rows, align=align)
+    return report.format_table(headers, rows)
 
 
 def format_pareto(result):
@@ -665,7 +664,7 @@ def format_pareto(result):
                      _pct(m.get("sparse_bytes_vs_best_lossless_sparse"), signed=False), m["final_loss"],
                      _pct(m["loss_vs_dense"]), "yes" if m["lossless"] else "no", "*" if m["pareto"] else ""])
     return "wire bytes vs final loss (Pareto front marked *; V-row matrices: the two embeddings' bytes alone)\n" + \
-        report.format_table(headers, rows, align=["l", "r", "r", "r", "r", "r", "r", "l", "l"])
+        report.format_table(headers, rows)
 
 
 def _pct(x, signed=True):

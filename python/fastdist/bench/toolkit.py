@@ -1,4 +1,4 @@
-"""What every benchmark suite shares: argument types for sizes, shapes and comma lists, and the timers.
+"""What every benchmark suite shares: argument types for sizes, shapes and comma lists, the timers, progress.
 
 The timers live in `fastdist.distributed.timing` (the library's calibrations use them too, without importing
 the bench package) and are re-exported here. Each argument type raises `argparse.ArgumentTypeError` with the
@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Callable, Collection
 from decimal import Decimal
-from typing import Any
+from typing import Any, TextIO
+
+import tqdm
 
 from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, sync, time_fn, time_ranks, together
 
-__all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Stopwatch", "Timing", "all_max", "all_sum", "comma_list",
-           "parse_shape", "parse_size", "shape_type", "sync", "time_fn", "time_ranks", "together"]
+__all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "comma_list",
+           "parse_shape", "parse_size", "progress", "shape_type", "sync", "time_fn", "time_ranks", "together"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")
@@ -117,3 +120,56 @@ def comma_list(item_type: Callable[[str], Any] = str,
 
     parse.__name__ = "comma_list"
     return parse
+
+
+class Bar(tqdm.tqdm):
+    """A tqdm bar that a suite advances one step at a time, with a note on what the step was."""
+
+    monitor_interval = 0  # no monitor thread: steps come from the suite's own loop
+
+    def step(self, note: str = "") -> None:
+        """Counts one step done; `note` (shortened to a line) says which. The last step closes the bar."""
+        self.set_postfix_str(note[:120], refresh=False)
+        self.update()
+        if self.total is not None and self.n >= self.total:
+            self.close()
+
+
+class _Lines:
+    """A stream that is not a terminal, as tqdm sees it: each redraw (tqdm starts it with a carriage return)
+    becomes one line, and a redraw identical to the line before is dropped."""
+
+    def __init__(self, stream: TextIO):
+        self.stream, self.last = stream, None
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line and line != self.last:
+            self.stream.write(line + "\n")
+            self.last = line
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress(total: int, desc: str, *, enabled: bool = True, stream: TextIO | None = None,
+             interval: float = 5.0) -> Bar:
+    """A progress bar on stderr for `total` steps (results go to stdout, so the two never mix).
+
+    On a terminal the bar is redrawn in place. Otherwise (a log, a pipe) it writes its first line, then at most
+    one line every `interval` seconds, and the last.
+
+    Args:
+        total: Steps expected.
+        desc: What runs, shown first on the line (the suite's name).
+        enabled: False gives a silent bar, e.g. on every rank but the one that prints.
+        stream: Where to draw; stderr by default.
+        interval: Seconds between lines when `stream` is not a terminal.
+
+    Returns:
+        The bar; call `step(note)` after each step.
+    """
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    return Bar(total=total, desc=desc, file=stream if tty else _Lines(stream), mininterval=0.1 if tty else interval,
+               miniters=1, dynamic_ncols=tty, disable=not enabled)

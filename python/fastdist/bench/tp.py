@@ -32,7 +32,7 @@ import torch.distributed as dist
 from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.launch import pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, time_fn, together
+from fastdist.bench.toolkit import all_max, progress, time_fn, together
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
@@ -68,7 +68,7 @@ def add_arguments(p):
 
 # --- one rank --------------------------------------------------------------------------------------
 
-def _interleaved(variants, reps, warmup, progress, label):
+def _interleaved(variants, reps, warmup, bar, label):
     """{name: [seconds per rep]} of the slowest rank; `variants` maps name -> callable."""
     names = list(variants)
     samples = {n: [] for n in names}
@@ -81,8 +81,7 @@ def _interleaved(variants, reps, warmup, progress, label):
                 variants[name]()
             if it >= warmup:
                 samples[name].append(watch.seconds)
-            if progress is not None:
-                progress.step(f"{label} {name}")
+            bar.step(f"{label} {name}")
     slowest = all_max([t for n in names for t in samples[n]])  # a step lasts until its slowest rank is done
     return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
 
@@ -157,11 +156,11 @@ def bench_rank(config):
     per_rep = len(OP_KS) + len(GEMM_ONLY_KS) if config["part"] == "op" else len(BLOCK_VARIANTS)
     reps = config["op_reps"] if config["part"] == "op" else config["reps"]
     steps = (config["warmup"] + reps) * per_rep
-    progress = report.Progress(steps, f"tp {config['part']} {config['label']}") if rank == 0 else None
+    bar = progress(steps, f"tp {config['part']} {config['label']}", enabled=rank == 0)
     op_rows, block_rows, gemm_rows = [], [], []
     if config["part"] == "op":
         variants, auto_k = _op_variants(config, model)
-        op_samples = _interleaved(variants, reps, config["warmup"], progress, "op")
+        op_samples = _interleaved(variants, reps, config["warmup"], bar, "op")
         for k in OP_KS:
             kk = auto_k if k == "auto" else k
             op_rows.append({"k": str(k), "chunks": kk, "samples_ms": [s * 1e3 for s in op_samples[f"k={k}"]],
@@ -170,7 +169,7 @@ def bench_rank(config):
         gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in op_samples[f"gemm k={k}"]],
                       "time_ms": statistics.median(op_samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
     else:
-        block_samples = _interleaved(_block_variants(config, model), reps, config["warmup"], progress,
+        block_samples = _interleaved(_block_variants(config, model), reps, config["warmup"], bar,
                                      "block")
         for name in BLOCK_VARIANTS:
             block_rows.append({"variant": name, "samples_ms": [s * 1e3 for s in block_samples[name]],
@@ -262,8 +261,7 @@ def run(args):
                                    warmup=args.warmup)
         print(f"# chunked GEMM {result['shape']} {result['dtype']} on {result['device']} (median of {args.reps})")
         print(report.format_table(["chunks", "time(ms)", "vs one GEMM"],
-                                  [[r["k"], r["time_ms"], f"{r['overhead_pct']:+.1f}%"] for r in result["rows"]],
-                                  align=["r", "r", "r"]))
+                                  [[r["k"], r["time_ms"], f"{r['overhead_pct']:+.1f}%"] for r in result["rows"]]))
         return {"suite": "tp", "gemm_check": result, "runs": []}
     op_shape = _ints(args.op_shape, 3, "--op-shape")
     block = _ints(args.block, 4, "--block")
@@ -328,8 +326,7 @@ def format_op_rows(rows):
     table = [[f"k={r['k']}" + (f" ({r['chunks']})" if r["k"] == "auto" else ""), r["time_ms"],
               f"{base / r['time_ms']:.2f}x", r["predicted_ms"], f"{(r['predicted_ms'] / r['time_ms'] - 1) * 100:+.0f}%"]
              for r in rows]
-    return report.format_table(["row op", "time(ms)", "vs k=1", "predicted(ms)", "model err"], table,
-                               align=["l", "r", "r", "r", "r"])
+    return report.format_table(["row op", "time(ms)", "vs k=1", "predicted(ms)", "model err"], table)
 
 
 def format_block_rows(rows):
@@ -338,7 +335,7 @@ def format_block_rows(rows):
     for r in rows:
         base = by["megatron+recompute" if r["variant"].endswith("+recompute") else "megatron"]
         table.append([r["variant"], r["time_ms"], f"{base / r['time_ms']:.2f}x"])
-    return report.format_table(["GPT block fwd+bwd", "time(ms)", "vs megatron"], table, align=["l", "r", "r"])
+    return report.format_table(["GPT block fwd+bwd", "time(ms)", "vs megatron"], table)
 
 
 def plot(result, path):
