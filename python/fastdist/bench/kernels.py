@@ -46,7 +46,7 @@ from torch import Tensor
 
 import fastdist
 from fastdist.bench import report
-from fastdist.bench.toolkit import comma_list, parse_size, shape_type
+from fastdist.bench.toolkit import comma_list, parse_size, progress, shape_type
 from fastdist.ops import (bias_epilogue, bitwise_or_reduce, count_sketch, count_sketch_decode,
                           count_sketch_decode_units, dequantize, moe_layout, nonzero_bitmap, pack_bits, quantize,
                           sketch_hash, topk_compress, topk_decompress, unpack_bits)
@@ -466,7 +466,7 @@ def _run(device, ops, chosen, repeats, warmup):
     src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_bytes = 2 * COPY_BYTES  # read + write
-    progress = report.Progress(len(ops), "kernels")
+    bar = progress(len(ops), "kernels")
     rows = []
     for op in ops:
         for case in CASES[FAMILY_OF[op]](op, chosen, device):
@@ -479,7 +479,7 @@ def _run(device, ops, chosen, repeats, warmup):
                 "bytes": case.nbytes, "median_s": t, "gbps": case.nbytes / t / 1e9, "pct_copy": pct,
                 "torch_median_s": t_torch, "torch_gbps": case.nbytes / t_torch / 1e9, "speedup": t_torch / t,
                 "samples_s": ours_s, "torch_samples_s": torch_s, "copy_samples_s": copy_s})
-        progress.step(op)
+        bar.step(op)
     copy_samples = [c for r in rows for c in r["copy_samples_s"]]
     copy_gbps = copy_bytes / statistics.median(copy_samples) / 1e9
     print(report.format_environment(env))
@@ -495,19 +495,16 @@ def _run(device, ops, chosen, repeats, warmup):
             "copy_bytes": COPY_BYTES, "rows": rows}
 
 
-TABLE = [  # header, cell of a row, format
-    ("op", lambda r: r["op"], "s"), ("input", lambda r: r["case"], "s"),
-    ("bytes moved", lambda r: report.human_bytes(r["bytes"]), "s"), ("time (us)", lambda r: r["median_s"] * 1e6, ".1f"),
-    ("GB/s", lambda r: r["gbps"], ".2f"), ("% of copy", lambda r: r["pct_copy"], ".1f"),
-    ("torch (us)", lambda r: r["torch_median_s"] * 1e6, ".1f"), ("torch GB/s", lambda r: r["torch_gbps"], ".2f"),
-    ("vs torch (x)", lambda r: r["speedup"], ".2f"),
-]
+HEADERS = ["op", "input", "moved (MiB)", "time (us)", "GB/s", "% of copy", "torch (us)", "torch GB/s", "vs torch (x)"]
+FORMATS = {"moved (MiB)": ".3f", "time (us)": ".1f", "GB/s": ".2f", "% of copy": ".1f", "torch (us)": ".1f",
+           "torch GB/s": ".2f", "vs torch (x)": ".2f"}
 
 
 def format_rows(rows: list[dict]) -> str:
     """The rows as a table with one number format per column."""
-    cells = [[format(cell(r), fmt) for _, cell, fmt in TABLE] for r in rows]
-    return report.format_table([h for h, _, _ in TABLE], cells, align=["l", "l"] + ["r"] * (len(TABLE) - 2))
+    table = [[r["op"], r["case"], r["bytes"] / 2**20, r["median_s"] * 1e6, r["gbps"], r["pct_copy"],
+              r["torch_median_s"] * 1e6, r["torch_gbps"], r["speedup"]] for r in rows]
+    return report.format_table(HEADERS, table, formats=FORMATS, align=["l", "l"] + ["r"] * (len(HEADERS) - 2))
 
 
 def plot(result: dict, path: str) -> None:
