@@ -59,6 +59,7 @@ def _rank1_raises_while_others_block():
     time.sleep(600)
 
 
+@pytest.mark.timing
 def test_first_failure_propagates_its_traceback_and_kills_the_other_ranks():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -99,6 +100,7 @@ def _rank1_sleeps_forever():
         time.sleep(600)
 
 
+@pytest.mark.timing
 def test_a_job_past_its_timeout_is_killed_and_reports_where_each_stuck_rank_was():
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
