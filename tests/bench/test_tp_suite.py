@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fastdist.bench import cli, tp
 
 
@@ -16,10 +18,18 @@ def test_the_suite_is_registered_with_a_small_tour_entry():
 
 
 def test_balanced_rates_are_positive_and_scale_with_the_bytes_moved():
-    rate, gemm_s = tp.op_balanced_rate((256, 256, 128), 2)
+    world = 2
+    ring_share = 2 * (world - 1) / world  # of its bytes, what a ring all-reduce sends from each rank
+    m, k, n = 256, 256, 128
+    rate, gemm_s = tp.op_balanced_rate((m, k, n), world)
     assert rate > 0 and gemm_s > 0
-    rate, compute_s = tp.block_balanced_rate((32, 2, 8, 2), 2)
+    # the bits of the all-reduce of the row op's float32 [M, N] output, in the GEMM's time
+    assert rate * gemm_s == pytest.approx(8 * ring_share * m * n * 4)
+    hidden, heads, seq, batch = 32, 2, 8, 2
+    rate, compute_s = tp.block_balanced_rate((hidden, heads, seq, batch), world)
     assert rate > 0 and compute_s > 0
+    # the bits of a step's 4 all-reduces of the float32 [batch * seq, hidden] activation, in the compute's time
+    assert rate * compute_s == pytest.approx(8 * 4 * ring_share * batch * seq * hidden * 4)
 
 
 def test_cli_run_times_every_chunk_count_and_block_variant_and_predicts_each_op_time(tmp_path):
