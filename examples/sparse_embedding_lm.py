@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/sparse_embedding_lm.py --steps 20
     torchrun --nproc-per-node 4 examples/sparse_embedding_lm.py --mode sketch --ratio 0.002 --error-feedback
 
-The model (from fastdist.bench.sparse_lm) has two 32768-row matrices -- the input embedding and the output
+The model (from fastdist.bench.models) has two 32768-row matrices -- the input embedding and the output
 embedding of a sampled softmax -- whose gradients are non-zero only in the rows a step touches (about 1-4 %).
 A plain DDP all-reduce sends both matrices whole every step. `sketch_hook` sends only what is needed:
 
@@ -21,7 +21,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from fastdist.bench.sparse_lm import SparseLM, make_data, step_batch
+from fastdist.bench.models import SparseLM, make_data, step_batch
 from fastdist.comm.hooks import SketchState, sketch_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from fastdist.bench import cli, memory
+from fastdist.bench import cli, memory, models
 
 
 def parse(argv):
@@ -70,7 +70,7 @@ def test_the_batch_search_finds_the_largest_fitting_batch_within_the_limit(large
 def test_resnet50_has_sixteen_bottleneck_segments_and_the_right_parameter_count():
     import fastdist.memory as fm
 
-    net = memory.ResNet50()
+    net = models.ResNet50()
     assert len(fm.default_segments(net)) == 16
     assert sum(p.numel() for p in net.parameters()) == 25_557_032  # torchvision's resnet50
 

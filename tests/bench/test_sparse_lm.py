@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from fastdist.bench import sparse_lm
+from fastdist.bench import models, sparse_lm
 from fastdist.bench.corpus import ZipfMarkovCorpus
 from fastdist.distributed import spawn
 
@@ -79,15 +79,15 @@ def test_corpus_is_learnable_next_token_predictable_from_the_previous(corpus):
 
 def test_embedding_gradients_are_row_sparse_at_the_expected_density(corpus):
     config = {"vocab": 32768, "exponent": 1.1, "seed": 3, "negatives": 1024, "batch": 8, "seq": 32}
-    _, sampler = sparse_lm.make_data(config)
+    _, sampler = models.make_data(config)
     torch.manual_seed(0)
-    model = sparse_lm.SparseLM(32768, 16)
+    model = models.SparseLM(32768, 16)
     held = corpus.heldout(4, 32)
     assert abs(model.full_loss(held[:, :-1], held[:, 1:]) - math.log(32768)) < 1e-4  # zero output layer
     torch.nn.init.normal_(model.out.weight, std=0.1)  # so that the input embedding gets a gradient too
-    inputs, targets, negatives = sparse_lm.step_batch(corpus, sampler, 0, 0, config)
+    inputs, targets, negatives = models.step_batch(corpus, sampler, 0, 0, config)
     model(inputs, targets, negatives, sampler.log_expected).backward()
-    emb_rows, out_rows = sparse_lm.SparseLM.touched_rows(inputs, targets, negatives)
+    emb_rows, out_rows = models.SparseLM.touched_rows(inputs, targets, negatives)
     for grad, rows in ((model.embed.weight.grad, emb_rows), (model.out.weight.grad, out_rows)):
         nonzero = grad.ne(0).any(1).nonzero().flatten()
         assert torch.equal(nonzero, rows)                       # exactly the rows the step looked up
@@ -101,7 +101,7 @@ def test_embedding_gradients_are_row_sparse_at_the_expected_density(corpus):
 
 def test_a_wide_input_embedding_feeds_the_lstm_and_keeps_its_gradient_row_sparse():
     torch.manual_seed(0)
-    model = sparse_lm.SparseLM(512, 16, embed_dim=96)
+    model = models.SparseLM(512, 16, embed_dim=96)
     assert tuple(model.embed.weight.shape) == (512, 96) and tuple(model.out.weight.shape) == (512, 17)
     assert (model.lstm.input_size, model.lstm.hidden_size) == (96, 16)
     torch.nn.init.normal_(model.out.weight, std=0.1)
@@ -109,7 +109,7 @@ def test_a_wide_input_embedding_feeds_the_lstm_and_keeps_its_gradient_row_sparse
     targets = torch.tensor([[7, 7, 9, 1]])
     model(inputs, targets, torch.tensor([0, 5, 11]), torch.zeros(512)).backward()
     assert torch.equal(model.embed.weight.grad.ne(0).any(1).nonzero().flatten(), torch.tensor([3, 7, 9]))
-    assert tuple(sparse_lm.SparseLM(512, 16).embed.weight.shape) == (512, 16)  # D defaults to d
+    assert tuple(models.SparseLM(512, 16).embed.weight.shape) == (512, 16)  # D defaults to d
 
 
 def test_embed_dim_option_reaches_the_config_and_the_printed_model_and_defaults_to_dim():

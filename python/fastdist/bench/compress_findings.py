@@ -24,6 +24,7 @@ from torch import nn
 from fastdist.bench import report
 from fastdist.bench.toolkit import progress
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
+from fastdist.bench.models import StagedCNN, TransformerLM
 from fastdist.compress import AQSGD, Boundary, ErrorFeedback, MemoryStore, Quantize, TopK, batch
 
 ROWS = ["none", "topk5", "topk10", "topk30", "topk50", "quant2", "quant4", "quant8", "quant2-act", "quant2-grad",
@@ -64,7 +65,7 @@ def boundary_for(row, samples):
     raise ValueError(f"unknown row {row!r}")
 
 
-# ---- (a) shapes and a 3-stage CNN ----
+# ---- (a)'s data: generated shapes ----
 
 def shapes_dataset(n, seed, size=16):
     """n images [n, 1, size, size] of 8 classes and their labels; a function of (n, seed) only."""
@@ -92,57 +93,6 @@ def shapes_dataset(n, seed, size=16):
     return img[:, None], labels
 
 
-class CNN(nn.Module):
-    def __init__(self, boundaries):
-        super().__init__()
-        self.stages = nn.ModuleList([
-            nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU()),
-            nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
-            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
-        ])
-        self.boundaries = nn.ModuleList(boundaries)
-        self.head = nn.Linear(16 * 4 * 4, 8)
-
-    def forward(self, x):
-        for stage, boundary in zip(self.stages, self.boundaries):
-            x = boundary(stage(x))
-        return self.head(x.flatten(1))
-
-
-# ---- (b) a 4-block GPT ----
-
-class Block(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x, causal):
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab, dim, seq, boundaries, heads=4, blocks=4):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(blocks)])
-        self.boundaries = nn.ModuleList(boundaries)
-        self.ln, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-        self.register_buffer("causal", torch.triu(torch.full((seq, seq), float("-inf")), 1))
-
-    def forward(self, tokens):
-        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
-        causal = self.causal[: tokens.shape[1], : tokens.shape[1]]
-        for i, block in enumerate(self.blocks):
-            x = block(x, causal)
-            if i < len(self.boundaries):
-                x = self.boundaries[i](x)
-        return self.out(self.ln(x))
-
-
 # ---- training ----
 
 def _set_inference(model, compressed):
@@ -155,11 +105,12 @@ def _train(task, row, data, config):
     samples = data["x_train"].shape[0]
     boundaries = [boundary_for(row, samples) for _ in range(3)]
     if task == "cnn":
-        model = CNN(boundaries)
+        model = StagedCNN(boundaries)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
         batch_size = 64
     else:
-        model = GPT(data["vocab"], 32, data["x_train"].shape[1] - 1, boundaries, heads=2)
+        model = TransformerLM(data["vocab"], 32, heads=2, layers=4, seq=data["x_train"].shape[1] - 1,
+                              boundaries=boundaries)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
         batch_size = 32
     order_gen = torch.Generator().manual_seed(config["seed"] + 1)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.models import ResidualCNN, ResNet50, TransformerLM
 from fastdist.bench.toolkit import progress, time_fn
 
 CONFIGS = ["none", "checkpoint", "save_on_cpu", "swap", "fastdist"]
@@ -46,106 +47,13 @@ DEFAULT_MODELS = ["transformer", "cnn"]
 DEFAULT_BUDGETS = [70, 50, 30]
 SIZES = {  # model -> scale -> dims
     "transformer": {"small": dict(vocab=2048, dim=256, heads=4, layers=6, seq=256, batch=8),
-                    "tiny": dict(vocab=256, dim=64, heads=2, layers=3, seq=64, batch=4)},
+                    "tiny": dict(vocab=256, dim=64, heads=2, layers=3, seq=64, batch=4),
+                    "gpt": dict(vocab=32000, dim=1024, heads=16, layers=4, seq=1024, batch=4)},
     "cnn": {"small": dict(channels=48, blocks=6, image=64, batch=16),
             "tiny": dict(channels=8, blocks=3, image=32, batch=4),
             "gpt": dict(channels=128, blocks=8, image=128, batch=32)},
+    "resnet50": {"small": dict(image=224, batch=8), "tiny": dict(image=64, batch=2), "gpt": dict(image=224, batch=8)},
 }
-
-
-# ---- models ----
-
-class Block(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class Transformer(nn.Module):
-    def __init__(self, vocab, dim, heads, layers, **_):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-class ConvBlock(nn.Module):
-    def __init__(self, channels):
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
-                                  nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels))
-
-    def forward(self, x):
-        return torch.relu(x + self.body(x))
-
-
-class CNN(nn.Module):
-    def __init__(self, channels, blocks, **_):
-        super().__init__()
-        self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(blocks))
-        self.head = nn.Linear(channels, 10)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(dim=(2, 3)))
-
-
-class Bottleneck(nn.Module):
-    def __init__(self, cin, width, stride):
-        super().__init__()
-        cout = 4 * width
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
-        self.skip = (nn.Identity() if stride == 1 and cin == cout else
-                     nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)))
-
-    def forward(self, x):
-        return torch.relu(self.skip(x) + self.body(x))
-
-
-class ResNet50(nn.Module):
-    """ResNet-50 (bottleneck stages of 3, 4, 6, 3 blocks); its 16 blocks are the segments."""
-
-    def __init__(self, classes=1000, **_):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
-                                  nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1))
-        blocks, cin = [], 64
-        for width, count, stride in [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]:
-            for i in range(count):
-                blocks.append(Bottleneck(cin, width, stride if i == 0 else 1))
-                cin = 4 * width
-        self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Linear(cin, classes)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(dim=(2, 3)))
-
-
-SIZES["transformer"]["gpt"] = dict(vocab=32000, dim=1024, heads=16, layers=4, seq=1024, batch=4)
-SIZES["resnet50"] = {"small": dict(image=224, batch=8), "tiny": dict(image=64, batch=2), "gpt": dict(image=224, batch=8)}
 
 
 def build(model, scale, device, seed=0):
@@ -153,8 +61,8 @@ def build(model, scale, device, seed=0):
     dims = SIZES[model][scale]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    if model == "transformer":
-        net = Transformer(**dims)
+    if model == "transformer":  # an encoder stack: no positions, no causal mask
+        net = TransformerLM(dims["vocab"], dims["dim"], dims["heads"], dims["layers"])
 
         def make_batch(b):
             tokens = torch.randint(0, dims["vocab"], (b, dims["seq"] + 1), generator=gen)
@@ -163,7 +71,7 @@ def build(model, scale, device, seed=0):
         def loss_fn(out, targets):
             return nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
     else:
-        net = CNN(**dims) if model == "cnn" else ResNet50()
+        net = ResidualCNN(dims["channels"], dims["blocks"]) if model == "cnn" else ResNet50()
         classes = 10 if model == "cnn" else 1000
 
         def make_batch(b):

@@ -50,13 +50,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.models import SparseLM, make_data, step_batch
 from fastdist.bench.toolkit import progress, together
-from fastdist.bench.corpus import ZipfMarkovCorpus, generator
+from fastdist.comm.baselines import ring_allreduce_bytes
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
 OURS = ["omnireduce", "auto", "auto-bg"]
@@ -67,75 +66,7 @@ POWERSGD_START = 2  # torch requires > 1 with error feedback
 LOSS_TIE = 1e-4  # final losses closer than this are equal for the Pareto front
 
 
-# --- the model ---------------------------------------------------------------------------------------------
-
-class NegativeSampler:
-    """Negatives for the sampled softmax: `count` draws (with replacement) from unigram^power, from a
-    generator seeded by (seed, step), so every rank draws the same set at the same step.
-    log_expected[k] = log(count * q(k)), the correction subtracted from sampled logits."""
-
-    def __init__(self, unigram, count, power=0.75, seed=0):
-        q = unigram.double().pow(power)
-        q /= q.sum()
-        self.count, self.seed = int(count), int(seed)
-        self._cdf = torch.cumsum(q, 0)
-        self._cdf[-1] = 1.0
-        self.log_expected = torch.log(self.count * q).float()
-
-    def draw(self, step):
-        u = torch.rand(self.count, generator=generator("negatives", self.seed, int(step)), dtype=torch.float64)
-        return torch.searchsorted(self._cdf, u).clamp_(max=self._cdf.numel() - 1)
-
-
-class SparseLM(nn.Module):
-    """Embedding(V, D) -> LSTM(D, d) -> output embedding V x (d + 1) (the last column is the bias); D = d unless
-    `embed_dim` says otherwise (a wide input embedding makes its gradient, not the compute, the large part).
-
-    forward() is the sampled-softmax training loss (row-sparse gradients in both V-row matrices);
-    full_loss() the full-softmax cross-entropy, for evaluation. sparse=True makes both embeddings produce
-    torch.sparse_coo gradients (for DDP's sparse all-reduce)."""
-
-    def __init__(self, vocab, dim, sparse=False, embed_dim=None):
-        super().__init__()
-        self.vocab, self.dim = int(vocab), int(dim)
-        self.embed_dim = self.dim if embed_dim is None else int(embed_dim)
-        self.embed = nn.Embedding(vocab, self.embed_dim, sparse=sparse)
-        self.lstm = nn.LSTM(self.embed_dim, dim, batch_first=True)
-        self.out = nn.Embedding(vocab, dim + 1, sparse=sparse)
-        nn.init.normal_(self.embed.weight, std=0.1)
-        nn.init.zeros_(self.out.weight)  # uniform predictions at first: the loss starts at log(V)
-
-    def hidden(self, inputs):
-        """[B, T] token ids -> [B*T, d + 1] features (LSTM output with a constant 1 for the bias column)."""
-        h, _ = self.lstm(self.embed(inputs))
-        h = h.reshape(-1, self.dim)
-        return torch.cat([h, torch.ones_like(h[:, :1])], 1)
-
-    def forward(self, inputs, targets, negatives, log_expected):
-        h = self.hidden(inputs)
-        t = targets.reshape(-1)
-        true_logit = (h * self.out(t)).sum(1) - log_expected[t]
-        neg_logits = h @ self.out(negatives).t() - log_expected[negatives]
-        neg_logits = neg_logits.masked_fill(negatives.unsqueeze(0) == t.unsqueeze(1), float("-inf"))
-        logits = torch.cat([true_logit.unsqueeze(1), neg_logits], 1)
-        return (torch.logsumexp(logits, 1) - true_logit).mean()
-
-    @torch.no_grad()
-    def full_loss(self, inputs, targets, chunk=256):
-        """Full-softmax cross-entropy (nats per token), no communication."""
-        h = self.hidden(inputs)
-        t = targets.reshape(-1)
-        total = 0.0
-        for lo in range(0, t.numel(), chunk):
-            logits = h[lo:lo + chunk] @ self.out.weight.t()
-            total += float(F.cross_entropy(logits, t[lo:lo + chunk], reduction="sum"))
-        return total / max(1, t.numel())
-
-    @staticmethod
-    def touched_rows(inputs, targets, negatives):
-        """The rows of (embed, out) that a step's gradient can be non-zero in."""
-        return inputs.unique(), torch.cat([targets.reshape(-1), negatives]).unique()
-
+# --- the optimizer's view of a gradient ------------------------------------------------------------------------
 
 def row_sparse(grad):
     """The rows of a dense [n, m] gradient that hold a non-zero, as a coalesced sparse_coo tensor: the same
@@ -148,18 +79,7 @@ def row_sparse(grad):
                                    is_coalesced=True, check_invariants=False)
 
 
-# --- the data a step sees, the same for every method ------------------------------------------------------
-
-def make_data(config):
-    corpus = ZipfMarkovCorpus(config["vocab"], exponent=config["exponent"], seed=config["seed"])
-    sampler = NegativeSampler(corpus.unigram, config["negatives"], seed=config["seed"])
-    return corpus, sampler
-
-
-def step_batch(corpus, sampler, rank, step, config):
-    tokens = corpus.batch(rank, step, config["batch"], config["seq"])
-    return tokens[:, :-1], tokens[:, 1:], sampler.draw(step)
-
+# --- the union sizes that set the sketch sizes -----------------------------------------------------------------
 
 def calibrate(corpus, sampler, config, world):
     """Union sizes (rows) of (embed, out) over the first calibration steps, from the data alone."""
@@ -238,7 +158,7 @@ def routed_sketch_hook(router, bucket):
     if state is None:
         buffer = bucket.buffer()
         world = dist.get_world_size(router.process_group)
-        router.plain_wire_bytes += _ring_bytes(buffer.numel() * buffer.element_size(), world)
+        router.plain_wire_bytes += ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
         fut = dist.all_reduce(buffer.div_(world), group=router.process_group, async_op=True).get_future()
         fut = fut.then(lambda f: f.value()[0])
     else:
@@ -251,10 +171,6 @@ def routed_sketch_hook(router, bucket):
 
 
 # --- methods ---------------------------------------------------------------------------------------------------
-
-def _ring_bytes(nbytes, world):
-    return int(2 * (world - 1) / world * nbytes)
-
 
 def sketch_methods(sizes):
     names = []
@@ -373,16 +289,16 @@ class Method:
         vrow = [math.prod(shape) for shape in vrow_shapes]
         if self.name in ("dense", "fp16"):
             size = esize if self.name == "dense" else 2
-            return _ring_bytes(sum(self.numels) * size, w), _ring_bytes(sum(vrow) * size, w)
+            return ring_allreduce_bytes(sum(self.numels) * size, w), ring_allreduce_bytes(sum(vrow) * size, w)
         if self.name == "agsparse":
             sparse = 0
             for i, width in enumerate((self.config["embed_dim"], self.config["dim"] + 1)):
                 chunks = [int(r) * (8 + width * esize) for r in local_rows[:, i].tolist()]  # int64 index + row
                 sparse += sum(chunks) - min(chunks)  # ring all-gatherv: the busiest rank forwards all but one
-            return _ring_bytes((sum(self.numels) - sum(vrow)) * esize, w) + sparse, sparse
+            return ring_allreduce_bytes((sum(self.numels) - sum(vrow)) * esize, w) + sparse, sparse
         if self.name == "powersgd":
             if step < POWERSGD_START:  # torch's hook all-reduces densely until start_powerSGD_iter
-                return _ring_bytes(sum(self.numels) * esize, w), _ring_bytes(sum(vrow) * esize, w)
+                return ring_allreduce_bytes(sum(self.numels) * esize, w), ring_allreduce_bytes(sum(vrow) * esize, w)
             values = sparse = 0
             for shape in self.shapes:
                 n = shape[0]
@@ -392,7 +308,7 @@ class Method:
                 v = (n + m) * r if compress else n * m
                 values += v
                 sparse += v if shape in vrow_shapes else 0
-            return _ring_bytes(values * esize, w), _ring_bytes(sparse * esize, w)
+            return ring_allreduce_bytes(values * esize, w), ring_allreduce_bytes(sparse * esize, w)
         raise AssertionError(self.name)
 
 
