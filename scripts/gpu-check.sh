@@ -77,8 +77,6 @@ phase_cuda() {
   step kernels-cuda-1gib 120 "$PY -m fastdist.bench kernels --device cuda \
     --ops count_sketch,count_sketch_decode,count_sketch_decode_units --sketch-shape 262144x1024 \
     --json $out/kernels-cuda-1gib.json"
-  step moe-layout-cuda 60 "$PY -c \"from fastdist.bench.moe import layout_timing; \
-    print(layout_timing(1 << 20, device='cuda'))\""
 }
 
 phase_ranks() {
@@ -86,7 +84,7 @@ phase_ranks() {
   # issue 5's 1.1x over FasterMoE-style shadowing needs >= 4 ranks that do not share cores (the 2-core VM cannot)
   for ranks in 4 8; do
     step "moe-cpu-${ranks}r-1epr" 200 "$PY -m fastdist.bench moe --ranks $ranks --experts-per-rank 1 --steps 20 \
-      --layout-size 0 --json $out/moe-cpu-${ranks}r-1epr.json --plot $out/moe-cpu-${ranks}r-1epr.png"
+      --json $out/moe-cpu-${ranks}r-1epr.json --plot $out/moe-cpu-${ranks}r-1epr.png"
   done
   # issue 3's end-to-end step time with a core per rank (2-core VM: the 4 ranks' compute is most of a step; even
   # with a core each, one rank's 106 ms of compute bounds the sketch's gain over AGsparse near 1.36x: README)

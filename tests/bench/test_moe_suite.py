@@ -1,5 +1,5 @@
 """fastdist-bench moe: every method in one run on the same routing, static drops and the others do not, the planners
-balance the skew, the projection is labelled as one, and the layout timing compares against the torch path."""
+balance the skew, and the projection is labelled as one."""
 import json
 import subprocess
 import sys
@@ -39,7 +39,7 @@ def test_projection_is_computed_from_the_cost_model_for_every_rank_count():
 def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     cmd = [sys.executable, "-m", "fastdist.bench", "moe", "--ranks", "2", "--tokens", "256", "--d-model", "128",
-           "--d-ff", "512", "--steps", "2", "--warmup", "1", "--project", "8", "--layout-size", "4096",
+           "--d-ff", "512", "--steps", "2", "--warmup", "1", "--project", "8",
            "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -62,5 +62,4 @@ def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
     assert rows["prophet"]["predicted_ms"] < rows["dropless"]["predicted_ms"]
     assert all(0 <= r["model_error_of_medians"] for r in rows.values())
     assert "# cost model   mean error" in proc.stdout
-    assert result["layout"]["assignments"] == 4096 and result["layout"]["speedup"] > 0
     assert png.stat().st_size > 0

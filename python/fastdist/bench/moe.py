@@ -24,8 +24,8 @@ cost model's time for the plan on the step's counts (median over steps); err(med
 measured| / median measured, the model against the configuration's typical step, and err(per step) the mean of
 |predicted - measured| / measured over the steps, which adds each step's noise.
 Then the projection: the calibrated cost model evaluated on synthetic Zipf count matrices for 8 to 64 ranks, with
-the popularity over a random expert order (labelled as a projection; nothing there is measured). Also: moe_layout
-against a torch sort/bincount layout at T * k = --layout-size assignments.
+the popularity over a random expert order (labelled as a projection; nothing there is measured). The layout kernel
+(moe_layout) is timed by `fastdist-bench kernels --family moe`.
 """
 import math
 import os
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, progress, time_fn, together
+from fastdist.bench.toolkit import all_max, progress, together
 
 METHODS = {
     "static": {"balance": "none", "dropless": False},
@@ -64,7 +64,6 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=8, help="timed steps per method, >= 5 for a claim (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default 2)")
     p.add_argument("--project", default="8,16,32,64", help="rank counts for the cost-model projection")
-    p.add_argument("--layout-size", type=int, default=1 << 20, help="T * k for the layout kernel timing (0: skip)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -80,7 +79,7 @@ def _config_from(args):
             "k": args.k, "tokens": args.tokens, "capacity_factor": args.capacity_factor,
             "max_replicas": args.max_replicas, "zipf": args.zipf, "drift_every": args.drift_every,
             "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
-            "project": [int(v) for v in args.project.split(",") if v.strip()], "layout_size": args.layout_size}
+            "project": [int(v) for v in args.project.split(",") if v.strip()]}
 
 
 # ---- the routing every method sees ----
@@ -231,42 +230,6 @@ def projection(cost_model, config):
     return rows
 
 
-def layout_timing(size, k=2, num_experts=64, reps=21, device="cpu"):
-    """moe_layout against the torch path (stable argsort + bincount + cumsum) on T * k = size assignments."""
-    from fastdist.ops import moe_layout
-
-    device = torch.device(device)
-    tokens = size // k
-    g = torch.Generator().manual_seed(0)
-    pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
-    ids = torch.multinomial(pop.float(), tokens * k, replacement=True, generator=g).view(tokens, k).to(device)
-
-    def torch_layout():
-        flat = ids.t().reshape(-1)  # priority order: choice-major
-        order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=num_experts)
-        offsets = torch.cumsum(counts, 0) - counts
-        sorted_ids = flat[order]
-        position = torch.arange(flat.numel(), device=device) - offsets[sorted_ids]
-        slot = (order % tokens) * k + order // tokens
-        row_of_slot = torch.empty_like(slot)
-        row_of_slot[slot] = torch.arange(flat.numel(), device=device)
-        return counts, slot, row_of_slot, position
-
-    def ours():
-        moe_layout(ids, num_experts, 1, -1)
-
-    result = {}
-    for name, fn in (("fastdist", ours), ("torch", torch_layout)):
-        timing = time_fn(fn, reps, device=device)
-        result[name] = {"median_ms": timing.median * 1e3, "samples_ms": [t * 1e3 for t in timing.samples]}
-    result["speedup"] = result["torch"]["median_ms"] / result["fastdist"]["median_ms"]
-    result["assignments"] = tokens * k
-    result["threads"] = torch.get_num_threads()
-    result["device"] = str(device)
-    return result
-
-
 def run(args):
     config = _config_from(args)
     launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
@@ -308,14 +271,8 @@ def run(args):
           p["predicted_ms"]["prophet"], f"{p['prophet_vs_dropless']:.2f}x", f"{p['prophet_vs_shadow']:.2f}x",
           f"{p['tokens_max_over_mean']['dropless']:.2f} -> {p['tokens_max_over_mean']['prophet']:.2f}"]
          for p in proj]))
-    layout = None
-    if config["layout_size"]:
-        layout = layout_timing(config["layout_size"])
-        print(f"# moe_layout, {layout['assignments']} assignments, 64 experts, {layout['threads']} threads (CPU): "
-              f"fastdist {layout['fastdist']['median_ms']:.2f} ms, torch sort/bincount "
-              f"{layout['torch']['median_ms']:.2f} ms -> {layout['speedup']:.2f}x")
     return {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
-            "cost_model": launch.result["cost_model"], "projection": proj, "layout": layout}
+            "cost_model": launch.result["cost_model"], "projection": proj}
 
 
 def plot(result, path):
