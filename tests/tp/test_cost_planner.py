@@ -122,12 +122,12 @@ SMALL = ModelConfig(layers=2, hidden=1024, heads=16, seq_len=512, global_batch=8
 
 
 def _brute_force(config, world, memory_limit, model=None):
-    from fastdist.tp.planner import NOMINAL, _op_costs
+    from fastdist.tp.planner import NOMINAL, op_cost
     degrees = [d for d in (1, 2, 4, 8) if world % d == 0]
     best = None
     for combo in itertools.product(degrees, repeat=2 * config.layers):
         assignment = [(i // 2, ("attention", "mlp")[i % 2], d) for i, d in enumerate(combo)]
-        memory = sum(_op_costs(config, world, d, op, model or NOMINAL)[1] for _, op, d in assignment)
+        memory = sum(op_cost(config, world, d, op, model or NOMINAL)[1] for _, op, d in assignment)
         if memory <= memory_limit:
             cost = plan_cost(config, world, assignment, model)
             if best is None or cost < best[0] - 1e-15:

@@ -73,9 +73,19 @@ class _MLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """``h = x + attn(ln1(x)); y = h + mlp(ln2(h))`` on ``[batch, seq, hidden]``."""
+    """``h = x + attn(ln1(x)); y = h + mlp(ln2(h))`` on ``[batch, seq, hidden]``.
 
-    def __init__(self, hidden, heads, mlp_ratio=4, eps=1e-5, device=None, dtype=None):
+    Args:
+        hidden: the token width; divisible by ``heads``.
+        heads: the attention heads.
+        mlp_ratio: the MLP's hidden size over ``hidden``.
+        eps: the LayerNorms' epsilon.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
+    """
+
+    def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4, eps: float = 1e-5,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"fastdist: hidden={hidden} is not divisible by heads={heads}")
@@ -85,7 +95,8 @@ class GPTBlock(nn.Module):
         self.ln2 = nn.LayerNorm(hidden, eps=eps, device=device, dtype=dtype)
         self.mlp = _MLP(hidden, mlp_ratio, device, dtype)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on ``x`` of shape ``[batch, seq, hidden]`` (same shape out)."""
         h = x + self.attn(self.ln1(x))
         return h + self.mlp(self.ln2(h))
 
@@ -261,19 +272,25 @@ class OverlappedTransformerBlock(nn.Module):
     """A tensor-parallel :class:`GPTBlock` whose all-reduces overlap compute (the Oases schedule, module docstring).
 
     Args:
-        hidden, heads: the full block's sizes; ``heads`` and ``mlp_ratio * hidden`` must be divisible by the
+        hidden: the full block's token width.
+        heads: the full block's attention heads; ``heads`` and ``mlp_ratio * hidden`` must be divisible by the
             tensor-parallel world size.
         group: the tensor-parallel process group (None: the default group).
         mlp_ratio: the MLP's hidden size over ``hidden``.
         recompute: keep only the block input and the reduced outputs; recompute the rest in backward without
             repeating a forward all-reduce.
+        eps: the LayerNorms' epsilon.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
 
     Inputs are ``[batch, seq, hidden]``, replicated on the group's ranks, ``batch >= 2`` (the two sub-batches are
     its halves). Parameters: LayerNorms and the row-parallel biases whole on every rank; ``qkv``/``fc1`` weights
     and biases by output rows, ``proj``/``fc2`` weights by input columns, as in :func:`fastdist.tp.parallelize`.
     """
 
-    def __init__(self, hidden, heads, group=None, mlp_ratio=4, recompute=False, eps=1e-5, device=None, dtype=None):
+    def __init__(self, hidden: int, heads: int, group: dist.ProcessGroup | None = None, mlp_ratio: int = 4,
+                 recompute: bool = False, eps: float = 1e-5, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("fastdist: OverlappedTransformerBlock needs an initialized torch.distributed process "
@@ -302,8 +319,9 @@ class OverlappedTransformerBlock(nn.Module):
         check_same("OverlappedTransformerBlock config", (hidden, heads, mlp_ratio, eps, str(dtype)), group)
         self.reset_parameters()
 
-    def reset_parameters(self):
-        # The full block's initialization, drawn from one seed on every rank and sharded, so ranks agree.
+    def reset_parameters(self) -> None:
+        """Draws the full block's initialization from one seed on every rank and keeps this rank's shard, so that
+        the ranks agree."""
         g = torch.Generator().manual_seed(self.hidden * 7919 + self.heads)
         full = GPTBlock(self.hidden, self.heads, self.mlp_ratio, self.eps)
         with torch.no_grad():
@@ -313,8 +331,12 @@ class OverlappedTransformerBlock(nn.Module):
                     p.copy_(torch.rand(p.shape, generator=g) * 2 * bound - bound)
         self.load_full_block(full)
 
-    def load_full_block(self, block):
-        """Copies this rank's shard of a :class:`GPTBlock`'s parameters."""
+    def load_full_block(self, block: GPTBlock) -> None:
+        """Copies this rank's shard of a :class:`GPTBlock`'s parameters.
+
+        Args:
+            block: the single-process block of the same sizes.
+        """
         t, r = self.world_size, self.rank
 
         def rows(w):
@@ -336,14 +358,25 @@ class OverlappedTransformerBlock(nn.Module):
                 getattr(self, name).copy_(src[name])
 
     @classmethod
-    def from_block(cls, block, group=None, recompute=False):
-        """The tensor-parallel shard of a :class:`GPTBlock` (weights copied)."""
+    def from_block(cls, block: GPTBlock, group: dist.ProcessGroup | None = None,
+                   recompute: bool = False) -> "OverlappedTransformerBlock":
+        """The tensor-parallel shard of a :class:`GPTBlock`, its weights copied.
+
+        Args:
+            block: the single-process block.
+            group: the tensor-parallel process group (None: the default group).
+            recompute: as for the constructor.
+
+        Returns:
+            This rank's block, computing what ``block`` computes together with the group's other ranks.
+        """
         layer = cls(block.hidden, block.heads, group, block.mlp_ratio, recompute, block.ln1.eps,
                     device=block.ln1.weight.device, dtype=block.ln1.weight.dtype)
         layer.load_full_block(block)
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on ``x`` of shape ``[batch, seq, hidden]``, ``batch >= 2``, replicated on the group's ranks."""
         if x.dim() != 3 or x.shape[-1] != self.hidden:
             raise ValueError(f"fastdist: OverlappedTransformerBlock input must be [batch, seq, {self.hidden}], "
                              f"got shape {list(x.shape)}")
@@ -353,6 +386,6 @@ class OverlappedTransformerBlock(nn.Module):
         meta = (self.group, self.head_dim, self.eps, self.recompute)
         return _OasesBlockFn.apply(x, meta, *[getattr(self, n) for n in _PARAMS])
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads}, mlp_ratio={self.mlp_ratio}, world_size={self.world_size}, "
                 f"recompute={self.recompute}")

@@ -1,8 +1,8 @@
 """The collectives of tensor parallelism, issued in one place so that they can be counted.
 
 Every collective fastdist.tp issues goes through :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` or
-:func:`ring_exchange` here. Each returns a :class:`Pending` (``wait()`` it before reading the result); with ``count_collectives()``
-active, each call is recorded with its kind, its size and the phase it was issued in:
+:func:`ring_exchange` here. Each returns a :class:`Pending` (``wait()`` it before reading the result); with
+``count_collectives()`` active, each call is recorded with its kind, its size and the phase it was issued in:
 
 * ``"forward"``: during a forward pass;
 * ``"backward"``: during autograd's backward;
@@ -14,6 +14,7 @@ block with recompute 4.
 """
 import contextlib
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,18 @@ class CollectiveLog:
         self.records = []
         self.max_in_flight = 0
 
-    def count(self, kind=None, phase=None, site=None):
+    def count(self, kind: str | None = None, phase: str | None = None, site: str | None = None) -> int:
+        """The collectives recorded that match every filter given.
+
+        Args:
+            kind: e.g. ``"all_reduce"``; None: any.
+            phase: ``"forward"``, ``"backward"`` or ``"recompute"``; None: any.
+            site: a prefix of the issuing site, e.g. ``"row"``; None: any.
+        """
         return sum(1 for r in self._match(kind, phase, site))
 
-    def numel(self, kind=None, phase=None, site=None):
+    def numel(self, kind: str | None = None, phase: str | None = None, site: str | None = None) -> int:
+        """The elements of the full tensors of the collectives that match (filters as for :meth:`count`)."""
         return sum(r.numel for r in self._match(kind, phase, site))
 
     def _match(self, kind, phase, site):
@@ -53,8 +62,12 @@ _in_flight = 0
 
 
 @contextlib.contextmanager
-def count_collectives():
-    """Records every tensor-parallel collective issued inside the ``with`` block (this process only)."""
+def count_collectives() -> Iterator[CollectiveLog]:
+    """Records every tensor-parallel collective issued inside the ``with`` block (this process only).
+
+    Yields:
+        The :class:`CollectiveLog` the records go to.
+    """
     log = CollectiveLog()
     _active_logs.append(log)
     try:
@@ -82,11 +95,12 @@ def _record(kind, numel, site, backward):
 class Pending:
     """An issued collective: ``wait()`` returns its output tensor once it is complete."""
 
-    def __init__(self, work, out):
+    def __init__(self, work: dist.Work | None, out: torch.Tensor):
         self._work = work
         self.out = out
 
-    def wait(self):
+    def wait(self) -> torch.Tensor:
+        """Waits for the collective to complete and returns its output."""
         global _in_flight
         if self._work is not None:
             self._work.wait()
@@ -95,20 +109,41 @@ class Pending:
         return self.out
 
 
-def all_reduce(t, group, *, site, backward=False):
-    """Sums ``t`` in place over ``group``, asynchronously."""
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, *, site: str, backward: bool = False) -> Pending:
+    """Sums ``t`` in place over ``group``, asynchronously.
+
+    Args:
+        t: the tensor, summed in place.
+        group: the process group (None: the default group).
+        site: who issues it, as recorded (e.g. ``"row.forward"``).
+        backward: issued by an autograd backward (recorded as the backward phase).
+    """
     _record("all_reduce", t.numel(), site, backward)
     return Pending(dist.all_reduce(t, group=group, async_op=True), t)
 
 
-def all_gather(out, t, group, *, site, backward=False):
-    """Gathers every rank's ``t`` into ``out`` (``world`` times ``t``'s size, rank-major), asynchronously."""
+def all_gather(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup | None, *, site: str,
+               backward: bool = False) -> Pending:
+    """Gathers every rank's ``t`` into ``out`` (``world`` times ``t``'s size, rank-major), asynchronously.
+
+    Args:
+        out: the gathered tensor.
+        t: this rank's part.
+        group, site, backward: as for :func:`all_reduce`.
+    """
     _record("all_gather", out.numel(), site, backward)
     return Pending(all_gather_single(out, t, group=group, async_op=True), out)
 
 
-def reduce_scatter(out, t, group, *, site, backward=False):
-    """Sums ``t`` over ``group`` and leaves block ``rank`` of the sum in ``out``, asynchronously."""
+def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup | None, *, site: str,
+                   backward: bool = False) -> Pending:
+    """Sums ``t`` over ``group`` and leaves block ``rank`` of the sum in ``out``, asynchronously.
+
+    Args:
+        out: this rank's block of the sum.
+        t: this rank's addend, ``world`` blocks of ``out``'s size, rank-major.
+        group, site, backward: as for :func:`all_reduce`.
+    """
     _record("reduce_scatter", t.numel(), site, backward)
     return Pending(reduce_scatter_single(out, t, group=group, async_op=True), out)
 
@@ -128,9 +163,16 @@ class _PendingPair(Pending):
         return self.out
 
 
-def ring_exchange(send, recv, group, *, site, backward=False):
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, *, site: str,
+                  backward: bool = False) -> Pending:
     """Sends ``send`` to the next rank of ``group`` and receives the previous rank's into ``recv`` (a ring step),
-    asynchronously."""
+    asynchronously.
+
+    Args:
+        send: what this rank passes on.
+        recv: where the previous rank's tensor lands.
+        group, site, backward: as for :func:`all_reduce`.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     if group is not None:
@@ -140,12 +182,13 @@ def ring_exchange(send, recv, group, *, site, backward=False):
     return _PendingPair(works, recv)
 
 
-def wait_all(pending):
+def wait_all(pending: Iterable[Pending]) -> None:
+    """Waits for every collective of ``pending``, in order."""
     for p in pending:
         p.wait()
 
 
-def high_priority_nccl_options():
+def high_priority_nccl_options() -> "dist.ProcessGroupNCCL.Options | None":
     """``ProcessGroupNCCL.Options`` whose communication streams are created with high priority, or None where
     torch has no NCCL (a CPU build). Pass it as ``pg_options`` to ``init_process_group`` / ``new_group`` for the
     tensor-parallel group: on a GPU, a chunk's all-reduce then starts ahead of the GEMMs queued after it, which

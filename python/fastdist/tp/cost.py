@@ -12,13 +12,13 @@ Split ``M`` rows into ``k`` chunks: each chunk's GEMM ``g = G(M / k)``, each chu
 where ``max(g + s, c)`` is one overlapped step, a chunk's GEMM beside the previous chunk's collective, and
 ``s = S(B / k)`` is the compute that collective takes from the GEMM. A collective is not free to the processor
 that computes: on a CPU, gloo's thread and the kernel's network stack copy and sum every byte on the GEMM's core
-(on 2 ranks, 1-3 ms per MB all-reduced, about all of an all-reduce's time on a 10 Gbit/s-class link); on a GPU,
-NCCL's kernels occupy SMs and HBM bandwidth. :meth:`calibrate` measures ``S`` at the calibration shape's chunk
+(on a fast link, about all of an all-reduce's time; bench/README.md has the figures); on a GPU, NCCL's kernels
+occupy SMs and HBM bandwidth. :meth:`calibrate` measures ``S`` at the calibration shape's chunk
 sizes by running its chunked pipeline (a table; interpolated, proportional past it). So chunking hides only the
 collective's waiting, never its work, and on a fast link less than the extra chunks cost: the model then keeps
 ``k = 1``. The best possible gain is
 ``(G + C) / max(G, C) <= 2``. :meth:`CostModel.choose_chunks` picks the fewest ``k`` from {1, 2, 4, 8}
-within 3% of the least ``T(k)``; uncalibrated, it returns 4 (the spec's default, TransformerEngine's too).
+within 3% of the least ``T(k)``; uncalibrated, it returns 4 (TransformerEngine's default too).
 
 Calibration times every measurement on every rank and keeps the slowest rank's median, so all ranks hold the
 same model and make the same choices (the linears also check that with a fingerprint exchange).
@@ -37,7 +37,7 @@ __all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "default_cost_model", "set_defa
 CHUNK_CHOICES = (1, 2, 4, 8)
 UNCALIBRATED_CHUNKS = 4
 # choose_chunks takes the fewest chunks predicted within this fraction of the best: a split that promises less
-# is inside the model's error (about 10% on CPU) and adds messages whose latency varies.
+# is inside the model's error and adds messages whose latency varies.
 CHUNK_TOLERANCE = 0.03
 
 
@@ -54,16 +54,31 @@ class TPOp:
     dtype: torch.dtype = torch.float32
 
     @property
-    def comm_bytes(self):
+    def comm_bytes(self) -> int:
+        """The bytes its collective all-reduces: the output (row) or the input gradient (column)."""
         size = torch.tensor([], dtype=self.dtype).element_size()
         return self.rows * (self.out_features if self.kind == "row" else self.in_features) * size
 
 
 class CostModel:
-    """Fitted all-reduce and GEMM costs of this machine (see the module docstring)."""
+    """Fitted all-reduce and GEMM costs of this machine (see the module docstring).
 
-    def __init__(self, alpha=None, beta=None, gemm_overhead=0.0, gemm_rate=None, gemm_table=None,
-                 allreduce_table=None, comm_compute_table=None, world_size=None):
+    Args:
+        alpha: seconds per ring step of an all-reduce.
+        beta: bytes per second per link.
+        gemm_overhead: lambda, seconds per GEMM launch.
+        gemm_rate: flop/s for GEMM shapes not in ``gemm_table``.
+        gemm_table: ``(rows, K, N, dtype name) -> seconds`` of measured GEMMs.
+        allreduce_table: all-reduced bytes -> seconds, measured on ``world_size`` ranks.
+        comm_compute_table: all-reduced bytes -> the compute seconds the all-reduce takes from a GEMM beside it.
+        world_size: the ranks the tables were measured on.
+
+    Without ``alpha``, ``beta`` and ``gemm_rate`` the model is uncalibrated and chooses 4 chunks.
+    """
+
+    def __init__(self, alpha: float | None = None, beta: float | None = None, gemm_overhead: float = 0.0,
+                 gemm_rate: float | None = None, gemm_table: dict | None = None, allreduce_table: dict | None = None,
+                 comm_compute_table: dict | None = None, world_size: int | None = None):
         self.alpha = alpha                  # seconds per ring step
         self.beta = beta                    # bytes per second per link
         self.gemm_overhead = gemm_overhead  # lambda: seconds per GEMM launch
@@ -77,12 +92,15 @@ class CostModel:
         self._chosen = {}
 
     @property
-    def calibrated(self):
+    def calibrated(self) -> bool:
+        """True when the model can predict (``alpha``, ``beta`` and ``gemm_rate`` are known)."""
         return self.alpha is not None and self.beta is not None and self.gemm_rate is not None
 
     # ---- the model ----
 
-    def allreduce_time(self, nbytes, world_size=None):
+    def allreduce_time(self, nbytes: float, world_size: int | None = None) -> float:
+        """C(B): seconds of an all-reduce of ``nbytes`` over ``world_size`` ranks (default: the calibration's);
+        interpolated in the measured sizes, alpha-beta outside them or on another world size; 0 on one rank."""
         t = world_size or self.world_size
         if t is None or t <= 1:
             return 0.0
@@ -91,13 +109,16 @@ class CostModel:
             return _interpolate(self.allreduce_table, sizes, nbytes)
         return 2 * (t - 1) * self.alpha + 2 * (t - 1) / t * nbytes / self.beta
 
-    def gemm_time(self, rows, in_features, out_features, dtype=torch.float32):
+    def gemm_time(self, rows: int, in_features: int, out_features: int,
+                  dtype: torch.dtype = torch.float32) -> float:
+        """G: seconds of a ``rows x in_features`` times ``in_features x out_features`` GEMM (measured, else
+        ``lambda + 2 rows in out / rate``)."""
         key = (int(rows), int(in_features), int(out_features), str(dtype))
         if key in self.gemm_table:
             return self.gemm_table[key]
         return self.gemm_overhead + 2.0 * rows * in_features * out_features / self.gemm_rate
 
-    def comm_compute_time(self, nbytes):
+    def comm_compute_time(self, nbytes: float) -> float:
         """S(B): the compute time an all-reduce of ``nbytes`` takes from a GEMM running beside it. Interpolated
         in the measured sizes; past the largest, proportional to the bytes; 0 when nothing was measured."""
         if not self.comm_compute_table:
@@ -107,8 +128,12 @@ class CostModel:
             return self.comm_compute_table[sizes[-1]] * nbytes / sizes[-1]
         return _interpolate(self.comm_compute_table, sizes, nbytes)
 
-    def predict(self, op, k):
-        """Predicted seconds of ``op`` (a :class:`TPOp`) split into ``k`` chunks."""
+    def predict(self, op: TPOp, k: int) -> float:
+        """T(k): the predicted seconds of ``op`` split into ``k`` chunks.
+
+        Raises:
+            RuntimeError: the model is not calibrated.
+        """
         if not self.calibrated:
             raise RuntimeError("fastdist: CostModel.predict needs a calibrated model (CostModel.calibrate(group) or "
                                "explicit alpha, beta and gemm_rate)")
@@ -128,8 +153,20 @@ class CostModel:
             return g + (k - 1) * max(g + s, c) + max(c, g_dw + s)
         raise ValueError(f"fastdist: TPOp.kind must be 'row' or 'column', got {op.kind!r}")
 
-    def choose_chunks(self, shape, op="row", world_size=None, dtype=torch.float32):
-        """The chunk count for a GEMM of ``shape = (rows, in_features, out_features)`` (local sizes)."""
+    def choose_chunks(self, shape: tuple[int, int, int], op: str = "row", world_size: int | None = None,
+                      dtype: torch.dtype = torch.float32) -> int:
+        """The chunk count for a GEMM of ``shape = (rows, in_features, out_features)`` (local sizes).
+
+        Args:
+            shape: the GEMM's local sizes.
+            op: ``"row"`` or ``"column"`` (see :class:`TPOp`).
+            world_size: the tensor-parallel ranks (default: the calibration's, else 2).
+            dtype: the GEMM's dtype.
+
+        Returns:
+            The fewest chunks from ``CHUNK_CHOICES`` (at most ``rows``) predicted within ``CHUNK_TOLERANCE`` of
+            the best; 4 (at most ``rows``) when uncalibrated. Remembered per shape.
+        """
         rows = int(shape[0])
         t = world_size or self.world_size or 2
         key = (op, tuple(int(s) for s in shape), t, str(dtype))
@@ -149,12 +186,26 @@ class CostModel:
     # ---- calibration ----
 
     @classmethod
-    def calibrate(cls, group=None, shapes=((1024, 1024, 1024),), sizes=None, reps=5, dtype=torch.float32):
-        """Measures this machine: all-reduce times over ``sizes`` bytes (default: 16 and 64 KiB and every
-        ``shape``'s output and its 2-, 4-, 8-way chunks; fit alpha, beta), GEMM times of every ``shape`` =
-        (rows, K, N) and of its row chunks (the table, and a fit of lambda and the rate), and the first shape's
-        chunked pipeline for k = 2, 4, 8 (the compute an all-reduce of each chunk size takes from the GEMM beside
-        it). A collective: every rank of ``group`` must call it; all get the same model."""
+    def calibrate(cls, group: dist.ProcessGroup | None = None,
+                  shapes: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024),), sizes: list[int] | None = None,
+                  reps: int = 5, dtype: torch.dtype = torch.float32) -> "CostModel":
+        """Measures this machine: all-reduce times (fit alpha, beta), GEMM times of every shape and of its row
+        chunks (the table, and a fit of lambda and the rate), and the first shape's chunked pipeline for k = 2, 4,
+        8 (the compute an all-reduce of each chunk size takes from the GEMM beside it).
+
+        A collective: every rank of ``group`` must call it; all get the same model (the slowest rank's figures).
+
+        Args:
+            group: the tensor-parallel process group (None: the default group).
+            shapes: ``(rows, K, N)`` GEMMs to time, local sizes.
+            sizes: all-reduced bytes to time (default: 16 and 64 KiB and every shape's output and its 2-, 4-, 8-way
+                chunks).
+            reps: timed repetitions per measurement (after a warm-up); the median is kept.
+            dtype: the GEMMs' and all-reduces' dtype.
+
+        Returns:
+            The calibrated model; its ``samples`` attribute holds the raw measurements.
+        """
         world = dist.get_world_size(group)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
@@ -188,8 +239,9 @@ class CostModel:
         alpha = max(a, 1e-7) / steps
         beta = (2 * (world - 1) / world) / max(b, 1e-15) if world > 1 else float("inf")
         flops = np.array([2.0 * m * k * n for m, k, n, _ in table_keys])
-        lam, inv_rate = _fit_line(flops, np.array(gemm_raw))
-        model = cls(alpha=alpha, beta=beta, gemm_overhead=max(lam, 0.0), gemm_rate=1.0 / max(inv_rate, 1e-18),
+        launch_overhead, inv_rate = _fit_line(flops, np.array(gemm_raw))
+        model = cls(alpha=alpha, beta=beta, gemm_overhead=max(launch_overhead, 0.0),
+                    gemm_rate=1.0 / max(inv_rate, 1e-18),
                     gemm_table=dict(zip(table_keys, gemm_raw)), allreduce_table=dict(zip(sizes, raw)),
                     world_size=world)
         # S, what an all-reduce takes from the GEMM beside it: the first shape's GEMM in k = 2, 4, 8 chunks, each
@@ -223,7 +275,8 @@ class CostModel:
 
     # ---- state ----
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The model and the chunk counts chosen so far, as plain data."""
         return {"alpha": self.alpha, "beta": self.beta, "gemm_overhead": self.gemm_overhead,
                 "gemm_rate": self.gemm_rate, "world_size": self.world_size,
                 "gemm_table": [list(k) + [v] for k, v in sorted(self.gemm_table.items())],
@@ -231,7 +284,8 @@ class CostModel:
                 "comm_compute_table": [[b, v] for b, v in sorted(self.comm_compute_table.items())],
                 "chosen": [[op, list(shape), t, dt, k] for (op, shape, t, dt), k in sorted(self._chosen.items())]}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned."""
         self.alpha, self.beta = state["alpha"], state["beta"]
         self.gemm_overhead, self.gemm_rate = state["gemm_overhead"], state["gemm_rate"]
         self.world_size = state["world_size"]
@@ -240,7 +294,7 @@ class CostModel:
         self.comm_compute_table = {int(b): float(v) for b, v in state["comm_compute_table"]}
         self._chosen = {(op, tuple(shape), t, dt): k for op, shape, t, dt, k in state.get("chosen", [])}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if not self.calibrated:
             return "CostModel(uncalibrated: choose_chunks -> 4)"
         return (f"CostModel(alpha={self.alpha * 1e6:.1f}us, beta={self.beta / 1e9:.3f}GB/s, "
@@ -270,11 +324,12 @@ def _fit_line(x, y, relative=False):
 _default = CostModel()
 
 
-def default_cost_model():
+def default_cost_model() -> CostModel:
     """The process-wide model the ``overlap_chunks="auto"`` linears use unless given their own."""
     return _default
 
 
-def set_default_cost_model(model):
+def set_default_cost_model(model: CostModel) -> None:
+    """Makes ``model`` (e.g. a calibrated one) the process-wide model of the ``overlap_chunks="auto"`` linears."""
     global _default
     _default = model

@@ -38,7 +38,7 @@ from fastdist.distributed import check_same
 from fastdist.ops.epilogue import bias_epilogue
 from fastdist.tp import comm
 from fastdist.tp.chunks import chunk_bounds
-from fastdist.tp.cost import default_cost_model
+from fastdist.tp.cost import CostModel, default_cost_model
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -233,8 +233,16 @@ class _ParallelLinear(nn.Module):
         check_same(f"{type(self).__name__} config",
                    (in_features, out_features, str(overlap_chunks), self.sequence_parallel, bias, str(dtype)), group)
 
-    def chunks_for(self, rows):
-        """The chunk count used for ``rows`` GEMM rows (the full ``M``, or the shard's rows under SP)."""
+    def chunks_for(self, rows: int) -> int:
+        """The chunk count used for ``rows`` GEMM rows (the full ``M``, or the shard's rows under SP).
+
+        With ``overlap_chunks="auto"`` the cost model chooses, once per row count, and the ranks check that they
+        chose alike (a collective).
+
+        Raises:
+            ValueError: a fixed ``overlap_chunks`` larger than ``rows``.
+            MismatchError: the ranks' cost models chose differently.
+        """
         k = self._chunks_by_rows.get(rows)
         if k is not None:
             return k
@@ -261,7 +269,7 @@ class _ParallelLinear(nn.Module):
                              f"dimension, got shape {list(x.shape)}")
         return x.reshape(-1, features)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, world_size={self.world_size}, "
                 f"overlap_chunks={self.overlap_chunks!r}, sequence_parallel={self.sequence_parallel}")
 
@@ -276,7 +284,8 @@ class ColumnParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with ``W``'s output rows split over ``group`` (Megatron's column-parallel linear).
 
     Args:
-        in_features, out_features: the full layer's sizes; ``out_features`` must be divisible by the group size.
+        in_features: the full layer's input features.
+        out_features: the full layer's output features; divisible by the group size.
         group: the tensor-parallel process group (None: the default group).
         gather_output: return all ``out_features`` (all-gather) instead of this rank's ``out_features / t``.
         overlap_chunks: ``"auto"`` or ``k >= 1``: the backward input-gradient all-reduce (under sequence
@@ -285,12 +294,17 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel: the input is this rank's ``M / t`` rows of the sequence-sharded activation.
         activation: ``"none"``, ``"gelu_tanh"`` or ``"gelu_erf"``, fused with the bias add (the MLP's first
             linear).
+        bias: whether the layer has a bias.
         cost_model: the :class:`fastdist.tp.CostModel` that picks ``k`` for ``"auto"`` (default: the process-wide
             one, uncalibrated until :meth:`CostModel.calibrate`).
+        device: where the parameters live.
+        dtype: the parameters' dtype.
     """
 
-    def __init__(self, in_features, out_features, group=None, gather_output=False, overlap_chunks="auto", *,
-                 sequence_parallel=False, activation="none", bias=True, cost_model=None, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
+                 gather_output: bool = False, overlap_chunks: int | str = "auto", *, sequence_parallel: bool = False,
+                 activation: str = "none", bias: bool = True, cost_model: CostModel | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, group, overlap_chunks, sequence_parallel, cost_model, bias,
                          device, dtype, "column")
         self.out_per_rank = _shard(out_features, self.world_size, "out_features", type(self).__name__)
@@ -304,8 +318,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, **factory)) if bias else None
         self.reset_parameters()
 
-    def reset_parameters(self):
-        # nn.Linear's initialization with the full layer's fan-in; each rank draws its own shard.
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization with the full layer's fan-in; each rank draws its own shard."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
@@ -314,7 +328,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def _gemm_shape(self, rows):
         return (rows * (self.world_size if self.sequence_parallel else 1), self.in_features, self.out_per_rank)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b`` (activation fused) on ``x`` of shape ``[..., in_features]``: this rank's output features
+        (all of them with ``gather_output``); under sequence parallelism ``x`` is this rank's rows."""
         lead = x.shape[:-1]
         x2 = self._flat_rows(x, self.in_features, "input features")
         chunks = self.chunks_for(x2.shape[0])
@@ -328,9 +344,16 @@ class ColumnParallelLinear(_ParallelLinear):
         return y.view(*lead, y.shape[-1])
 
     @classmethod
-    def from_linear(cls, linear, group=None, **kwargs):
-        """The column-parallel shard of an ``nn.Linear`` (its weights copied, so that the ranks together compute
-        exactly ``linear``)."""
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None,
+                    **kwargs) -> "ColumnParallelLinear":
+        """The column-parallel shard of an ``nn.Linear``, its weights copied, so that the ranks together compute
+        exactly ``linear``.
+
+        Args:
+            linear: the full layer.
+            group: the tensor-parallel process group (None: the default group).
+            **kwargs: the constructor's other arguments.
+        """
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
         rows = slice(layer.rank * layer.out_per_rank, (layer.rank + 1) * layer.out_per_rank)
@@ -345,21 +368,24 @@ class RowParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with ``W``'s input columns split over ``group`` (Megatron's row-parallel linear).
 
     Args:
-        in_features, out_features: the full layer's sizes; ``in_features`` must be divisible by the group size.
+        in_features: the full layer's input features; divisible by the group size.
+        out_features: the full layer's output features.
         group: the tensor-parallel process group (None: the default group).
         input_is_parallel: the input is already this rank's ``in_features / t`` slice (the output of a
             ColumnParallelLinear); False: it is replicated and each rank takes its slice.
         overlap_chunks: ``"auto"`` or ``k >= 1``: the forward all-reduce (reduce-scatter under sequence
             parallelism) runs in ``k`` chunks, each overlapping the next chunk's GEMM.
         sequence_parallel: the output is this rank's ``M / t`` rows (reduce-scatter instead of all-reduce).
-        cost_model: as for :class:`ColumnParallelLinear`.
+        bias, cost_model, device, dtype: as for :class:`ColumnParallelLinear`.
 
     ``forward(x, residual=None)`` adds ``b`` (and ``residual``, of the output's shape) once, after the
     reduction, in one fused pass.
     """
 
-    def __init__(self, in_features, out_features, group=None, input_is_parallel=True, overlap_chunks="auto", *,
-                 sequence_parallel=False, bias=True, cost_model=None, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
+                 input_is_parallel: bool = True, overlap_chunks: int | str = "auto", *, sequence_parallel: bool = False,
+                 bias: bool = True, cost_model: CostModel | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, group, overlap_chunks, sequence_parallel, cost_model, bias,
                          device, dtype, "row")
         self.in_per_rank = _shard(in_features, self.world_size, "in_features", type(self).__name__)
@@ -369,11 +395,11 @@ class RowParallelLinear(_ParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization; the whole bias, held by every rank, is drawn identically everywhere."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
-            # Every rank holds the whole bias: draw it identically everywhere.
             g = torch.Generator().manual_seed(self.out_features * 1_000_003 + self.in_features)
             with torch.no_grad():
                 self.bias.copy_(torch.rand(self.out_features, generator=g) * 2 * bound - bound)
@@ -381,7 +407,9 @@ class RowParallelLinear(_ParallelLinear):
     def _gemm_shape(self, rows):
         return (rows, self.in_per_rank, self.out_features)
 
-    def forward(self, x, residual=None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b (+ residual)`` on ``x`` of shape ``[..., in_features]`` (or this rank's slice of the
+        features with ``input_is_parallel``); under sequence parallelism, this rank's rows of the output."""
         lead = x.shape[:-1]
         if self.input_is_parallel:
             x2 = self._flat_rows(x, self.in_per_rank, "input features per rank")
@@ -411,8 +439,9 @@ class RowParallelLinear(_ParallelLinear):
         return y.view(*lead, self.out_features)
 
     @classmethod
-    def from_linear(cls, linear, group=None, **kwargs):
-        """The row-parallel shard of an ``nn.Linear`` (weights copied)."""
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kwargs) -> "RowParallelLinear":
+        """The row-parallel shard of an ``nn.Linear``, its weights copied (arguments as for
+        :meth:`ColumnParallelLinear.from_linear`)."""
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
         cols = slice(layer.rank * layer.in_per_rank, (layer.rank + 1) * layer.in_per_rank)

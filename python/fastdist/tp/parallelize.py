@@ -9,6 +9,7 @@ output is head-major, so a column shard holds whole heads).
 import torch.distributed as dist
 from torch import nn
 
+from fastdist.tp.cost import CostModel
 from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear
 from fastdist.tp.planner import Plan
 
@@ -35,7 +36,8 @@ def _blocks(model):
     return [m for m in model.modules() if _find_pair(m, "attention") and _find_pair(m, "mlp")]
 
 
-def parallelize(model, group=None, plan=None, overlap_chunks="auto", cost_model=None):
+def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: Plan | dict[str, str] | None = None,
+                overlap_chunks: int | str = "auto", cost_model: CostModel | None = None) -> nn.Module:
     """Shards ``model``'s GPT-style blocks over ``group`` in place and returns ``model``.
 
     Args:
@@ -44,10 +46,16 @@ def parallelize(model, group=None, plan=None, overlap_chunks="auto", cost_model=
         plan: None (every op at degree ``group``'s size), a :class:`fastdist.tp.Plan` (its degree per layer and
             op: the group's size, or 1 to keep the op replicated), or a dict ``{"module.path": "colwise" |
             "rowwise"}`` naming linears explicitly.
-        overlap_chunks, cost_model: passed to every parallel linear.
+        overlap_chunks: passed to every parallel linear.
+        cost_model: passed to every parallel linear.
 
-    Every rank must call it with the same model structure and plan (the linears check their configuration
-    across ranks). Returns the model.
+    Returns:
+        ``model``, sharded. Every rank must call it with the same model structure and plan (the linears check
+        their configuration across ranks).
+
+    Raises:
+        ValueError: no GPT-style block, a linear that is not an ``nn.Linear``, an unknown style, or a plan made
+            for another tensor-parallel degree.
     """
     world = dist.get_world_size(group)
     kwargs = {"overlap_chunks": overlap_chunks, "cost_model": cost_model}

@@ -25,7 +25,7 @@ import numpy as np
 
 from fastdist.tp.cost import CostModel
 
-__all__ = ["ModelConfig", "Plan", "plan", "plan_cost"]
+__all__ = ["ModelConfig", "Plan", "op_cost", "plan", "plan_cost"]
 
 # The link and GEMM figures used when no calibrated CostModel is given: one 8-GPU NVLink-class node
 # (alpha 5 us, 150 GB/s per link, 200 TFLOP/s sustained). Pass `cost_model` to plan for another machine.
@@ -47,20 +47,23 @@ class ModelConfig:
     dtype_bytes: int = 2           # activations and communication
     optimizer_bytes_per_param: int = 16  # bf16 weight + grad, fp32 master + Adam moments
 
-    def params(self, op):
+    def params(self, op: str) -> int:
+        """The parameters of ``op`` (``"attention"`` or ``"mlp"``) in one layer."""
         return 4 * self.hidden ** 2 if op == "attention" else 2 * self.mlp_ratio * self.hidden ** 2
 
-    def forward_flops(self, op, tokens):
+    def forward_flops(self, op: str, tokens: int) -> int:
+        """The forward FLOPs of ``op`` on ``tokens`` tokens (attention's scores and values included)."""
         if op == "attention":
             return 2 * tokens * self.params(op) + 4 * tokens * self.seq_len * self.hidden
         return 2 * tokens * self.params(op)
 
-    def activation_bytes(self, op, tokens, degree):
+    def activation_bytes(self, op: str, tokens: int, degree: int) -> float:
         """Stored activations per rank: the replicated part (LayerNorm input, residual) whole, the rest / d."""
         sharded = 5 if op == "attention" else 2 * self.mlp_ratio  # qkv + attention output; fc1 + GeLU output
         return tokens * self.hidden * self.dtype_bytes * (2 + sharded / degree)
 
-    def shard_unit(self, op):
+    def shard_unit(self, op: str) -> int:
+        """What a tensor-parallel degree of ``op`` must divide: its heads, or the MLP's hidden size."""
         return self.heads if op == "attention" else self.mlp_ratio * self.hidden
 
 
@@ -73,14 +76,28 @@ class Plan:
     memory_per_rank: float         # bytes
     solve_s: float
 
-    def degree(self, layer, op):
+    def degree(self, layer: int, op: str) -> int:
+        """The tensor-parallel degree of ``op`` (``"attention"`` or ``"mlp"``) in ``layer``.
+
+        Raises:
+            KeyError: the plan has no such op.
+        """
         for entry_layer, entry_op, d in self.degrees:
             if entry_layer == layer and entry_op == op:
                 return d
         raise KeyError(f"fastdist: the plan has no op {op!r} in layer {layer}")
 
 
-def _op_costs(config, world, degree, op, model):
+def op_cost(config: ModelConfig, world: int, degree: int, op: str, model: CostModel) -> tuple[float, float]:
+    """(seconds per step, bytes per rank) of one op at tensor-parallel degree ``degree`` on ``world`` ranks.
+
+    Args:
+        config: the model.
+        world: ranks in all; the op's data-parallel degree is ``world / degree``.
+        degree: the op's tensor-parallel degree.
+        op: ``"attention"`` or ``"mlp"``.
+        model: a calibrated cost model.
+    """
     tokens_total = config.global_batch * config.seq_len
     replica_tokens = tokens_total * degree // world
     compute = 3 * config.forward_flops(op, replica_tokens) / degree / model.gemm_rate
@@ -107,7 +124,8 @@ def _reshard_cost(config, world, d1, d2, model):
     return 2 * ((ratio - 1) * model.alpha + (ratio - 1) / ratio * nbytes / model.beta)
 
 
-def plan(model_config, world_size, memory_limit, cost_model=None, max_degree=None):
+def plan(model_config: ModelConfig, world_size: int, memory_limit: float, cost_model: CostModel | None = None,
+         max_degree: int | None = None) -> Plan:
     """Chooses the tensor-parallel degree of every attention and MLP op (see the module docstring).
 
     Args:
@@ -119,8 +137,10 @@ def plan(model_config, world_size, memory_limit, cost_model=None, max_degree=Non
             node).
 
     Returns:
-        a :class:`Plan`. Raises ValueError when no assignment fits ``memory_limit`` (naming the smallest
-        footprint possible).
+        The :class:`Plan`.
+
+    Raises:
+        ValueError: no assignment fits ``memory_limit`` (the message names the smallest footprint possible).
     """
     import scipy.sparse
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -138,7 +158,7 @@ def plan(model_config, world_size, memory_limit, cost_model=None, max_degree=Non
         if not choices[op]:
             raise ValueError(f"fastdist: plan: no tensor-parallel degree divides both world_size={world_size} and "
                              f"the {op}'s shard unit; check the model config")
-    costs = {(op, d): _op_costs(cfg, world_size, d, op, model) for op in choices for d in choices[op]}
+    costs = {(op, d): op_cost(cfg, world_size, d, op, model) for op in choices for d in choices[op]}
     # A path through the ops: binary y[i, d1, d2] = "op i-1 runs at d1 and op i at d2" (i >= 1). Flow
     # conservation makes the y's one path; the node costs, resharding costs and memory sit on the edges. Apart
     # from the one memory row the matrix is a network's, so the LP relaxation is nearly integral and branch and
@@ -187,12 +207,20 @@ def plan(model_config, world_size, memory_limit, cost_model=None, max_degree=Non
                 time.perf_counter() - start)
 
 
-def plan_cost(model_config, world_size, degrees, cost_model=None):
-    """The predicted step time of an assignment ``[(layer, op, degree), ...]`` (the planner's objective)."""
+def plan_cost(model_config: ModelConfig, world_size: int, degrees: list[tuple[int, str, int]],
+              cost_model: CostModel | None = None) -> float:
+    """The predicted step time of an assignment ``[(layer, op, degree), ...]``: the planner's objective.
+
+    Args:
+        model_config: the model.
+        world_size: ranks in all.
+        degrees: the tensor-parallel degree of every op, in model order.
+        cost_model: a calibrated cost model (default: ``NOMINAL``).
+    """
     model = cost_model if cost_model is not None and cost_model.calibrated else NOMINAL
     total, previous = 0.0, None
     for _, op, d in degrees:
-        t, _ = _op_costs(model_config, world_size, d, op, model)
+        t, _ = op_cost(model_config, world_size, d, op, model)
         total += t
         if previous is not None:
             total += _reshard_cost(model_config, world_size, previous, d, model)
