@@ -69,7 +69,8 @@ class _Store:
         pass
 
     # -- the interface AQSGD uses
-    def contains(self, ids):
+    def contains(self, ids: torch.Tensor) -> torch.Tensor:
+        """bool ``[len(ids)]``: which of the sample ``ids`` have an entry."""
         return torch.tensor([int(i) in self.slot_of for i in ids.tolist()], dtype=torch.bool)
 
     def _slots(self, ids):
@@ -78,8 +79,12 @@ class _Store:
         except KeyError as e:
             raise KeyError(f"fastdist.compress.{type(self).__name__}: sample id {e.args[0]} is not stored") from None
 
-    def get(self, ids):
-        """float rows [len(ids), *entry_shape]; every id must be stored."""
+    def get(self, ids: torch.Tensor) -> torch.Tensor:
+        """The entries of the sample ``ids``, rows ``[len(ids), *entry_shape]``.
+
+        Raises:
+            KeyError: an id is not stored.
+        """
         if self._pending is not None:
             pending_ids, future = self._pending
             self._pending = None
@@ -88,8 +93,9 @@ class _Store:
                 return rows
         return self._read_slots(self._slots(ids))
 
-    def prefetch(self, ids):
-        """Starts reading the stored entries among `ids` in the background; get(ids) then returns them."""
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Starts reading the stored entries among the sample ``ids`` in the background; ``get(ids)`` then returns
+        them."""
         ids = _check_ids(ids, type(self).__name__)
         known = ids[self.contains(ids)]
         if known.numel() == 0 or self.entry_shape is None:
@@ -101,8 +107,13 @@ class _Store:
         slots = self._slots(known)
         self._pending = (known, self._executor.submit(self._read_slots, slots))
 
-    def put(self, ids, rows):
-        """Stores rows [len(ids), *entry_shape] under `ids` (new ids take free slots)."""
+    def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Stores ``rows`` (``[len(ids), *entry_shape]``) under the sample ``ids``; new ids take free slots.
+
+        Raises:
+            StoreFullError: the new ids do not fit.
+            ValueError: the rows' shape differs from the entries'.
+        """
         if self.entry_shape is None:
             self.entry_shape = tuple(rows.shape[1:])
             self._allocate(self.entry_shape)
@@ -121,14 +132,19 @@ class _Store:
         self._pending = None  # a prefetch read before this write would be stale
         self._write_slots(self._slots(ids), rows.detach().to("cpu", self.dtype))
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.slot_of)
 
 
 class MemoryStore(_Store):
-    """Entries in a CPU tensor [capacity, *entry_shape], allocated at the first put."""
+    """Entries in a CPU tensor [capacity, *entry_shape], allocated at the first put.
 
-    def __init__(self, capacity, dtype=torch.float32):
+    Args:
+        capacity: the most sample ids it holds (at least the training samples).
+        dtype: the entries' dtype.
+    """
+
+    def __init__(self, capacity: int, dtype: torch.dtype = torch.float32):
         super().__init__(capacity, dtype)
         self.data = None
 
@@ -141,13 +157,15 @@ class MemoryStore(_Store):
     def _write_slots(self, slots, rows):
         self.data.index_copy_(0, slots, rows)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The ids and entries held (a copy)."""
         used = len(self.slot_of)
         ids = torch.tensor(sorted(self.slot_of, key=self.slot_of.get), dtype=torch.int64)
         return {"capacity": self.capacity, "ids": ids,
                 "data": self.data[:used].clone() if self.data is not None else None}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned (of a store of the same capacity)."""
         if state["capacity"] != self.capacity:
             raise ValueError(f"fastdist.compress.MemoryStore: state has capacity {state['capacity']}, this store "
                              f"{self.capacity}")
@@ -169,9 +187,15 @@ _DTYPES = {1: (torch.float32, np.float32), 2: (torch.float16, np.float16)}
 class MmapStore(_Store):
     """Entries in a memory-mapped file at `path`: a 4 KiB header (magic, version, dtype, capacity, entry shape), the
     sample id of each slot (int64, -1 when free), then the entries. An existing file is opened and checked (a
-    corrupted or mismatched one raises StoreCorruptedError); a new one is created at the first put."""
+    corrupted or mismatched one raises StoreCorruptedError); a new one is created at the first put.
 
-    def __init__(self, path, capacity, dtype=torch.float32):
+    Args:
+        path: the file.
+        capacity: the most sample ids it holds.
+        dtype: ``torch.float32`` or ``torch.float16``.
+    """
+
+    def __init__(self, path: str | os.PathLike, capacity: int, dtype: torch.dtype = torch.float32):
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"fastdist.compress.MmapStore: 'dtype' must be torch.float32 or torch.float16, got "
                              f"{dtype}")
@@ -251,17 +275,19 @@ class MmapStore(_Store):
     def _write_slots(self, slots, rows):
         self._data[slots.numpy()] = rows.numpy()
 
-    def flush(self):
+    def flush(self) -> None:
+        """Writes the mapped entries and slot table back to the file."""
         if self._data is not None:
             self._data.flush()
             self._ids.flush()
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         """The data stays in the file; the state names it (flushed first) and how many entries it holds."""
         self.flush()
         return {"path": self.path, "capacity": self.capacity, "entries": len(self.slot_of)}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Opens the file the state names and checks that it holds as many entries as the state says."""
         if state["capacity"] != self.capacity:
             raise ValueError(f"fastdist.compress.MmapStore: state has capacity {state['capacity']}, this store "
                              f"{self.capacity}")
@@ -275,11 +301,17 @@ class MmapStore(_Store):
 class AQSGD(Compressor):
     """AQ-SGD over compressor `c` (e.g. Quantize(4)); `store` holds m per sample. compress/roundtrip need the batch's
     sample ids (one per row of x viewed [B, D]); the packet carries them (8 bytes per sample) so that the receiver
-    updates the same entries."""
+    updates the same entries.
+
+    Args:
+        c: the compressor of the changes.
+        store: a :class:`MemoryStore` or :class:`MmapStore`, one per end.
+        warmup_epochs: epochs whose visits are all sent uncompressed.
+    """
 
     name = "aqsgd"
 
-    def __init__(self, c, store, warmup_epochs=1):
+    def __init__(self, c: Compressor, store: _Store, warmup_epochs: int = 1):
         check_compressor(c, "AQSGD")
         if not isinstance(store, _Store):
             raise TypeError(f"fastdist.compress.AQSGD: 'store' must be a MemoryStore or MmapStore, got "
@@ -289,18 +321,19 @@ class AQSGD(Compressor):
         self.c, self.store, self.warmup_epochs = c, store, warmup_epochs
         self.epoch = 0
 
-    def config(self):
+    def config(self) -> dict:
         return {"name": self.name, "c": self.c.config(), "warmup_epochs": self.warmup_epochs}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"AQSGD({self.c!r}, store={type(self.store).__name__}(capacity={self.store.capacity}), " \
                f"warmup_epochs={self.warmup_epochs})"
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
+        """Tells both ends the epoch (the first ``warmup_epochs`` send everything uncompressed)."""
         self.epoch = int(epoch)
 
-    def prefetch(self, sample_ids):
-        """Starts reading the next batch's stored activations in the background."""
+    def prefetch(self, sample_ids: torch.Tensor) -> None:
+        """Starts reading the stored activations of the next batch's ``sample_ids`` in the background."""
         self.store.prefetch(sample_ids)
 
     def _ids(self, x, sample_ids):
@@ -332,7 +365,7 @@ class AQSGD(Compressor):
             out[~fresh] = m_old.to(device, torch.float32) + delta
         return out
 
-    def compress(self, x, sample_ids=None):
+    def compress(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> Packet:
         check_compressible(x, "AQSGD")
         x = x.detach()
         ids = self._ids(x, sample_ids)
@@ -356,11 +389,11 @@ class AQSGD(Compressor):
         self.store.put(ids, self._sent[1])
         return packet
 
-    def roundtrip(self, x, sample_ids=None):
+    def roundtrip(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Packet]:
         packet = self.compress(x, sample_ids)
         return self._sent[1].reshape(x.shape).to(x.dtype), packet
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         ids = packet.tensors["ids"]
         fresh = packet.tensors["fresh"].bool()
         m_old = self.store.get(ids[~fresh]) if packet.meta["stale"] else None
@@ -368,13 +401,13 @@ class AQSGD(Compressor):
         self.store.put(ids, out)
         return out.reshape(packet.shape).to(packet.dtype)
 
-    def stateless(self):
+    def stateless(self) -> Compressor:
         return self.c.stateless()
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"epoch": self.epoch, "store": self.store.state_dict(), "c": self.c.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.epoch = state["epoch"]
         self.store.load_state_dict(state["store"])
         self.c.load_state_dict(state["c"])

@@ -9,6 +9,7 @@ AQ-SGD) the forward is treated as the identity for the gradient (straight-throug
 """
 import contextlib
 import contextvars
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -23,9 +24,16 @@ _BATCH = contextvars.ContextVar("fastdist_compress_batch", default=None)
 
 
 @contextlib.contextmanager
-def batch(sample_ids=None, next_sample_ids=None, epoch=None):
+def batch(sample_ids: torch.Tensor | None = None, next_sample_ids: torch.Tensor | None = None,
+          epoch: int | None = None) -> Iterator[None]:
     """Tells the AQ-SGD boundaries inside the block which samples the batch holds (and which come next, to prefetch
-    their stored activations), without threading the ids through every module's forward."""
+    their stored activations), without threading the ids through every module's forward.
+
+    Args:
+        sample_ids: the batch's sample ids, one per row.
+        next_sample_ids: the next batch's, whose stored activations are read in the background.
+        epoch: the epoch, passed to every AQ-SGD boundary's ``set_epoch``.
+    """
     token = _BATCH.set({"sample_ids": sample_ids, "next_sample_ids": next_sample_ids, "epoch": epoch})
     try:
         yield
@@ -33,11 +41,12 @@ def batch(sample_ids=None, next_sample_ids=None, epoch=None):
         _BATCH.reset(token)
 
 
-def current_batch():
+def current_batch() -> dict:
+    """What the innermost :func:`batch` said (``sample_ids``, ``next_sample_ids``, ``epoch``); {} outside one."""
     return _BATCH.get() or {}
 
 
-def check_boundary_arguments(who, fwd, bwd, backward_mask):
+def check_boundary_arguments(who: str, fwd: Compressor | None, bwd: Compressor | None, backward_mask: str) -> None:
     """The argument checks :class:`Boundary` and :class:`~fastdist.compress.StageBoundary` share.
 
     Args:
@@ -117,18 +126,25 @@ class Boundary(nn.Module):
     ``stats`` holds the last step's wire and dense bytes of each direction.
     """
 
-    def __init__(self, fwd=None, bwd=None, backward_mask="reuse", at_inference=False):
+    def __init__(self, fwd: Compressor | None = None, bwd: Compressor | None = None, backward_mask: str = "reuse",
+                 at_inference: bool = False):
         super().__init__()
         check_boundary_arguments("Boundary", fwd, bwd, backward_mask)
         self.fwd, self.bwd = fwd, bwd
         self.backward_mask, self.at_inference = backward_mask, bool(at_inference)
         self.stats = {}
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"fwd={self.fwd!r}, bwd={self.bwd!r}, backward_mask={self.backward_mask!r}, " \
                f"at_inference={self.at_inference}"
 
-    def forward(self, x, sample_ids=None):
+    def forward(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What the next block sees of ``x`` (and, in backward, of its gradient).
+
+        Args:
+            x: the activation, one row per sample.
+            sample_ids: the batch's sample ids, for AQ-SGD (default: those of the enclosing :func:`batch`).
+        """
         if self.training:
             fwd = self.fwd
         else:
@@ -150,13 +166,14 @@ class Boundary(nn.Module):
             fwd.prefetch(current_batch()["next_sample_ids"])
         return out
 
-    def state_dict_compressors(self):
+    def state_dict_compressors(self) -> dict:
+        """The two compressors' state (part of the module's ``state_dict`` as its extra state)."""
         return {"fwd": self.fwd.state_dict() if self.fwd else {}, "bwd": self.bwd.state_dict() if self.bwd else {}}
 
-    def get_extra_state(self):
+    def get_extra_state(self) -> dict:
         return self.state_dict_compressors()
 
-    def set_extra_state(self, state):
+    def set_extra_state(self, state: dict) -> None:
         if self.fwd is not None:
             self.fwd.load_state_dict(state["fwd"])
         if self.bwd is not None:

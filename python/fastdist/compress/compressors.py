@@ -34,18 +34,19 @@ class Packet:
     meta: dict = dataclasses.field(default_factory=dict)
     local: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-    def wire_bytes(self):
+    def wire_bytes(self) -> int:
+        """The bytes of the tensors that cross the wire."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def as_rows(x):
-    """x viewed [B, D]: B = x.shape[0] (0-d and 1-d tensors are one row)."""
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed ``[B, D]``: ``B = x.shape[0]`` (0-d and 1-d tensors are one row)."""
     if x.dim() <= 1:
         return x.reshape(1, -1)
     return x.reshape(x.shape[0], -1)
 
 
-def check_compressible(x, who):
+def check_compressible(x: torch.Tensor, who: str) -> None:
     """Raises unless ``x`` is what every compressor accepts: a non-empty floating-point tensor.
 
     Args:
@@ -64,7 +65,7 @@ def check_compressible(x, who):
         raise ValueError(f"fastdist.compress.{who}: cannot compress an empty tensor (shape {tuple(x.shape)})")
 
 
-def check_compressor(c, who):
+def check_compressor(c: "Compressor", who: str) -> None:
     """Raises TypeError unless ``c`` is a :class:`Compressor` (the inner compressor of a stateful wrapper).
 
     Args:
@@ -76,46 +77,62 @@ def check_compressor(c, who):
 
 
 class Compressor:
-    """Base: subclasses implement compress / decompress and config()."""
+    """Base: subclasses implement compress / decompress and config(); the stateful ones state_dict too.
+
+    Subclasses' methods keep these docstrings' contracts.
+    """
 
     name = "compressor"
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
+        """The packet that carries ``x`` (the sending end; a stateful compressor updates its state).
+
+        Args:
+            x: a non-empty floating-point tensor.
+        """
         raise NotImplementedError
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        """The tensor a packet carries, of the original shape and dtype (the receiving end)."""
         raise NotImplementedError
 
-    def wire_bytes(self, packet):
+    def wire_bytes(self, packet: Packet) -> int:
+        """The bytes ``packet`` puts on the wire."""
         return packet.wire_bytes()
 
-    def roundtrip(self, x):
+    def roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, Packet]:
         """(decompress(compress(x)), packet): what the receiving end sees, computed in one process."""
         packet = self.compress(x)
         return self.decompress(packet), packet
 
-    def kept_indices(self, packet):
+    def kept_indices(self, packet: Packet) -> tuple[torch.Tensor, int] | None:
         """For a sparsifying compressor, (indices int32 [rows, k], d): the positions of x viewed [rows, d] that the
         packet keeps, so that the exact derivative of the masking (the forward mask applied to the gradient) can be
         formed; None when the output is not a masking of the input."""
         return None
 
-    def stateless(self):
+    def stateless(self) -> "Compressor":
         """The compressor to apply where no state may change (inference): itself for stateless ones."""
         return self
 
-    def config(self):
+    def config(self) -> dict:
         """A plain dict of the settings both ends must agree on (fingerprinted across ranks)."""
         return {"name": self.name}
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The compressor's state (empty for stateless ones)."""
         return {}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: a stateless compressor given state.
+        """
         if state:
             raise ValueError(f"fastdist.compress.{self.name}: stateless, but got state keys {sorted(state)}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
         return f"{type(self).__name__}({args})"
 
@@ -125,11 +142,11 @@ class Identity(Compressor):
 
     name = "none"
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
         check_compressible(x, "Identity")
         return Packet("dense", tuple(x.shape), x.dtype, {"x": x.detach().contiguous()})
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         return packet.tensors["x"]
 
 
@@ -139,11 +156,16 @@ class TopK(Compressor):
 
     Encoding: values + int32 indices (4k bytes of indices), or values + a bitmap of the row (D / 8 bytes) when that
     is smaller (k > D / 32), or as forced by ``encoding="indices"|"bitmap"``. Values keep x's dtype.
+
+    Args:
+        ratio: the fraction of each row (or of the tensor) kept, in (0, 1].
+        per: ``"sample"`` (each row) or ``"tensor"`` (the whole tensor as one row).
+        encoding: ``"auto"``, ``"indices"`` or ``"bitmap"``.
     """
 
     name = "topk"
 
-    def __init__(self, ratio, per="sample", encoding="auto"):
+    def __init__(self, ratio: float, per: str = "sample", encoding: str = "auto"):
         if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ValueError(f"fastdist.compress.TopK: 'ratio' must be in (0, 1], got {ratio!r}")
         if per not in ("sample", "tensor"):
@@ -153,7 +175,7 @@ class TopK(Compressor):
                              f"{encoding!r}")
         self.ratio, self.per, self.encoding = float(ratio), per, encoding
 
-    def config(self):
+    def config(self) -> dict:
         return {"name": self.name, "ratio": self.ratio, "per": self.per, "encoding": self.encoding}
 
     def _rows(self, x):
@@ -164,7 +186,7 @@ class TopK(Compressor):
             return self.encoding == "bitmap"
         return (d + 7) // 8 < 4 * k
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
         check_compressible(x, "TopK")
         rows = self._rows(x.detach())
         d = rows.shape[1]
@@ -176,8 +198,9 @@ class TopK(Compressor):
             return Packet("topk", tuple(x.shape), x.dtype, tensors, meta, {"indices": indices})
         return Packet("topk", tuple(x.shape), x.dtype, {"values": values, "indices": indices}, meta)
 
-    def indices(self, packet):
-        """int32 [B, k]: the kept positions of each row, ascending (decoded from the bitmap once per packet)."""
+    def indices(self, packet: Packet) -> torch.Tensor:
+        """int32 ``[B, k]``: the kept positions of each row of ``packet``, ascending (decoded from the bitmap once
+        per packet)."""
         if "indices" in packet.tensors:
             return packet.tensors["indices"]
         if "indices" not in packet.local:
@@ -185,11 +208,11 @@ class TopK(Compressor):
                                                              packet.meta["k"])
         return packet.local["indices"]
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         values = packet.tensors["values"]
         return topk_decompress(values, self.indices(packet), packet.meta["d"]).reshape(packet.shape)
 
-    def kept_indices(self, packet):
+    def kept_indices(self, packet: Packet) -> tuple[torch.Tensor, int] | None:
         return self.indices(packet), packet.meta["d"]
 
 
@@ -198,11 +221,20 @@ class Quantize(Compressor):
     column (``"column"``: one scale per feature across the batch; the codes are laid out column by column) or per
     group of G consecutive values (``granularity=G``, G must divide D). minmax sends a float32 scale and zero
     point per group, absmax a scale only. Stochastic rounding draws a fresh seed per call (``seed`` + call count,
-    kept in state_dict) so successive calls are independent but reproducible."""
+    kept in state_dict) so successive calls are independent but reproducible.
+
+    Args:
+        bits: 1, 2, 4 or 8.
+        scheme: ``"minmax"`` (scale and zero point) or ``"absmax"`` (scale only).
+        granularity: ``"tensor"``, ``"row"``, ``"column"`` or a group size G.
+        stochastic: round stochastically instead of to nearest.
+        seed: the first stochastic call's seed.
+    """
 
     name = "quant"
 
-    def __init__(self, bits, scheme="minmax", granularity="row", stochastic=False, seed=0):
+    def __init__(self, bits: int, scheme: str = "minmax", granularity: str | int = "row", stochastic: bool = False,
+                 seed: int = 0):
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"fastdist.compress.Quantize: 'bits' must be 1, 2, 4 or 8, got {bits!r}")
         if scheme not in ("minmax", "absmax"):
@@ -214,7 +246,7 @@ class Quantize(Compressor):
         self.stochastic, self.seed = bool(stochastic), int(seed)
         self.calls = 0
 
-    def config(self):
+    def config(self) -> dict:
         return {"name": self.name, "bits": self.bits, "scheme": self.scheme, "granularity": self.granularity,
                 "stochastic": self.stochastic, "seed": self.seed}
 
@@ -231,7 +263,7 @@ class Quantize(Compressor):
                              f"{d} (x of shape {tuple(x.shape)})")
         return self.granularity
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
         check_compressible(x, "Quantize")
         x = x.detach()
         group = self._group(x)
@@ -245,7 +277,7 @@ class Quantize(Compressor):
             tensors["zeros"] = zeros
         return Packet("quant", tuple(x.shape), x.dtype, tensors, {"group": group})
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         t = packet.tensors
         zeros = t.get("zeros")
         if zeros is None:
@@ -258,19 +290,24 @@ class Quantize(Compressor):
         out = dequantize(t["packed"], t["scales"], zeros, self.bits, self.scheme, group, packet.shape)
         return out.to(packet.dtype)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"calls": self.calls}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.calls = int(state["calls"])
 
 
 class Chain(Compressor):
-    """TopK, then Quantize of the kept values (``[B, k]``): indices or bitmap + packed codes + scales."""
+    """TopK, then Quantize of the kept values (``[B, k]``): indices or bitmap + packed codes + scales.
+
+    Args:
+        topk: the sparsifier.
+        quant: the quantizer of the kept values, per ``"row"`` or per ``"tensor"``.
+    """
 
     name = "chain"
 
-    def __init__(self, topk, quant):
+    def __init__(self, topk: TopK, quant: Quantize):
         if not isinstance(topk, TopK) or not isinstance(quant, Quantize):
             raise TypeError("fastdist.compress.Chain: expected Chain(TopK(...), Quantize(...)), got "
                             f"Chain({type(topk).__name__}, {type(quant).__name__})")
@@ -280,13 +317,13 @@ class Chain(Compressor):
                              f"{quant.granularity!r}")
         self.topk, self.quant = topk, quant
 
-    def config(self):
+    def config(self) -> dict:
         return {"name": self.name, "topk": self.topk.config(), "quant": self.quant.config()}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Chain({self.topk!r}, {self.quant!r})"
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
         p = self.topk.compress(x)
         q = self.quant.compress(p.tensors["values"])
         tensors = {name: t for name, t in p.tensors.items() if name != "values"}
@@ -302,18 +339,18 @@ class Chain(Compressor):
         return Packet("topk", packet.shape, packet.dtype, tensors,
                       {"rows": meta["rows"], "k": meta["k"], "d": meta["d"]}, packet.local)
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         meta = packet.meta
         q_tensors = {name[2:]: t for name, t in packet.tensors.items() if name.startswith("q_")}
         values = self.quant.decompress(Packet("quant", (meta["rows"], meta["k"]), packet.dtype, q_tensors,
                                               {"group": meta["group"]}))
         return self.topk.decompress(self._topk_packet(packet, values))
 
-    def kept_indices(self, packet):
+    def kept_indices(self, packet: Packet) -> tuple[torch.Tensor, int] | None:
         return self.topk.kept_indices(self._topk_packet(packet))
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"quant": self.quant.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.quant.load_state_dict(state["quant"])

@@ -5,7 +5,7 @@ calls ``decompress``. In one process (a :class:`~fastdist.compress.Boundary`) ``
 """
 import torch
 
-from fastdist.compress.compressors import Compressor, check_compressible, check_compressor
+from fastdist.compress.compressors import Compressor, Packet, check_compressible, check_compressor
 
 __all__ = ["EF21", "ErrorFeedback"]
 
@@ -18,22 +18,27 @@ def _check_shape(state, x, who, what):
 
 
 class ErrorFeedback(Compressor):
-    """c = C(x + e); e <- x + e - D(c). The sender keeps the residual e; the receiver needs no state."""
+    """c = C(x + e); e <- x + e - D(c). The sender keeps the residual e; the receiver needs no state.
+
+    Args:
+        c: the compressor C.
+    """
 
     name = "ef"
 
-    def __init__(self, c):
+    def __init__(self, c: Compressor):
         check_compressor(c, "ErrorFeedback")
         self.c = c
         self.residual = None
 
-    def config(self):
+    def config(self) -> dict:
         return {"name": self.name, "c": self.c.config()}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({self.c!r})"
 
-    def reset(self):
+    def reset(self) -> None:
+        """Forgets the residual (e.g. when the input's shape changes)."""
         self.residual = None
 
     def _corrected(self, x):
@@ -42,55 +47,60 @@ class ErrorFeedback(Compressor):
         _check_shape(self.residual, x, "ErrorFeedback", "residual")
         return x if self.residual is None else x + self.residual
 
-    def roundtrip(self, x):
+    def roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, Packet]:
         y = self._corrected(x)
         packet = self.c.compress(y)
         x_hat = self.c.decompress(packet)
         self.residual = y - x_hat
         return x_hat, packet
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
         return self.roundtrip(x)[1]
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         return self.c.decompress(packet)
 
-    def kept_indices(self, packet):
+    def kept_indices(self, packet: Packet) -> tuple[torch.Tensor, int] | None:
         return self.c.kept_indices(packet)
 
-    def stateless(self):
+    def stateless(self) -> Compressor:
         return self.c.stateless()
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"residual": self.residual, "c": self.c.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.residual = state["residual"]
         self.c.load_state_dict(state["c"])
 
 
 class EF21(Compressor):
     """Both ends keep an estimate A of x: the sender sends C(x - A) and both do A <- A + D(c); the receiver's
-    output is its A. Sender and receiver estimates are equal bit for bit (the same float operations)."""
+    output is its A. Sender and receiver estimates are equal bit for bit (the same float operations).
+
+    Args:
+        c: the compressor C.
+    """
 
     name = "ef21"
 
-    def __init__(self, c):
+    def __init__(self, c: Compressor):
         check_compressor(c, "EF21")
         self.c = c
         self.sent = None       # the sender's A
         self.received = None   # the receiver's A
 
-    def config(self):
+    def config(self) -> dict:
         return {"name": self.name, "c": self.c.config()}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({self.c!r})"
 
-    def reset(self):
+    def reset(self) -> None:
+        """Forgets both estimates (both ends must reset together)."""
         self.sent = self.received = None
 
-    def compress(self, x):
+    def compress(self, x: torch.Tensor) -> Packet:
         check_compressible(x, "EF21")
         x = x.detach()
         _check_shape(self.sent, x, "EF21", "estimate")
@@ -99,22 +109,22 @@ class EF21(Compressor):
         self.sent = a + self.c.decompress(packet)
         return packet
 
-    def decompress(self, packet):
+    def decompress(self, packet: Packet) -> torch.Tensor:
         update = self.c.decompress(packet)
         _check_shape(self.received, update, "EF21", "estimate")
         self.received = update if self.received is None else self.received + update
         return self.received.clone()
 
-    def roundtrip(self, x):
+    def roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, Packet]:
         packet = self.compress(x)
         return self.sent.clone(), packet
 
-    def stateless(self):
+    def stateless(self) -> Compressor:
         return self.c.stateless()
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"sent": self.sent, "received": self.received, "c": self.c.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.sent, self.received = state["sent"], state["received"]
         self.c.load_state_dict(state["c"])

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fastdist.compress.aqsgd import AQSGD
 from fastdist.compress.boundary import check_boundary_arguments
-from fastdist.compress.compressors import Identity, Packet
+from fastdist.compress.compressors import Compressor, Identity, Packet
 from fastdist.distributed import MismatchError, fingerprint
 from fastdist.ops import topk_decompress
 
@@ -61,9 +61,18 @@ def _flatten(config, prefix=""):
     return out
 
 
-def check_same_pair(name, config, peer, group=None):
-    """Raises MismatchError on both ranks of a pair when their `config` dicts differ; names the differing fields.
-    Both ranks must call it with each other as `peer`."""
+def check_same_pair(name: str, config: dict, peer: int, group: dist.ProcessGroup | None = None) -> None:
+    """Raises MismatchError on both ranks of a pair when their ``config`` dicts differ, naming the differing fields.
+
+    Both ranks must call it with each other as ``peer`` (a pairwise exchange of fingerprints; of the configs
+    themselves only on a mismatch).
+
+    Args:
+        name: what the config configures, for the message.
+        config: a dict of plain values (nested dicts allowed).
+        peer: the other rank, in ``group``.
+        group: the process group (None: the default group).
+    """
     device = _device(group)
     mine = fingerprint(config).to_bytes(8, "little", signed=True)
     if _exchange(mine, peer, group, device) == mine:
@@ -94,7 +103,8 @@ class Channel:
         self.capacity = _MIN_CAPACITY
         self._frame = None
 
-    def frame(self, nbytes, device):
+    def frame(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` on ``device`` to assemble a frame in, reused while it is large enough."""
         if self._frame is None or self._frame.numel() < nbytes or self._frame.device != device:
             self._frame = torch.empty(max(nbytes, _MIN_CAPACITY), dtype=torch.uint8, device=device)
         return self._frame[:nbytes]
@@ -111,10 +121,21 @@ def _exact_sizes(device):
     return device.type != "cpu"  # NCCL matches a receive's size exactly; gloo takes any message that fits
 
 
-def send_packet(packet, dst, config_fingerprint=0, group=None, channel=None):
-    """Sends a Packet as one frame (see the module docstring); returns the bytes that went out (prefix, header,
-    padding and tensors). `channel`: the sending end of a Channel whose receiving end is passed to recv_packet, or
-    None for a fresh one on both ends."""
+def send_packet(packet: Packet, dst: int, config_fingerprint: int = 0, group: dist.ProcessGroup | None = None,
+                channel: Channel | None = None) -> int:
+    """Sends a Packet as one frame (see the module docstring).
+
+    Args:
+        packet: what to send.
+        dst: the receiving rank.
+        config_fingerprint: the sender's compressor configuration's fingerprint, checked by the receiver.
+        group: the process group (None: the default group).
+        channel: the sending end of a Channel whose receiving end is passed to recv_packet, or None for a fresh
+            one on both ends.
+
+    Returns:
+        The bytes that went out: prefix, header, padding and tensors (and an announcement's prefix).
+    """
     device = _device(group)
     channel = channel if channel is not None else Channel()
     tensors = [t.detach().contiguous() for t in packet.tensors.values()]
@@ -140,9 +161,22 @@ def send_packet(packet, dst, config_fingerprint=0, group=None, channel=None):
     return sent
 
 
-def recv_packet(src, config_fingerprint=None, group=None, channel=None):
-    """Receives a Packet sent by send_packet (with the other end of the same `channel`, or both None); with
-    `config_fingerprint`, checks the sender's."""
+def recv_packet(src: int, config_fingerprint: int | None = None, group: dist.ProcessGroup | None = None,
+                channel: Channel | None = None) -> Packet:
+    """Receives a Packet sent by :func:`send_packet`.
+
+    Args:
+        src: the sending rank.
+        config_fingerprint: this end's configuration fingerprint, checked against the sender's; None: unchecked.
+        group: the process group (None: the default group).
+        channel: the receiving end of the Channel the sender used, or None if it used None.
+
+    Returns:
+        The packet; its tensors are views into the received frame.
+
+    Raises:
+        MismatchError: the sender's configuration fingerprint differs from ``config_fingerprint``.
+    """
     device = _device(group)
     channel = channel if channel is not None else Channel()
     exact = _exact_sizes(device)
@@ -166,15 +200,35 @@ def recv_packet(src, config_fingerprint=None, group=None, channel=None):
     return Packet(kind, shape, dtype, tensors, meta)
 
 
-def send(t, dst, compressor, group=None, sample_ids=None):
-    """Compresses `t` with `compressor` and sends it to rank `dst`; returns the packet sent."""
+def send(t: torch.Tensor, dst: int, compressor: Compressor, group: dist.ProcessGroup | None = None,
+         sample_ids: torch.Tensor | None = None) -> Packet:
+    """Compresses ``t`` with ``compressor`` and sends it to rank ``dst``.
+
+    Args:
+        t: the tensor.
+        dst: the receiving rank, which calls :func:`recv` with a compressor of the same configuration.
+        compressor: this end's compressor (its state changes as on any compress).
+        group: the process group (None: the default group).
+        sample_ids: the batch's sample ids, for AQ-SGD.
+
+    Returns:
+        The packet sent.
+    """
     packet = compressor.compress(t, sample_ids) if isinstance(compressor, AQSGD) else compressor.compress(t)
     send_packet(packet, dst, fingerprint(compressor.config()), group)
     return packet
 
 
-def recv(src, compressor, group=None, device=None):
-    """Receives what send() sent from rank `src` and decompresses it with `compressor` (this end's state)."""
+def recv(src: int, compressor: Compressor, group: dist.ProcessGroup | None = None,
+         device: torch.device | str | None = None) -> torch.Tensor:
+    """Receives what :func:`send` sent from rank ``src`` and decompresses it.
+
+    Args:
+        src: the sending rank.
+        compressor: this end's compressor (its state, e.g. AQ-SGD's store, is this end's).
+        group: the process group (None: the default group).
+        device: where to put the result (default: where it arrived).
+    """
     packet = recv_packet(src, fingerprint(compressor.config()), group)
     out = compressor.decompress(packet)
     return out if device is None else out.to(device)
@@ -216,9 +270,21 @@ class StageBoundary:
     compressed and sent back. With ``backward_mask="reuse"`` and a TopK-type ``fwd``, only the gradient at the
     forward's kept positions is sent (k values per row, no indices: both ends know them), compressed by ``bwd``.
     ``stats`` holds the last message's wire bytes in each direction.
+
+    Args:
+        sender: the rank of the stage before the link.
+        receiver: the rank of the stage after it.
+        fwd: the activation's compressor (None: uncompressed).
+        bwd: the gradient's compressor (None: uncompressed; never AQ-SGD).
+        backward_mask: ``"reuse"`` or ``"independent"``, as for :class:`~fastdist.compress.Boundary`.
+        group: the process group the ranks are numbered in (None: the default group).
+
+    Raises:
+        MismatchError: on both ends, when their configurations differ.
     """
 
-    def __init__(self, sender, receiver, fwd=None, bwd=None, backward_mask="reuse", group=None):
+    def __init__(self, sender: int, receiver: int, fwd: Compressor | None = None, bwd: Compressor | None = None,
+                 backward_mask: str = "reuse", group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise RuntimeError("fastdist.compress.StageBoundary needs an initialized torch.distributed process group")
         rank = dist.get_rank()
@@ -238,12 +304,27 @@ class StageBoundary:
         self.stats = {}
 
     # -- autograd-facing API
-    def send(self, y, sample_ids=None):
+    def send(self, y: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Sends the compressed activation ``y`` (sender end); ``backward()`` on the returned token (or a loss that
+        includes it) receives the gradient and continues the backward pass through ``y``.
+
+        Args:
+            y: the activation.
+            sample_ids: the batch's sample ids, for an AQ-SGD ``fwd``.
+
+        Returns:
+            A 0-d token tensor.
+        """
         if not self.is_sender:
             raise RuntimeError(f"fastdist.compress.StageBoundary: rank {dist.get_rank()} is the receiving end")
         return _SendActivation.apply(y, self, sample_ids)
 
-    def recv(self, device=None):
+    def recv(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The activation the sender sent (receiver end); its gradient goes back when the backward pass reaches it.
+
+        Args:
+            device: where to put it (default: where it arrived).
+        """
         if self.is_sender:
             raise RuntimeError(f"fastdist.compress.StageBoundary: rank {dist.get_rank()} is the sending end")
         anchor = torch.zeros((), requires_grad=True)
