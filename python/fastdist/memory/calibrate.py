@@ -28,13 +28,16 @@ class CopyModel:
     read_latency: float
     samples: tuple = ()  # (direction, bytes, [seconds...]) as measured
 
-    def write_seconds(self, nbytes, count=1):
+    def write_seconds(self, nbytes: float, count: int = 1) -> float:
+        """Seconds to copy ``nbytes`` out in ``count`` copies."""
         return count * self.write_latency + nbytes / self.write_bandwidth
 
-    def read_seconds(self, nbytes, count=1):
+    def read_seconds(self, nbytes: float, count: int = 1) -> float:
+        """Seconds to copy ``nbytes`` back in ``count`` copies."""
         return count * self.read_latency + nbytes / self.read_bandwidth
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
+        """The model as plain data (JSON-able)."""
         d = dataclasses.asdict(self)
         d["samples"] = [[direction, nbytes, list(times)] for direction, nbytes, times in self.samples]  # as JSON
         return d
@@ -80,8 +83,20 @@ def _time_pinned(store, nbytes, repeats):
     return writes, reads
 
 
-def calibrate(store="auto", path=None, sizes=DEFAULT_SIZES, repeats=5, refresh=False):
-    """Measures (once per store/path, then cached) and returns the CopyModel of this machine's swap path."""
+def calibrate(store: str = "auto", path: str | None = None, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
+              refresh: bool = False) -> CopyModel:
+    """Measures (once per store/path, then cached) and returns the CopyModel of this machine's swap path.
+
+    Args:
+        store: ``"file"``, ``"pinned"`` or ``"auto"`` (pinned when CUDA is available).
+        path: the file store's directory (default: the temp directory).
+        sizes: the copy sizes timed, in bytes.
+        repeats: timed copies per size and direction.
+        refresh: measure again even if a model is cached.
+
+    Raises:
+        ValueError: an unknown store, or no size or repetition.
+    """
     kind = ("pinned" if torch.cuda.is_available() else "file") if store == "auto" else store
     if kind not in ("pinned", "file"):
         raise ValueError(f"calibrate: store must be 'auto', 'pinned' or 'file', got {store!r}")

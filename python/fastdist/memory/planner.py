@@ -15,7 +15,7 @@ The planner predicts the peak of saved activation bytes (what autograd holds for
 (A: a segment's saved bytes, W: the part the prefetcher swaps, I: its input bytes; the prefetch window is the
 (depth + 1) largest swapped storages of s and the segments before it) and the overhead as
 sum_swap E + sum_recompute R, where R is the segment's forward time (one more forward in backward) and E the
-exposed swap time of the spec's director:
+exposed swap time of DELTA's director:
 
     E = max(0, write(W) - forward work after the segment) + max(0, read(W) - backward work of the next segment)
 
@@ -32,12 +32,14 @@ otherwise the swapped segments with the least advantage over recomputation are r
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from fastdist.memory.calibrate import calibrate
+from fastdist.distributed.timing import sync
+from fastdist.memory.calibrate import CopyModel, calibrate
 from fastdist.memory.prefetcher import SwapPrefetcher, is_parameter_or_view
 
 POLICIES = ("delta", "dtr", "msps")
@@ -46,6 +48,7 @@ ACTIONS = ("keep", "swap", "recompute")
 
 @dataclasses.dataclass
 class Segment:
+    """What :func:`profile` measured of one segment (a named child module)."""
     name: str
     saved_bytes: int = 0  # A: every storage autograd saves inside the segment, once
     swappable_bytes: int = 0  # W: the part the prefetcher would swap (large, not parameters)
@@ -56,21 +59,25 @@ class Segment:
 
 @dataclasses.dataclass
 class Profile:
+    """One training step of a model, as :func:`profile` measured it: its segments in forward order."""
     segments: list
     other_saved_bytes: int  # saved outside every segment (embeddings, head, loss): always kept
     forward_seconds: float
     backward_seconds: float
 
     @property
-    def saved_bytes(self):
+    def saved_bytes(self) -> int:
+        """The bytes autograd saves in the step: every segment's and the rest."""
         return self.other_saved_bytes + sum(s.saved_bytes for s in self.segments)
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
+        """The profile as plain data (JSON-able)."""
         return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
 class Plan:
+    """What to do with each segment, and what the planner predicts of it (see the module docstring)."""
     policy: str
     budget_bytes: int
     actions: dict  # segment name -> "keep" | "swap" | "recompute"
@@ -87,24 +94,27 @@ class Plan:
     notes: list = dataclasses.field(default_factory=list)
 
     @property
-    def predicted_overhead(self):
+    def predicted_overhead(self) -> float:
         """Predicted step-time overhead as a fraction of the unoptimized step."""
         return self.predicted_overhead_seconds / self.step_seconds if self.step_seconds else 0.0
 
-    def segments_with(self, action):
+    def segments_with(self, action: str) -> list[str]:
+        """The segments whose action is ``action`` (``"keep"``, ``"swap"`` or ``"recompute"``), in model order."""
         return [name for name, a in self.actions.items() if a == action]
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
+        """The plan as plain data, with its predicted overhead."""
         d = dataclasses.asdict(self)
         d["predicted_overhead"] = self.predicted_overhead
         return d
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         """Plain data (JSON-able): a plan made once can be stored and installed again without re-profiling."""
         return self.to_dict()
 
     @classmethod
-    def from_state_dict(cls, state):
+    def from_state_dict(cls, state: dict) -> "Plan":
+        """The plan :meth:`state_dict` described."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in state.items() if k in fields}
         prof = dict(values["profile"])
@@ -112,7 +122,8 @@ class Plan:
         values["profile"] = Profile(**prof)
         return cls(**values)
 
-    def summary(self):
+    def summary(self) -> str:
+        """One line: the actions' counts, the predicted peak against the budget, the predicted overhead."""
         counts = {a: len(self.segments_with(a)) for a in ACTIONS}
         return (f"{self.policy}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
                 f"predicted peak {self.predicted_peak_bytes / 2**20:.1f} MiB of {self.budget_bytes / 2**20:.1f} MiB "
@@ -122,7 +133,7 @@ class Plan:
 
 # ---- segments and profiling ----
 
-def default_segments(model):
+def default_segments(model: torch.nn.Module) -> list[str]:
     """The children of the ModuleList/Sequential (with >= 2 children, below the model) that holds the most
     parameters, the shallower on a tie; else the top-level children: the blocks of a usual transformer or CNN."""
     best, best_key = None, None
@@ -163,11 +174,6 @@ def _default_loss(output):
     return output.float().square().mean()
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _tensor_bytes(values):
     total = 0
     for v in values:
@@ -178,11 +184,26 @@ def _tensor_bytes(values):
     return total
 
 
-def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20, warmup=1, repeats=3):
-    """Runs `warmup` + `repeats` training steps on `example_batch` and measures each segment (times: medians);
-    leaves the model's gradients, buffers (e.g. batch-norm statistics) and the RNG as they were.
+def profile(model: torch.nn.Module, example_batch: torch.Tensor | tuple, segments: list[str] | None = None,
+            loss_fn: Callable[[object], torch.Tensor] | None = None, min_bytes: int = 1 << 20, warmup: int = 1,
+            repeats: int = 3) -> Profile:
+    """Runs ``warmup`` + ``repeats`` training steps on ``example_batch`` and measures each segment (times:
+    medians); leaves the model's gradients, buffers (e.g. batch-norm statistics) and the RNG as they were.
 
-    Parameters (and views of them) saved by autograd are not counted: they are in memory anyway."""
+    Parameters (and views of them) saved by autograd are not counted: they are in memory anyway.
+
+    Args:
+        model: the model.
+        example_batch: its input (a tuple: positional arguments).
+        segments: names of non-nested submodules (default: :func:`default_segments`).
+        loss_fn: output -> scalar loss (default: the mean square of the (first) output).
+        min_bytes: storages from this size count as swappable.
+        warmup: untimed steps first.
+        repeats: timed steps; the saved bytes come from the first.
+
+    Raises:
+        ValueError: bad segments or ``repeats < 1``.
+    """
     names = list(segments) if segments is not None else default_segments(model)
     _check_segments(model, names)
     if repeats < 1:
@@ -202,14 +223,14 @@ def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20
 
     def pre(name):
         def hook(module, inputs):
-            _sync(device)
+            sync(device)
             active.append((name, time.perf_counter()))
             stats[name].input_bytes = _tensor_bytes(inputs)
         return hook
 
     def post(name):
         def hook(module, inputs, output):
-            _sync(device)
+            sync(device)
             _, start = active.pop()
             seconds[name].append(time.perf_counter() - start)
         return hook
@@ -243,18 +264,18 @@ def profile(model, example_batch, segments=None, loss_fn=None, min_bytes=1 << 20
                 handles += [module.register_forward_pre_hook(pre(name)), module.register_forward_hook(post(name))]
             for step in range(repeats):
                 count = step == 0  # saved bytes from the first step; times from all
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 if count:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         loss = loss_fn(model(*args))
                 else:
                     loss = loss_fn(model(*args))
-                _sync(device)
+                sync(device)
                 forward.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 loss.backward()
-                _sync(device)
+                sync(device)
                 backward.append(time.perf_counter() - start)
                 del loss
     finally:
@@ -397,13 +418,26 @@ def _greedy(prof, costs, policy, order, budget, depth, max_swaps):
     return actions, _predict_peak(prof, actions, depth), overhead, notes
 
 
-def plan_from_profile(prof, budget_bytes, copy_model, policy="delta", prefetch_depth=2, min_bytes=1 << 20):
+def plan_from_profile(prof: Profile, budget_bytes: int, copy_model: CopyModel, policy: str = "delta",
+                      prefetch_depth: int = 2, min_bytes: int = 1 << 20) -> Plan:
     """The planner on a given profile and copy model (what `plan` calls after measuring both).
 
     The greedy pass runs once per cap on the number of swapped segments (0 .. all): a swap's prefetch window
     is a transient that recomputation does not have, so the director's cheapest choice can make a budget
     unreachable that fewer swaps would meet. Of the candidates that fit, the one with the least predicted
-    overhead wins (the uncapped, pure-policy plan on a tie); if none fits, the one with the lowest peak."""
+    overhead wins (the uncapped, pure-policy plan on a tie); if none fits, the one with the lowest peak.
+
+    Args:
+        prof: the model's profile.
+        budget_bytes: the most saved activation bytes the step may hold at once.
+        copy_model: the copy engine's calibrated costs.
+        policy: ``"delta"``, ``"dtr"`` or ``"msps"``.
+        prefetch_depth: storages the prefetcher reads ahead.
+        min_bytes: the prefetcher's smallest swapped storage (recorded in the plan).
+
+    Raises:
+        ValueError: an unknown policy or a negative budget.
+    """
     if policy not in POLICIES:
         raise ValueError(f"plan: policy must be one of {POLICIES}, got {policy!r}")
     if budget_bytes is None or budget_bytes < 0:
@@ -424,10 +458,19 @@ def plan_from_profile(prof, budget_bytes, copy_model, policy="delta", prefetch_d
                 copy_model.kind, prof, copy_model.to_dict(), notes)
 
 
-def plan(model, example_batch, budget_bytes, policy="delta", segments=None, loss_fn=None, min_bytes=1 << 20,
-         prefetch_depth=2, copy_model=None, path=None):
-    """Profiles one step of `model` on `example_batch` and returns a Plan (keep/swap/recompute per segment)
-    whose predicted peak of saved activation bytes is at most `budget_bytes` (see `Plan.fits`)."""
+def plan(model: torch.nn.Module, example_batch: torch.Tensor | tuple, budget_bytes: int, policy: str = "delta",
+         segments: list[str] | None = None, loss_fn: Callable[[object], torch.Tensor] | None = None,
+         min_bytes: int = 1 << 20, prefetch_depth: int = 2, copy_model: CopyModel | None = None,
+         path: str | None = None) -> Plan:
+    """Profiles one step of ``model`` on ``example_batch`` and returns a Plan (keep/swap/recompute per segment)
+    whose predicted peak of saved activation bytes is at most ``budget_bytes`` (see ``Plan.fits``).
+
+    Args:
+        model, example_batch, segments, loss_fn, min_bytes: as for :func:`profile`.
+        budget_bytes, policy, prefetch_depth: as for :func:`plan_from_profile`.
+        copy_model: the copy engine's costs (default: :func:`calibrate` of the store the batch's device needs).
+        path: the file store's directory (default: the temp directory).
+    """
     if policy not in POLICIES:
         raise ValueError(f"plan: policy must be one of {POLICIES}, got {policy!r}")
     prof = profile(model, example_batch, segments, loss_fn, min_bytes)
@@ -441,9 +484,16 @@ def plan(model, example_batch, budget_bytes, policy="delta", segments=None, loss
 # ---- installing a plan ----
 
 class AppliedPlan:
-    """An installed plan: the wrapped segments and the prefetcher their swapped tensors go through."""
+    """An installed plan: the wrapped segments and the prefetcher their swapped tensors go through (made by
+    :func:`apply`; a context manager that removes the plan on exit).
 
-    def __init__(self, model, plan, prefetcher):
+    Args:
+        model: the model the plan is installed on.
+        plan: the plan.
+        prefetcher: the SwapPrefetcher of the swapped segments, or None when nothing is swapped.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, prefetcher: SwapPrefetcher | None):
         self.model, self.plan, self.prefetcher = model, plan, prefetcher
         self._wrapped = []
         self._handles = []
@@ -470,7 +520,7 @@ class AppliedPlan:
         for name in names:
             self._handles.append(self.model.get_submodule(name).register_forward_hook(hook))
 
-    def remove(self):
+    def remove(self) -> None:
         """Restores the segments' own forward methods and closes the prefetcher."""
         for module in self._wrapped:
             del module.forward
@@ -481,13 +531,14 @@ class AppliedPlan:
         if self.prefetcher is not None:
             self.prefetcher.close()
 
-    def stats(self):
+    def stats(self) -> dict:
+        """The prefetcher's :meth:`SwapPrefetcher.stats` ({} when nothing is swapped)."""
         return self.prefetcher.stats() if self.prefetcher is not None else {}
 
-    def __enter__(self):
+    def __enter__(self) -> "AppliedPlan":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         self.remove()
         return False
 
@@ -509,9 +560,23 @@ def _swap(forward, prefetcher):
     return wrapped
 
 
-def apply(model, plan, prefetcher=None, path=None):
-    """Installs `plan` on `model`: recomputed segments run under torch.utils.checkpoint (non-reentrant),
-    swapped segments inside one SwapPrefetcher. Returns an AppliedPlan; `.remove()` undoes it."""
+def apply(model: torch.nn.Module, plan: Plan, prefetcher: SwapPrefetcher | None = None,
+          path: str | None = None) -> AppliedPlan:
+    """Installs ``plan`` on ``model``: recomputed segments run under torch.utils.checkpoint (non-reentrant),
+    swapped segments inside one SwapPrefetcher.
+
+    Args:
+        model: the model (its segments' forward methods are wrapped).
+        plan: what to do with each segment.
+        prefetcher: the prefetcher of the swapped segments (default: one made with the plan's settings).
+        path: the file store's directory (default: the temp directory).
+
+    Returns:
+        The AppliedPlan; its ``remove()`` undoes the installation.
+
+    Raises:
+        ValueError: an unknown action, bad segments, or a segment that already has a plan installed.
+    """
     for name, action in plan.actions.items():
         if action not in ACTIONS:
             raise ValueError(f"apply: segment {name!r} has action {action!r}; expected one of {ACTIONS}")
@@ -535,8 +600,17 @@ def apply(model, plan, prefetcher=None, path=None):
     return applied
 
 
-def optimize(model, example_batch, budget_bytes, policy="delta", **kwargs):
-    """plan + apply; raises if no plan's predicted peak fits `budget_bytes`."""
+def optimize(model: torch.nn.Module, example_batch: torch.Tensor | tuple, budget_bytes: int, policy: str = "delta",
+             **kwargs) -> AppliedPlan:
+    """:func:`plan`, then :func:`apply` the plan.
+
+    Args:
+        model, example_batch, budget_bytes, policy: as for :func:`plan`.
+        **kwargs: :func:`plan`'s other arguments (``path`` goes to :func:`apply` too).
+
+    Raises:
+        ValueError: no plan's predicted peak fits ``budget_bytes``.
+    """
     path = kwargs.get("path")
     p = plan(model, example_batch, budget_bytes, policy, **kwargs)
     if not p.fits:

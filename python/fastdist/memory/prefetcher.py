@@ -83,7 +83,7 @@ class _Saved:
             return
 
 
-def is_parameter_or_view(t):
+def is_parameter_or_view(t: torch.Tensor) -> bool:
     """True when ``t`` is a parameter, a leaf that requires grad, or a view of one: saved tensors that are in
     memory for the whole step anyway, so swapping or counting them would save nothing.
 
@@ -103,17 +103,24 @@ class SwapPrefetcher:
         loss.backward()
         print(prefetcher.stats())
 
-    store: "pinned" (CUDA tensors to pinned host memory over side streams), "file" (CPU tensors to a file
-    under `path`, default the temp directory, with background I/O threads), or "auto" (pinned when CUDA
-    is available, else file). Tensors the store cannot take, parameters (and views of them) and storages
-    smaller than `min_bytes` stay where they are. With `max_inflight_bytes`, forward waits whenever more than
-    that many bytes are still being copied out (back-pressure: the copy engine bounds the memory forward can
-    pile up; the wait is `forward_wait_seconds`). The store lives until `close()` (or until an exception
-    leaves the `with` block, or the prefetcher is garbage collected); the next `with` opens a new one.
+    Tensors the store cannot take, parameters (and views of them) and storages smaller than ``min_bytes`` stay
+    where they are. The store lives until ``close()`` (or until an exception leaves the ``with`` block, or the
+    prefetcher is garbage collected); the next ``with`` opens a new one.
+
+    Args:
+        min_bytes: the smallest storage swapped.
+        prefetch_depth: storages read ahead of the one backward unpacks.
+        store: ``"pinned"`` (CUDA tensors to pinned host memory over side streams), ``"file"`` (CPU tensors to a
+            file with background I/O threads), or ``"auto"`` (pinned when CUDA is available, else file).
+        path: the file store's directory (default: the temp directory).
+        io_threads: the file store's I/O threads per direction.
+        max_inflight_bytes: with it, forward waits whenever more than this many bytes are still being copied out
+            (back-pressure: the copy engine bounds the memory forward can pile up; the wait is
+            ``forward_wait_seconds``); None: no bound.
     """
 
-    def __init__(self, min_bytes=1 << 20, prefetch_depth=2, store="auto", path=None, io_threads=1,
-                 max_inflight_bytes=None):
+    def __init__(self, min_bytes: int = 1 << 20, prefetch_depth: int = 2, store: str = "auto", path: str | None = None,
+                 io_threads: int = 1, max_inflight_bytes: int | None = None):
         if store not in ("auto", "pinned", "file"):
             raise ValueError(f"SwapPrefetcher: store must be 'auto', 'pinned' or 'file', got {store!r}")
         if store == "pinned" and not torch.cuda.is_available():
@@ -150,7 +157,7 @@ class SwapPrefetcher:
 
     # ---- context manager ----
 
-    def __enter__(self):
+    def __enter__(self) -> "SwapPrefetcher":
         with self._lock:
             if self._store is None:
                 self._open()
@@ -159,7 +166,7 @@ class SwapPrefetcher:
         self._hooks.append(hooks)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         self._hooks.pop().__exit__(exc_type, exc, tb)
         if exc_type is not None and not self._hooks:
             self.close()
@@ -172,7 +179,7 @@ class SwapPrefetcher:
             self._store = PinnedStore()
         self._finalizer = weakref.finalize(self, self._store.close)
 
-    def close(self):
+    def close(self) -> None:
         """Waits for copies in flight, frees every swapped copy and closes the store (its file, its threads)."""
         with self._lock:
             store, self._store = self._store, None
@@ -196,10 +203,11 @@ class SwapPrefetcher:
             self._finalizer.detach()
 
     @property
-    def store(self):
+    def store(self) -> FileStore | PinnedStore | None:
+        """The open store (None between a close and the next ``with``)."""
         return self._store
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Blocks until every copy in flight has landed (and the memory of written storages is freed)."""
         with self._lock:
             writes, self._file_writing = self._file_writing, []
@@ -223,14 +231,19 @@ class SwapPrefetcher:
         self._next_seq += 1
         return self._next_seq - 1
 
-    def mark(self):
+    def mark(self) -> int:
         """A position in pack order: everything packed so far is before it."""
         return self._next_seq
 
-    def prefetch_on_grad(self, tensor, upto=None):
-        """When backward computes `tensor`'s gradient, start reading the `prefetch_depth` most recently packed
-        storages packed before `upto` (a `mark()`, default now). Unpacks alone cannot prefetch the first
-        storage backward needs after a stretch of unswapped work; a hook on a later activation can."""
+    def prefetch_on_grad(self, tensor: torch.Tensor, upto: int | None = None) -> None:
+        """When backward computes ``tensor``'s gradient, start reading the ``prefetch_depth`` most recently packed
+        storages packed before ``upto``. Unpacks alone cannot prefetch the first storage backward needs after a
+        stretch of unswapped work; a hook on a later activation can.
+
+        Args:
+            tensor: an activation computed after the swapped ones (nothing happens unless it requires grad).
+            upto: a :meth:`mark` (default: now).
+        """
         if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or self.prefetch_depth == 0:
             return
         upto = self.mark() if upto is None else upto
@@ -262,16 +275,17 @@ class SwapPrefetcher:
 
     # ---- statistics ----
 
-    def reset_stats(self):
+    def reset_stats(self) -> None:
+        """Zeroes what :meth:`stats` counts."""
         self._stats = dict(bytes_swapped=0, bytes_read=0, bytes_kept=0, tensors_swapped=0, views_deduplicated=0,
                            write_seconds=0.0, read_seconds=0.0, exposed_wait_seconds=0.0, forward_wait_seconds=0.0,
                            peak_resident_bytes=0,
                            peak_store_bytes=0)
 
-    def stats(self):
-        """bytes swapped/read/kept, peak bytes of swappable storages held in memory, copy and exposed wait time.
+    def stats(self) -> dict:
+        """Bytes swapped/read/kept, peak bytes of swappable storages held in memory, copy and exposed wait time.
 
-        Copies still in flight are not waited for (call `synchronize()` first for a settled picture)."""
+        Copies still in flight are not waited for (call ``synchronize()`` first for a settled picture)."""
         with self._lock:
             self._reap_dead()
             self._account(block=True)

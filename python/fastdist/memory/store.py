@@ -9,6 +9,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -84,12 +85,16 @@ class FileStore:
     process; `close()` closes the descriptor and stops the threads. Writes and reads have separate threads so
     that a backward-pass prefetch never queues behind the forward pass's last writes. The copy lands in the
     kernel's page cache, which the OS may write back to disk under pressure: the process's own memory drops.
+
+    Args:
+        path: the directory of the file (default: the temp directory).
+        io_threads: I/O threads per direction.
     """
 
     kind = "file"
     device = torch.device("cpu")
 
-    def __init__(self, path=None, io_threads=1):
+    def __init__(self, path: str | None = None, io_threads: int = 1):
         directory = path if path is not None else tempfile.gettempdir()
         os.makedirs(directory, exist_ok=True)
         fd, self.filename = tempfile.mkstemp(prefix="fastdist-swap-", suffix=".bin", dir=directory)
@@ -101,15 +106,26 @@ class FileStore:
         self._reader = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fastdist-swap-read")
         self.closed = False
 
-    def accepts(self, tensor):
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether the store can take ``tensor``'s storage: CPU tensors."""
         return tensor.device.type == "cpu"
 
-    def file_bytes(self):
+    def file_bytes(self) -> int:
+        """The file's size: the most bytes it has held at once, rounded to pages."""
         with self._lock:
             return self._extents.size
 
-    def write(self, storage, on_done):
-        """Starts copying `storage` out; returns (slot, Copy). `on_done(copy)` runs on the I/O thread."""
+    def write(self, storage: torch.UntypedStorage,
+              on_done: Callable[[_FutureCopy], None]) -> tuple[tuple[int, int], _FutureCopy]:
+        """Starts copying ``storage`` out.
+
+        Args:
+            storage: the CPU storage; it must stay alive until the copy has landed.
+            on_done: called with the copy on the I/O thread once it has landed.
+
+        Returns:
+            (slot, copy): where the bytes go, and the copy in flight.
+        """
         nbytes = storage.nbytes()
         with self._lock:
             offset = self._extents.alloc(nbytes)
@@ -127,8 +143,8 @@ class FileStore:
         copy.future = self._writer.submit(work)
         return (offset, nbytes), copy
 
-    def read(self, slot):
-        """Starts copying `slot` back into a new CPU storage; returns (storage, Copy)."""
+    def read(self, slot: tuple[int, int]) -> tuple[torch.UntypedStorage, _FutureCopy]:
+        """Starts copying ``slot`` back into a new CPU storage; returns (the storage, the copy in flight)."""
         offset, nbytes = slot
         storage = torch.UntypedStorage(nbytes)
         dst = _byte_view(storage).numpy()
@@ -147,12 +163,14 @@ class FileStore:
         copy.future = self._reader.submit(work)
         return storage, copy
 
-    def free(self, slot):
+    def free(self, slot: tuple[int, int]) -> None:
+        """Gives ``slot``'s bytes of the file back for later writes."""
         with self._lock:
             if not self.closed:
                 self._extents.free(*slot)
 
-    def close(self):
+    def close(self) -> None:
+        """Stops the I/O threads and closes the file (which disappears with its descriptor). Idempotent."""
         if self.closed:
             return
         # A garbage-collection finalizer may run on one of the I/O threads themselves: never join oneself.
@@ -211,11 +229,14 @@ class PinnedStore:
     may hand its block out again only after that, so no `record_stream` is needed. Reads allocate their
     destination on the compute stream (the stream that will use it) and the H2D stream first waits for
     the compute stream, so the block is not written while earlier compute work may still touch it.
+
+    Args:
+        device: the CUDA device index (default: the current device).
     """
 
     kind = "pinned"
 
-    def __init__(self, device=None):
+    def __init__(self, device: int | None = None):
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
@@ -224,7 +245,8 @@ class PinnedStore:
         self.pinned_bytes = 0
         self.closed = False
 
-    def accepts(self, tensor):
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether the store can take ``tensor``'s storage: tensors on its device."""
         return tensor.device == self.device
 
     @staticmethod
@@ -240,7 +262,10 @@ class PinnedStore:
             self.pinned_bytes += size
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
-    def write(self, storage, on_done=None):
+    def write(self, storage: torch.UntypedStorage,
+              on_done: None = None) -> tuple[tuple[torch.Tensor, int], _EventCopy]:
+        """Starts copying ``storage`` to a pinned host buffer on the D2H stream; returns (slot, copy). The copy's
+        events say when it has landed (``on_done`` is the file store's; unused here)."""
         nbytes = storage.nbytes()
         host = self._host_buffer(nbytes)
         src = _byte_view(storage)
@@ -252,7 +277,8 @@ class PinnedStore:
             copy.end.record(self._d2h)
         return (host, nbytes), copy
 
-    def read(self, slot):
+    def read(self, slot: tuple[torch.Tensor, int]) -> tuple[torch.UntypedStorage, _EventCopy]:
+        """Starts copying ``slot`` back into a new device storage on the H2D stream; returns (storage, copy)."""
         host, nbytes = slot
         compute = torch.cuda.current_stream(self.device)
         storage = torch.UntypedStorage(nbytes, device=self.device)  # allocated on the compute stream
@@ -265,7 +291,7 @@ class PinnedStore:
             copy.end.record(self._h2d)
         return storage, copy
 
-    def free(self, slot, pending=None):
+    def free(self, slot: tuple[torch.Tensor, int], pending: _EventCopy | None = None) -> None:
         """Returns the host buffer to the pool once no copy still reads or writes it."""
         host, _ = slot
         if pending is not None:
@@ -273,7 +299,8 @@ class PinnedStore:
         with self._lock:
             self._pool.setdefault(host.numel(), []).append(host)
 
-    def close(self):
+    def close(self) -> None:
+        """Drops the pooled pinned buffers."""
         with self._lock:
             self._pool.clear()
             self.closed = True
