@@ -1,4 +1,5 @@
 """fastdist-bench collectives: every result is checked, the numbers are real, the outputs are complete."""
+import argparse
 import json
 import subprocess
 import sys
@@ -11,17 +12,23 @@ from fastdist.bench import collectives
 from fastdist.distributed import spawn
 
 
-def test_size_parsing_accepts_binary_suffixes_and_rejects_a_bad_sweep():
-    assert collectives.parse_size("64M") == 64 << 20
-    assert collectives.parse_size("1KiB") == 1024
-    assert collectives.parse_size("4096") == 4096
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    collectives.add_arguments(p)
+    return p.parse_args(list(argv))
 
-    class Args:
-        min_size, max_size, factor = "1K", "64K", 4
-    assert collectives.sizes_from(Args) == [1024, 4096, 16384, 65536]
-    Args.min_size = "128K"
+
+def test_the_size_sweep_reads_binary_suffixes_and_rejects_a_bad_sweep():
+    assert collectives.sizes_from(_args("--min-size", "1KiB", "--max-size", "64K")) == [1024, 4096, 16384, 65536]
+    assert _args().max_size == 64 << 20 and _args("--min-size", "4096").min_size == 4096
     with pytest.raises(ValueError, match="bad size sweep"):
-        collectives.sizes_from(Args)
+        collectives.sizes_from(_args("--min-size", "128K", "--max-size", "64K"))
+
+
+def test_unknown_collectives_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        _args("--ops", "all_reduce,allreduce")
+    assert "unknown item 'allreduce'" in capsys.readouterr().err
 
 
 def _cases_pass_and_corruption_is_counted(dtype_name):

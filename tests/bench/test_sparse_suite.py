@@ -1,4 +1,5 @@
 """fastdist-bench sparse: every method and density in one run, lossless exact, lossy not, columns consistent."""
+import argparse
 import json
 import subprocess
 import sys
@@ -8,23 +9,30 @@ import pytest
 from fastdist.bench import cli, sparse
 
 
-def test_shape_and_density_parsing_and_bad_values():
-    assert sparse.parse_shape("32768x1024") == (32768, 1024)
-    assert sparse.parse_densities("0.5,2,10") == [0.005, 0.02, 0.1]
-    for bad in ("32768", "0x4", "ax2"):
-        with pytest.raises(ValueError, match="shape"):
-            sparse.parse_shape(bad)
-    for bad in ("0", "150", ""):
-        with pytest.raises(ValueError, match="densities"):
-            sparse.parse_densities(bad)
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    sparse.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_shape_and_densities_are_parsed_and_bad_values_are_usage_errors(capsys):
+    config = sparse._config_from(_args("--shape", "32768x1024", "--densities", "0.5,2,10"))
+    assert (config["rows"], config["dim"], config["densities"]) == (32768, 1024, [0.005, 0.02, 0.1])
+    for flag, bad, why in [("--shape", "32768", "2 dimensions"), ("--shape", "0x4", ">= 1"),
+                           ("--shape", "ax2", "positive integers"), ("--densities", "0", "not in (0, 100]"),
+                           ("--densities", "150", "not in (0, 100]"), ("--densities", "", "at least one"),
+                           ("--methods", "dense,sketchy", "unknown item 'sketchy'")]:
+        with pytest.raises(SystemExit):
+            _args(flag, bad)
+        assert why in capsys.readouterr().err
 
 
 def test_the_suite_is_registered_with_a_small_tour_entry():
     assert cli.SUITES["sparse"] == "fastdist.bench.sparse"
     argv = cli.TOUR["sparse"]
     assert argv[argv.index("--ranks") + 1] == "2" and argv[argv.index("--densities") + 1] == "2"
-    rows, dim = sparse.parse_shape(argv[argv.index("--shape") + 1])
-    assert rows * dim * 4 <= 16 << 20
+    config = sparse._config_from(_args(*argv))
+    assert config["rows"] * config["dim"] * 4 <= 16 << 20
 
 
 def test_cli_run_has_every_method_and_density_exact_lossless_lossy_sketches_and_consistent_speedups(tmp_path):

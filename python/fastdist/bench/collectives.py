@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_max, all_sum, progress, together
+from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, parse_size, progress, rank_device,
+                                     together)
 from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
@@ -25,21 +26,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32}
 
 
-def parse_size(text):
-    """'64M' -> 67108864; accepts K/M/G suffixes (binary) and plain byte counts."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if text and text[-1] in scale:
-        return int(float(text[:-1]) * scale[text[-1]])
-    return int(text)
-
-
 def add_arguments(p):
     add_launch_arguments(p, timeout=1800.0)
-    p.add_argument("--min-size", default="1K", help="smallest per-rank buffer (default 1K)")
-    p.add_argument("--max-size", default="64M", help="largest per-rank buffer (default 64M)")
-    p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
-    p.add_argument("--ops", default=",".join(COLLECTIVES), help="comma-separated subset of " + ",".join(COLLECTIVES))
+    p.add_argument("--min-size", type=parse_size, default="1K", help="smallest per-rank buffer (default 1K)")
+    p.add_argument("--max-size", type=parse_size, default="64M", help="largest per-rank buffer (default 64M)")
+    p.add_argument("--factor", type=at_least(2), default=4, help="size step factor (default 4)")
+    p.add_argument("--ops", type=comma_list(choices=COLLECTIVES), default=COLLECTIVES,
+                   help="comma-separated subset of " + ",".join(COLLECTIVES))
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--iters", type=int, default=5, help="minimum timed repetitions per size (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size (default 2)")
@@ -48,8 +41,9 @@ def add_arguments(p):
 
 
 def sizes_from(args):
-    lo, hi = parse_size(args.min_size), parse_size(args.max_size)
-    if lo <= 0 or hi < lo or args.factor < 2:
+    """The per-rank buffer sizes of the sweep: --min-size, times --factor, up to --max-size."""
+    lo, hi = args.min_size, args.max_size
+    if lo <= 0 or hi < lo:
         raise ValueError(f"bad size sweep: min {lo}, max {hi}, factor {args.factor}")
     sizes = []
     while lo <= hi:
@@ -148,8 +142,7 @@ def _timed_iterations(case, count, device):
 def bench_rank(config):
     """Runs the sweep on this rank; returns the rows on rank 0 (None elsewhere). A collective."""
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = rank_device()
     dtype = DTYPES[config["dtype"]]
     plan = [(op, size) for op in config["ops"] for size in config["sizes"]]
     bar = progress(len(plan), "collectives", enabled=rank == 0)
@@ -184,19 +177,13 @@ def bench_rank(config):
 
 def run(args):
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = sorted(set(ops) - set(COLLECTIVES))
-    if unknown:
-        raise SystemExit(f"fastdist-bench collectives: unknown collective(s) {unknown}; choose from {COLLECTIVES}")
-    config = {"ops": ops, "sizes": sizes_from(args), "dtype": args.dtype, "iters": args.iters,
+    config = {"ops": args.ops, "sizes": sizes_from(args), "dtype": args.dtype, "iters": args.iters,
               "warmup": args.warmup, "min_time": args.min_time, "max_iters": 200}
     launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
     if launch.result is None:
         return None
     rows = launch.result
-    env = report.environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
-                             ranks=launch.world, network=launch.network)
-    print(report.format_environment(env))
+    env = report.launch_environment(launch)
     print(format_rows(rows))
     wrong = sum(r["wrong"] for r in rows)
     print(f"# checked every result of every iteration: {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
@@ -213,11 +200,7 @@ def format_rows(rows):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    _, fig, ax = report.subplots(figsize=(8, 5))
     for op in result["config"]["ops"]:
         rows = [r for r in result["rows"] if r["collective"] == op]
         ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o", label=op)
@@ -231,6 +214,4 @@ def plot(result, path):
     ax.set_title(f"fastdist-bench collectives: {env['ranks']} ranks, {env['backend']}\n{env['network']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)

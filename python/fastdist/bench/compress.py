@@ -33,7 +33,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_sum, progress, together
+from fastdist.bench.toolkit import all_sum, at_least, comma_list, interleave, progress, together
 
 METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
 
@@ -41,40 +41,32 @@ METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
 def add_arguments(p):
     add_launch_arguments(p, timeout=1800.0)
     p.set_defaults(net="1gbit")
-    p.add_argument("--batch", type=int, default=8, help="samples per step (default 8)")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per sample (default 4096)")
-    p.add_argument("--hidden", type=int, default=16, help="hidden size (default 16); activation = batch x seq x "
-                                                          "hidden float32 per boundary")
-    p.add_argument("--expand", type=int, default=1, help="MLP expansion factor of each stage (default 1)")
-    p.add_argument("--width", type=int, default=None, help="shorthand: seq = width / hidden (values per sample)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per method, >= 5 for a claim (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default 2)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--batch", type=at_least(1), default=8, help="samples per step (default 8)")
+    p.add_argument("--seq", type=at_least(1), default=4096, help="tokens per sample (default 4096)")
+    p.add_argument("--hidden", type=at_least(1), default=16,
+                   help="hidden size (default 16); activation = batch x seq x hidden float32 per boundary")
+    p.add_argument("--expand", type=at_least(1), default=1, help="MLP expansion factor of each stage (default 1)")
+    p.add_argument("--width", type=at_least(1), default=None, help="shorthand: seq = width / hidden (values per sample)")
+    p.add_argument("--steps", type=at_least(1), default=5, help="timed steps per method, >= 5 for a claim (default 5)")
+    p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps per method first (default 2)")
+    p.add_argument("--methods", type=comma_list(choices=METHODS), default=METHODS,
+                   help="comma-separated subset of " + ",".join(METHODS))
 
 
 def _config_from(args):
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown or not methods:
-        raise SystemExit(f"fastdist-bench compress: unknown method(s) {unknown}; choose from {METHODS}")
-    seq = args.seq
+    methods, seq = args.methods, args.seq
     if args.width is not None:
         if args.width % args.hidden:
             raise SystemExit(f"fastdist-bench compress: --width {args.width} must be a multiple of --hidden "
                              f"{args.hidden}")
         seq = args.width // args.hidden
-    if min(args.batch, seq, args.hidden, args.steps) < 1 or args.warmup < 1:
-        raise SystemExit("fastdist-bench compress: --batch, --seq, --hidden, --steps and --warmup must be >= 1")
     if "aqsgd4" in methods and args.warmup < 2:
         raise SystemExit("fastdist-bench compress: aqsgd4 needs --warmup >= 2 (the two alternating batches' first "
                          "visits are sent in full and must not be timed)")
     if args.ranks < 2:
         raise SystemExit("fastdist-bench compress: a pipeline needs --ranks >= 2 (one stage per rank)")
-    if args.expand < 1:
-        raise SystemExit("fastdist-bench compress: --expand must be >= 1")
     return {"methods": methods, "batch": args.batch, "seq": seq, "hidden": args.hidden, "expand": args.expand,
-            "steps": args.steps,
-            "warmup": args.warmup, "measure_tx": False}
+            "steps": args.steps, "warmup": args.warmup, "measure_tx": False}
 
 
 def _compressors(method, samples):
@@ -150,20 +142,18 @@ def bench_rank(config):
     times = {m: [] for m in methods}
     wire = {m: [] for m in methods}
     tx = {m: [] for m in methods}
-    for it in range(config["warmup"] + config["steps"]):
-        shift = it % len(methods)
-        for m in methods[shift:] + methods[:shift]:
-            with together() as watch:
-                tx0 = tx_counter(config["measure_tx"])
-                fwd_bytes, bwd_bytes = pipes[m].step()
-            dist.barrier()  # every rank's sends are done: the counters hold the whole step
-            sent = tx_counter(config["measure_tx"]) - tx0
-            totals = all_sum([fwd_bytes, bwd_bytes, sent])
-            if it >= config["warmup"]:
-                times[m].append(watch.seconds)
-                wire[m].append(totals[:2])
-                tx[m].append(totals[2])
-            bar.step(("warm-up" if it < config["warmup"] else f"step {it - config['warmup'] + 1}") + f" {m}")
+    for it, m, phase in interleave(methods, config["warmup"], config["steps"]):
+        with together() as watch:
+            tx0 = tx_counter(config["measure_tx"])
+            fwd_bytes, bwd_bytes = pipes[m].step()
+        dist.barrier()  # every rank's sends are done: the counters hold the whole step
+        sent = tx_counter(config["measure_tx"]) - tx0
+        totals = all_sum([fwd_bytes, bwd_bytes, sent])
+        if it >= config["warmup"]:
+            times[m].append(watch.seconds)
+            wire[m].append(totals[:2])
+            tx[m].append(totals[2])
+        bar.step(f"{phase} {m}")
     if rank != 0:
         return None
     boundaries = world - 1
@@ -196,8 +186,7 @@ def run(args):
     if launch.result is None:
         return None
     rows = launch.result
-    env = report.environment(backend=launch.backend, device="cpu", ranks=launch.world, network=launch.network)
-    print(report.format_environment(env))
+    env = report.launch_environment(launch)
     print(f"# pipeline     {launch.world} stages (one per rank), activation [{config['batch']}, {config['seq']}, "
           f"{config['hidden']}] float32 = {report.human_bytes(rows[0]['dense_bytes'])} per boundary, MLP expand "
           f"{config['expand']}; median of "
@@ -217,13 +206,9 @@ def format_rows(rows):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows, env = result["rows"], result["env"]
     names = [r["method"] for r in rows]
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    _, fig, (ax_t, ax_b) = report.subplots(1, 2, figsize=(11, 4))
     ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
     for i, r in enumerate(rows):
         if r["speedup"]:
@@ -239,6 +224,4 @@ def plot(result, path):
     c = result["config"]
     fig.suptitle(f"fastdist-bench compress: {env['ranks']}-stage pipeline, activation [{c['batch']}, {c['seq']}, "
                  f"{c['hidden']}], {env['network']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)

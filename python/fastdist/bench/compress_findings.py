@@ -197,12 +197,8 @@ def format_rows(rows):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = result["config"]["tasks"]
-    fig, axes = plt.subplots(len(tasks), 1, figsize=(12, 3.8 * len(tasks)), squeeze=False)
+    _, fig, axes = report.subplots(len(tasks), 1, figsize=(12, 3.8 * len(tasks)), squeeze=False)
     for ax, task in zip(axes[:, 0], tasks):
         rows = [r for r in result["rows"] if r["task"] == task]
         xs = range(len(rows))
@@ -219,6 +215,4 @@ def plot(result, path):
         what = "3-stage CNN on generated shapes" if task == "cnn" else "4-block GPT on the Zipf-Markov corpus"
         ax.set_title(f"{task}: {what}", fontsize=9)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist import netsim
+from fastdist.bench.toolkit import at_least
 from fastdist.distributed import resolve_backend, spawn
 
 
@@ -20,7 +21,7 @@ class Launch:
 
 def add_launch_arguments(p, timeout):
     """The options run_ranks takes, shared by every multi-rank suite."""
-    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
+    p.add_argument("--ranks", type=at_least(1), default=4, help="number of local ranks (default 4)")
     p.add_argument("--net", default="loopback",
                    help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root)")
     p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")

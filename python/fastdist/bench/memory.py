@@ -413,13 +413,9 @@ def _targets(rows):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     models = sorted({r["model"] for r in rows}, key=MODELS.index)
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
+    plt, fig, axes = report.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     cmap = plt.get_cmap("tab10")
     names = list(dict.fromkeys(r["config"] for r in rows))
     for ax, model in zip(axes[0], models):
@@ -437,9 +433,7 @@ def plot(result, path):
         ax.legend(fontsize=7)
     env = result["env"]
     fig.suptitle(f"fastdist-bench memory: {env['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

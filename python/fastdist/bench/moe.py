@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, progress, together
+from fastdist.bench.toolkit import all_max, at_least, comma_list, interleave, progress, rank_device, together
 
 METHODS = {
     "static": {"balance": "none", "dropless": False},
@@ -51,35 +51,29 @@ METHODS = {
 def add_arguments(p):
     add_launch_arguments(p, timeout=1800.0)
     p.set_defaults(ranks=2)
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--methods", type=comma_list(choices=list(METHODS)), default=list(METHODS),
+                   help="comma-separated subset of " + ",".join(METHODS))
     p.add_argument("--d-model", type=int, default=256, help="token width (default 256)")
     p.add_argument("--d-ff", type=int, default=1024, help="expert hidden width (default 1024)")
-    p.add_argument("--experts-per-rank", type=int, default=4, help="experts owned by each rank (default 4)")
+    p.add_argument("--experts-per-rank", type=at_least(1), default=4, help="experts owned by each rank (default 4)")
     p.add_argument("--k", type=int, default=2, help="experts per token (default 2)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step (default 1024)")
+    p.add_argument("--tokens", type=at_least(0), default=1024, help="tokens per rank per step (default 1024)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="for the static method (default 1.25)")
     p.add_argument("--max-replicas", type=int, default=2, help="replicas one rank may hold (default 2)")
     p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of expert popularity (default 1.2)")
-    p.add_argument("--drift-every", type=int, default=4, help="steps between popularity swaps (default 4)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per method, >= 5 for a claim (default 8)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default 2)")
-    p.add_argument("--project", default="8,16,32,64", help="rank counts for the cost-model projection")
+    p.add_argument("--drift-every", type=at_least(1), default=4, help="steps between popularity swaps (default 4)")
+    p.add_argument("--steps", type=at_least(1), default=8, help="timed steps per method, >= 5 for a claim (default 8)")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per method first (default 2)")
+    p.add_argument("--project", type=comma_list(at_least(1)), default="8,16,32,64", help="rank counts for the cost-model projection")
     p.add_argument("--seed", type=int, default=0)
 
 
 def _config_from(args):
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown or not methods:
-        raise SystemExit(f"fastdist-bench moe: unknown method(s) {unknown}; choose from {list(METHODS)}")
-    if args.steps < 1 or args.warmup < 0 or args.tokens < 0 or args.experts_per_rank < 1 or args.drift_every < 1:
-        raise SystemExit("fastdist-bench moe: needs --steps >= 1, --warmup >= 0, --tokens >= 0, "
-                         "--experts-per-rank >= 1, --drift-every >= 1")
-    return {"methods": methods, "d_model": args.d_model, "d_ff": args.d_ff, "experts_per_rank": args.experts_per_rank,
+    return {"methods": args.methods, "d_model": args.d_model, "d_ff": args.d_ff, "experts_per_rank": args.experts_per_rank,
             "k": args.k, "tokens": args.tokens, "capacity_factor": args.capacity_factor,
             "max_replicas": args.max_replicas, "zipf": args.zipf, "drift_every": args.drift_every,
             "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
-            "project": [int(v) for v in args.project.split(",") if v.strip()]}
+            "project": args.project}
 
 
 # ---- the routing every method sees ----
@@ -145,8 +139,7 @@ def bench_rank(config):
     from fastdist.moe import calibrate
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = rank_device()
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if device.type == "cpu" and local_world <= len(os.sched_getaffinity(0)):
         pin_to_core(local_rank)  # a core per rank; with more ranks than cores they share them (and the model knows)
@@ -155,21 +148,15 @@ def bench_rank(config):
     layers = _build_layers(config, world, cost, device)
     num_experts = config["experts_per_rank"] * world
     samples = {name: [] for name in config["methods"]}
-    steps = config["warmup"] + config["steps"]
-    bar = progress(steps * len(config["methods"]), "moe", enabled=rank == 0)
-    for step in range(steps):
-        col = gate_column(num_experts, step, config).to(device)
-        x = tokens_for(step, rank, config, device)
-        methods = config["methods"]
-        shift = step % len(methods)
-        for name in methods[shift:] + methods[:shift]:  # rotate who runs first
-            layer = layers[name]
-            with torch.no_grad():
-                layer.gate.weight[:, 0] = col
-            seconds = _time_step(layer, x, device)
-            if step >= config["warmup"]:
-                samples[name].append({"seconds": seconds, **layer.stats()})
-            bar.step(name)
+    bar = progress((config["warmup"] + config["steps"]) * len(config["methods"]), "moe", enabled=rank == 0)
+    for step, name, phase in interleave(config["methods"], config["warmup"], config["steps"]):
+        layer = layers[name]
+        with torch.no_grad():  # every method routes this step's tokens with this step's popularity
+            layer.gate.weight[:, 0] = gate_column(num_experts, step, config).to(device)
+        seconds = _time_step(layer, tokens_for(step, rank, config, device), device)
+        if step >= config["warmup"]:
+            samples[name].append({"seconds": seconds, **layer.stats()})
+        bar.step(f"{phase} {name}")
     if rank != 0:
         return None
     return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts}
@@ -240,9 +227,7 @@ def run(args):
     base = next((r for r in rows if r["method"] == "dropless"), None)
     for r in rows:
         r["speedup_vs_dropless"] = base["time_ms"] / r["time_ms"] if base else None
-    env = report.environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
-                             ranks=launch.world, network=launch.network)
-    print(report.format_environment(env))
+    env = report.launch_environment(launch)
     print(f"# layer        d_model {config['d_model']}, d_ff {config['d_ff']}, {launch.result['num_experts']} experts "
           f"({config['experts_per_rank']}/rank), top-{config['k']}, {config['tokens']} tokens/rank, Zipf "
           f"{config['zipf']} drifting every {config['drift_every']} steps; median of {config['steps']} steps after "
@@ -276,12 +261,8 @@ def run(args):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows, env = result["rows"], result["env"]
-    fig, (ax_t, ax_b, ax_p) = plt.subplots(1, 3, figsize=(15, 4.5))
+    _, fig, (ax_t, ax_b, ax_p) = report.subplots(1, 3, figsize=(15, 4.5))
     names = [r["method"] for r in rows]
     ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
     ax_t.set_ylabel("layer fwd+bwd (ms, median)")
@@ -302,6 +283,4 @@ def plot(result, path):
         ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']}",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=110)

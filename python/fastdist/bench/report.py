@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 import fastdist
-from fastdist.bench.toolkit import progress
 
 
 @contextlib.contextmanager
@@ -46,6 +45,15 @@ def environment(*, backend, device, ranks, network):
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
     }
+
+
+def launch_environment(launch: Any) -> dict:
+    """The environment of a multi-rank run (a `fastdist.bench.launch.Launch`), printed as the header and returned
+    for the JSON."""
+    env = environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
+                      ranks=launch.world, network=launch.network)
+    print(format_environment(env))
+    return env
 
 
 def format_environment(env):
@@ -121,7 +129,23 @@ def human_bytes(n):
     return f"{n}B"
 
 
-Progress = progress  # the name the kernels suite still uses
+def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+    """(pyplot, figure, axes) from `plt.subplots(*args, **kwargs)` on matplotlib's file-only Agg backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*args, **kwargs)
+    return plt, fig, axes
+
+
+def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
+    """Lays out `fig`, writes it to `path` as PNG and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def write_json(path, payload):

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_max, progress, together
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, rank_device, shape_type,
+                                     together, up_to)
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 EXTRA_METHODS = ["bf16"]
@@ -48,43 +49,20 @@ SKETCH_METHODS = {"omnireduce", "sketch", "auto"}
 LOSSLESS = {"dense", "agsparse", "omnireduce"}
 
 
-def parse_shape(text):
-    """'32768x1024' -> (32768, 1024)."""
-    parts = text.lower().replace("*", "x").split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"--shape must look like ROWSxDIM, e.g. 32768x1024; got {text!r}")
-    rows, dim = (int(p) for p in parts)
-    if rows < 1 or dim < 1:
-        raise ValueError(f"--shape: both sizes must be >= 1, got {text!r}")
-    return rows, dim
-
-
-def parse_densities(text):
-    """'0.5,2,10' (percent) -> [0.005, 0.02, 0.1]."""
-    out = []
-    for p in text.split(","):
-        if p.strip():
-            d = float(p.strip().rstrip("%")) / 100
-            if not (0 < d <= 1):
-                raise ValueError(f"--densities are percentages in (0, 100], got {p!r}")
-            out.append(d)
-    if not out:
-        raise ValueError("--densities: give at least one density")
-    return out
-
-
 def add_arguments(p):
     add_launch_arguments(p, timeout=3600.0)
-    p.add_argument("--shape", default="32768x1024", help="gradient rows x dim, float32 (default 32768x1024 = 128 MiB)")
-    p.add_argument("--densities", default="0.5,2,10", help="row densities per rank in percent (default 0.5,2,10)")
-    p.add_argument("--methods", default=",".join(METHODS),
+    p.add_argument("--shape", type=shape_type(2), default="32768x1024",
+                   help="gradient rows x dim, float32 (default 32768x1024 = 128 MiB)")
+    p.add_argument("--densities", type=comma_list(up_to(100)), default="0.5,2,10",
+                   help="row densities per rank in percent (default 0.5,2,10)")
+    p.add_argument("--methods", type=comma_list(choices=METHODS + EXTRA_METHODS), default=METHODS,
                    help="comma-separated subset of " + ",".join(METHODS + EXTRA_METHODS))
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per method, >= 5 for a claim (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions of every method first (default 1)")
-    p.add_argument("--sketch-size", type=float, default=0.5,
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions per method, >= 5 for a claim")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed repetitions of every method first")
+    p.add_argument("--sketch-size", type=up_to(math.inf), default=0.5,
                    help="sketch table values (rows x cols) as a multiple of the union's non-zero values (default 0.5)")
     p.add_argument("--sketch-rows", type=int, default=3, help="sketch rows r (default 3)")
-    p.add_argument("--topk-ratio", type=float, default=None,
+    p.add_argument("--topk-ratio", type=up_to(1.0), default=None,
                    help="topk keeps this fraction of each rank's elements (default: k whose all-gather "
                         "sends what the sketch's table all-reduce sends)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank (default 4)")
@@ -93,22 +71,8 @@ def add_arguments(p):
 
 
 def _config_from(args):
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS + EXTRA_METHODS))
-    if unknown or not methods:
-        raise SystemExit(f"fastdist-bench sparse: unknown method(s) {unknown}; choose from {METHODS + EXTRA_METHODS}")
-    if args.reps < 1 or args.warmup < 0:
-        raise SystemExit("fastdist-bench sparse: --reps must be >= 1 and --warmup >= 0")
-    if not (0 < args.sketch_size):
-        raise SystemExit("fastdist-bench sparse: --sketch-size must be positive")
-    if args.topk_ratio is not None and not (0 < args.topk_ratio <= 1):
-        raise SystemExit("fastdist-bench sparse: --topk-ratio must be in (0, 1]")
-    try:
-        rows, dim = parse_shape(args.shape)
-        densities = parse_densities(args.densities)
-    except ValueError as e:
-        raise SystemExit(f"fastdist-bench sparse: {e}") from None
-    return {"methods": methods, "rows": rows, "dim": dim, "densities": densities, "reps": args.reps,
+    (rows, dim), densities = args.shape, [d / 100 for d in args.densities]
+    return {"methods": args.methods, "rows": rows, "dim": dim, "densities": densities, "reps": args.reps,
             "warmup": args.warmup, "sketch_size": args.sketch_size, "sketch_rows": args.sketch_rows,
             "topk_ratio": args.topk_ratio, "powersgd_rank": args.powersgd_rank, "zipf": args.zipf,
             "seed": args.seed, "measure_tx": False}
@@ -220,18 +184,15 @@ def _bench_density(config, density, world, rank, device, bar):
     wire = {m: [] for m in methods}
     errors = {m: [] for m in methods}
     chose = {m: [] for m in methods}
-    for it in range(config["warmup"] + config["reps"]):
-        shift = it % len(methods)
-        for name in methods[shift:] + methods[:shift]:
-            dt, sent, wire_bytes, ran = _timed_call(g, name, config, device)
-            if it >= config["warmup"]:
-                samples[name].append(dt)
-                tx[name].append(sent)
-                wire[name].append(wire_bytes)
-                errors[name].append(g.error(g.work))
-                chose[name].append(ran)
-            phase = "warm-up" if it < config["warmup"] else f"rep {it - config['warmup'] + 1}"
-            bar.step(f"{density * 100:g}% {phase} {name}")
+    for it, name, phase in interleave(methods, config["warmup"], config["reps"]):
+        dt, sent, wire_bytes, ran = _timed_call(g, name, config, device)
+        if it >= config["warmup"]:
+            samples[name].append(dt)
+            tx[name].append(sent)
+            wire[name].append(wire_bytes)
+            errors[name].append(g.error(g.work))
+            chose[name].append(ran)
+        bar.step(f"{density * 100:g}% {phase} {name}")
     rows = []
     nbytes = g.grad.numel() * g.grad.element_size()
     for name in methods:
@@ -265,8 +226,7 @@ def _bench_density(config, density, world, rank, device, bar):
 def bench_rank(config):
     """Runs every density on this rank; returns (rows, gradients) on rank 0, None elsewhere. A collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = rank_device()
     steps = len(config["densities"]) * (config["warmup"] + config["reps"]) * len(config["methods"])
     bar = progress(steps, "sparse", enabled=rank == 0)
     rows, gradients = [], []
@@ -287,9 +247,7 @@ def run(args):
     if launch.result is None:
         return None
     rows, gradients = launch.result
-    env = report.environment(backend=launch.backend, device="cuda" if launch.backend == "nccl" else "cpu",
-                             ranks=launch.world, network=launch.network)
-    print(report.format_environment(env))
+    env = report.launch_environment(launch)
     nbytes = gradients[0]["bytes"]
     print(f"# gradient     {config['rows']} x {config['dim']} float32 ({report.human_bytes(nbytes)}), "
           f"Zipf({config['zipf']}) rows, seed {config['seed']}; sketch {config['sketch_rows']} rows x "
@@ -327,13 +285,9 @@ def format_rows(rows):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows, config, env = result["rows"], result["config"], result["env"]
     methods, densities = config["methods"], config["densities"]
-    fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(13, 5))
+    plt, fig, (ax_t, ax_e) = report.subplots(1, 2, figsize=(13, 5))
     width = 0.8 / len(methods)
     cmap = plt.get_cmap("tab10")
     for i, m in enumerate(methods):
@@ -341,9 +295,8 @@ def plot(result, path):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(densities))]
         ax_t.bar(xs, times, width, label=m, color=cmap(i % 10))
     ax_t.set_xticks(range(len(densities)))
-    ax_t.set_xticklabels([f"{d * 100:g}% rows/rank\n"
-                          f"union {next(g['union_density'] for g in result['gradients'] if g['density'] == d) * 100:.1f}%"
-                          for d in densities])
+    union = {g["density"]: g["union_density"] for g in result["gradients"]}
+    ax_t.set_xticklabels([f"{d * 100:g}% rows/rank\nunion {union[d] * 100:.1f}%" for d in densities])
     ax_t.set_yscale("log")
     lo, hi = min(r["time_ms"] for r in rows), max(r["time_ms"] for r in rows)
     ax_t.set_ylim(lo / 2, hi * 8)  # room above the bars for the legend
@@ -367,6 +320,4 @@ def plot(result, path):
     rows_, dim = config["rows"], config["dim"]
     fig.suptitle(f"fastdist-bench sparse: {rows_} x {dim} float32, {env['ranks']} ranks, {env['backend']}, "
                  f"{env['network']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.models import SparseLM, make_data, step_batch
-from fastdist.bench.toolkit import progress, together
+from fastdist.bench.toolkit import at_least, comma_list, progress, together, up_to
 from fastdist.comm.baselines import ring_allreduce_bytes
 
 BASELINES = ["dense", "fp16", "agsparse", "powersgd"]
@@ -390,23 +390,22 @@ def train_rank(config):
             "tx_bytes": busiest[2, i].tolist() if config["measure_tx"] else None,
             "chosen": chosen[i],
         })
-    return {"calibration": calib, "methods": results, "local_rows": rows_all.tolist(),
-            "backend": dist.get_backend(), "world": world}
+    return {"calibration": calib, "methods": results, "local_rows": rows_all.tolist()}
 
 
 # --- driver ----------------------------------------------------------------------------------------------------
 
 def add_arguments(p):
     add_launch_arguments(p, timeout=7200.0)
-    p.add_argument("--steps", type=int, default=300, help="training steps per method (default 300)")
+    p.add_argument("--steps", type=at_least(1), default=300, help="training steps per method (default 300)")
     p.add_argument("--methods", default="all",
                    help="comma-separated methods or groups (all, baselines, ours, sketch); default all: "
                         + ", ".join(all_methods()))
-    p.add_argument("--sketch-sizes", default=",".join(f"{f:g}" for f in SKETCH_SIZES),
+    p.add_argument("--sketch-sizes", type=comma_list(up_to(10)), default=list(SKETCH_SIZES),
                    help="sketch sizes as multiples of the union's non-zeros (default 0.1,0.2,0.5,1)")
-    p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V (default 32768)")
-    p.add_argument("--dim", type=int, default=64, help="embedding and LSTM width d (default 64)")
-    p.add_argument("--embed-dim", type=int, default=None,
+    p.add_argument("--vocab", type=at_least(2), default=32768, help="vocabulary size V (default 32768)")
+    p.add_argument("--dim", type=at_least(1), default=64, help="embedding and LSTM width d (default 64)")
+    p.add_argument("--embed-dim", type=at_least(1), default=None,
                    help="input embedding width D, if not d: 1024 makes a 128 MiB embedding gradient at V 32768, "
                         "the issue's size, with the compute of the d-wide model (default d)")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
@@ -428,12 +427,8 @@ def add_arguments(p):
 
 
 def make_config(args):
-    sizes = tuple(float(x) for x in args.sketch_sizes.split(",") if x.strip())
-    if any(not 0 < f <= 10 for f in sizes):
-        raise SystemExit(f"fastdist-bench sparse-lm: sketch sizes must be in (0, 10], got {sizes}")
+    sizes = tuple(args.sketch_sizes)
     embed_dim = args.dim if args.embed_dim is None else args.embed_dim
-    if args.steps < 1 or args.ranks < 1 or args.vocab < 2 or args.dim < 1 or embed_dim < 1:
-        raise SystemExit("fastdist-bench sparse-lm: steps, ranks, dim, embed-dim must be >= 1 and vocab >= 2")
     return {
         "methods": parse_methods(args.methods, sizes), "sketch_sizes": sizes, "steps": args.steps,
         "vocab": args.vocab, "dim": args.dim, "embed_dim": embed_dim, "seq": args.seq, "batch": args.batch,
@@ -451,14 +446,13 @@ def run(args):
     config = make_config(args)
     launch = run_ranks(train_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
                        backend="gloo")
-    out, network = launch.result, launch.network
+    out = launch.result
     if out is None:
         return None
-    env = report.environment(backend=out["backend"], device="cpu", ranks=out["world"], network=network)
+    env = report.launch_environment(launch)
     result = {"suite": "sparse-lm", "env": env, "config": config, "calibration": out["calibration"],
               "methods": out["methods"], "local_rows": out["local_rows"]}
     summarize(result)
-    print(report.format_environment(env))
     print(format_setup(result))
     print(format_methods(result))
     print()
@@ -594,13 +588,9 @@ def _times(x):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = result["methods"]
+    plt, fig, (ax1, ax2, ax3) = report.subplots(1, 3, figsize=(18, 5.5))
     colors = {m["method"]: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5.5))
     steps_total = result["config"]["steps"]
     for m in methods:
         steps, losses = zip(*m["curve"])
@@ -638,6 +628,4 @@ def plot(result, path):
     width = f"d={c['dim']}" if embed_dim == c["dim"] else f"D={embed_dim} (input embedding), d={c['dim']}"
     fig.suptitle(f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, {width}, "
                  f"{c['steps']} steps\n{env['network']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)

@@ -9,16 +9,19 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Sequence
 from decimal import Decimal
 from typing import Any, TextIO
 
+import torch
+import torch.distributed as dist
 import tqdm
 
 from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, sync, time_fn, time_ranks, together
 
-__all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "comma_list",
-           "parse_shape", "parse_size", "progress", "shape_type", "sync", "time_fn", "time_ranks", "together"]
+__all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "at_least",
+           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "shape_type", "sync",
+           "time_fn", "time_ranks", "together", "up_to"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")
@@ -85,6 +88,32 @@ def shape_type(ndim: int) -> Callable[[str], tuple[int, ...]]:
 
     shape.__name__ = f"shape{ndim}d"
     return shape
+
+
+def at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    """An argparse `type`: `kind(text)`, which must be >= `low` (e.g. repetitions >= 1)."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {low}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} >= {low}"
+    return parse
+
+
+def up_to(high: float, kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
+    """An argparse `type`: `kind(text)`, which must lie in (0, `high`] (a fraction, a percentage)."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not 0 < value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not in (0, {high}]")
+        return value
+
+    parse.__name__ = f"{kind.__name__} in (0, {high}]"
+    return parse
 
 
 def comma_list(item_type: Callable[[str], Any] = str,
@@ -173,3 +202,22 @@ def progress(total: int, desc: str, *, enabled: bool = True, stream: TextIO | No
     tty = stream.isatty()
     return Bar(total=total, desc=desc, file=stream if tty else _Lines(stream), mininterval=0.1 if tty else interval,
                miniters=1, dynamic_ncols=tty, disable=not enabled)
+
+
+def rank_device() -> torch.device:
+    """This rank's device in the default process group: its current CUDA device under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def interleave(names: Sequence[str], warmup: int, reps: int) -> Iterator[tuple[int, str, str]]:
+    """The order in which a suite runs its methods: every name once per repetition, the order rotated each time
+    (no method always runs first or after the same one), `warmup` untimed repetitions first.
+
+    Yields:
+        (repetition, name, phase): phase is "warm-up" or "rep N" (N from 1), for the progress note.
+    """
+    names = list(names)
+    for it in range(warmup + reps):
+        shift = it % len(names)
+        for name in names[shift:] + names[:shift]:
+            yield it, name, "warm-up" if it < warmup else f"rep {it - warmup + 1}"

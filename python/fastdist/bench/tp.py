@@ -22,6 +22,7 @@ on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the
 Speed-ups are against k = 1 (op) and the Megatron-style block with the same recompute setting. Without root
 (no simulated cluster) it runs on loopback and says so.
 """
+import math
 import random
 import statistics
 import time
@@ -32,36 +33,30 @@ import torch.distributed as dist
 from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.launch import pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, progress, time_fn, together
+from fastdist.bench.toolkit import all_max, at_least, comma_list, progress, shape_type, time_fn, together, up_to
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
 BLOCK_VARIANTS = ["megatron", "chunked", "oases", "megatron+recompute", "chunked+recompute", "oases+recompute"]
 
 
-def _ints(text, n, what):
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise SystemExit(f"fastdist-bench tp: {what} must be {n} positive integers separated by commas, got {text!r}")
-    return [int(p) for p in parts]
-
-
 def add_arguments(p):
-    p.add_argument("--ranks", type=int, default=2, help="tensor-parallel ranks, one core each (default 2)")
+    p.add_argument("--ranks", type=at_least(1), default=2, help="tensor-parallel ranks, one core each (default 2)")
     p.add_argument("--net", default="auto",
                    help="'auto' (rate where all-reduce time = GEMM time, times each --rate-multipliers), "
                         "'loopback', or a rate such as 1gbit")
-    p.add_argument("--rate-multipliers", default="1,10", help="with --net auto: multiples of the balanced rate")
+    p.add_argument("--rate-multipliers", type=comma_list(up_to(math.inf)), default="1,10",
+                   help="with --net auto: multiples of the balanced rate")
     p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is aborted")
-    p.add_argument("--op-shape", default="2048,2048,1024", help="row op M,K,N (full K; default 2048,2048,1024)")
-    p.add_argument("--block", default="768,12,128,8", help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
-    p.add_argument("--reps", type=int, default=15, help="timed repetitions per block variant, >= 5 for a claim")
-    p.add_argument("--op-reps", type=int, default=45,
+    p.add_argument("--op-shape", type=shape_type(3), default="2048,2048,1024", help="row op M,K,N (full K; default 2048,2048,1024)")
+    p.add_argument("--block", type=shape_type(4), default="768,12,128,8", help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
+    p.add_argument("--reps", type=at_least(1), default=15, help="timed repetitions per block variant, >= 5 for a claim")
+    p.add_argument("--op-reps", type=at_least(1), default=45,
                    help="timed repetitions per row-op variant (cheap, and its k = 1 vs auto comparison is a few %%)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions of every variant first")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions of every variant first")
     p.add_argument("--skip-block", action="store_true", help="only the row-parallel op")
-    p.add_argument("--gemm-check", metavar="M,K,N", default=None,
+    p.add_argument("--gemm-check", type=shape_type(3), metavar="M,K,N", default=None,
                    help="only measure what splitting one GEMM into 2, 4, 8 row chunks costs on this process's "
                         "device (CUDA: bf16, events, L2 flushed; CPU: fp32), e.g. 8192,8192,8192")
 
@@ -257,23 +252,17 @@ def chunked_gemm_cost(shape, reps=7, warmup=2, device=None):
 
 def run(args):
     if args.gemm_check:
-        result = chunked_gemm_cost(_ints(args.gemm_check, 3, "--gemm-check"), reps=max(args.reps, 1),
-                                   warmup=args.warmup)
+        result = chunked_gemm_cost(args.gemm_check, reps=args.reps, warmup=args.warmup)
         print(f"# chunked GEMM {result['shape']} {result['dtype']} on {result['device']} (median of {args.reps})")
         print(report.format_table(["chunks", "time(ms)", "vs one GEMM"],
                                   [[r["k"], r["time_ms"], f"{r['overhead_pct']:+.1f}%"] for r in result["rows"]]))
         return {"suite": "tp", "gemm_check": result, "runs": []}
-    op_shape = _ints(args.op_shape, 3, "--op-shape")
-    block = _ints(args.block, 4, "--block")
-    world = args.ranks
+    op_shape, block, world = args.op_shape, args.block, args.ranks
     if op_shape[1] % world or block[1] % world or block[0] % block[1] or block[3] < 2:
         raise SystemExit("fastdist-bench tp: K, heads must divide by --ranks; hidden by heads; block batch >= 2")
-    if args.reps < 1 or args.op_reps < 1 or args.warmup < 0:
-        raise SystemExit("fastdist-bench tp: --reps and --op-reps must be >= 1 and --warmup >= 0")
     parts = ["op"] + ([] if args.skip_block else ["block"])
     plan = []  # (part, label, net)
     if args.net == "auto":
-        multipliers = [float(v) for v in args.rate_multipliers.split(",") if v.strip()]
         op_rate, gemm_s = op_balanced_rate(op_shape, world)
         print(f"# op balanced rate {netsim.format_rate(op_rate)}: the all-reduce of the {op_shape[0]}x{op_shape[2]} "
               f"float32 output takes as long as its GEMM ({gemm_s * 1e3:.2f} ms on one core)")
@@ -284,7 +273,7 @@ def run(args):
                   f"take as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per rank on one core)")
             rates["block"] = block_rate
         for part in parts:
-            for mult in multipliers:
+            for mult in args.rate_multipliers:
                 plan.append((part, f"{mult:g}x balanced", f"{max(int(rates[part] * mult / 1e6), 1)}mbit"))
     else:
         plan = [(part, args.net, args.net) for part in parts]
@@ -341,13 +330,9 @@ def format_block_rows(rows):
 def plot(result, path):
     if not result["runs"]:
         raise SystemExit("fastdist-bench tp: --gemm-check has no plot; use --json")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     op_runs = [r for r in result["runs"] if r["op_rows"]]
     block_runs = [r for r in result["runs"] if r["block_rows"]]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    _, fig, axes = report.subplots(1, 2, figsize=(12, 4.5))
     ax = axes[0]
     runs = op_runs
     width = 0.8 / len(runs)
@@ -378,6 +363,4 @@ def plot(result, path):
     kind = "simulated links" if any(r["link_gbps"] for r in result["runs"]) else "loopback"
     fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
