@@ -26,7 +26,8 @@ __all__ = ["calibrate", "clear_cache"]
 _CACHE = {}
 
 
-def clear_cache():
+def clear_cache() -> None:
+    """Forgets every calibrated model, so that the next :func:`calibrate` measures again."""
     _CACHE.clear()
 
 
@@ -52,7 +53,7 @@ def _machine_id():
         return socket.gethostname()
 
 
-def shared_hosts(group, world):
+def shared_hosts(group: dist.ProcessGroup | None, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(rank_hosts, host_slots) when some machine runs more of the group's ranks than its cores fit at their torch
     thread counts, else ((), ()). Hosts are numbered in order of their first rank; a host's slots are the cores its
     ranks may run on (the union of their affinities) over the most threads one of them uses."""
@@ -100,10 +101,26 @@ def _layer_overhead(x, num_experts, k, reps, sync):
     return _typical_time(step, reps)
 
 
-def calibrate(group=None, d_model=512, d_ff=2048, dtype=torch.float32, device=None, reps=9, tokens=1024,
-              small_rows=1, large_rows=1024, num_experts=None, k=2):
-    """The CostModel for an FFN expert of d_model x d_ff on `group`, measured here (cached per group and shape).
-    With `num_experts`, also the layer's own work per routed assignment (top-k of num_experts)."""
+def calibrate(group: dist.ProcessGroup | None = None, d_model: int = 512, d_ff: int = 2048,
+              dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, reps: int = 9,
+              tokens: int = 1024, small_rows: int = 1, large_rows: int = 1024, num_experts: int | None = None,
+              k: int = 2) -> CostModel:
+    """The CostModel for an FFN expert of ``d_model x d_ff`` on ``group``, measured on this machine (cached per
+    group and shape). A collective where a process group exists: every rank gets the slowest rank's figures.
+
+    Args:
+        group: the expert-parallel process group (None: the default group, or one process).
+        d_model: the token width.
+        d_ff: the expert's hidden width.
+        dtype: the parameters' dtype.
+        device: where to measure (default: the current CUDA device on NCCL, else the CPU).
+        reps: timed repetitions per measurement.
+        tokens: the token rows of the timed FFN.
+        small_rows: token rows to every rank in the small timed all-to-all (its latency).
+        large_rows: token rows to every rank in the large one (its bandwidth).
+        num_experts: with it, also the layer's own work per routed assignment (top-``k`` of ``num_experts``).
+        k: experts per token.
+    """
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
     device = torch.device(device) if device is not None else (

@@ -35,7 +35,7 @@ from torch import nn
 
 from fastdist.distributed import MismatchError, check_same, compat, fingerprint
 from fastdist.moe.calibrate import calibrate
-from fastdist.moe.planner import Plan, Planner, loads
+from fastdist.moe.planner import CostModel, Plan, Planner, loads
 from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
 
 __all__ = ["MoELayer"]
@@ -232,9 +232,11 @@ class MoELayer(nn.Module):
     fastdist.distributed.MismatchError on every rank otherwise.
     """
 
-    def __init__(self, d_model, d_ff, num_experts, k=2, capacity_factor=1.25, dropless=False, activation="gelu",
-                 group=None, balance="prophet", plan_interval=1, max_replicas_per_rank=2, aux_loss_coef=0.01,
-                 cost_model=None, min_capacity=4, replan_gain=0.03, planner_budget=None):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, k: int = 2, capacity_factor: float = 1.25,
+                 dropless: bool = False, activation: str = "gelu", group: dist.ProcessGroup | None = None,
+                 balance: str = "prophet", plan_interval: int = 1, max_replicas_per_rank: int = 2,
+                 aux_loss_coef: float = 0.01, cost_model: CostModel | None = None, min_capacity: int = 4,
+                 replan_gain: float = 0.03, planner_budget: int | None = None):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"fastdist: activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
@@ -287,28 +289,33 @@ class MoELayer(nn.Module):
 
     # ---- helpers for the replica traffic ----
 
-    def owner(self, expert):
+    def owner(self, expert: int) -> int:
+        """The group rank that owns ``expert``."""
         return expert // self.experts_per_rank
 
-    def global_rank(self, group_rank):
+    def global_rank(self, group_rank: int) -> int:
+        """The default group's rank of the layer group's ``group_rank``."""
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def pack_expert(self, expert):
+    def pack_expert(self, expert: int) -> torch.Tensor:
+        """The parameters of ``expert`` (owned here) as one flat tensor, in :meth:`split_expert`'s order."""
         i = expert - self.first_expert
         return torch.cat([self.w1[i].reshape(-1), self.b1[i], self.w2[i].reshape(-1), self.b2[i]]).detach() \
             .contiguous()
 
-    def split_expert(self, flat):
+    def split_expert(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, b1, w2, b2) views of a flat tensor :meth:`pack_expert` made."""
         d, f = self.d_model, self.d_ff
         w1, b1, w2, b2 = flat.split([d * f, f, f * d, d])
         return w1.view(d, f), b1, w2.view(f, d), b2
 
 
     @property
-    def plan(self):
+    def plan(self) -> Plan:
+        """The replicas this step uses."""
         return self.planner.plan
 
-    def prefetch_replicas(self):
+    def prefetch_replicas(self) -> None:
         """Starts sending this step's replica parameters now, so that they travel while earlier work runs.
 
         Call it after the optimizer step and before the layer's input is ready (e.g. at the start of the block, so
@@ -335,7 +342,11 @@ class MoELayer(nn.Module):
         parts = rows.split(sizes)
         return torch.cat([self._ffn(p, *w) for p, w in zip(parts, params)])
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE FFN of every token of ``x`` (``[..., d_model]``, this rank's tokens; any count, none included).
+
+        A collective over the group; sets ``aux_loss`` and :meth:`stats`.
+        """
         start = time.perf_counter()
         self._ensure_cost_model()
         shape = x.shape
@@ -478,15 +489,15 @@ class MoELayer(nn.Module):
             "forward_s": seconds,
         }
 
-    def stats(self):
+    def stats(self) -> dict:
         """Metrics of the last forward. Count-derived figures are global over the group and count token-expert
         assignments (a token routed to k experts counts k times); a2a_bytes_this_rank is [sent, received]."""
         return dict(self._stats)
 
-    def get_extra_state(self):
+    def get_extra_state(self) -> dict:
         return {"planner": self.planner.state_dict(), "config_fingerprint": fingerprint(self.config)}
 
-    def set_extra_state(self, state):
+    def set_extra_state(self, state: dict) -> None:
         if state["config_fingerprint"] != fingerprint(self.config):
             raise ValueError("fastdist: MoELayer state_dict comes from a layer with a different configuration")
         self.planner.load_state_dict(state["planner"])

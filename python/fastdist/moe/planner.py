@@ -26,6 +26,7 @@ not compute side by side: T_fec is then the time the host's processor sharing ta
 busiest rank runs alone it gets a whole core's worth of the host.
 """
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -33,10 +34,15 @@ __all__ = ["CostModel", "Plan", "Planner", "loads", "plan_prophet", "plan_replic
            "shared_makespan"]
 
 
-def shared_makespan(work, slots):
-    """Time for jobs of `work` (one per rank, in a rank's solo time units) that share `slots` full-speed processors
-    fairly -- each running job at min(1, slots / running) -- to all finish: the CPU scheduler's processor sharing.
-    Equals max(work) when there are no more jobs than slots."""
+def shared_makespan(work: Sequence[float], slots: int) -> float:
+    """Time for jobs of ``work`` that share ``slots`` full-speed processors fairly -- each running job at
+    min(1, slots / running) -- to all finish: the CPU scheduler's processor sharing. Equals max(work) when there
+    are no more jobs than slots.
+
+    Args:
+        work: one job per rank, in a rank's solo time units.
+        slots: the processors the jobs share.
+    """
     elapsed = done = 0.0
     work = sorted(float(w) for w in work)
     for i, w in enumerate(work):
@@ -59,8 +65,8 @@ class CostModel:
     nec_fwd_s: float = 0.0      # non-expert compute the replica traffic can hide behind (forward)
     nec_bwd_s: float = 0.0      # (backward)
     # compute seconds a replica transfer takes from the computation beside it, per byte sent or received: on a CPU,
-    # gloo and the network stack copy every byte on the cores that compute (on 2 ranks here, about 1-2 ms per MB),
-    # so overlapping hides only the transfer's waiting
+    # gloo and the network stack copy every byte on the cores that compute, so overlapping hides only the
+    # transfer's waiting
     p2p_compute_s_per_byte: float = 0.0
     # the layer's own work per routed assignment, forward + backward: gate, route, layout, permute and combine. The
     # same under every plan, so it never changes a choice; it makes the prediction a layer time, not an expert time
@@ -71,14 +77,16 @@ class CostModel:
     host_slots: tuple = ()
 
     @property
-    def flops_per_token(self):
+    def flops_per_token(self) -> int:
+        """Forward FLOPs of one token through one expert."""
         return 4 * self.d_model * self.d_ff  # two GEMMs, 2 flops per multiply-add
 
     @property
-    def params_per_expert(self):
+    def params_per_expert(self) -> int:
+        """Parameters of one expert (two weights, two biases)."""
         return 2 * self.d_model * self.d_ff + self.d_model + self.d_ff
 
-    def compute_tokens(self, h):
+    def compute_tokens(self, h: np.ndarray) -> float:
         """The expert compute of per-rank loads H in a rank's solo token-times: max(H) on dedicated devices, the
         slowest host's processor-sharing makespan where ranks share cores."""
         if not self.rank_hosts:
@@ -86,8 +94,16 @@ class CostModel:
         hosts = np.asarray(self.rank_hosts)
         return max(shared_makespan(np.asarray(h)[hosts == host], slots) for host, slots in enumerate(self.host_slots))
 
-    def time(self, counts, plan):
-        """Predicted seconds of one forward + backward of the layer under `plan`, and its parts."""
+    def time(self, counts: np.ndarray, plan: "Plan") -> tuple[float, dict[str, float]]:
+        """Predicted seconds of one forward + backward of the layer under ``plan``, and its parts.
+
+        Args:
+            counts: ``[ranks, experts]`` tokens each rank routes to each expert.
+            plan: the replicas.
+
+        Returns:
+            (total seconds, {part: seconds}) with the parts of the module docstring's formula.
+        """
         h, inbound, outbound = loads(counts, plan)
         world = counts.shape[0]
         t_a2a = self.a2a_alpha_s + max(int(np.max(np.maximum(inbound, outbound))), 0) * self.d_model * \
@@ -118,18 +134,22 @@ class Plan:
     """Replicas as sorted (expert, holder rank) pairs; the owner never appears as a holder."""
     replicas: tuple = ()
 
-    def holders(self, expert):
+    def holders(self, expert: int) -> list[int]:
+        """The ranks holding a replica of ``expert``."""
         return [r for e, r in self.replicas if e == expert]
 
-    def replicated_on(self, rank):
+    def replicated_on(self, rank: int) -> list[int]:
+        """The experts ``rank`` holds a replica of."""
         return [e for e, r in self.replicas if r == rank]
 
-    def with_replica(self, expert, rank):
+    def with_replica(self, expert: int, rank: int) -> "Plan":
+        """This plan plus a replica of ``expert`` on ``rank``."""
         return Plan(tuple(sorted(set(self.replicas) | {(expert, rank)})))
 
 
-def destinations(counts_shape, plan):
-    """dest[s, e]: the rank that computes rank s's tokens for expert e."""
+def destinations(counts_shape: tuple[int, int], plan: Plan) -> np.ndarray:
+    """``dest[s, e]``: the rank that computes rank ``s``'s tokens for expert ``e`` under ``plan``, for a count
+    matrix of shape ``counts_shape`` = (ranks, experts)."""
     world, experts = counts_shape
     per_rank = experts // world
     dest = np.repeat((np.arange(experts) // per_rank)[None, :], world, axis=0)
@@ -138,8 +158,13 @@ def destinations(counts_shape, plan):
     return dest
 
 
-def loads(counts, plan):
-    """(H, IN, OUT) per rank, int64 arrays: tokens computed, received from and sent to other ranks."""
+def loads(counts: np.ndarray, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(H, IN, OUT) per rank under ``plan``, int64 arrays: tokens computed, received from and sent to other ranks.
+
+    Args:
+        counts: ``[ranks, experts]`` tokens each rank routes to each expert.
+        plan: the replicas.
+    """
     counts = np.asarray(counts, dtype=np.int64)
     world = counts.shape[0]
     dest = destinations(counts.shape, plan)
@@ -163,7 +188,9 @@ def _check(counts, max_replicas_per_rank):
     return counts
 
 
-def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=0.05, width=4, from_shadow=True):
+def plan_prophet(counts: np.ndarray, cost: CostModel, max_replicas_per_rank: int = 2, budget: int | None = None,
+                 stop_alpha: float = 0.05, width: int = 4,
+                 from_shadow: bool = True) -> tuple[Plan, list[tuple[Plan, float]]]:
     """Pro-Prophet's greedy search. Returns (best plan, [(plan, predicted time) of every state visited]).
 
     Each step takes the most loaded rank (ties: lower rank) and its `width` experts with the most tokens from other
@@ -178,6 +205,18 @@ def plan_prophet(counts, cost, max_replicas_per_rank=2, budget=None, stop_alpha=
     With `from_shadow`, a second search starts from the FasterMoE-style shadowing plan, so the search space includes
     it and the result never predicts worse than shadowing (a greedy step can be myopic where whole-expert
     broadcasts pay off together).
+
+    Args:
+        counts: ``[ranks, experts]`` tokens each rank routes to each expert (ranks dividing experts).
+        cost: the cost model that judges every move.
+        max_replicas_per_rank: replicas one rank may hold.
+        budget: the most steps of a search (default ranks * max_replicas_per_rank).
+        stop_alpha: the balance at which a search stops, as a fraction of the mean load.
+        width: experts of the busiest rank considered per step.
+        from_shadow: also search from the shadowing plan.
+
+    Raises:
+        ValueError: a bad count matrix or a negative replica limit.
     """
     best_plan, history = _greedy(counts, cost, Plan(), max_replicas_per_rank, budget, stop_alpha, width)
     if from_shadow:
@@ -232,8 +271,9 @@ def _greedy(counts, cost, start, max_replicas_per_rank, budget, stop_alpha, widt
     return best_plan, history
 
 
-def plan_shadow(counts, cost, max_replicas_per_rank=2):
-    """FasterMoE-style shadowing: broadcast the heaviest experts to every rank while the cost model says it helps."""
+def plan_shadow(counts: np.ndarray, cost: CostModel, max_replicas_per_rank: int = 2) -> Plan:
+    """FasterMoE-style shadowing: broadcast the heaviest experts to every rank while the cost model says it helps
+    (at most ``max_replicas_per_rank`` experts; ``counts`` as for :func:`plan_prophet`)."""
     counts = _check(counts, max_replicas_per_rank)
     world, experts = counts.shape
     per_rank = experts // world
@@ -252,8 +292,8 @@ def plan_shadow(counts, cost, max_replicas_per_rank=2):
     return plan
 
 
-def plan_replicate_topk(counts, max_replicas_per_rank=2):
-    """Replicates the `max_replicas_per_rank` heaviest experts on every rank, whatever the cost."""
+def plan_replicate_topk(counts: np.ndarray, max_replicas_per_rank: int = 2) -> Plan:
+    """Replicates the ``max_replicas_per_rank`` heaviest experts of ``counts`` on every rank, whatever the cost."""
     counts = _check(counts, max_replicas_per_rank)
     world, experts = counts.shape
     per_rank = experts // world
@@ -268,13 +308,19 @@ def plan_replicate_topk(counts, max_replicas_per_rank=2):
 class Planner:
     """Chooses the plan for the next step from this step's counts, with hysteresis; keeps its history.
 
-    strategy: "prophet", "shadow", "replicate_topk" or "none". A new plan replaces the current one only when it is
-    predicted (on the same counts) to be at least `replan_gain` faster. Pure and deterministic: equal inputs give
-    equal plans on every rank.
+    A new plan replaces the current one only when it is predicted (on the same counts) to be at least
+    ``replan_gain`` faster. Pure and deterministic: equal inputs give equal plans on every rank.
+
+    Args:
+        strategy: ``"prophet"``, ``"shadow"``, ``"replicate_topk"`` or ``"none"``.
+        cost: the cost model (None until calibrated; "replicate_topk" and "none" do not need it).
+        max_replicas_per_rank, budget, stop_alpha: as for :func:`plan_prophet`.
+        plan_interval: reconsider the plan every this many steps.
+        replan_gain: the predicted gain a new plan needs, as a fraction.
     """
 
-    def __init__(self, strategy, cost, max_replicas_per_rank=2, plan_interval=1, replan_gain=0.03, budget=None,
-                 stop_alpha=0.05):
+    def __init__(self, strategy: str, cost: CostModel | None, max_replicas_per_rank: int = 2, plan_interval: int = 1,
+                 replan_gain: float = 0.03, budget: int | None = None, stop_alpha: float = 0.05):
         if strategy not in ("prophet", "shadow", "replicate_topk", "none"):
             raise ValueError(f"fastdist: balance must be 'prophet', 'shadow', 'replicate_topk' or 'none', "
                              f"got {strategy!r}")
@@ -292,7 +338,8 @@ class Planner:
         self.replans = 0
         self.last_counts = None
 
-    def propose(self, counts):
+    def propose(self, counts: np.ndarray) -> Plan:
+        """The strategy's plan for ``counts``, before hysteresis."""
         if self.strategy == "none":
             return Plan()
         if self.strategy == "prophet":
@@ -301,7 +348,7 @@ class Planner:
             return plan_shadow(counts, self.cost, self.max_replicas_per_rank)
         return plan_replicate_topk(counts, self.max_replicas_per_rank)
 
-    def update(self, counts):
+    def update(self, counts: np.ndarray) -> Plan:
         """Records this step's counts; every plan_interval steps reconsiders the plan. Returns the plan to use next."""
         counts = np.asarray(counts, dtype=np.int64)
         self.last_counts = counts.copy()
@@ -317,12 +364,18 @@ class Planner:
     def _clearly_better(self, counts, proposal):
         return self.cost.time(counts, proposal)[0] < (1 - self.replan_gain) * self.cost.time(counts, self.plan)[0]
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The plan, step counters and last counts, as plain data."""
         return {"plan": [list(p) for p in self.plan.replicas], "steps": self.steps, "replans": self.replans,
                 "last_counts": None if self.last_counts is None else self.last_counts.tolist(),
                 "strategy": self.strategy}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: the state is another strategy's.
+        """
         if state["strategy"] != self.strategy:
             raise ValueError(f"fastdist: planner state is for balance={state['strategy']!r}, this layer uses "
                              f"{self.strategy!r}")
