@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
-from fastdist.bench.toolkit import progress
+from fastdist.bench.toolkit import at_least, comma_list, progress
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 from fastdist.bench.models import StagedCNN, TransformerLM
 from fastdist.compress import AQSGD, Boundary, ErrorFeedback, MemoryStore, Quantize, TopK, batch
@@ -33,10 +33,11 @@ TASKS = ["cnn", "gpt"]
 
 
 def add_arguments(p):
-    p.add_argument("--tasks", default="cnn,gpt", help="comma-separated subset of cnn,gpt")
-    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ",".join(ROWS))
-    p.add_argument("--epochs", type=int, default=5, help="training epochs (default 5; AQ-SGD's first is uncompressed)")
-    p.add_argument("--train", type=int, default=1536, help="training samples (default 1536)")
+    p.add_argument("--tasks", type=comma_list(choices=TASKS), default=TASKS, help="comma-separated subset of cnn,gpt")
+    p.add_argument("--rows", type=comma_list(choices=ROWS), default=ROWS,
+                   help="comma-separated subset of " + ",".join(ROWS))
+    p.add_argument("--epochs", type=at_least(2), default=5, help="training epochs (default 5; AQ-SGD's first is uncompressed)")
+    p.add_argument("--train", type=at_least(128), default=1536, help="training samples (default 1536)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
 
@@ -162,13 +163,7 @@ def _data(task, config):
 
 
 def run(args):
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    bad = sorted(set(tasks) - set(TASKS)) + sorted(set(rows) - set(ROWS))
-    if bad or not tasks or not rows:
-        raise SystemExit(f"fastdist-bench compress-findings: unknown task(s)/row(s) {bad}; tasks {TASKS}, rows {ROWS}")
-    if args.epochs < 2 or args.train < 128:
-        raise SystemExit("fastdist-bench compress-findings: --epochs >= 2 and --train >= 128")
+    tasks, rows = args.tasks, args.rows
     config = {"tasks": tasks, "rows": rows, "epochs": args.epochs, "train": args.train, "seed": args.seed}
     with report.torch_threads(args.threads):
         env = report.environment(backend=f"one process, {torch.get_num_threads()} torch threads", device="cpu",

@@ -39,7 +39,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.models import ResidualCNN, ResNet50, TransformerLM
-from fastdist.bench.toolkit import progress, time_fn
+from fastdist.bench.toolkit import at_least, comma_list, progress, time_fn, up_to
 
 CONFIGS = ["none", "checkpoint", "save_on_cpu", "swap", "fastdist"]
 MODELS = ["transformer", "cnn", "resnet50"]
@@ -233,17 +233,18 @@ def _worker_main(spec_json):
 # ---- the suite ----
 
 def add_arguments(p):
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+    p.add_argument("--models", type=comma_list(choices=MODELS), default=DEFAULT_MODELS,
                    help="comma-separated subset of " + ",".join(MODELS) + " (default transformer,cnn)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
-    p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
+    p.add_argument("--configs", type=comma_list(choices=CONFIGS), default=CONFIGS,
+                   help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--budgets", type=comma_list(up_to(100, int)), default=DEFAULT_BUDGETS,
                    help="fastdist plan budgets, percent of the unoptimized saved activation bytes (default 70,50,30)")
     p.add_argument("--policy", choices=["delta", "dtr", "msps"], default="delta", help="planner policy (default delta)")
     p.add_argument("--scale", choices=["small", "tiny", "gpt"], default="small",
                    help="model sizes: tiny (tests), small (CPU), gpt (GPU: a GPT block stack, ResNet-50 at 224)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration, >= 5 for a claim (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--steps", type=at_least(1), default=5, help="timed steps per configuration, >= 5 for a claim (default 5)")
+    p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps first (default 2)")
+    p.add_argument("--rounds", type=at_least(1), default=1,
                    help="run every configuration this many times, interleaved, in fresh processes (default 1)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch threads per run; the rest of the cores are left to the I/O threads (default cpus/2)")
@@ -259,17 +260,11 @@ def add_arguments(p):
 
 
 def _configurations(args):
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in configs:
-        if c not in CONFIGS:
-            raise ValueError(f"--configs: unknown configuration {c!r}; choose from {CONFIGS}")
-    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-    if any(not 0 < b <= 100 for b in budgets):
-        raise ValueError(f"--budgets are percentages in (0, 100], got {args.budgets!r}")
+    """(name, configuration, budget fraction or None) of every run: fastdist once per budget."""
     out = []
-    for c in configs:
+    for c in args.configs:
         if c == "fastdist":
-            out += [(f"fastdist-{b}", c, b / 100) for b in budgets]
+            out += [(f"fastdist-{b}", c, b / 100) for b in args.budgets]
         else:
             out.append((c, c, None))
     return out
@@ -287,13 +282,7 @@ def _run_child(spec, timeout):
 
 
 def run(args):
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            raise ValueError(f"--models: unknown model {m!r}; choose from {MODELS}")
-    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
-        raise ValueError("--steps, --warmup and --rounds must be >= 1")
-    configs = _configurations(args)
+    models, configs = args.models, _configurations(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
     if args.memory_cap is not None and args.device != "cuda":
