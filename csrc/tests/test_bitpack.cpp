@@ -10,7 +10,7 @@
 
 namespace {
 
-using fastdist::bytes_per_row;
+using fastdist::packed_bytes;
 using Bytes = std::vector<uint8_t>;
 
 const int64_t kSizes[] = {0,  1,  2,  7,   8,   9,   15,  16,  17,  31,   32,
@@ -25,17 +25,17 @@ Bytes random_bytes(int64_t count, std::mt19937& rng, int max_value) {
 }
 
 Bytes reference_pack(const Bytes& mask, int64_t rows, int64_t n) {
-  Bytes out(rows * bytes_per_row(n), 0);
+  Bytes out(rows * packed_bytes(n), 0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < n; ++k)
-      if (mask[r * n + k] & 1) out[r * bytes_per_row(n) + k / 8] |= static_cast<uint8_t>(1 << (k % 8));
+      if (mask[r * n + k] & 1) out[r * packed_bytes(n) + k / 8] |= static_cast<uint8_t>(1 << (k % 8));
   return out;
 }
 
 Bytes reference_unpack(const Bytes& packed, int64_t rows, int64_t n) {
   Bytes out(rows * n);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < n; ++k) out[r * n + k] = (packed[r * bytes_per_row(n) + k / 8] >> (k % 8)) & 1;
+    for (int64_t k = 0; k < n; ++k) out[r * n + k] = (packed[r * packed_bytes(n) + k / 8] >> (k % 8)) & 1;
   return out;
 }
 
@@ -62,7 +62,7 @@ FD_TEST(pack_bits_cpu_matches_reference_with_zero_padding) {
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
       const Bytes mask = random_bytes(rows * n, rng, 1);
-      Bytes out(rows * bytes_per_row(n), 0xFF);  // padding bits must be cleared, not left as they were
+      Bytes out(rows * packed_bytes(n), 0xFF);  // padding bits must be cleared, not left as they were
       fastdist::pack_bits_cpu(mask.data(), rows, n, out.data(), 0, static_cast<int64_t>(out.size()));
       const int64_t bad = first_mismatch(out, reference_pack(mask, rows, n));
       FD_EXPECT(bad == -1, "rows=" << rows << " n=" << n << " first wrong byte " << bad);
@@ -73,7 +73,7 @@ FD_TEST(pack_bits_cpu_reads_only_bit_zero_of_mask_bytes) {
   std::mt19937 rng(2);
   for (int64_t n : kSizes) {
     const Bytes mask = random_bytes(3 * n, rng, 255);
-    Bytes out(3 * bytes_per_row(n));
+    Bytes out(3 * packed_bytes(n));
     fastdist::pack_bits_cpu(mask.data(), 3, n, out.data(), 0, static_cast<int64_t>(out.size()));
     FD_EXPECT(first_mismatch(out, reference_pack(mask, 3, n)) == -1, "n=" << n);
   }
@@ -102,7 +102,7 @@ FD_TEST(unpack_bits_cpu_matches_reference_and_ignores_padding_bits) {
   std::mt19937 rng(4);
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
-      const Bytes packed = random_bytes(rows * bytes_per_row(n), rng, 255);  // padding bits set at random
+      const Bytes packed = random_bytes(rows * packed_bytes(n), rng, 255);  // padding bits set at random
       Bytes out(rows * n, 0xAB);
       fastdist::unpack_bits_cpu(packed.data(), rows, n, out.data(), 0, static_cast<int64_t>(packed.size()));
       const int64_t bad = first_mismatch(out, reference_unpack(packed, rows, n));
@@ -115,7 +115,7 @@ FD_TEST(unpack_bits_cpu_split_ranges_write_exactly_their_elements) {
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
       if (n == 0) continue;
-      const int64_t bpr = bytes_per_row(n);
+      const int64_t bpr = packed_bytes(n);
       const Bytes packed = random_bytes(rows * bpr, rng, 255);
       const Bytes want = reference_unpack(packed, rows, n);
       const std::vector<int64_t> cuts = random_cuts(static_cast<int64_t>(packed.size()), rng);
@@ -136,7 +136,7 @@ FD_TEST(unpack_of_pack_is_the_identity) {
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
       const Bytes mask = random_bytes(rows * n, rng, 1);
-      Bytes packed(rows * bytes_per_row(n)), back(rows * n);
+      Bytes packed(rows * packed_bytes(n)), back(rows * n);
       fastdist::pack_bits_cpu(mask.data(), rows, n, packed.data(), 0, static_cast<int64_t>(packed.size()));
       fastdist::unpack_bits_cpu(packed.data(), rows, n, back.data(), 0, static_cast<int64_t>(packed.size()));
       FD_EXPECT(back == mask, "rows=" << rows << " n=" << n);

@@ -12,7 +12,7 @@
 namespace {
 
 using fastdist::EpilogueActivation;
-using fastdist::EpilogueType;
+using fastdist::StorageType;
 
 double reference_act(double u, EpilogueActivation act) {
   if (act == EpilogueActivation::kGeluTanh) {
@@ -104,13 +104,13 @@ FD_TEST(forward_and_backward_match_a_double_reference_and_split_ranges_match_one
   for (auto& e : bias) e = normal(rng);
   for (auto act : {EpilogueActivation::kNone, EpilogueActivation::kGeluTanh, EpilogueActivation::kGeluErf}) {
     std::vector<float> out(rows * cols), split(rows * cols), gx(rows * cols);
-    fastdist::bias_epilogue_cpu(x.data(), bias.data(), residual.data(), out.data(), EpilogueType::kFloat32, act, rows,
+    fastdist::bias_epilogue_cpu(x.data(), bias.data(), residual.data(), out.data(), StorageType::kFloat32, act, rows,
                                 cols, 0, rows);
-    fastdist::bias_epilogue_cpu(x.data(), bias.data(), residual.data(), split.data(), EpilogueType::kFloat32, act,
+    fastdist::bias_epilogue_cpu(x.data(), bias.data(), residual.data(), split.data(), StorageType::kFloat32, act,
                                 rows, cols, 0, 5);
-    fastdist::bias_epilogue_cpu(x.data(), bias.data(), residual.data(), split.data(), EpilogueType::kFloat32, act,
+    fastdist::bias_epilogue_cpu(x.data(), bias.data(), residual.data(), split.data(), StorageType::kFloat32, act,
                                 rows, cols, 5, rows);
-    fastdist::bias_epilogue_backward_cpu(grad.data(), x.data(), bias.data(), gx.data(), EpilogueType::kFloat32, act,
+    fastdist::bias_epilogue_backward_cpu(grad.data(), x.data(), bias.data(), gx.data(), StorageType::kFloat32, act,
                                          rows, cols, 0, rows);
     for (int64_t i = 0; i < rows * cols; ++i) {
       const double u = static_cast<double>(x[i]) + bias[i % cols];
@@ -140,9 +140,9 @@ FD_TEST(bfloat16_forward_is_the_float32_result_rounded_once) {
     bias[j] = fastdist::float_to_bfloat16(normal(rng));
     bf[j] = fastdist::bfloat16_to_float(bias[j]);
   }
-  fastdist::bias_epilogue_cpu(x.data(), bias.data(), nullptr, out.data(), EpilogueType::kBFloat16,
+  fastdist::bias_epilogue_cpu(x.data(), bias.data(), nullptr, out.data(), StorageType::kBFloat16,
                               EpilogueActivation::kGeluErf, rows, cols, 0, rows);
-  fastdist::bias_epilogue_cpu(xf.data(), bf.data(), nullptr, outf.data(), EpilogueType::kFloat32,
+  fastdist::bias_epilogue_cpu(xf.data(), bf.data(), nullptr, outf.data(), StorageType::kFloat32,
                               EpilogueActivation::kGeluErf, rows, cols, 0, rows);
   for (int64_t i = 0; i < rows * cols; ++i) {
     FD_EXPECT(out[i] == fastdist::float_to_bfloat16(outf[i]), "i " << i);

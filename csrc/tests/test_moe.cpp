@@ -109,11 +109,11 @@ FD_TEST(moe_permute_and_unpermute_cpu_match_the_definition) {
   for (size_t i = 0; i < w.size(); ++i) w[i] = 0.25f * static_cast<float>(i + 1);
   for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(i % 5) - 1.5f;
   std::vector<float> permuted(7 * d, 0.0f), combined(tokens * d);
-  fastdist::moe_permute_cpu(x.data(), fastdist::MoeValueType::kFloat32, d, k, row_of_slot.data(), w.data(),
+  fastdist::moe_permute_cpu(x.data(), fastdist::StorageType::kFloat32, d, k, row_of_slot.data(), w.data(),
                             permuted.data(), 0, 2);
-  fastdist::moe_permute_cpu(x.data(), fastdist::MoeValueType::kFloat32, d, k, row_of_slot.data(), w.data(),
+  fastdist::moe_permute_cpu(x.data(), fastdist::StorageType::kFloat32, d, k, row_of_slot.data(), w.data(),
                             permuted.data(), 2, tokens);
-  fastdist::moe_unpermute_cpu(y.data(), fastdist::MoeValueType::kFloat32, d, k, row_of_slot.data(), w.data(),
+  fastdist::moe_unpermute_cpu(y.data(), fastdist::StorageType::kFloat32, d, k, row_of_slot.data(), w.data(),
                               combined.data(), 0, tokens);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c = 0; c < d; ++c) {
@@ -134,7 +134,7 @@ FD_TEST(moe_route_cpu_softmax_topk_and_ties) {
   const std::vector<float> logits = {0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 3.0f, 2.0f, 3.0f};
   std::vector<float> probs(8), lse(2), w(4);
   I64 idx(4);
-  const int64_t nan_rows = fastdist::moe_route_cpu(logits.data(), fastdist::MoeValueType::kFloat32, experts, k,
+  const int64_t nan_rows = fastdist::moe_route_cpu(logits.data(), fastdist::StorageType::kFloat32, experts, k,
                                                    probs.data(), lse.data(), idx.data(), w.data(), 0, 2);
   FD_EXPECT(nan_rows == 0, "");
   FD_EXPECT((idx == I64{0, 1, 1, 3}), idx[0] << idx[1] << idx[2] << idx[3]);
@@ -143,6 +143,6 @@ FD_TEST(moe_route_cpu_softmax_topk_and_ties) {
   FD_EXPECT(std::fabs(lse[1] - std::log(z)) < 1e-5, lse[1]);
   FD_EXPECT(std::fabs(w[2] - std::exp(3.0) / z) < 1e-6, w[2]);
   const std::vector<float> bad = {0.0f, NAN, 1.0f, 2.0f};
-  FD_EXPECT(fastdist::moe_route_cpu(bad.data(), fastdist::MoeValueType::kFloat32, experts, 1, probs.data(),
+  FD_EXPECT(fastdist::moe_route_cpu(bad.data(), fastdist::StorageType::kFloat32, experts, 1, probs.data(),
                                     lse.data(), idx.data(), w.data(), 0, 1) == 1, "NaN row not reported");
 }

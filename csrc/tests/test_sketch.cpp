@@ -14,7 +14,7 @@
 namespace {
 
 using fastdist::SketchHash;
-using fastdist::SketchValueType;
+using fastdist::StorageType;
 using u128 = unsigned __int128;
 constexpr uint64_t kP = (uint64_t{1} << 61) - 1;
 
@@ -80,12 +80,12 @@ float ref_half(uint16_t h) {
   return sign ? -v : v;
 }
 
-float ref_value(const void* x, SketchValueType type, int64_t i) {
+float ref_value(const void* x, StorageType type, int64_t i) {
   switch (type) {
-    case SketchValueType::kFloat32: return static_cast<const float*>(x)[i];
-    case SketchValueType::kFloat64: return static_cast<float>(static_cast<const double*>(x)[i]);
-    case SketchValueType::kFloat16: return ref_half(static_cast<const uint16_t*>(x)[i]);
-    case SketchValueType::kBFloat16: return bits_float(uint32_t{static_cast<const uint16_t*>(x)[i]} << 16);
+    case StorageType::kFloat32: return static_cast<const float*>(x)[i];
+    case StorageType::kFloat64: return static_cast<float>(static_cast<const double*>(x)[i]);
+    case StorageType::kFloat16: return ref_half(static_cast<const uint16_t*>(x)[i]);
+    case StorageType::kBFloat16: return bits_float(uint32_t{static_cast<const uint16_t*>(x)[i]} << 16);
   }
   return 0;
 }
@@ -93,7 +93,7 @@ float ref_value(const void* x, SketchValueType type, int64_t i) {
 bool bit(const std::vector<uint8_t>& bitmap, int64_t u) { return (bitmap[u >> 3] >> (u & 7)) & 1; }
 
 // Every value of every supported unit (or every non-zero value), in increasing index, in float32.
-std::vector<float> ref_sketch(const void* x, SketchValueType type, int64_t n, int64_t m,
+std::vector<float> ref_sketch(const void* x, StorageType type, int64_t n, int64_t m,
                               const std::vector<uint8_t>* support, const SketchHash& h) {
   std::vector<float> table(h.rows * h.cols, 0.0f);
   for (int64_t i = 0; i < n * m; ++i) {
@@ -338,9 +338,9 @@ FD_TEST(count_sketch_cpu_matches_in_order_reference) {
         for (int rows : {1, 3}) {
           const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 700));
           std::vector<float> got(rows * h.cols, 1.0f);  // every row must be overwritten
-          fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup ? sup->data() : nullptr, h,
+          fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, s.n, s.m, sup ? sup->data() : nullptr, h,
                                      got.data(), 0, rows * h.cols);
-          const int64_t bad = first_mismatch(got, ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h));
+          const int64_t bad = first_mismatch(got, ref_sketch(x.data(), StorageType::kFloat32, s.n, s.m, sup, h));
           FD_EXPECT(bad == -1, "n=" << s.n << " m=" << s.m << " density=" << density << " support=" << support_kind
                                     << " rows=" << rows << " first wrong bucket " << bad);
         }
@@ -354,11 +354,11 @@ FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {  // element granula
   const SketchHash h = fastdist::make_sketch_hash(9, rows, cols);
   for (double density : {0.01, 0.3}) {  // direct hashing and lane stepping
     const std::vector<float> x = random_values(20000, density, rng);
-    const std::vector<float> want = ref_sketch(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h);
+    const std::vector<float> want = ref_sketch(x.data(), StorageType::kFloat32, 20000, 1, nullptr, h);
     std::vector<float> got(rows * cols, -1.0f);
     const std::vector<int64_t> cuts = random_cuts(rows, rng);
     for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-      fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h, got.data(),
+      fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, 20000, 1, nullptr, h, got.data(),
                                  cuts[k] * cols, cuts[k + 1] * cols);
       for (int64_t b = 0; b < rows * cols; ++b) {
         const bool written = b < cuts[k + 1] * cols;
@@ -386,7 +386,7 @@ FD_TEST(unit_sketches_over_any_position_ranges_write_only_those_positions_bit_fo
       const std::vector<uint8_t> support = random_bitmap(s.n, 0.3, rng);
       const uint8_t* sup = with_support ? support.data() : nullptr;
       const std::vector<float> want =
-          ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, with_support ? &support : nullptr, h);
+          ref_sketch(x.data(), StorageType::kFloat32, s.n, s.m, with_support ? &support : nullptr, h);
       std::vector<int64_t> units;  // the supported units' values, compacted, for count_sketch_units_cpu
       std::vector<float> values;
       for (int64_t u = 0; u < s.n; ++u) {
@@ -397,9 +397,9 @@ FD_TEST(unit_sketches_over_any_position_ranges_write_only_those_positions_bit_fo
       std::vector<float> got(rows * s.cols, -1.0f), got_units(rows * s.cols, -1.0f);
       const std::vector<int64_t> cuts = random_cuts(rows * s.cols, rng);
       for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-        fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h, got.data(), cuts[k],
+        fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, s.n, s.m, sup, h, got.data(), cuts[k],
                                    cuts[k + 1]);
-        fastdist::count_sketch_units_cpu(values.data(), SketchValueType::kFloat32, units.data(),
+        fastdist::count_sketch_units_cpu(values.data(), StorageType::kFloat32, units.data(),
                                          static_cast<int64_t>(units.size()), s.m, h, got_units.data(), cuts[k],
                                          cuts[k + 1]);
         for (int64_t b = 0; b < rows * s.cols; ++b) {
@@ -425,10 +425,10 @@ FD_TEST(count_sketch_cpu_reads_every_value_type) {
   const SketchHash h = fastdist::make_sketch_hash(10, 3, 4096);
   struct Case {
     const void* x;
-    SketchValueType type;
+    StorageType type;
   };
-  for (Case c : {Case{halves.data(), SketchValueType::kFloat16}, Case{bf16.data(), SketchValueType::kBFloat16},
-                 Case{doubles.data(), SketchValueType::kFloat64}}) {
+  for (Case c : {Case{halves.data(), StorageType::kFloat16}, Case{bf16.data(), StorageType::kBFloat16},
+                 Case{doubles.data(), StorageType::kFloat64}}) {
     std::vector<float> got(3 * 4096);
     fastdist::count_sketch_cpu(c.x, c.type, count, 1, nullptr, h, got.data(), 0, 3 * 4096);
     const int64_t bad = first_mismatch(got, ref_sketch(c.x, c.type, count, 1, nullptr, h));
@@ -444,7 +444,7 @@ FD_TEST(float16_values_convert_exactly_for_every_bit_pattern) {
   for (uint32_t bits = 0; bits < 65536; ++bits) {
     const uint16_t half = static_cast<uint16_t>(bits);
     float table = 123.0f;
-    fastdist::count_sketch_cpu(&half, SketchValueType::kFloat16, 1, 1, nullptr, h, &table, 0, 1);
+    fastdist::count_sketch_cpu(&half, StorageType::kFloat16, 1, 1, nullptr, h, &table, 0, 1);
     const float want = sign * ref_half(half);
     const bool ok = std::isnan(want) ? std::isnan(table) : table == want;
     if (!ok && wrong++ < 5) FD_EXPECT(ok, "half bits 0x" << std::hex << bits << " got " << table << " want " << want);
@@ -518,7 +518,7 @@ FD_TEST(decode_of_a_sketch_without_collisions_is_exact) {
   }
   const SketchHash h = fastdist::make_sketch_hash(13, 3, 4096);
   std::vector<float> table(3 * 4096), out(n);
-  fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3 * 4096);
+  fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3 * 4096);
   fastdist::count_sketch_decode_cpu(table.data(), support.data(), n, 1, h, out.data(), 0, n);
   FD_EXPECT(out == x, "decoded values differ");
 }

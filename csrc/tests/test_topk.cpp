@@ -94,7 +94,7 @@ FD_TEST(topk_decompress_and_bitmaps_round_trip) {
       for (int64_t j = 0; j < k; ++j) mask[r * d + indices[r * k + j]] = 1;
     for (int64_t i = 0; i < rows * d; ++i) FD_EXPECT(dense[i] == (mask[i] ? x[i] : 0.0f), "i " << i);
 
-    const int64_t bytes = fastdist::bytes_per_row(d);
+    const int64_t bytes = fastdist::packed_bytes(d);
     std::vector<uint8_t> bitmap(rows * bytes), packed(rows * bytes);
     FD_EXPECT(fastdist::topk_indices_to_bitmap_cpu(indices.data(), rows, k, d, bitmap.data(), 0, rows) == 0, "");
     fastdist::pack_bits_cpu(mask.data(), rows, d, packed.data(), 0, rows * bytes);
