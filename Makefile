@@ -3,7 +3,7 @@
 #   make bench [ARGS="collectives --ranks 4 --net 1gbit"]    runs fastdist-bench
 #   make test  [PYTEST_ARGS="-k bitpack"]                     runs the test suite
 # and for the torch-free kernel layer:
-#   make kernel-check                                         C++ kernel tests + nvcc compile check
+#   make kernel-check                                         C++ kernel tests (GoogleTest) + nvcc compile check
 #   make cuda-glue-check                                      nvcc compile check of the CUDA glue (csrc/ops/*_cuda.cu)
 PYTHON ?= python3
 VENV ?= .venv

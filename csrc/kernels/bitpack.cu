@@ -5,28 +5,15 @@
 #include <cstdint>
 
 #include "kernels/bitpack.h"
+#include "kernels/cuda_launch.cuh"
 
 namespace fastdist {
 namespace {
 
 constexpr int kThreads = 256;
-// Enough blocks to fill any current GPU several times over; larger inputs loop inside the kernel.
-constexpr int64_t kMaxBlocks = 8192;
 constexpr uint64_t kLowBits = 0x0101010101010101ULL;
 
-// At least one block: the flat kernels' block 0 packs the tail even when there is no whole group.
-int grid_for(int64_t items) {
-  const int64_t blocks = (items + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
 bool aligned(const void* p, uintptr_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
-
-__device__ __forceinline__ int64_t global_thread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 // 8 mask bytes (little-endian word) -> 1 packed byte; bit 0 of byte k goes to bit k.
 __device__ __forceinline__ uint32_t pack8(uint64_t x) {
@@ -58,7 +45,8 @@ __device__ __forceinline__ void unpack_byte(const uint8_t* __restrict__ packed_r
 }
 
 // Flat layout (one row of nbits), mask 16-byte aligned, out 2-byte aligned: 16 mask bytes -> 2 packed bytes per
-// step. Block 0 also packs the at most two bytes after the last whole group.
+// step. Block 0 also packs the at most two bytes after the last whole group (grid_for launches at least one block,
+// so it runs even when there is no whole group).
 __global__ void pack_flat16_kernel(const uint8_t* __restrict__ mask, int64_t nbits, uint8_t* __restrict__ out) {
   const int64_t groups = nbits / 16;
   for (int64_t i = global_thread(); i < groups; i += grid_threads()) {
@@ -68,17 +56,17 @@ __global__ void pack_flat16_kernel(const uint8_t* __restrict__ mask, int64_t nbi
     reinterpret_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(pack8(lo) | (pack8(hi) << 8));
   }
   const int64_t tail_byte = 2 * groups + threadIdx.x;
-  if (blockIdx.x == 0 && tail_byte < (nbits + 7) / 8) out[tail_byte] = pack_byte(mask, nbits, tail_byte);
+  if (blockIdx.x == 0 && tail_byte < packed_bytes(nbits)) out[tail_byte] = pack_byte(mask, nbits, tail_byte);
 }
 
 // Any layout: one packed byte per step.
 __global__ void pack_bytes_kernel(const uint8_t* __restrict__ mask, int64_t rows, int64_t n,
                                   uint8_t* __restrict__ out) {
-  const int64_t bpr = (n + 7) / 8;  // bytes_per_row is host-only (no --expt-relaxed-constexpr in every build)
-  const int64_t total = rows * bpr;
+  const int64_t row_bytes = packed_bytes(n);
+  const int64_t total = rows * row_bytes;
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
-    const int64_t r = i / bpr;
-    out[i] = pack_byte(mask + r * n, n, i - r * bpr);
+    const int64_t r = i / row_bytes;
+    out[i] = pack_byte(mask + r * n, n, i - r * row_bytes);
   }
 }
 
@@ -93,16 +81,16 @@ __global__ void unpack_flat16_kernel(const uint8_t* __restrict__ packed, int64_t
                                                   static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
   }
   const int64_t tail_byte = 2 * groups + threadIdx.x;
-  if (blockIdx.x == 0 && tail_byte < (nbits + 7) / 8) unpack_byte(packed, nbits, tail_byte, out);
+  if (blockIdx.x == 0 && tail_byte < packed_bytes(nbits)) unpack_byte(packed, nbits, tail_byte, out);
 }
 
 __global__ void unpack_bytes_kernel(const uint8_t* __restrict__ packed, int64_t rows, int64_t n,
                                     uint8_t* __restrict__ out) {
-  const int64_t bpr = (n + 7) / 8;
-  const int64_t total = rows * bpr;
+  const int64_t row_bytes = packed_bytes(n);
+  const int64_t total = rows * row_bytes;
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
-    const int64_t r = i / bpr;
-    unpack_byte(packed + r * bpr, n, i - r * bpr, out + r * n);
+    const int64_t r = i / row_bytes;
+    unpack_byte(packed + r * row_bytes, n, i - r * row_bytes, out + r * n);
   }
 }
 
@@ -130,8 +118,8 @@ __global__ void or_reduce_kernel(const Word* __restrict__ packed, int64_t p, int
 template <typename Word>
 void launch_or_reduce(const uint8_t* packed, int64_t p, int64_t b, uint8_t* out, cudaStream_t stream) {
   const int64_t words = b / static_cast<int64_t>(sizeof(Word));
-  or_reduce_kernel<Word><<<grid_for(words), kThreads, 0, stream>>>(reinterpret_cast<const Word*>(packed), p, words,
-                                                                   reinterpret_cast<Word*>(out));
+  or_reduce_kernel<Word><<<grid_for(words, kThreads), kThreads, 0, stream>>>(reinterpret_cast<const Word*>(packed), p,
+                                                                             words, reinterpret_cast<Word*>(out));
 }
 
 // The widest word that divides a row and fits the alignment of both pointers.
@@ -147,9 +135,9 @@ cudaError_t pack_bits_cuda(const uint8_t* mask, int64_t rows, int64_t n, uint8_t
   const bool flat = n % 8 == 0 || rows == 1;  // rows end on byte boundaries: one row of rows * n bits
   if (flat && aligned(mask, 16) && aligned(out, 2)) {
     const int64_t nbits = rows * n;
-    pack_flat16_kernel<<<grid_for(nbits / 16), kThreads, 0, stream>>>(mask, nbits, out);
+    pack_flat16_kernel<<<grid_for(nbits / 16, kThreads), kThreads, 0, stream>>>(mask, nbits, out);
   } else {
-    pack_bytes_kernel<<<grid_for(rows * bytes_per_row(n)), kThreads, 0, stream>>>(mask, rows, n, out);
+    pack_bytes_kernel<<<grid_for(rows * packed_bytes(n), kThreads), kThreads, 0, stream>>>(mask, rows, n, out);
   }
   return cudaGetLastError();
 }
@@ -159,9 +147,9 @@ cudaError_t unpack_bits_cuda(const uint8_t* packed, int64_t rows, int64_t n, uin
   const bool flat = n % 8 == 0 || rows == 1;
   if (flat && aligned(packed, 2) && aligned(out, 16)) {
     const int64_t nbits = rows * n;
-    unpack_flat16_kernel<<<grid_for(nbits / 16), kThreads, 0, stream>>>(packed, nbits, out);
+    unpack_flat16_kernel<<<grid_for(nbits / 16, kThreads), kThreads, 0, stream>>>(packed, nbits, out);
   } else {
-    unpack_bytes_kernel<<<grid_for(rows * bytes_per_row(n)), kThreads, 0, stream>>>(packed, rows, n, out);
+    unpack_bytes_kernel<<<grid_for(rows * packed_bytes(n), kThreads), kThreads, 0, stream>>>(packed, rows, n, out);
   }
   return cudaGetLastError();
 }

@@ -1,7 +1,7 @@
 // Bit packing: bool masks <-> packed bytes, and OR over packed rows.
 //
 // Layout shared by every function here: a mask is `rows` rows of `n` bytes, each 0 or 1 (only bit 0
-// of a mask byte is read); its packed form is `rows` rows of `bytes_per_row(n) = ceil(n / 8)` bytes.
+// of a mask byte is read); its packed form is `rows` rows of `packed_bytes(n) = ceil(n / 8)` bytes.
 // Bit j of packed byte i of a row is mask element 8 * i + j of that row (little-endian within a byte,
 // as numpy.packbits(..., bitorder="little")). The padding bits of a row's last byte are written as
 // zero by pack and ignored by unpack.
@@ -10,25 +10,25 @@
 #pragma once
 #include <cstdint>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
+#include "kernels/host_device.h"
 
 namespace fastdist {
 
-inline constexpr int64_t bytes_per_row(int64_t n) { return (n + 7) / 8; }
+// Bytes that hold `bits` bits packed eight to a byte, ceil(bits / 8): a packed mask row of that many elements, and
+// every other bitmap and bit stream of the kernels (count-sketch supports, TopK bitmaps, quantized codes).
+FASTDIST_HOST_DEVICE inline constexpr int64_t packed_bytes(int64_t bits) { return (bits + 7) / 8; }
 
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel. ----
 //
 // pack and unpack index their range by packed byte: the range [byte_begin, byte_end) is a slice of
-// the packed array viewed flat, 0 <= byte_begin <= byte_end <= rows * bytes_per_row(n). Each packed byte
+// the packed array viewed flat, 0 <= byte_begin <= byte_end <= rows * packed_bytes(n). Each packed byte
 // maps to its own mask bytes, so disjoint ranges touch disjoint memory.
 
-// mask: uint8 [rows, n], values 0/1.  out: uint8 [rows, bytes_per_row(n)]; writes out[byte_begin, byte_end).
+// mask: uint8 [rows, n], values 0/1.  out: uint8 [rows, packed_bytes(n)]; writes out[byte_begin, byte_end).
 void pack_bits_cpu(const uint8_t* mask, int64_t rows, int64_t n, uint8_t* out, int64_t byte_begin,
                    int64_t byte_end);
 
-// packed: uint8 [rows, bytes_per_row(n)].  out: uint8 [rows, n], values 0/1; writes the mask elements
+// packed: uint8 [rows, packed_bytes(n)].  out: uint8 [rows, n], values 0/1; writes the mask elements
 // of packed bytes [byte_begin, byte_end).
 void unpack_bits_cpu(const uint8_t* packed, int64_t rows, int64_t n, uint8_t* out, int64_t byte_begin,
                      int64_t byte_end);

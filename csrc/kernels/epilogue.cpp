@@ -25,10 +25,9 @@
 namespace fastdist {
 namespace {
 
-// Storage type <-> compute type.
 // One row: every value read, transformed and written in one pass (no staging buffers: three arrays at the same
-// offset modulo 4 KiB plus staging buffers overfilled L1 sets and ran 4x slower). Bias and residual presence are
-// template parameters, so each instantiation is one straight loop.
+// offset modulo 4 KiB plus staging buffers overfill L1 cache sets). Bias and residual presence are template
+// parameters, so each instantiation is one straight loop.
 template <typename T, EpilogueActivation A, bool kBias, bool kResidual>
 FASTDIST_EPILOGUE_INLINE void forward_row(const typename T::Storage* __restrict__ x,
                                           const typename T::Storage* __restrict__ bias,
@@ -121,7 +120,7 @@ FASTDIST_EPILOGUE_CLONES void backward_typed(const void* grad, const void* x, co
 
 }  // namespace
 
-void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
+void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, void* out, StorageType type,
                        EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end) {
   (void)rows;
   if (row_begin >= row_end || cols == 0) return;
@@ -130,7 +129,7 @@ void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, vo
   });
 }
 
-void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, EpilogueType type,
+void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, StorageType type,
                                 EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin,
                                 int64_t row_end) {
   (void)rows;

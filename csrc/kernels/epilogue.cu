@@ -3,25 +3,19 @@
 // float16 / bfloat16 converted by the CUDA intrinsics (the same round-to-nearest-even as the CPU's).
 #include <cstdint>
 
+#include "kernels/cuda_launch.cuh"
 #include "kernels/epilogue.h"
 
 namespace fastdist {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 8192;
-
-int grid_for(int64_t items) {
-  const int64_t blocks = (items + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
 
 template <typename T, EpilogueActivation A>
 __global__ void forward_kernel(const typename T::Storage* __restrict__ x, const typename T::Storage* __restrict__ bias,
                                const typename T::Storage* residual, typename T::Storage* out, int64_t total,
                                int64_t cols) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+  for (int64_t i = global_thread(); i < total; i += grid_threads()) {
     typename T::Compute u = T::load(x[i]);
     if (bias) u += T::load(bias[i % cols]);
     u = epilogue_act(u, A);
@@ -34,8 +28,7 @@ template <typename T, EpilogueActivation A>
 __global__ void backward_kernel(const typename T::Storage* grad, const typename T::Storage* __restrict__ x,
                                 const typename T::Storage* __restrict__ bias, typename T::Storage* grad_x,
                                 int64_t total, int64_t cols) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+  for (int64_t i = global_thread(); i < total; i += grid_threads()) {
     typename T::Compute u = T::load(x[i]);
     if (bias) u += T::load(bias[i % cols]);
     grad_x[i] = T::store(T::load(grad[i]) * epilogue_act_grad(u, A));
@@ -46,7 +39,7 @@ template <typename T, EpilogueActivation A>
 cudaError_t launch_forward(const void* x, const void* bias, const void* residual, void* out, int64_t total,
                            int64_t cols, cudaStream_t stream) {
   using S = typename T::Storage;
-  forward_kernel<T, A><<<grid_for(total), kThreads, 0, stream>>>(
+  forward_kernel<T, A><<<grid_for(total, kThreads), kThreads, 0, stream>>>(
       static_cast<const S*>(x), static_cast<const S*>(bias), static_cast<const S*>(residual), static_cast<S*>(out),
       total, cols);
   return cudaGetLastError();
@@ -56,7 +49,7 @@ template <typename T, EpilogueActivation A>
 cudaError_t launch_backward(const void* grad, const void* x, const void* bias, void* grad_x, int64_t total,
                             int64_t cols, cudaStream_t stream) {
   using S = typename T::Storage;
-  backward_kernel<T, A><<<grid_for(total), kThreads, 0, stream>>>(
+  backward_kernel<T, A><<<grid_for(total, kThreads), kThreads, 0, stream>>>(
       static_cast<const S*>(grad), static_cast<const S*>(x), static_cast<const S*>(bias), static_cast<S*>(grad_x),
       total, cols);
   return cudaGetLastError();
@@ -92,7 +85,7 @@ cudaError_t backward_typed(const void* grad, const void* x, const void* bias, vo
 
 }  // namespace
 
-cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
+cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* residual, void* out, StorageType type,
                                EpilogueActivation act, int64_t rows, int64_t cols, cudaStream_t stream) {
   const int64_t total = rows * cols;
   if (total == 0) return cudaSuccess;
@@ -102,7 +95,7 @@ cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* resi
 }
 
 cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const void* bias, void* grad_x,
-                                        EpilogueType type, EpilogueActivation act, int64_t rows, int64_t cols,
+                                        StorageType type, EpilogueActivation act, int64_t rows, int64_t cols,
                                         cudaStream_t stream) {
   const int64_t total = rows * cols;
   if (total == 0) return cudaSuccess;

@@ -21,15 +21,10 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
-
 #include "kernels/float_bits.h"
 
 namespace fastdist {
 
-using EpilogueType = StorageType;
 enum class EpilogueActivation : int32_t { kNone = 0, kGeluTanh = 1, kGeluErf = 2 };
 
 // ---- float32 transcendental functions, vectorizable (no calls, no branches) ----
@@ -140,21 +135,21 @@ FASTDIST_HOST_DEVICE inline double epilogue_act_grad(double u, EpilogueActivatio
 
 // out = act(x + bias) + residual. bias (cols values) and residual (rows x cols) may be nullptr. out must not
 // overlap the inputs.
-void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
+void bias_epilogue_cpu(const void* x, const void* bias, const void* residual, void* out, StorageType type,
                        EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end);
 
 // grad_x = grad * act'(x + bias). bias may be nullptr. grad_x must not overlap the inputs.
-void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, EpilogueType type,
+void bias_epilogue_backward_cpu(const void* grad, const void* x, const void* bias, void* grad_x, StorageType type,
                                 EpilogueActivation act, int64_t rows, int64_t cols, int64_t row_begin,
                                 int64_t row_end);
 
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
 #ifdef __CUDACC__
 
-cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* residual, void* out, EpilogueType type,
+cudaError_t bias_epilogue_cuda(const void* x, const void* bias, const void* residual, void* out, StorageType type,
                                EpilogueActivation act, int64_t rows, int64_t cols, cudaStream_t stream);
 cudaError_t bias_epilogue_backward_cuda(const void* grad, const void* x, const void* bias, void* grad_x,
-                                        EpilogueType type, EpilogueActivation act, int64_t rows, int64_t cols,
+                                        StorageType type, EpilogueActivation act, int64_t rows, int64_t cols,
                                         cudaStream_t stream);
 
 #endif  // __CUDACC__

@@ -4,18 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
-
-// Functions usable from host C++ and from CUDA device code.
-#ifndef FASTDIST_HOST_DEVICE
-#ifdef __CUDACC__
-#define FASTDIST_HOST_DEVICE __host__ __device__
-#else
-#define FASTDIST_HOST_DEVICE
-#endif
-#endif
+#include "kernels/host_device.h"
 
 namespace fastdist {
 

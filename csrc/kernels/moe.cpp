@@ -122,9 +122,9 @@ void unpermute_rows(const void* y_raw, int64_t d, int64_t k, const int64_t* row_
 
 }  // namespace
 
-int64_t moe_route_cpu(const void* logits, MoeValueType type, int64_t num_experts, int64_t k, float* probs,
+int64_t moe_route_cpu(const void* logits, StorageType type, int64_t num_experts, int64_t k, float* probs,
                       float* lse, int64_t* topk_idx, float* topk_weight, int64_t t_begin, int64_t t_end) {
-  if (type == MoeValueType::kFloat64) {
+  if (type == StorageType::kFloat64) {
     return route_rows(static_cast<const double*>(logits), num_experts, k, probs, lse, topk_idx, topk_weight, t_begin,
                       t_end);
   }
@@ -196,14 +196,14 @@ void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t k, int64_t num_expe
   }
 }
 
-void moe_permute_cpu(const void* x, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
+void moe_permute_cpu(const void* x, StorageType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                      const void* weight, void* out, int64_t t_begin, int64_t t_end) {
   dispatch_storage(type, [&](auto format) {
     permute_rows<decltype(format)>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
   });
 }
 
-void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
+void moe_unpermute_cpu(const void* y, StorageType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                        const void* weight, void* out, int64_t t_begin, int64_t t_end) {
   dispatch_storage(type, [&](auto format) {
     unpermute_rows<decltype(format)>(y, d, k, row_of_slot, weight, out, t_begin, t_end);

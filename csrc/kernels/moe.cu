@@ -17,7 +17,7 @@
 // token's k rows in increasing j, so it needs no atomics either.
 #include <cstdint>
 
-#include "kernels/float_bits.h"
+#include "kernels/cuda_launch.cuh"
 #include "kernels/moe.h"
 
 namespace fastdist {
@@ -27,7 +27,6 @@ constexpr int kWarp = 32;
 constexpr int kItems = 16;                 // assignments per lane per chunk
 constexpr int64_t kChunk = kWarp * kItems;  // priorities per warp chunk
 constexpr int kMaxK = 16;
-constexpr int64_t kMaxBlocks = 65535;
 constexpr int kSharedBudgetBytes = 40 * 1024;
 
 int warps_per_block_for(int64_t num_experts) {
@@ -299,21 +298,16 @@ cudaError_t launch_unpermute(const void* y, int64_t tokens, int64_t d, int64_t k
   return cudaGetLastError();
 }
 
-int grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
 int row_threads(int64_t d) { return d >= 256 ? 256 : d >= 128 ? 128 : 64; }
 
 }  // namespace
 
-cudaError_t moe_route_cuda(const void* logits, MoeValueType type, int64_t tokens, int64_t num_experts, int64_t k,
+cudaError_t moe_route_cuda(const void* logits, StorageType type, int64_t tokens, int64_t num_experts, int64_t k,
                            float* probs, float* lse, int64_t* topk_idx, float* topk_weight, cudaStream_t stream) {
   if (tokens == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int grid = grid_for(tokens, kThreads / kWarp);
-  if (type == MoeValueType::kFloat64) {
+  if (type == StorageType::kFloat64) {
     route_kernel<double><<<grid, kThreads, 0, stream>>>(static_cast<const double*>(logits), tokens, num_experts, k,
                                                          probs, lse, topk_idx, topk_weight);
   } else {
@@ -355,7 +349,7 @@ cudaError_t moe_layout_cuda(const int64_t* topk_idx, int64_t tokens, int64_t k, 
   return cudaGetLastError();
 }
 
-cudaError_t moe_permute_cuda(const void* x, MoeValueType type, int64_t tokens, int64_t d, int64_t k,
+cudaError_t moe_permute_cuda(const void* x, StorageType type, int64_t tokens, int64_t d, int64_t k,
                              const int64_t* row_of_slot, const void* weight, void* out, cudaStream_t stream) {
   if (tokens == 0 || d == 0) return cudaSuccess;
   const int grid = grid_for(tokens, 1);
@@ -365,7 +359,7 @@ cudaError_t moe_permute_cuda(const void* x, MoeValueType type, int64_t tokens, i
   });
 }
 
-cudaError_t moe_unpermute_cuda(const void* y, MoeValueType type, int64_t tokens, int64_t d, int64_t k,
+cudaError_t moe_unpermute_cuda(const void* y, StorageType type, int64_t tokens, int64_t d, int64_t k,
                                const int64_t* row_of_slot, const void* weight, void* out, cudaStream_t stream) {
   if (tokens == 0 || d == 0) return cudaSuccess;
   const int grid = grid_for(tokens, 1);

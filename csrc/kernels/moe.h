@@ -21,7 +21,7 @@
 // (choice, expert) in parallel; an exclusive scan per expert over (choice, chunk) — priority order — gives each
 // chunk its start inside each expert for each choice, and the chunks scatter in parallel. A chunk owns whole token
 // rows, so the per-slot outputs each thread writes are contiguous (chunking by priority would interleave the
-// threads' writes slot by slot and share every cache line: 2x slower on 2 threads than on 1).
+// threads' writes slot by slot and share every cache line between threads).
 //
 // ---- Permute / unpermute ----
 // permute:   out[row_of_slot[t, j], :] = x[t, :] (* weight[t, j] when weights are given), for kept slots; rows
@@ -34,18 +34,13 @@
 #pragma once
 #include <cstdint>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
-
 #include "kernels/float_bits.h"
 
 namespace fastdist {
 
-// Value types of the row data. The gate logits are float32 or float64; permute / unpermute also move float16 and
-// bfloat16 rows (16-bit storage): they compute in float32 (float64 for float64 rows) and round to nearest even once
-// per output value, so unpermute's k-way sum is rounded once, not k times.
-using MoeValueType = StorageType;
+// Storage types of the row data (StorageType, float_bits.h). The gate logits are float32 or float64; permute /
+// unpermute also move float16 and bfloat16 rows (16-bit storage): they compute in float32 (float64 for float64 rows)
+// and round to nearest even once per output value, so unpermute's k-way sum is rounded once, not k times.
 
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel ----
 
@@ -54,7 +49,7 @@ using MoeValueType = StorageType;
 // probabilities in decreasing order, ties to the lower expert id; topk_weight[t, j] = probs[t, topk_idx[t, j]].
 // Returns the number of rows in the range with no softmax -- holding a NaN or +inf, or all -inf -- (their outputs
 // are unspecified; the glue raises).
-int64_t moe_route_cpu(const void* logits, MoeValueType type, int64_t num_experts, int64_t k, float* probs,
+int64_t moe_route_cpu(const void* logits, StorageType type, int64_t num_experts, int64_t k, float* probs,
                       float* lse, int64_t* topk_idx, float* topk_weight, int64_t t_begin, int64_t t_end);
 
 // Tokens [t_begin, t_end): adds how many of their j-th choices go to each expert to hist[j * num_experts + e]
@@ -80,12 +75,12 @@ void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t k, int64_t num_expe
 
 // permute over tokens [t_begin, t_end): x [T, d], row_of_slot [T, k], weight [T, k] or nullptr, out [rows, d]
 // (the caller zeroes rows no slot names).
-void moe_permute_cpu(const void* x, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
+void moe_permute_cpu(const void* x, StorageType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                      const void* weight, void* out, int64_t t_begin, int64_t t_end);
 
 // unpermute over tokens [t_begin, t_end): y [rows, d], row_of_slot [T, k], weight [T, k] or nullptr (ones),
 // out [T, d].
-void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, const int64_t* row_of_slot,
+void moe_unpermute_cpu(const void* y, StorageType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                        const void* weight, void* out, int64_t t_begin, int64_t t_end);
 
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launches ----
@@ -93,7 +88,7 @@ void moe_unpermute_cpu(const void* y, MoeValueType type, int64_t d, int64_t k, c
 
 // One warp per token row. Rows with no softmax (see moe_route_cpu) give unspecified choices of distinct valid ids
 // (the CUDA glue does not sync to check).
-cudaError_t moe_route_cuda(const void* logits, MoeValueType type, int64_t tokens, int64_t num_experts, int64_t k,
+cudaError_t moe_route_cuda(const void* logits, StorageType type, int64_t tokens, int64_t num_experts, int64_t k,
                            float* probs, float* lse, int64_t* topk_idx, float* topk_weight, cudaStream_t stream);
 
 // Bytes of scratch moe_layout_cuda needs (per-warp-chunk histograms).
@@ -106,10 +101,10 @@ cudaError_t moe_layout_cuda(const int64_t* topk_idx, int64_t tokens, int64_t k, 
                             int64_t* rank_counts, int64_t* permutation, int64_t* row_of_slot, int64_t* position,
                             uint8_t* keep, void* workspace, cudaStream_t stream);
 
-cudaError_t moe_permute_cuda(const void* x, MoeValueType type, int64_t tokens, int64_t d, int64_t k,
+cudaError_t moe_permute_cuda(const void* x, StorageType type, int64_t tokens, int64_t d, int64_t k,
                              const int64_t* row_of_slot, const void* weight, void* out, cudaStream_t stream);
 
-cudaError_t moe_unpermute_cuda(const void* y, MoeValueType type, int64_t tokens, int64_t d, int64_t k,
+cudaError_t moe_unpermute_cuda(const void* y, StorageType type, int64_t tokens, int64_t d, int64_t k,
                                const int64_t* row_of_slot, const void* weight, void* out, cudaStream_t stream);
 
 #endif  // __CUDACC__

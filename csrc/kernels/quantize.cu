@@ -4,6 +4,7 @@
 // an add: each step rounds exactly as the CPU code does, and codes and values are bit-identical to the CPU's.
 #include <cstdint>
 
+#include "kernels/cuda_launch.cuh"
 #include "kernels/quantize.h"
 
 namespace fastdist {
@@ -11,13 +12,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int64_t kMaxBlocks = 8192;
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
-
-int grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
 
 __device__ __forceinline__ float inverse(float scale) { return scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f; }
 
@@ -64,8 +59,7 @@ __global__ void pack_kernel(const float* __restrict__ x, int64_t n, int64_t grou
   const float qmin = static_cast<float>(lv.qmin), qmax = static_cast<float>(lv.qmax);
   const int per = 8 / bits;
   const int64_t bytes = quant_packed_bytes(n, bits);
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < bytes;
-       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t b = global_thread(); b < bytes; b += grid_threads()) {
     uint32_t byte = 0;
     for (int t = 0; t < per; ++t) {
       const int64_t i = b * per + t;
@@ -92,8 +86,7 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, int64_t n,
   const QuantLevels lv = quant_levels(scheme, bits);
   const uint32_t mask = (1u << bits) - 1;
   const int per = 8 / bits;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
     const float q = static_cast<float>((packed[i / per] >> ((i % per) * bits)) & mask);
     const int64_t g = i / group;
     out[i] = scheme == QuantScheme::kMinMax ? __fadd_rn(zeros[g], __fmul_rn(q, scales[g]))

@@ -17,10 +17,11 @@
 //   below at the value's flat index i: unbiased, |x - x'| < scale.
 //   (qmin, qmax) = (0, 2^bits - 1), except absmax with bits >= 2: (1, 2^bits - 1).
 //
-// Random numbers: u_i = top 24 bits of splitmix64(seed + (i + 1) * 0x9E3779B97F4A7C15) (the output function of
-// sketch.h's generator at step i + 1), times 2^-24. A function of (seed, i) only, so CPU and CUDA draw the same
-// numbers whatever the thread or block layout. The arithmetic is written so that CPU and CUDA round identically
-// (no fused multiply-add; rounding by adding and subtracting 1.5 * 2^23): codes are bit-identical across devices.
+// Random numbers: u_i = top 24 bits of splitmix64_mix(seed + (i + 1) * kSplitmix64Gamma) (splitmix64.h: the
+// output of a stream seeded with `seed` at step i + 1), times 2^-24. A function of (seed, i) only, so CPU and CUDA
+// draw the same numbers whatever the thread or block layout. The arithmetic is written so that CPU and CUDA round
+// identically (no fused multiply-add; rounding by adding and subtracting 1.5 * 2^23): codes are bit-identical
+// across devices.
 //
 // Packing: code i occupies bits [i * bits, (i + 1) * bits) of the packed byte stream, least significant bit first
 // (for bits = 1 this is pack_bits' order). ceil(n * bits / 8) bytes; padding bits are zero.
@@ -33,7 +34,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/float_bits.h"
+#include "kernels/bitpack.h"
+#include "kernels/splitmix64.h"
 
 namespace fastdist {
 
@@ -42,9 +44,7 @@ enum class QuantScheme : int32_t { kMinMax = 0, kAbsMax = 1 };
 FASTDIST_HOST_DEVICE inline constexpr bool quant_bits_supported(int64_t bits) {
   return bits == 1 || bits == 2 || bits == 4 || bits == 8;
 }
-FASTDIST_HOST_DEVICE inline constexpr int64_t quant_packed_bytes(int64_t n, int bits) {
-  return (n * bits + 7) / 8;
-}
+FASTDIST_HOST_DEVICE inline constexpr int64_t quant_packed_bytes(int64_t n, int bits) { return packed_bytes(n * bits); }
 
 // The code range and centre of a scheme (see the header comment).
 struct QuantLevels {
@@ -61,10 +61,7 @@ FASTDIST_HOST_DEVICE inline QuantLevels quant_levels(QuantScheme scheme, int bit
 
 // u_i in [0, 1), 24 random bits.
 FASTDIST_HOST_DEVICE inline float quant_uniform(uint64_t seed, uint64_t i) {
-  uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  z ^= z >> 31;
+  const uint64_t z = splitmix64_mix(seed + (i + 1) * kSplitmix64Gamma);
   return static_cast<float>(static_cast<uint32_t>(z >> 40)) * 5.9604644775390625e-8f;  // 2^-24
 }
 

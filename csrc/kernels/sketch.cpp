@@ -37,34 +37,25 @@ constexpr int64_t kP = static_cast<int64_t>(kSketchPrime);
 constexpr uint32_t kBucketMask = 0x7FFFFFFFu;
 constexpr uint32_t kSignMask = 0x80000000u;
 static_assert(kSketchSignBit == 30, "lane_codes moves the sign bit (30) of y to bit 31 of a code with one shift");
-// A chunk hashes its active values directly when active * kDirectRatio < chunk length. Measured on x86-64 with
-// AVX2: a direct hash takes ~5 ns, a lane step ~0.65 ns per value, an add 0.7-1.6 ns; the lane path adds every
-// value of the chunk (zeros are no-ops), the direct path only the active ones, so they break even near 1 in 4.
+// A chunk hashes its active values directly when active * kDirectRatio < chunk length. A direct hash costs several
+// lane steps, but the lane path adds every value of the chunk (zeros are no-ops) and the direct path only the active
+// ones, so they break even near 1 in 4 (timings in bench/README.md).
 constexpr int64_t kDirectRatio = 4;
 
-inline uint32_t float_bits(float f) { return bits_of_float(f); }
-inline float bits_float(uint32_t u) { return float_from_bits(u); }
 
-FASTDIST_SKETCH_CLONES void convert_f64(const double* __restrict x, float* __restrict out, int64_t len) {
-  for (int64_t e = 0; e < len; ++e) out[e] = static_cast<float>(x[e]);
+// out[e] = x[e] as float32 (float64 rounded to nearest) for e < len.
+template <typename Format>
+FASTDIST_SKETCH_CLONES void convert_values(const typename Format::Storage* __restrict x, float* __restrict out,
+                                           int64_t len) {
+  for (int64_t e = 0; e < len; ++e) out[e] = static_cast<float>(Format::load(x[e]));
 }
 
-FASTDIST_SKETCH_CLONES void convert_f16(const uint16_t* __restrict x, float* __restrict out, int64_t len) {
-  for (int64_t e = 0; e < len; ++e) out[e] = half_to_float(x[e]);
-}
-
-FASTDIST_SKETCH_CLONES void convert_bf16(const uint16_t* __restrict x, float* __restrict out, int64_t len) {
-  for (int64_t e = 0; e < len; ++e) out[e] = bfloat16_to_float(x[e]);
-}
-
-// Values [s, s + len) of x as float32.
-void load_values(const void* x, SketchValueType type, int64_t s, int64_t len, float* out) {
-  switch (type) {
-    case SketchValueType::kFloat32: std::memcpy(out, static_cast<const float*>(x) + s, len * sizeof(float)); break;
-    case SketchValueType::kFloat64: convert_f64(static_cast<const double*>(x) + s, out, len); break;
-    case SketchValueType::kFloat16: convert_f16(static_cast<const uint16_t*>(x) + s, out, len); break;
-    case SketchValueType::kBFloat16: convert_bf16(static_cast<const uint16_t*>(x) + s, out, len); break;
-  }
+// Values [s, s + len) of x, stored as `type`, as float32.
+void load_values(const void* x, StorageType type, int64_t s, int64_t len, float* out) {
+  dispatch_storage(type, [&](auto format) {
+    using Format = decltype(format);
+    convert_values<Format>(static_cast<const typename Format::Storage*>(x) + s, out, len);
+  });
 }
 
 // words[w] bit k = (v[64 w + k] is not +-0), for the len <= kChunk values; bits past len are 0.
@@ -73,7 +64,7 @@ FASTDIST_SKETCH_CLONES void nonzero_words(const float* __restrict v, int64_t len
     uint64_t word = 0;
     const int64_t base = 64 * w;
     const int64_t count = std::min<int64_t>(64, std::max<int64_t>(len - base, 0));
-    for (int64_t k = 0; k < count; ++k) word |= static_cast<uint64_t>((float_bits(v[base + k]) << 1) != 0) << k;
+    for (int64_t k = 0; k < count; ++k) word |= static_cast<uint64_t>((bits_of_float(v[base + k]) << 1) != 0) << k;
     words[w] = word;
   }
 }
@@ -170,23 +161,23 @@ class Hasher {
 
   // Places row j's lanes at pos (pos >= 0): directly the first time, then by stepping from where they are.
   void seek(int j, int64_t pos) {
-    RowLanes& l = lanes_[j];
-    if (l.pos == pos) return;
-    if (l.pos < 0) {
+    RowLanes& row = lanes_[j];
+    if (row.pos == pos) return;
+    if (row.pos < 0) {
       for (int k = 0; k < kLanes; ++k) {
         const uint64_t i = static_cast<uint64_t>(pos + k);
-        l.x[k] = static_cast<int64_t>(sketch_affine(h_.a[j], h_.b[j], i));
-        l.bucket[k] = static_cast<int64_t>(fastmod(static_cast<uint64_t>(l.x[k])));
-        l.y[k] = static_cast<int64_t>(sketch_affine(h_.c[j], h_.d[j], i));
+        row.x[k] = static_cast<int64_t>(sketch_affine(h_.a[j], h_.b[j], i));
+        row.bucket[k] = static_cast<int64_t>(fastmod(static_cast<uint64_t>(row.x[k])));
+        row.y[k] = static_cast<int64_t>(sketch_affine(h_.c[j], h_.d[j], i));
       }
     } else {
-      const int64_t delta = pos - l.pos;
+      const int64_t delta = pos - row.pos;
       uint64_t dist = sketch_mod_p(static_cast<uint64_t>(delta >= 0 ? delta : -delta));
       if (delta < 0 && dist != 0) dist = kSketchPrime - dist;  // moving back by D = moving forward by p - D
-      const Step s = step_for(j, dist);
-      for (int k = 0; k < kLanes; ++k) advance(l, k, s);
+      const Step step = step_for(j, dist);
+      for (int k = 0; k < kLanes; ++k) advance(row, k, step);
     }
-    l.pos = pos;
+    row.pos = pos;
   }
 
   // Direct hash of index i in row j, as code = bucket | sign << 31.
@@ -211,14 +202,15 @@ class Hasher {
     return {static_cast<int64_t>(dx), db, db_wrap, static_cast<int64_t>(sketch_mulmod(h_.c[j], dist))};
   }
 
-  void advance(RowLanes& l, int k, const Step& s) const {
-    const int64_t x = l.x[k] + s.dx;
+  // Moves lane k of `row` forward by `step`.
+  void advance(RowLanes& row, int k, const Step& step) const {
+    const int64_t x = row.x[k] + step.dx;
     const bool wrap = x >= kP;
-    l.x[k] = wrap ? x - kP : x;
-    const int64_t b = l.bucket[k] + (wrap ? s.db_wrap : s.db_nowrap);
-    l.bucket[k] = b >= h_.cols ? b - h_.cols : b;
-    const int64_t y = l.y[k] + s.dy;
-    l.y[k] = y >= kP ? y - kP : y;
+    row.x[k] = wrap ? x - kP : x;
+    const int64_t b = row.bucket[k] + (wrap ? step.db_wrap : step.db_nowrap);
+    row.bucket[k] = b >= h_.cols ? b - h_.cols : b;
+    const int64_t y = row.y[k] + step.dy;
+    row.y[k] = y >= kP ? y - kP : y;
   }
 
   const SketchHash& h_;
@@ -233,42 +225,42 @@ typedef uint32_t U32x4 __attribute__((vector_size(16)));
 static_assert(kLanes % 4 == 0, "lanes are held as 4-wide vectors");
 
 // code[e] = bucket | sign << 31 for e < kLanes * blocks, stepping the lanes by kLanes each block.
-FASTDIST_SKETCH_CLONES void lane_codes(RowLanes& l, int64_t cols, int64_t blocks, uint32_t* __restrict code) {
+FASTDIST_SKETCH_CLONES void lane_codes(RowLanes& row, int64_t cols, int64_t blocks, uint32_t* __restrict code) {
   constexpr int kVecs = kLanes / 4;
   I64x4 x[kVecs], bucket[kVecs], y[kVecs];
   for (int v = 0; v < kVecs; ++v) {
-    std::memcpy(&x[v], l.x + 4 * v, sizeof x[v]);
-    std::memcpy(&bucket[v], l.bucket + 4 * v, sizeof bucket[v]);
-    std::memcpy(&y[v], l.y + 4 * v, sizeof y[v]);
+    std::memcpy(&x[v], row.x + 4 * v, sizeof x[v]);
+    std::memcpy(&bucket[v], row.bucket + 4 * v, sizeof bucket[v]);
+    std::memcpy(&y[v], row.y + 4 * v, sizeof y[v]);
   }
-  const Step s = l.step;
-  const int64_t p_minus_1 = kP - 1, cols_minus_1 = cols - 1, wrap_extra = s.db_wrap - s.db_nowrap;
+  const Step step = row.step;
+  const int64_t p_minus_1 = kP - 1, cols_minus_1 = cols - 1, wrap_extra = step.db_wrap - step.db_nowrap;
   for (int64_t t = 0; t < blocks; ++t) {
     for (int v = 0; v < kVecs; ++v) {
       // bit 31 of (y << 1) is bit kSketchSignBit (30) of y
       const U32x4 c = __builtin_convertvector(bucket[v], U32x4) |
                       (__builtin_convertvector(y[v] << 1, U32x4) & kSignMask);
       std::memcpy(code + t * kLanes + 4 * v, &c, sizeof c);
-      const I64x4 xs = x[v] + s.dx;
+      const I64x4 xs = x[v] + step.dx;
       const I64x4 wrap = xs > p_minus_1;  // lanes of -1 (true) or 0
       x[v] = xs - (wrap & kP);
-      const I64x4 b = bucket[v] + s.db_nowrap + (wrap & wrap_extra);
+      const I64x4 b = bucket[v] + step.db_nowrap + (wrap & wrap_extra);
       bucket[v] = b - ((b > cols_minus_1) & cols);
-      const I64x4 ys = y[v] + s.dy;
+      const I64x4 ys = y[v] + step.dy;
       y[v] = ys - ((ys > p_minus_1) & kP);
     }
   }
   for (int v = 0; v < kVecs; ++v) {
-    std::memcpy(l.x + 4 * v, &x[v], sizeof x[v]);
-    std::memcpy(l.bucket + 4 * v, &bucket[v], sizeof bucket[v]);
-    std::memcpy(l.y + 4 * v, &y[v], sizeof y[v]);
+    std::memcpy(row.x + 4 * v, &x[v], sizeof x[v]);
+    std::memcpy(row.bucket + 4 * v, &bucket[v], sizeof bucket[v]);
+    std::memcpy(row.y + 4 * v, &y[v], sizeof y[v]);
   }
-  l.pos += kLanes * blocks;
+  row.pos += kLanes * blocks;
 }
 
 // table[bucket] += +-v[e] for e < len, in order. kPrefetch: prefetch the bucket kPrefetchAhead values ahead, which
-// overlaps the cache misses of a table row too large for L2 (measured: 1.5-2x faster per update for a 16 MB row;
-// slightly slower for cache-resident rows). Long runs matter too: the first kPrefetchAhead updates of a run are
+// overlaps the cache misses of a table row too large for L2 (for a cache-resident row it only costs instructions,
+// hence kPrefetchRowBytes). Long runs matter too: the first kPrefetchAhead updates of a run are
 // not prefetched, which is why the sketcher stages a few thousand values per call.
 constexpr int64_t kPrefetchRowBytes = 1 << 20;
 constexpr int64_t kPrefetchAhead = 32;
@@ -280,7 +272,7 @@ void scatter(float* table, const uint32_t* __restrict code, const float* __restr
       __builtin_prefetch(table + (code[e + kPrefetchAhead] & kBucketMask), 1, 3);
     }
     const uint32_t c = code[e];
-    table[c & kBucketMask] += bits_float(float_bits(v[e]) ^ (c & kSignMask));
+    table[c & kBucketMask] += xor_sign(v[e], c & kSignMask);
   }
 }
 
@@ -292,7 +284,7 @@ void gather(const float* table, const uint32_t* __restrict code, float* __restri
       __builtin_prefetch(table + (code[e + kPrefetchAhead] & kBucketMask), 0, 3);
     }
     const uint32_t c = code[e];
-    est[e] = bits_float(float_bits(table[c & kBucketMask]) ^ (c & kSignMask));
+    est[e] = xor_sign(table[c & kBucketMask], c & kSignMask);
   }
 }
 
@@ -328,8 +320,7 @@ FASTDIST_SKETCH_CLONES void median_of_windows3(const float* __restrict t0, const
                                                uint32_t u0, uint32_t u1, uint32_t u2, float* __restrict out,
                                                int64_t len) {
   for (int64_t e = 0; e < len; ++e) {
-    out[e] = median3(bits_float(float_bits(t0[e]) ^ m0[e] ^ u0), bits_float(float_bits(t1[e]) ^ m1[e] ^ u1),
-                     bits_float(float_bits(t2[e]) ^ m2[e] ^ u2));
+    out[e] = median3(xor_sign(t0[e], m0[e] ^ u0), xor_sign(t1[e], m1[e] ^ u1), xor_sign(t2[e], m2[e] ^ u2));
   }
 }
 
@@ -348,8 +339,8 @@ void for_each_active(const uint64_t* active, int64_t len, Fn fn) {
 bool go_direct(int64_t count, int64_t len) { return count * kDirectRatio < len || len < 2 * kLanes; }
 
 // Sketches chunks in blocks: chunks are queued until kBlockChunks are waiting, then each sketch row runs over the
-// whole block before the next row starts, so that one table row at a time is the scatter's working set (3 rows of
-// 4 MB scattered into together are 2-3x slower per update than one after the other, from cache and TLB misses).
+// whole block before the next row starts, so that one table row at a time is the scatter's working set (several
+// large rows scattered into together miss the caches and the TLB far more than one after the other).
 // Each row still sees the values in increasing index.
 class Sketcher {
  public:
@@ -445,7 +436,7 @@ class Decoder {
         float v[kSketchMaxRows];
         for (int j = 0; j < rows; ++j) {
           const uint32_t c = hasher_.code(j, static_cast<uint64_t>(s + e));
-          v[j] = bits_float(float_bits(table_[j * cols + (c & kBucketMask)]) ^ (c & kSignMask));
+          v[j] = xor_sign(table_[j * cols + (c & kBucketMask)], c & kSignMask);
         }
         out[e] = sketch_median(v, rows);
       });
@@ -461,7 +452,7 @@ class Decoder {
         std::memset(est_[j], 0, len * sizeof(float));
         for_each_set_bit(active, [&](int64_t e) {
           const uint32_t c = code_[e];
-          est_[j][e] = bits_float(float_bits(table[c & kBucketMask]) ^ (c & kSignMask));
+          est_[j][e] = xor_sign(table[c & kBucketMask], c & kSignMask);
         });
       } else {
         (prefetch ? gather<true> : gather<false>)(table_ + j * cols, code_, est_[j], len);
@@ -481,8 +472,8 @@ class Decoder {
 };
 
 // The chunk's values as float32: a pointer into x for float32 input, else converted into buf.
-const float* chunk_values(const void* x, SketchValueType type, int64_t s, int64_t len, float* buf) {
-  if (type == SketchValueType::kFloat32) return static_cast<const float*>(x) + s;
+const float* chunk_values(const void* x, StorageType type, int64_t s, int64_t len, float* buf) {
+  if (type == StorageType::kFloat32) return static_cast<const float*>(x) + s;
   load_values(x, type, s, len, buf);
   return buf;
 }
@@ -491,9 +482,8 @@ const float* chunk_values(const void* x, SketchValueType type, int64_t s, int64_
 // Unit u's values land on the consecutive buckets (start_j(u) + col) mod cols of row j (sketch.h), so a unit is
 // sketched by adding its values, sign-flipped, into a window of the row, and decoded by reading the windows back:
 // vector adds and loads over contiguous memory, one hash per unit and row. A sketch adds up to kWindowChunk columns
-// of a unit into all of its rows' windows in one pass, so each value is loaded once (measured on the 2% embedding
-// gradient, one thread: 612 -> 360 us against one row at a time over 256-column chunks); a decode reads kChunk
-// columns of every row, then takes their medians.
+// of a unit into all of its rows' windows in one pass, so each value is loaded once (rather than once per row); a
+// decode reads kChunk columns of every row, then takes their medians.
 constexpr int64_t kWindowChunk = 1024;
 
 // masks[e] = column_negative(col0 + e) << 31 for e < len, in a row with column coefficient g: (g col) mod p steps
@@ -549,7 +539,7 @@ FASTDIST_SKETCH_CLONES void add_window(float* table, int64_t cols, int64_t start
       float* __restrict t = table + b0;
       const float* __restrict x = v + done + (b0 - start);
       const uint32_t* __restrict mk = masks + done + (b0 - start);
-      for (int64_t e = 0; e < b1 - b0; ++e) t[e] += bits_float(float_bits(x[e]) ^ mk[e] ^ unit_mask);
+      for (int64_t e = 0; e < b1 - b0; ++e) t[e] += xor_sign(x[e], mk[e] ^ unit_mask);
     }
     done += seg;
   }
@@ -561,9 +551,9 @@ FASTDIST_SKETCH_CLONES void add_windows2(float* __restrict t0, float* __restrict
                                          const uint32_t* __restrict m0, const uint32_t* __restrict m1, uint32_t u0,
                                          uint32_t u1, int64_t len) {
   for (int64_t e = 0; e < len; ++e) {
-    const uint32_t b = float_bits(v[e]);
-    t0[e] += bits_float(b ^ m0[e] ^ u0);
-    t1[e] += bits_float(b ^ m1[e] ^ u1);
+    const uint32_t b = bits_of_float(v[e]);
+    t0[e] += float_from_bits(b ^ m0[e] ^ u0);
+    t1[e] += float_from_bits(b ^ m1[e] ^ u1);
   }
 }
 
@@ -572,10 +562,10 @@ FASTDIST_SKETCH_CLONES void add_windows3(float* __restrict t0, float* __restrict
                                          const uint32_t* __restrict m1, const uint32_t* __restrict m2, uint32_t u0,
                                          uint32_t u1, uint32_t u2, int64_t len) {
   for (int64_t e = 0; e < len; ++e) {
-    const uint32_t b = float_bits(v[e]);
-    t0[e] += bits_float(b ^ m0[e] ^ u0);
-    t1[e] += bits_float(b ^ m1[e] ^ u1);
-    t2[e] += bits_float(b ^ m2[e] ^ u2);
+    const uint32_t b = bits_of_float(v[e]);
+    t0[e] += float_from_bits(b ^ m0[e] ^ u0);
+    t1[e] += float_from_bits(b ^ m1[e] ^ u1);
+    t2[e] += float_from_bits(b ^ m2[e] ^ u2);
   }
 }
 
@@ -587,7 +577,7 @@ FASTDIST_SKETCH_CLONES void read_window(const float* table, int64_t cols, int64_
     const float* __restrict t = table + start;
     const uint32_t* __restrict mk = masks + done;
     float* __restrict out = est + done;
-    for (int64_t e = 0; e < seg; ++e) out[e] = bits_float(float_bits(t[e]) ^ mk[e] ^ unit_mask);
+    for (int64_t e = 0; e < seg; ++e) out[e] = xor_sign(t[e], mk[e] ^ unit_mask);
     done += seg;
   }
 }
@@ -596,7 +586,7 @@ FASTDIST_SKETCH_CLONES void read_window(const float* table, int64_t cols, int64_
 // window sketch's time.
 FASTDIST_SKETCH_CLONES bool any_nonzero(const float* __restrict v, int64_t len) {
   uint32_t acc = 0;
-  for (int64_t e = 0; e < len; ++e) acc |= float_bits(v[e]) << 1;
+  for (int64_t e = 0; e < len; ++e) acc |= bits_of_float(v[e]) << 1;
   return acc != 0;
 }
 
@@ -617,7 +607,7 @@ class WindowSketcher {
   // Adds unit u, whose m values start at flat index `offset` of x, into the table. skip_zero_chunks: first check
   // whether a chunk of the unit is all zero and skip it (it adds nothing, see count_sketch_cpu); worth it only when
   // most units are zero.
-  void sketch(float* table, const void* x, SketchValueType type, int64_t offset, uint64_t u, bool skip_zero_chunks) {
+  void sketch(float* table, const void* x, StorageType type, int64_t offset, uint64_t u, bool skip_zero_chunks) {
     const int64_t cols = hash_.cols;
     bool placed = false;
     for (int64_t col0 = 0; col0 < m_; col0 += kWindowChunk) {
@@ -779,7 +769,7 @@ void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uin
   }
 }
 
-void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+void count_sketch_cpu(const void* x, StorageType type, int64_t n, int64_t m, const uint8_t* support,
                       const SketchHash& hash, float* table, int64_t begin, int64_t end) {
   if (begin >= end) return;
   std::memset(table + begin, 0, (end - begin) * sizeof(float));
@@ -830,7 +820,7 @@ void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m,
   sketcher->flush();
 }
 
-void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
+void count_sketch_units_cpu(const void* values, StorageType type, const int64_t* units, int64_t k, int64_t m,
                             const SketchHash& hash, float* table, int64_t begin, int64_t end) {
   if (begin >= end) return;
   std::memset(table + begin, 0, (end - begin) * sizeof(float));

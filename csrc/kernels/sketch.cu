@@ -10,45 +10,24 @@
 // the atomics flush to zero); zeros are skipped.
 #include <cstdint>
 
+#include "kernels/cuda_launch.cuh"
 #include "kernels/sketch.h"
 
 namespace fastdist {
 namespace {
 
 constexpr int kThreads = 256;
-// Enough blocks to fill any current GPU several times over; larger inputs loop inside the kernel.
-constexpr int64_t kMaxBlocks = 8192;
 // Below this many values per unit, one thread per value beats one block per unit.
 constexpr int64_t kRowKernelMinValues = 64;
-
-int grid_for(int64_t items) {
-  const int64_t blocks = (items + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
-int grid_for_units(int64_t units) { return static_cast<int>(units < 1 ? 1 : units < kMaxBlocks ? units : kMaxBlocks); }
-
-__device__ __forceinline__ int64_t global_thread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 __device__ __forceinline__ bool unit_bit(const uint8_t* __restrict__ support, int64_t u) {
   return (support[u >> 3] >> (u & 7)) & 1;
 }
 
-template <SketchValueType kType>
+// Value i of x, stored in Format, as float32 (float64 rounded to nearest, as on the CPU).
+template <typename Format>
 __device__ __forceinline__ float load_value(const void* __restrict__ x, int64_t i) {
-  if constexpr (kType == SketchValueType::kFloat32) {
-    return static_cast<const float*>(x)[i];
-  } else if constexpr (kType == SketchValueType::kFloat64) {
-    return __double2float_rn(static_cast<const double*>(x)[i]);
-  } else if constexpr (kType == SketchValueType::kFloat16) {
-    return half_to_float(static_cast<const uint16_t*>(x)[i]);
-  } else {
-    return bfloat16_to_float(static_cast<const uint16_t*>(x)[i]);
-  }
+  return static_cast<float>(Format::load(static_cast<const typename Format::Storage*>(x)[i]));
 }
 
 // ---- nonzero bitmap ----
@@ -61,7 +40,7 @@ __device__ __forceinline__ bool nonzero(U u) {
 // m == 1: one packed byte (8 values) per thread.
 template <typename U>
 __global__ void nonzero_elements_kernel(const U* __restrict__ x, int64_t n, uint8_t* __restrict__ out) {
-  const int64_t bytes = (n + 7) / 8;
+  const int64_t bytes = packed_bytes(n);
   for (int64_t k = global_thread(); k < bytes; k += grid_threads()) {
     const int64_t begin = 8 * k;
     const int count = n - begin < 8 ? static_cast<int>(n - begin) : 8;
@@ -76,7 +55,7 @@ template <typename U>
 __global__ void nonzero_rows_kernel(const U* __restrict__ x, int64_t n, int64_t m, uint8_t* __restrict__ out) {
   __shared__ uint32_t bits[kThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t bytes = (n + 7) / 8;
+  const int64_t bytes = packed_bytes(n);
   for (int64_t k = blockIdx.x; k < bytes; k += gridDim.x) {
     const int64_t u = 8 * k + warp;
     U acc = 0;
@@ -100,22 +79,19 @@ static_assert(kThreads == 8 * 32, "nonzero_rows_kernel: one warp per unit of a p
 template <typename U>
 cudaError_t launch_nonzero(const void* x, int64_t n, int64_t m, uint8_t* out, cudaStream_t stream) {
   const U* values = static_cast<const U*>(x);
-  const int64_t bytes = (n + 7) / 8;
+  const int64_t bytes = packed_bytes(n);
   if (m == 1) {
-    nonzero_elements_kernel<U><<<grid_for(bytes), kThreads, 0, stream>>>(values, n, out);
+    nonzero_elements_kernel<U><<<grid_for(bytes, kThreads), kThreads, 0, stream>>>(values, n, out);
   } else {
-    nonzero_rows_kernel<U><<<grid_for_units(bytes), kThreads, 0, stream>>>(values, n, m, out);
+    nonzero_rows_kernel<U><<<grid_for(bytes, 1), kThreads, 0, stream>>>(values, n, m, out);
   }
   return cudaGetLastError();
 }
 
 // ---- count sketch ----
 
-// v with its sign bit flipped when `negative`: the CPU's XOR, so that a NaN keeps its payload as it does there
-// (a negation may canonicalize it).
-__device__ __forceinline__ float flip_sign(float v, bool negative) {
-  return __uint_as_float(__float_as_uint(v) ^ (negative ? 0x80000000u : 0u));
-}
+// v with its sign flipped when `negative`, by the CPU's XOR (xor_sign), so that a NaN keeps its payload as there.
+__device__ __forceinline__ float flip_sign(float v, bool negative) { return xor_sign(v, negative ? 0x80000000u : 0u); }
 
 // Value col of unit u, hashed in full (one thread per value).
 __device__ __forceinline__ void add_value(const SketchHash& h, float* __restrict__ table, uint64_t u, uint64_t col,
@@ -190,7 +166,7 @@ __device__ void load_tile_bits(const uint8_t* __restrict__ support, int64_t n, i
       if (support == nullptr) {
         bits = ~0u;
       } else {
-        const int64_t byte0 = first >> 3, bytes = (n + 7) >> 3;  // first is a multiple of 8
+        const int64_t byte0 = first >> 3, bytes = packed_bytes(n);  // first is a multiple of 8
         for (int b = 0; b < 4 && byte0 + b < bytes; ++b) bits |= static_cast<uint32_t>(support[byte0 + b]) << (8 * b);
       }
       if (n - first < 32) bits &= (1u << (n - first)) - 1;
@@ -201,24 +177,24 @@ __device__ void load_tile_bits(const uint8_t* __restrict__ support, int64_t n, i
 }
 
 // One thread per value. support may be null (every value); otherwise value i belongs to unit i / m.
-template <SketchValueType kType>
+template <typename Format>
 __global__ void sketch_elements_kernel(const void* __restrict__ x, int64_t total, int64_t m,
                                        const uint8_t* __restrict__ support, const SketchHash h,
                                        float* __restrict__ table) {
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
     const int64_t u = m == 1 ? i : i / m;
     if (support != nullptr && !unit_bit(support, u)) continue;
-    const float v = load_value<kType>(x, i);
+    const float v = load_value<Format>(x, i);
     if (v != 0.0f) add_value(h, table, static_cast<uint64_t>(u), static_cast<uint64_t>(i - u * m), v);  // NaN: added
   }
 }
 
 // Adds the placed unit's m values, starting at values[0], to its windows: consecutive threads, consecutive buckets.
-template <SketchValueType kType>
+template <typename Format>
 __device__ void add_unit(const void* __restrict__ values, int64_t offset, int64_t m, const SketchHash& h,
                          const UnitWindows& w, float* __restrict__ table) {
   for (int64_t e = threadIdx.x; e < m; e += blockDim.x) {
-    const float v = load_value<kType>(values, offset + e);
+    const float v = load_value<Format>(values, offset + e);
     if (v == 0.0f) continue;
     for (int j = 0; j < h.rows; ++j) {
       atomicAdd(table + j * h.cols + w.bucket(h, j, e), flip_sign(v, w.sign_negative(h, j, e)));
@@ -231,7 +207,7 @@ __device__ void add_unit(const void* __restrict__ values, int64_t offset, int64_
 // unit, not a block iteration.
 constexpr int kMaxTileWords = 32;  // 1024 units
 
-template <SketchValueType kType>
+template <typename Format>
 __global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_t m,
                                    const uint8_t* __restrict__ support, int tile_words, const SketchHash h,
                                    float* __restrict__ table) {
@@ -245,7 +221,7 @@ __global__ void sketch_rows_kernel(const void* __restrict__ x, int64_t n, int64_
       for (uint32_t bits = tile_bits[word]; bits != 0; bits &= bits - 1) {  // uniform over the block
         const int64_t u = u0 + 32 * word + (__ffs(bits) - 1);
         w.place(h, static_cast<uint64_t>(u), m);
-        add_unit<kType>(x, u * m, m, h, w, table);
+        add_unit<Format>(x, u * m, m, h, w, table);
       }
     }
   }
@@ -258,50 +234,62 @@ int tile_words_for(int64_t n) {
   return static_cast<int>(per_tile < 1 ? 1 : per_tile < kMaxTileWords ? per_tile : kMaxTileWords);
 }
 
-template <SketchValueType kType>
+template <typename Format>
 void launch_sketch(const void* x, int64_t n, int64_t m, const uint8_t* support, const SketchHash& hash,
                    float* table, cudaStream_t stream) {
   if (m >= kRowKernelMinValues) {
     const int tile_words = tile_words_for(n);
-    const int grid = grid_for_units((n + 32 * tile_words - 1) / (32 * tile_words));
-    sketch_rows_kernel<kType><<<grid, kThreads, 0, stream>>>(x, n, m, support, tile_words, hash, table);
+    const int grid = grid_for(n, 32 * tile_words);
+    sketch_rows_kernel<Format><<<grid, kThreads, 0, stream>>>(x, n, m, support, tile_words, hash, table);
   } else {
-    sketch_elements_kernel<kType><<<grid_for(n * m), kThreads, 0, stream>>>(x, n * m, m, support, hash, table);
+    sketch_elements_kernel<Format>
+        <<<grid_for(n * m, kThreads), kThreads, 0, stream>>>(x, n * m, m, support, hash, table);
   }
 }
 
 // Listed units, one block per unit (long units): the unit is hashed once per block, as in sketch_rows_kernel.
-template <SketchValueType kType>
+template <typename Format>
 __global__ void sketch_units_rows_kernel(const void* __restrict__ values, const int64_t* __restrict__ units,
                                          int64_t k, int64_t m, const SketchHash h, float* __restrict__ table) {
   __shared__ UnitWindows w;
   w.init();
   for (int64_t t = blockIdx.x; t < k; t += gridDim.x) {
     w.place(h, static_cast<uint64_t>(units[t]), m);
-    add_unit<kType>(values, t * m, m, h, w, table);
+    add_unit<Format>(values, t * m, m, h, w, table);
   }
 }
 
 // Listed units, one thread per value (short units); value i is value i % m of unit units[i / m].
-template <SketchValueType kType>
+template <typename Format>
 __global__ void sketch_units_kernel(const void* __restrict__ values, const int64_t* __restrict__ units, int64_t total,
                                     int64_t m, const SketchHash h, float* __restrict__ table) {
   for (int64_t i = global_thread(); i < total; i += grid_threads()) {
-    const float v = load_value<kType>(values, i);
+    const float v = load_value<Format>(values, i);
     if (v == 0.0f) continue;
     const int64_t t = m == 1 ? i : i / m;
     add_value(h, table, static_cast<uint64_t>(units[t]), static_cast<uint64_t>(i - t * m), v);
   }
 }
 
-template <SketchValueType kType>
+template <typename Format>
 void launch_sketch_units(const void* values, const int64_t* units, int64_t k, int64_t m, const SketchHash& hash,
                          float* table, cudaStream_t stream) {
   if (m >= kRowKernelMinValues) {
-    sketch_units_rows_kernel<kType><<<grid_for_units(k), kThreads, 0, stream>>>(values, units, k, m, hash, table);
+    sketch_units_rows_kernel<Format><<<grid_for(k, 1), kThreads, 0, stream>>>(values, units, k, m, hash, table);
   } else {
-    sketch_units_kernel<kType><<<grid_for(k * m), kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
+    sketch_units_kernel<Format>
+        <<<grid_for(k * m, kThreads), kThreads, 0, stream>>>(values, units, k * m, m, hash, table);
   }
+}
+
+// Clears the table, then (unless there are no values) calls launch(Format{}) with the values' storage format.
+template <typename Launch>
+cudaError_t sketch_into_cleared_table(const SketchHash& hash, float* table, int64_t values, StorageType type,
+                                      cudaStream_t stream, Launch launch) {
+  const cudaError_t cleared = cudaMemsetAsync(table, 0, hash.rows * hash.cols * sizeof(float), stream);
+  if (cleared != cudaSuccess || values == 0) return cleared;
+  dispatch_storage(type, launch);
+  return cudaGetLastError();
 }
 
 // ---- decode ----
@@ -392,70 +380,38 @@ cudaError_t nonzero_bitmap_cuda(const void* x, int elem_bytes, int64_t n, int64_
   }
 }
 
-cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+cudaError_t count_sketch_cuda(const void* x, StorageType type, int64_t n, int64_t m, const uint8_t* support,
                               const SketchHash& hash, float* table, cudaStream_t stream) {
-  const cudaError_t cleared = cudaMemsetAsync(table, 0, hash.rows * hash.cols * sizeof(float), stream);
-  if (cleared != cudaSuccess || n * m == 0) return cleared;
-  switch (type) {
-    case SketchValueType::kFloat32:
-      launch_sketch<SketchValueType::kFloat32>(x, n, m, support, hash, table, stream);
-      break;
-    case SketchValueType::kFloat64:
-      launch_sketch<SketchValueType::kFloat64>(x, n, m, support, hash, table, stream);
-      break;
-    case SketchValueType::kFloat16:
-      launch_sketch<SketchValueType::kFloat16>(x, n, m, support, hash, table, stream);
-      break;
-    case SketchValueType::kBFloat16:
-      launch_sketch<SketchValueType::kBFloat16>(x, n, m, support, hash, table, stream);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return sketch_into_cleared_table(hash, table, n * m, type, stream, [&](auto format) {
+    launch_sketch<decltype(format)>(x, n, m, support, hash, table, stream);
+  });
 }
 
 cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support, int64_t n, int64_t m,
                                      const SketchHash& hash, float* out, cudaStream_t stream) {
   if (n * m == 0) return cudaSuccess;
   if (m >= kRowKernelMinValues) {
-    decode_rows_kernel<<<grid_for_units(n), kThreads, 0, stream>>>(table, support, n, m, hash, out);
+    decode_rows_kernel<<<grid_for(n, 1), kThreads, 0, stream>>>(table, support, n, m, hash, out);
   } else {
-    decode_elements_kernel<<<grid_for(n * m), kThreads, 0, stream>>>(table, support, n * m, m, hash, out);
+    decode_elements_kernel<<<grid_for(n * m, kThreads), kThreads, 0, stream>>>(table, support, n * m, m, hash, out);
   }
   return cudaGetLastError();
 }
 
-cudaError_t count_sketch_units_cuda(const void* values, SketchValueType type, const int64_t* units, int64_t k,
+cudaError_t count_sketch_units_cuda(const void* values, StorageType type, const int64_t* units, int64_t k,
                                     int64_t m, const SketchHash& hash, float* table, cudaStream_t stream) {
-  const cudaError_t cleared = cudaMemsetAsync(table, 0, hash.rows * hash.cols * sizeof(float), stream);
-  if (cleared != cudaSuccess || k * m == 0) return cleared;
-  switch (type) {
-    case SketchValueType::kFloat32:
-      launch_sketch_units<SketchValueType::kFloat32>(values, units, k, m, hash, table, stream);
-      break;
-    case SketchValueType::kFloat64:
-      launch_sketch_units<SketchValueType::kFloat64>(values, units, k, m, hash, table, stream);
-      break;
-    case SketchValueType::kFloat16:
-      launch_sketch_units<SketchValueType::kFloat16>(values, units, k, m, hash, table, stream);
-      break;
-    case SketchValueType::kBFloat16:
-      launch_sketch_units<SketchValueType::kBFloat16>(values, units, k, m, hash, table, stream);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return sketch_into_cleared_table(hash, table, k * m, type, stream, [&](auto format) {
+    launch_sketch_units<decltype(format)>(values, units, k, m, hash, table, stream);
+  });
 }
 
 cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* units, int64_t k, int64_t m,
                                            const SketchHash& hash, float* out, cudaStream_t stream) {
   if (k * m == 0) return cudaSuccess;
   if (m >= kRowKernelMinValues) {
-    decode_units_rows_kernel<<<grid_for_units(k), kThreads, 0, stream>>>(table, units, k, m, hash, out);
+    decode_units_rows_kernel<<<grid_for(k, 1), kThreads, 0, stream>>>(table, units, k, m, hash, out);
   } else {
-    decode_units_elements_kernel<<<grid_for(k * m), kThreads, 0, stream>>>(table, units, k * m, m, hash, out);
+    decode_units_elements_kernel<<<grid_for(k * m, kThreads), kThreads, 0, stream>>>(table, units, k * m, m, hash, out);
   }
   return cudaGetLastError();
 }
@@ -463,7 +419,7 @@ cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* un
 cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
                              int8_t* sign, cudaStream_t stream) {
   if (len == 0) return cudaSuccess;
-  hash_kernel<<<grid_for(len), kThreads, 0, stream>>>(idx, len, static_cast<uint64_t>(m), hash, bucket, sign);
+  hash_kernel<<<grid_for(len, kThreads), kThreads, 0, stream>>>(idx, len, static_cast<uint64_t>(m), hash, bucket, sign);
   return cudaGetLastError();
 }
 

@@ -10,11 +10,8 @@
 // ---- The hash family (the one definition: CPU kernels, CUDA kernels and the sketch_hash op all use it) ----
 //
 //   p = 2^61 - 1 (a Mersenne prime).
-//   Per sketch row j < rows, four coefficients, drawn from a splitmix64 stream seeded with `seed`:
-//       state = seed;  next() { state += 0x9E3779B97F4A7C15; z = state;
-//                               z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
-//                               z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
-//                               return z ^ (z >> 31); }          (all arithmetic mod 2^64)
+//   Per sketch row j < rows, four coefficients, drawn from a splitmix64 stream (splitmix64.h) seeded with `seed`:
+//       state = seed;  next() = splitmix64_next(state)
 //       for j = 0, 1, ..., rows - 1 in turn:
 //           a_j = 1 + next() % (p - 1);   b_j = next() % p;       (bucket hash, a_j in [1, p-1], b_j in [0, p-1])
 //           c_j = 1 + next() % (p - 1);   d_j = next() % p;       (sign hash, same ranges)
@@ -34,7 +31,8 @@
 //   independent column signs. So each estimate's variance is that of the per-value hash; errors within a unit are
 //   correlated instead of independent (measured: the same relative L2 error on Zipf-weighted embedding rows). It
 //   buys a sketch and a decode that stream a unit into a contiguous window of each table row (vector adds and
-//   loads) instead of scattering every value at random: 10x and more on a CPU, coalesced atomics on a GPU.
+//   loads) instead of scattering every value at random: several times faster on a CPU (bench/README.md), coalesced
+//   atomics on a GPU.
 //   Bit 30 rather than bit 0: every bit of a value uniform on [0, p) is within 2^-31 of fair, and a middle bit
 //   keeps that true even when the inputs are structured (consecutive indices step the value by c_j mod p).
 //   Products are exact: 64 x 64 -> 128-bit multiply (unsigned __int128 on the host, __umul64hi on the device)
@@ -49,7 +47,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/bitpack.h"
 #include "kernels/float_bits.h"
+#include "kernels/splitmix64.h"
 
 namespace fastdist {
 
@@ -59,8 +59,11 @@ constexpr int64_t kSketchMaxCols = (int64_t{1} << 31) - 1;  // buckets fit 31 bi
 constexpr int kSketchSignBit = 30;
 constexpr uint64_t kSketchColumnSeed = 0x243F6A8885A308D3ULL;  // the column-sign stream's seed: seed ^ this
 
-// The value types the sketch reads; the table and the decoded values are always float32.
-using SketchValueType = StorageType;
+// v with its sign flipped where `sign_mask` is 0x80000000 (unchanged where it is 0): a negation by XOR, which keeps a
+// NaN's payload (a negation may canonicalize it), the same bits on host and device.
+FASTDIST_HOST_DEVICE inline float xor_sign(float v, uint32_t sign_mask) {
+  return float_from_bits(bits_of_float(v) ^ sign_mask);
+}
 
 // ---- exact modular arithmetic mod p = 2^61 - 1 ----
 
@@ -135,15 +138,6 @@ struct SketchHash {
   }
 };
 
-// One step of the splitmix64 generator (see the header comment).
-inline uint64_t splitmix64_next(uint64_t& state) {
-  state += 0x9E3779B97F4A7C15ULL;
-  uint64_t z = state;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
 // The hash of a sketch with `rows` rows (1..kSketchMaxRows) and `cols` columns (1..kSketchMaxCols); the caller
 // checks the ranges. Unused rows' coefficients are zero.
 inline SketchHash make_sketch_hash(uint64_t seed, int rows, int64_t cols) {
@@ -190,36 +184,33 @@ FASTDIST_HOST_DEVICE inline float sketch_median(float* v, int rows) {
   return rows % 2 ? v[rows / 2] : 0.5f * v[rows / 2 - 1] + 0.5f * v[rows / 2];
 }
 
-inline constexpr int64_t sketch_support_bytes(int64_t n) { return (n + 7) / 8; }
-
-// ---- value conversion (the same bits on host and device) ----
-
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel. ----
 
 // x: `n` units of `m` values, each `elem_bytes` (2, 4 or 8) wide, read as raw bits: a value is non-zero when any
 // bit other than the sign bit is set (so -0.0 is zero; NaN, infinities and subnormals are non-zero). out: the
 // packed support, bit u set when unit u has a non-zero value; writes out bytes [byte_begin, byte_end)
-// (0 <= byte_begin <= byte_end <= ceil(n / 8)), with padding bits zero.
+// (0 <= byte_begin <= byte_end <= packed_bytes(n)), with padding bits zero.
 void nonzero_bitmap_cpu(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out, int64_t byte_begin,
                         int64_t byte_end);
 
 // Sketch the table positions [begin, end) (0 <= begin <= end <= hash.rows * hash.cols; position j * cols + b is
 // bucket b of row j) of the table (float32 [hash.rows, hash.cols]); overwrites them. For m == 1 the range must be
 // whole rows (begin and end multiples of cols); for m > 1 any range, so that threads can share the buckets evenly.
-// x: n * m values of `type`. support: packed units (nullptr: every unit). Adds s_j(u, col) * x into
-// table[j, h_j(u, col)] for every value of a supported unit, in increasing flat index, in float32 (float64 values
-// are rounded to float32 first). Whether zero values are added or skipped changes no bit: adding a zero never
-// changes a bucket (buckets start at +0.0 and round-to-nearest never makes a sum -0.0 from a +0.0 operand).
-// So any split of the positions between calls gives the same table, bit for bit.
+// x: n * m values stored as `type` (the table and the decoded values are always float32). support: packed units
+// (nullptr: every unit). Adds s_j(u, col) * x into table[j, h_j(u, col)] for every value of a supported unit, in
+// increasing flat index, in float32 (float64 values are rounded to float32 first). Whether zero values are added or
+// skipped changes no bit: adding a zero never changes a bucket (buckets start at +0.0 and round-to-nearest never
+// makes a sum -0.0 from a +0.0 operand). So any split of the positions between calls gives the same table, bit for
+// bit.
 // m == 1 hashes each value per sketch row of the range; m > 1 hashes each unit once per row and adds its values
 // into the row's window with vector adds, clipped to the range. Every call reads all the values it sketches.
-void count_sketch_cpu(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+void count_sketch_cpu(const void* x, StorageType type, int64_t n, int64_t m, const uint8_t* support,
                       const SketchHash& hash, float* table, int64_t begin, int64_t end);
 
 // values: k units of m values of `type`, unit t being unit units[t] of a larger tensor (taken as unsigned 64-bit).
 // The same table positions count_sketch_cpu writes from that tensor with the units' support, bit for bit, when
 // units are strictly increasing (values are added in the order listed); the same range rules.
-void count_sketch_units_cpu(const void* values, SketchValueType type, const int64_t* units, int64_t k, int64_t m,
+void count_sketch_units_cpu(const void* values, StorageType type, const int64_t* units, int64_t k, int64_t m,
                             const SketchHash& hash, float* table, int64_t begin, int64_t end);
 
 // Decode units [unit_begin, unit_end) (0 <= unit_begin <= unit_end <= n) of out (float32 [n, m]): for each
@@ -251,11 +242,11 @@ void sketch_hash_cpu(const int64_t* idx, int64_t len, int64_t m, const SketchHas
 
 cudaError_t nonzero_bitmap_cuda(const void* x, int elem_bytes, int64_t n, int64_t m, uint8_t* out,
                                 cudaStream_t stream);
-cudaError_t count_sketch_cuda(const void* x, SketchValueType type, int64_t n, int64_t m, const uint8_t* support,
+cudaError_t count_sketch_cuda(const void* x, StorageType type, int64_t n, int64_t m, const uint8_t* support,
                               const SketchHash& hash, float* table, cudaStream_t stream);
 cudaError_t count_sketch_decode_cuda(const float* table, const uint8_t* support, int64_t n, int64_t m,
                                      const SketchHash& hash, float* out, cudaStream_t stream);
-cudaError_t count_sketch_units_cuda(const void* values, SketchValueType type, const int64_t* units, int64_t k,
+cudaError_t count_sketch_units_cuda(const void* values, StorageType type, const int64_t* units, int64_t k,
                                     int64_t m, const SketchHash& hash, float* table, cudaStream_t stream);
 cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* units, int64_t k, int64_t m,
                                            const SketchHash& hash, float* out, cudaStream_t stream);

@@ -67,7 +67,7 @@ uint32_t threshold_from_candidates(const uint32_t* keys, int64_t n, uint32_t buc
 // The set positions of bitmap row `row` (d bits) from byte `b` on, appended at n of idx [k] (past k only counted);
 // returns the count of set bits, n included. Bits past d are ignored.
 int64_t bitmap_row_to_indices_scalar(const uint8_t* row, int64_t b, int64_t d, int64_t k, int32_t* idx, int64_t n) {
-  const int64_t bytes = (d + 7) / 8;
+  const int64_t bytes = packed_bytes(d);
   for (; b < bytes; b += 8) {
     const int64_t len = std::min<int64_t>(8, bytes - b);
     uint64_t word = 0;
@@ -403,7 +403,7 @@ int64_t topk_decompress_cpu(const float* values, const int32_t* indices, int64_t
 int64_t topk_indices_to_bitmap_cpu(const int32_t* indices, int64_t rows, int64_t k, int64_t d, uint8_t* bitmap,
                                    int64_t row_begin, int64_t row_end) {
   (void)rows;
-  const int64_t bytes = (d + 7) / 8;
+  const int64_t bytes = packed_bytes(d);
   int64_t bad_rows = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     uint8_t* row = bitmap + r * bytes;
@@ -426,7 +426,7 @@ int64_t topk_indices_to_bitmap_cpu(const int32_t* indices, int64_t rows, int64_t
 int64_t topk_bitmap_to_indices_cpu(const uint8_t* bitmap, int64_t rows, int64_t k, int64_t d, int32_t* indices,
                                    int64_t row_begin, int64_t row_end) {
   (void)rows;
-  const int64_t bytes = (d + 7) / 8;
+  const int64_t bytes = packed_bytes(d);
   int64_t bad_rows = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* row = bitmap + r * bytes;

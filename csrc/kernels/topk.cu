@@ -10,23 +10,19 @@
 
 #include <cstdint>
 
+#include "kernels/cuda_launch.cuh"
 #include "kernels/topk.h"
 
 namespace fastdist {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kItems = 4;  // values per thread per tile of the last pass
+constexpr int kThreads = 512;         // the row kernels: one block per row
+constexpr int kElementThreads = 256;  // the elementwise kernels: one thread per value or bitmap byte
+constexpr int kItems = 4;             // values per thread per tile of the last pass
 constexpr int kTile = kThreads * kItems;
-constexpr int64_t kMaxBlocks = 8192;
 using BlockScan = cub::BlockScan<uint32_t, kThreads>;
 
 __device__ __forceinline__ uint32_t magnitude_key(float v) { return __float_as_uint(v) & kTopkMagnitudeMask; }
-
-int grid_for(int64_t items, int threads) {
-  const int64_t blocks = (items + threads - 1) / threads;
-  return static_cast<int>(blocks < 1 ? 1 : blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
 
 // The bucket of `hist` (shared, `buckets` a multiple of kThreads) holding the need-th largest element, and how many
 // of that bucket's elements are needed once every larger bucket is taken. Block-wide; every thread gets the answer.
@@ -134,8 +130,7 @@ __global__ void __launch_bounds__(kThreads) topk_compress_kernel(const float* __
 __global__ void scatter_kernel(const float* __restrict__ values, const int32_t* __restrict__ indices, int64_t rows,
                                int64_t k, int64_t d, float* __restrict__ out) {
   const int64_t total = rows * k;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t t = global_thread(); t < total; t += grid_threads()) {
     const int64_t p = indices[t];
     if (p >= 0 && p < d) out[(t / k) * d + p] = values[t];
   }
@@ -145,10 +140,9 @@ __global__ void scatter_kernel(const float* __restrict__ values, const int32_t* 
 // search for the first index >= 8j.
 __global__ void indices_to_bitmap_kernel(const int32_t* __restrict__ indices, int64_t rows, int64_t k, int64_t d,
                                          uint8_t* __restrict__ bitmap) {
-  const int64_t bytes = (d + 7) / 8;
+  const int64_t bytes = packed_bytes(d);
   const int64_t total = rows * bytes;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t t = global_thread(); t < total; t += grid_threads()) {
     const int64_t r = t / bytes, j = t % bytes;
     const int32_t* idx = indices + r * k;
     int64_t lo = 0, hi = k;
@@ -167,7 +161,7 @@ __global__ void indices_to_bitmap_kernel(const int32_t* __restrict__ indices, in
 __global__ void __launch_bounds__(kThreads) bitmap_to_indices_kernel(const uint8_t* __restrict__ bitmap, int64_t k,
                                                                      int64_t d, int32_t* __restrict__ indices) {
   __shared__ typename BlockScan::TempStorage scan;
-  const int64_t bytes = (d + 7) / 8;
+  const int64_t bytes = packed_bytes(d);
   const uint8_t* row = bitmap + blockIdx.x * bytes;
   int32_t* out = indices + blockIdx.x * k;
   uint32_t written = 0;
@@ -213,14 +207,20 @@ cudaError_t topk_decompress_cuda(const float* values, const int32_t* indices, in
   if (rows * d == 0) return cudaSuccess;
   const cudaError_t err = cudaMemsetAsync(out, 0, static_cast<size_t>(rows * d) * sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  if (rows * k > 0) scatter_kernel<<<grid_for(rows * k, 256), 256, 0, stream>>>(values, indices, rows, k, d, out);
+  if (rows * k > 0) {
+    scatter_kernel<<<grid_for(rows * k, kElementThreads), kElementThreads, 0, stream>>>(values, indices, rows, k, d,
+                                                                                        out);
+  }
   return cudaGetLastError();
 }
 
 cudaError_t topk_indices_to_bitmap_cuda(const int32_t* indices, int64_t rows, int64_t k, int64_t d, uint8_t* bitmap,
                                         cudaStream_t stream) {
-  const int64_t total = rows * ((d + 7) / 8);
-  if (total > 0) indices_to_bitmap_kernel<<<grid_for(total, 256), 256, 0, stream>>>(indices, rows, k, d, bitmap);
+  const int64_t total = rows * packed_bytes(d);
+  if (total > 0) {
+    indices_to_bitmap_kernel<<<grid_for(total, kElementThreads), kElementThreads, 0, stream>>>(indices, rows, k, d,
+                                                                                              bitmap);
+  }
   return cudaGetLastError();
 }
 

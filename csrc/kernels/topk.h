@@ -19,9 +19,7 @@
 #pragma once
 #include <cstdint>
 
-#ifdef __CUDACC__
-#include <cuda_runtime.h>
-#endif
+#include "kernels/bitpack.h"
 
 namespace fastdist {
 

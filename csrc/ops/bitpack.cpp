@@ -3,35 +3,34 @@
 #include <torch/library.h>
 
 #include "ops/bitpack.h"
+#include "ops/parallel.h"
 
 namespace fastdist::bitpack {
 namespace {
 
-// Work items are packed bytes (columns for the OR reduction). A chunk below this many bytes of memory
-// traffic is not worth a thread: small inputs run on the calling thread.
-constexpr int64_t kGrainTrafficBytes = 256 * 1024;
-constexpr int64_t kPackedByteGrain = kGrainTrafficBytes / 9;  // a packed byte moves itself and 8 mask bytes
+// Work items are packed bytes, each moving itself and its 8 mask bytes (columns for the OR reduction).
+constexpr int64_t kPackedByteTraffic = 9;
 
 at::Tensor pack_bits_cpu_op(const at::Tensor& mask) {
-  const RowsOf v = check_pack_bits(mask);
+  const RowLayout layout = check_pack_bits(mask);
   const at::Tensor src = mask.contiguous();
-  at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kByte));
+  at::Tensor out = at::empty(layout.out_shape, src.options().dtype(at::kByte));
   const uint8_t* in = bytes_of(src);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, out.numel(), kPackedByteGrain, [&](int64_t begin, int64_t end) {
-    fastdist::pack_bits_cpu(in, v.rows, v.n, dst, begin, end);
+  at::parallel_for(0, out.numel(), grain_for(kPackedByteTraffic), [&](int64_t begin, int64_t end) {
+    fastdist::pack_bits_cpu(in, layout.rows, layout.n, dst, begin, end);
   });
   return out;
 }
 
 at::Tensor unpack_bits_cpu_op(const at::Tensor& packed, int64_t n) {
-  const RowsOf v = check_unpack_bits(packed, n);
+  const RowLayout layout = check_unpack_bits(packed, n);
   const at::Tensor src = packed.contiguous();
-  at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kBool));
+  at::Tensor out = at::empty(layout.out_shape, src.options().dtype(at::kBool));
   const uint8_t* in = bytes_of(src);
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
-  at::parallel_for(0, src.numel(), kPackedByteGrain, [&](int64_t begin, int64_t end) {
-    fastdist::unpack_bits_cpu(in, v.rows, v.n, dst, begin, end);
+  at::parallel_for(0, src.numel(), grain_for(kPackedByteTraffic), [&](int64_t begin, int64_t end) {
+    fastdist::unpack_bits_cpu(in, layout.rows, layout.n, dst, begin, end);
   });
   return out;
 }
@@ -39,12 +38,13 @@ at::Tensor unpack_bits_cpu_op(const at::Tensor& packed, int64_t n) {
 at::Tensor bitwise_or_reduce_cpu_op(const at::Tensor& packed) {
   check_bitwise_or_reduce(packed);
   const at::Tensor src = packed.contiguous();
-  const int64_t p = src.size(0), b = src.size(1);
-  at::Tensor out = at::empty({b}, src.options());
+  const int64_t bitmaps = src.size(0), bytes = src.size(1);
+  at::Tensor out = at::empty({bytes}, src.options());
   const uint8_t* in = bytes_of(src);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, b, std::max<int64_t>(kGrainTrafficBytes / (p + 1), 1), [&](int64_t begin, int64_t end) {
-    fastdist::bitwise_or_reduce_cpu(in, p, b, dst, begin, end);
+  // A column moves one byte of every bitmap and its result.
+  at::parallel_for(0, bytes, grain_for(bitmaps + 1), [&](int64_t begin, int64_t end) {
+    fastdist::bitwise_or_reduce_cpu(in, bitmaps, bytes, dst, begin, end);
   });
   return out;
 }

@@ -12,8 +12,8 @@
 
 namespace fastdist::bitpack {
 
-// A [..., n] tensor seen as `rows` rows of `n` elements, and the shape of the op's result.
-struct RowsOf {
+// A [..., n] mask (or its packed form) seen as `rows` rows of `n` mask elements, and the shape of the op's result.
+struct RowLayout {
   int64_t rows;
   int64_t n;
   std::vector<int64_t> out_shape;
@@ -27,21 +27,21 @@ inline int64_t leading_rows(const at::Tensor& t) {
 }
 
 // mask: bool [..., n] -> uint8 [..., ceil(n / 8)]
-inline RowsOf check_pack_bits(const at::Tensor& mask) {
+inline RowLayout check_pack_bits(const at::Tensor& mask) {
   FD_CHECK_DTYPE(mask, at::kBool);
   FD_CHECK_DIM_AT_LEAST(mask, 1);
   std::vector<int64_t> shape = mask.sizes().vec();
   const int64_t n = shape.back();
-  shape.back() = bytes_per_row(n);
+  shape.back() = packed_bytes(n);
   return {leading_rows(mask), n, shape};
 }
 
 // packed: uint8 [..., ceil(n / 8)] -> bool [..., n]
-inline RowsOf check_unpack_bits(const at::Tensor& packed, int64_t n) {
+inline RowLayout check_unpack_bits(const at::Tensor& packed, int64_t n) {
   FD_CHECK_DTYPE(packed, at::kByte);
   FD_CHECK_DIM_AT_LEAST(packed, 1);
   FD_CHECK_NONNEGATIVE(n);
-  FD_CHECK_LAST_DIM(packed, bytes_per_row(n), "ceil(n / 8) for n = " + std::to_string(n));
+  FD_CHECK_LAST_DIM(packed, packed_bytes(n), "ceil(n / 8) for n = " + std::to_string(n));
   std::vector<int64_t> shape = packed.sizes().vec();
   shape.back() = n;
   return {leading_rows(packed), n, shape};

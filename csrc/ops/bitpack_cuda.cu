@@ -11,22 +11,23 @@ namespace fastdist::bitpack {
 namespace {
 
 at::Tensor pack_bits_cuda_op(const at::Tensor& mask) {
-  const RowsOf v = check_pack_bits(mask);
+  const RowLayout layout = check_pack_bits(mask);
   const c10::cuda::CUDAGuard guard(mask.device());
   const at::Tensor src = mask.contiguous();
-  at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kByte));
-  C10_CUDA_CHECK(fastdist::pack_bits_cuda(bytes_of(src), v.rows, v.n, out.data_ptr<uint8_t>(),
+  at::Tensor out = at::empty(layout.out_shape, src.options().dtype(at::kByte));
+  C10_CUDA_CHECK(fastdist::pack_bits_cuda(bytes_of(src), layout.rows, layout.n, out.data_ptr<uint8_t>(),
                                           c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
 at::Tensor unpack_bits_cuda_op(const at::Tensor& packed, int64_t n) {
-  const RowsOf v = check_unpack_bits(packed, n);
+  const RowLayout layout = check_unpack_bits(packed, n);
   const c10::cuda::CUDAGuard guard(packed.device());
   const at::Tensor src = packed.contiguous();
-  at::Tensor out = at::empty(v.out_shape, src.options().dtype(at::kBool));
+  at::Tensor out = at::empty(layout.out_shape, src.options().dtype(at::kBool));
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
-  C10_CUDA_CHECK(fastdist::unpack_bits_cuda(bytes_of(src), v.rows, v.n, dst, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      fastdist::unpack_bits_cuda(bytes_of(src), layout.rows, layout.n, dst, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 

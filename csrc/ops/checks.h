@@ -1,8 +1,13 @@
-// Argument checks shared by the op glue: each error names the argument, what was expected and what came.
+// Argument checks shared by the op glue: each error names the argument, what was expected and what came. The Python
+// fake kernels repeat them with the same wording (python/fastdist/ops/_checks.py).
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
+
+#include "kernels/float_bits.h"
 
 namespace fastdist {
 
@@ -22,6 +27,50 @@ inline std::string dtype_name(at::ScalarType t) {
     default: return std::string("torch.") + c10::toString(t);
   }
 }
+
+// The dtypes the kernels store (StorageType, kernels/float_bits.h), in the order the messages list them.
+constexpr at::ScalarType kFloatingDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
+// The dtypes of the ops that compute in float32: float32 itself and the 16-bit formats it holds exactly.
+constexpr at::ScalarType kFloat32Or16BitDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16};
+
+// "torch.float32, torch.float16 or torch.bfloat16": the dtypes in the order given.
+inline std::string dtype_list(at::ArrayRef<at::ScalarType> dtypes) {
+  std::string list;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    if (i > 0) list += i + 1 == dtypes.size() ? " or " : ", ";
+    list += dtype_name(dtypes[i]);
+  }
+  return list;
+}
+
+// t (named `name`) must have one of the dtypes `allowed`. The message lists them in the order given, as "a floating
+// dtype (...)" when they are every dtype the kernels store.
+inline void check_dtype_in(const at::Tensor& t, const char* name, at::ArrayRef<at::ScalarType> allowed) {
+  const at::ScalarType dtype = t.scalar_type();
+  const auto allows = [&](at::ScalarType candidate) {
+    return std::find(allowed.begin(), allowed.end(), candidate) != allowed.end();
+  };
+  if (allows(dtype)) return;
+  const bool every_floating = std::all_of(std::begin(kFloatingDtypes), std::end(kFloatingDtypes), allows);
+  TORCH_CHECK(false, "fastdist: '", name, "' must have ",
+              every_floating ? "a floating dtype (" + dtype_list(allowed) + ")" : "dtype " + dtype_list(allowed),
+              ", got ", dtype_name(dtype));
+}
+
+// The kernels' StorageType of t, which must have one of the dtypes `allowed` (a subset of kFloatingDtypes): the one
+// place where torch dtypes become the kernels' storage formats.
+inline StorageType storage_type_of(const at::Tensor& t, const char* name,
+                                   at::ArrayRef<at::ScalarType> allowed = kFloatingDtypes) {
+  check_dtype_in(t, name, allowed);
+  switch (t.scalar_type()) {
+    case at::kDouble: return StorageType::kFloat64;
+    case at::kHalf: return StorageType::kFloat16;
+    case at::kBFloat16: return StorageType::kBFloat16;
+    default: return StorageType::kFloat32;
+  }
+}
+
+inline void check_seed(int64_t seed) { TORCH_CHECK(seed >= 0, "fastdist: 'seed' must be in [0, 2^63), got ", seed); }
 
 }  // namespace fastdist
 

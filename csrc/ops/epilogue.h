@@ -13,7 +13,7 @@
 namespace fastdist::epilogue {
 
 // x viewed as rows x cols, cols = its last dimension.
-struct Rows {
+struct RowShape {
   int64_t rows;
   int64_t cols;
 };
@@ -26,18 +26,6 @@ inline EpilogueActivation activation_of(const std::string& activation) {
               "\"");
 }
 
-inline EpilogueType type_of(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return EpilogueType::kFloat32;
-    case at::kDouble: return EpilogueType::kFloat64;
-    case at::kHalf: return EpilogueType::kFloat16;
-    case at::kBFloat16: return EpilogueType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "fastdist: 'x' must have a floating dtype (torch.float32, torch.float16, torch.bfloat16 or "
-                  "torch.float64), got ", dtype_name(x.scalar_type()));
-  }
-}
-
 // `t` (named `name`) must match x's dtype and device.
 inline void check_like_x(const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK(t.scalar_type() == x.scalar_type(), "fastdist: '", name, "' must have the dtype of 'x' (",
@@ -46,41 +34,41 @@ inline void check_like_x(const at::Tensor& t, const char* name, const at::Tensor
               " and ", x.device());
 }
 
-inline Rows check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-  type_of(x);
+inline RowShape check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  check_dtype_in(x, "x", kFloatingDtypes);
   FD_CHECK_DIM_AT_LEAST(x, 1);
   const int64_t cols = x.size(-1);
-  const Rows r{cols == 0 ? 0 : x.numel() / cols, cols};
+  const RowShape shape{cols == 0 ? 0 : x.numel() / cols, cols};
   if (bias.has_value()) {
     check_like_x(*bias, "bias", x);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols, "fastdist: 'bias' must have shape [", cols,
                 "] (the last dimension of 'x'), got shape ", bias->sizes());
   }
-  return r;
+  return shape;
 }
 
 // bias_epilogue(x, bias, residual, activation) -> act(x + bias) + residual, x's shape and dtype
-inline Rows check_bias_epilogue(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                const std::optional<at::Tensor>& residual, const std::string& activation) {
-  const Rows r = check_x_and_bias(x, bias);
+inline RowShape check_bias_epilogue(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                    const std::optional<at::Tensor>& residual, const std::string& activation) {
+  const RowShape shape = check_x_and_bias(x, bias);
   if (residual.has_value()) {
     check_like_x(*residual, "residual", x);
     TORCH_CHECK(residual->sizes() == x.sizes(), "fastdist: 'residual' must have the shape of 'x' (", x.sizes(),
                 "), got shape ", residual->sizes());
   }
   activation_of(activation);
-  return r;
+  return shape;
 }
 
 // bias_epilogue_backward(grad, x, bias, activation) -> grad * act'(x + bias)
-inline Rows check_bias_epilogue_backward(const at::Tensor& grad, const at::Tensor& x,
-                                         const std::optional<at::Tensor>& bias, const std::string& activation) {
-  const Rows r = check_x_and_bias(x, bias);
+inline RowShape check_bias_epilogue_backward(const at::Tensor& grad, const at::Tensor& x,
+                                             const std::optional<at::Tensor>& bias, const std::string& activation) {
+  const RowShape shape = check_x_and_bias(x, bias);
   check_like_x(grad, "grad", x);
   TORCH_CHECK(grad.sizes() == x.sizes(), "fastdist: 'grad' must have the shape of 'x' (", x.sizes(), "), got shape ",
               grad.sizes());
   activation_of(activation);
-  return r;
+  return shape;
 }
 
 inline const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }

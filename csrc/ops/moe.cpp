@@ -10,38 +10,29 @@
 #include <atomic>
 
 #include "ops/moe.h"
+#include "ops/parallel.h"
 
 namespace fastdist::moe {
 namespace {
 
-// Work below this many bytes of memory traffic is not worth a thread.
-constexpr int64_t kGrainTrafficBytes = 64 * 1024;
 constexpr int64_t kLayoutChunk = 32 * 1024;  // assignments per layout chunk, at least
-
-int64_t grain_for(int64_t bytes_per_item) {
-  return std::max<int64_t>(kGrainTrafficBytes / std::max<int64_t>(bytes_per_item, 1), 1);
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_cpu_op(const at::Tensor& logits, int64_t k) {
   check_route(logits, k);
   const at::Tensor src = logits.contiguous();
   const int64_t tokens = src.size(0);
   const int64_t experts = src.size(1);
-  const auto f32 = src.options().dtype(at::kFloat);
-  at::Tensor probs = at::empty({tokens, experts}, f32);
-  at::Tensor lse = at::empty({tokens}, f32);
-  at::Tensor idx = at::empty({tokens, k}, src.options().dtype(at::kLong));
-  at::Tensor weight = at::empty({tokens, k}, f32);
-  const MoeValueType type = value_type_of(src, "logits");
+  RouteOutputs out(src, k);
+  const StorageType type = storage_type_of(src, "logits", kLogitDtypes);
   std::atomic<int64_t> bad_rows{0};
   at::parallel_for(0, tokens, grain_for(experts * (8 + 4 * k)), [&](int64_t begin, int64_t end) {
-    bad_rows += fastdist::moe_route_cpu(src.const_data_ptr(), type, experts, k, probs.data_ptr<float>(),
-                                        lse.data_ptr<float>(), idx.data_ptr<int64_t>(), weight.data_ptr<float>(),
-                                        begin, end);
+    bad_rows += fastdist::moe_route_cpu(src.const_data_ptr(), type, experts, k, out.probs.data_ptr<float>(),
+                                        out.lse.data_ptr<float>(), out.topk_idx.data_ptr<int64_t>(),
+                                        out.topk_weight.data_ptr<float>(), begin, end);
   });
   TORCH_CHECK(bad_rows.load() == 0, "fastdist: 'logits' rows must hold no NaN and a finite maximum (no +inf, not "
               "all -inf: such a row has no softmax), got ", bad_rows.load(), " row(s) without one");
-  return {probs, lse, idx, weight};
+  return out.as_tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_layout_cpu_op(
@@ -51,14 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t tokens = idx.size(0);
   const int64_t k = idx.size(1);
   const int64_t n = tokens * k;
-  const auto i64 = idx.options();
-  at::Tensor counts = at::empty({num_experts}, i64);
-  at::Tensor offsets = at::empty({num_experts + 1}, i64);
-  at::Tensor rank_counts = at::empty({num_ranks}, i64);
-  at::Tensor permutation = at::empty({n}, i64);
-  at::Tensor row_of_slot = at::empty({tokens, k}, i64);
-  at::Tensor position = at::empty({tokens, k}, i64);
-  at::Tensor keep = at::empty({tokens, k}, i64.dtype(at::kBool));
+  LayoutOutputs out(idx, num_experts, num_ranks);
   // Chunks of consecutive tokens; how many changes nothing in the result (moe.h), only the parallelism.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kLayoutChunk));
   std::vector<int64_t> hist(static_cast<size_t>(chunks * k * num_experts), 0);
@@ -75,18 +59,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   TORCH_CHECK(invalid.load() == 0, "fastdist: 'topk_idx' entries must be in [0, num_experts = ", num_experts,
               "), got ", invalid.load(), " outside");
   fastdist::moe_layout_scan_cpu(hist.data(), chunks, k, num_experts, num_ranks, capacity,
-                                counts.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), dropped_offsets.data(),
-                                rank_counts.data_ptr<int64_t>());
+                                out.counts.data_ptr<int64_t>(), out.offsets.data_ptr<int64_t>(),
+                                dropped_offsets.data(), out.rank_counts.data_ptr<int64_t>());
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
-      fastdist::moe_layout_scatter_cpu(in, k, num_experts, capacity, offsets.const_data_ptr<int64_t>(),
+      fastdist::moe_layout_scatter_cpu(in, k, num_experts, capacity, out.offsets.const_data_ptr<int64_t>(),
                                        dropped_offsets.data(), chunk_begin(c), chunk_begin(c + 1),
-                                       hist.data() + c * k * num_experts, permutation.data_ptr<int64_t>(),
-                                       row_of_slot.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
-                                       reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()));
+                                       hist.data() + c * k * num_experts, out.permutation.data_ptr<int64_t>(),
+                                       out.row_of_slot.data_ptr<int64_t>(), out.position.data_ptr<int64_t>(),
+                                       out.keep_bytes());
     }
   });
-  return {counts, offsets, rank_counts, permutation, row_of_slot, position, keep};
+  return out.as_tuple();
 }
 
 at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
@@ -99,7 +83,7 @@ at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot
   const int64_t d = src.size(1);
   const int64_t k = rows.size(1);
   at::Tensor out = at::zeros({num_rows, d}, src.options());
-  const MoeValueType type = row_type_of(src, "x");
+  const StorageType type = storage_type_of(src, "x", kRowDtypes);
   at::parallel_for(0, src.size(0), grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
     fastdist::moe_permute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
                               w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);
@@ -118,7 +102,7 @@ at::Tensor moe_unpermute_cpu_op(const at::Tensor& y, const at::Tensor& row_of_sl
   const int64_t d = src.size(1);
   const int64_t k = rows.size(1);
   at::Tensor out = at::empty({tokens, d}, src.options());
-  const MoeValueType type = row_type_of(src, "y");
+  const StorageType type = storage_type_of(src, "y", kRowDtypes);
   at::parallel_for(0, tokens, grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
     fastdist::moe_unpermute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
                                 w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);

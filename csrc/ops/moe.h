@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 #include "kernels/moe.h"
 #include "ops/checks.h"
@@ -14,33 +15,13 @@ namespace fastdist::moe {
 constexpr int64_t kMaxK = 16;
 constexpr int64_t kMaxExpertsCuda = 4096;
 
-// Gate logits: float32 or float64.
-inline MoeValueType value_type_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return MoeValueType::kFloat32;
-    case at::kDouble: return MoeValueType::kFloat64;
-    default:
-      TORCH_CHECK(false, "fastdist: '", name, "' must have dtype torch.float32 or torch.float64, got ",
-                  dtype_name(t.scalar_type()));
-  }
-}
-
-// Row data of permute / unpermute: float32, float64, float16 or bfloat16.
-inline MoeValueType row_type_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return MoeValueType::kFloat32;
-    case at::kDouble: return MoeValueType::kFloat64;
-    case at::kHalf: return MoeValueType::kFloat16;
-    case at::kBFloat16: return MoeValueType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "fastdist: '", name, "' must have a floating dtype (torch.float32, torch.float64, "
-                  "torch.float16 or torch.bfloat16), got ", dtype_name(t.scalar_type()));
-  }
-}
+// Gate logits: float32 or float64. Row data of permute / unpermute: every floating dtype (in this order in messages).
+constexpr at::ScalarType kLogitDtypes[] = {at::kFloat, at::kDouble};
+constexpr at::ScalarType kRowDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
 
 // moe_route(logits [T, E], k)
 inline void check_route(const at::Tensor& logits, int64_t k) {
-  value_type_of(logits, "logits");
+  check_dtype_in(logits, "logits", kLogitDtypes);
   FD_CHECK_DIM(logits, 2);
   TORCH_CHECK(logits.size(1) >= 1, "fastdist: 'logits' must have at least 1 expert (column), got shape ",
               logits.sizes());
@@ -80,7 +61,7 @@ inline void check_slots(const at::Tensor& x, const char* x_name, const at::Tenso
 // moe_permute(x [T, d], row_of_slot [T, k], num_rows, weight?)
 inline void check_permute(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
                           const std::optional<at::Tensor>& weight) {
-  row_type_of(x, "x");
+  check_dtype_in(x, "x", kRowDtypes);
   FD_CHECK_DIM(x, 2);
   FD_CHECK_NONNEGATIVE(num_rows);
   check_slots(x, "x", row_of_slot, weight, x.size(0));
@@ -89,11 +70,50 @@ inline void check_permute(const at::Tensor& x, const at::Tensor& row_of_slot, in
 // moe_unpermute(y [N, d], row_of_slot [T, k], weight?)
 inline void check_unpermute(const at::Tensor& y, const at::Tensor& row_of_slot,
                             const std::optional<at::Tensor>& weight) {
-  row_type_of(y, "y");
+  check_dtype_in(y, "y", kRowDtypes);
   FD_CHECK_DIM(y, 2);
   FD_CHECK_DIM(row_of_slot, 2);
   check_slots(y, "y", row_of_slot, weight, row_of_slot.size(0));
 }
+
+// moe_route's outputs for logits [T, E]: probs float32 [T, E], lse float32 [T], topk_idx int64 [T, k], topk_weight
+// float32 [T, k], on the logits' device.
+struct RouteOutputs {
+  at::Tensor probs, lse, topk_idx, topk_weight;
+
+  RouteOutputs(const at::Tensor& logits, int64_t k) {
+    const int64_t tokens = logits.size(0), experts = logits.size(1);
+    const auto f32 = logits.options().dtype(at::kFloat);
+    probs = at::empty({tokens, experts}, f32);
+    lse = at::empty({tokens}, f32);
+    topk_idx = at::empty({tokens, k}, logits.options().dtype(at::kLong));
+    topk_weight = at::empty({tokens, k}, f32);
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> as_tuple() const {
+    return {probs, lse, topk_idx, topk_weight};
+  }
+};
+
+// moe_layout's outputs for topk_idx [T, k], on its device (kernels/moe.h): int64 tensors, and keep as bool.
+struct LayoutOutputs {
+  at::Tensor counts, offsets, rank_counts, permutation, row_of_slot, position, keep;
+
+  LayoutOutputs(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+    const int64_t tokens = topk_idx.size(0), k = topk_idx.size(1);
+    const auto i64 = topk_idx.options().dtype(at::kLong);
+    counts = at::empty({num_experts}, i64);
+    offsets = at::empty({num_experts + 1}, i64);
+    rank_counts = at::empty({num_ranks}, i64);
+    permutation = at::empty({tokens * k}, i64);
+    row_of_slot = at::empty({tokens, k}, i64);
+    position = at::empty({tokens, k}, i64);
+    keep = at::empty({tokens, k}, i64.dtype(at::kBool));
+  }
+  uint8_t* keep_bytes() { return reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()); }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> as_tuple() const {
+    return {counts, offsets, rank_counts, permutation, row_of_slot, position, keep};
+  }
+};
 
 // Rows named by row_of_slot must be in [-1, num_rows) (one pass; CPU glue only, the CUDA glue syncs for it).
 inline void check_rows_in_range(const at::Tensor& row_of_slot, int64_t num_rows) {

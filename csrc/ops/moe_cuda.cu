@@ -17,17 +17,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_cuda_op(con
   check_route(logits, k);
   const c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor src = logits.contiguous();
-  const int64_t tokens = src.size(0);
-  const int64_t experts = src.size(1);
-  const auto f32 = src.options().dtype(at::kFloat);
-  at::Tensor probs = at::empty({tokens, experts}, f32);
-  at::Tensor lse = at::empty({tokens}, f32);
-  at::Tensor idx = at::empty({tokens, k}, src.options().dtype(at::kLong));
-  at::Tensor weight = at::empty({tokens, k}, f32);
-  C10_CUDA_CHECK(fastdist::moe_route_cuda(src.const_data_ptr(), value_type_of(src, "logits"), tokens, experts, k,
-                                          probs.data_ptr<float>(), lse.data_ptr<float>(), idx.data_ptr<int64_t>(),
-                                          weight.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
-  return {probs, lse, idx, weight};
+  RouteOutputs out(src, k);
+  C10_CUDA_CHECK(fastdist::moe_route_cuda(src.const_data_ptr(), storage_type_of(src, "logits", kLogitDtypes),
+                                          src.size(0), src.size(1), k, out.probs.data_ptr<float>(),
+                                          out.lse.data_ptr<float>(), out.topk_idx.data_ptr<int64_t>(),
+                                          out.topk_weight.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+  return out.as_tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_layout_cuda_op(
@@ -46,21 +41,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     TORCH_CHECK(min_id >= 0 && max_id < num_experts, "fastdist: 'topk_idx' entries must be in [0, num_experts = ",
                 num_experts, "), got values in [", min_id, ", ", max_id, "]");
   }
-  const auto i64 = idx.options();
-  at::Tensor counts = at::empty({num_experts}, i64);
-  at::Tensor offsets = at::empty({num_experts + 1}, i64);
-  at::Tensor rank_counts = at::empty({num_ranks}, i64);
-  at::Tensor permutation = at::empty({tokens * k}, i64);
-  at::Tensor row_of_slot = at::empty({tokens, k}, i64);
-  at::Tensor position = at::empty({tokens, k}, i64);
-  at::Tensor keep = at::empty({tokens, k}, i64.dtype(at::kBool));
-  at::Tensor workspace = at::empty({fastdist::moe_layout_cuda_workspace_bytes(tokens, k, num_experts) / 8}, i64);
+  LayoutOutputs out(idx, num_experts, num_ranks);
+  at::Tensor workspace =
+      at::empty({fastdist::moe_layout_cuda_workspace_bytes(tokens, k, num_experts) / 8}, idx.options());
   C10_CUDA_CHECK(fastdist::moe_layout_cuda(
-      idx.const_data_ptr<int64_t>(), tokens, k, num_experts, num_ranks, capacity, counts.data_ptr<int64_t>(),
-      offsets.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(), permutation.data_ptr<int64_t>(),
-      row_of_slot.data_ptr<int64_t>(), position.data_ptr<int64_t>(), reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()),
-      workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()));
-  return {counts, offsets, rank_counts, permutation, row_of_slot, position, keep};
+      idx.const_data_ptr<int64_t>(), tokens, k, num_experts, num_ranks, capacity, out.counts.data_ptr<int64_t>(),
+      out.offsets.data_ptr<int64_t>(), out.rank_counts.data_ptr<int64_t>(), out.permutation.data_ptr<int64_t>(),
+      out.row_of_slot.data_ptr<int64_t>(), out.position.data_ptr<int64_t>(), out.keep_bytes(), workspace.data_ptr(),
+      c10::cuda::getCurrentCUDAStream()));
+  return out.as_tuple();
 }
 
 at::Tensor moe_permute_cuda_op(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
@@ -72,8 +61,8 @@ at::Tensor moe_permute_cuda_op(const at::Tensor& x, const at::Tensor& row_of_slo
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
   at::Tensor out = at::zeros({num_rows, src.size(1)}, src.options());
-  C10_CUDA_CHECK(fastdist::moe_permute_cuda(src.const_data_ptr(), row_type_of(src, "x"), src.size(0), src.size(1),
-                                            rows.size(1), rows.const_data_ptr<int64_t>(),
+  C10_CUDA_CHECK(fastdist::moe_permute_cuda(src.const_data_ptr(), storage_type_of(src, "x", kRowDtypes), src.size(0),
+                                            src.size(1), rows.size(1), rows.const_data_ptr<int64_t>(),
                                             w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(),
                                             c10::cuda::getCurrentCUDAStream()));
   return out;
@@ -88,8 +77,8 @@ at::Tensor moe_unpermute_cuda_op(const at::Tensor& y, const at::Tensor& row_of_s
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
   at::Tensor out = at::empty({rows.size(0), src.size(1)}, src.options());
-  C10_CUDA_CHECK(fastdist::moe_unpermute_cuda(src.const_data_ptr(), row_type_of(src, "y"), rows.size(0),
-                                              src.size(1), rows.size(1), rows.const_data_ptr<int64_t>(),
+  C10_CUDA_CHECK(fastdist::moe_unpermute_cuda(src.const_data_ptr(), storage_type_of(src, "y", kRowDtypes),
+                                              rows.size(0), src.size(1), rows.size(1), rows.const_data_ptr<int64_t>(),
                                               w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(),
                                               c10::cuda::getCurrentCUDAStream()));
   return out;

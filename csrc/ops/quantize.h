@@ -6,6 +6,7 @@
 #include <c10/util/accumulate.h>
 
 #include <string>
+#include <tuple>
 
 #include "kernels/quantize.h"
 #include "ops/checks.h"
@@ -32,21 +33,19 @@ inline void check_group(int64_t numel, int64_t group_size) {
 // [n / group_size], zeros float32 [n / group_size])
 inline QuantScheme check_quantize(const at::Tensor& x, int64_t bits, const std::string& scheme, int64_t group_size,
                                   int64_t seed) {
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "fastdist: 'x' must have dtype torch.float32, torch.float16 or torch.bfloat16, got ", dtype_name(dt));
+  check_dtype_in(x, "x", kFloat32Or16BitDtypes);
   check_bits(bits);
-  const QuantScheme s = scheme_of(scheme);
+  const QuantScheme parsed = scheme_of(scheme);
   check_group(x.numel(), group_size);
-  TORCH_CHECK(seed >= 0, "fastdist: 'seed' must be in [0, 2^63), got ", seed);
-  return s;
+  check_seed(seed);
+  return parsed;
 }
 
 // dequantize(packed, scales, zeros, bits, scheme, group_size, shape) -> float32 [shape]
 inline QuantScheme check_dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
                                     int64_t bits, const std::string& scheme, int64_t group_size, at::IntArrayRef shape) {
   check_bits(bits);
-  const QuantScheme s = scheme_of(scheme);
+  const QuantScheme parsed = scheme_of(scheme);
   for (const int64_t size : shape) TORCH_CHECK(size >= 0, "fastdist: 'shape' must not be negative, got ", shape);
   const int64_t n = c10::multiply_integers(shape);
   check_group(n, group_size);
@@ -63,7 +62,28 @@ inline QuantScheme check_dequantize(const at::Tensor& packed, const at::Tensor& 
               "] (one per group), got shape ", scales.sizes());
   TORCH_CHECK(zeros.dim() == 1 && zeros.size(0) == groups, "fastdist: 'zeros' must have shape [", groups,
               "] (one per group), got shape ", zeros.sizes());
-  return s;
+  return parsed;
+}
+
+// quantize's input as the kernels read it (float32, contiguous) and its outputs, on x's device.
+struct QuantizeBuffers {
+  at::Tensor values;                  // float32 [n]
+  at::Tensor packed, scales, zeros;  // uint8 [ceil(n bits / 8)], float32 [n / group_size] twice
+
+  QuantizeBuffers(const at::Tensor& x, int64_t bits, int64_t group_size) : values(x.to(at::kFloat).contiguous()) {
+    const int64_t groups = values.numel() / group_size;
+    packed = at::empty({quant_packed_bytes(values.numel(), static_cast<int>(bits))}, values.options().dtype(at::kByte));
+    scales = at::empty({groups}, values.options());
+    zeros = at::empty({groups}, values.options());
+  }
+  int64_t groups() const { return scales.numel(); }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> as_tuple() const { return {packed, scales, zeros}; }
+};
+
+// quantize refuses non-finite input: `bad_groups` of the groups held NaN or +-inf (or a range that overflows float32).
+inline void check_finite_groups(int64_t bad_groups, int64_t groups) {
+  TORCH_CHECK(bad_groups == 0, "fastdist: 'x' must be finite: ", bad_groups, " of ", groups,
+              " group(s) hold NaN or +-inf (or a range that overflows float32)");
 }
 
 }  // namespace fastdist::quantize

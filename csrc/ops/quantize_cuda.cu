@@ -14,34 +14,28 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda_op(const at::Tensor& x, int64_t bits,
                                                                 c10::string_view scheme, int64_t group_size,
                                                                 bool stochastic, int64_t seed) {
-  const QuantScheme s = check_quantize(x, bits, std::string(scheme), group_size, seed);
+  const QuantScheme kind = check_quantize(x, bits, std::string(scheme), group_size, seed);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor src = x.to(at::kFloat).contiguous();
-  const int64_t n = src.numel(), groups = n / group_size;
-  const int b = static_cast<int>(bits);
-  at::Tensor packed = at::empty({quant_packed_bytes(n, b)}, src.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({groups}, src.options());
-  at::Tensor zeros = at::empty({groups}, src.options());
-  at::Tensor bad = at::empty({1}, src.options().dtype(at::kLong));
-  C10_CUDA_CHECK(fastdist::quantize_cuda(src.const_data_ptr<float>(), n, group_size, b, s, stochastic,
-                                         static_cast<uint64_t>(seed), scales.data_ptr<float>(),
-                                         zeros.data_ptr<float>(), packed.data_ptr<uint8_t>(),
-                                         bad.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()));
-  const int64_t bad_groups = bad.item<int64_t>();
-  TORCH_CHECK(bad_groups == 0, "fastdist: 'x' must be finite: ", bad_groups, " of ", groups,
-              " group(s) hold NaN or +-inf (or a range that overflows float32)");
-  return {packed, scales, zeros};
+  QuantizeBuffers buffers(x, bits, group_size);
+  at::Tensor bad_groups = at::empty({1}, buffers.values.options().dtype(at::kLong));
+  C10_CUDA_CHECK(fastdist::quantize_cuda(buffers.values.const_data_ptr<float>(), buffers.values.numel(), group_size,
+                                         static_cast<int>(bits), kind, stochastic, static_cast<uint64_t>(seed),
+                                         buffers.scales.data_ptr<float>(), buffers.zeros.data_ptr<float>(),
+                                         buffers.packed.data_ptr<uint8_t>(), bad_groups.data_ptr<int64_t>(),
+                                         c10::cuda::getCurrentCUDAStream()));
+  check_finite_groups(bad_groups.item<int64_t>(), buffers.groups());
+  return buffers.as_tuple();
 }
 
 at::Tensor dequantize_cuda_op(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
                               int64_t bits, c10::string_view scheme, int64_t group_size, at::IntArrayRef shape) {
-  const QuantScheme s = check_dequantize(packed, scales, zeros, bits, std::string(scheme), group_size, shape);
+  const QuantScheme kind = check_dequantize(packed, scales, zeros, bits, std::string(scheme), group_size, shape);
   const c10::cuda::CUDAGuard guard(packed.device());
-  const at::Tensor p = packed.contiguous(), sc = scales.contiguous(), zp = zeros.contiguous();
-  at::Tensor out = at::empty(shape, sc.options());
-  C10_CUDA_CHECK(fastdist::dequantize_cuda(p.const_data_ptr<uint8_t>(), out.numel(), group_size,
-                                           static_cast<int>(bits), s, sc.const_data_ptr<float>(),
-                                           zp.const_data_ptr<float>(), out.data_ptr<float>(),
+  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous(), group_zeros = zeros.contiguous();
+  at::Tensor out = at::empty(shape, group_scales.options());
+  C10_CUDA_CHECK(fastdist::dequantize_cuda(codes.const_data_ptr<uint8_t>(), out.numel(), group_size,
+                                           static_cast<int>(bits), kind, group_scales.const_data_ptr<float>(),
+                                           group_zeros.const_data_ptr<float>(), out.data_ptr<float>(),
                                            c10::cuda::getCurrentCUDAStream()));
   return out;
 }

@@ -5,8 +5,8 @@
 // in increasing index, every value that lands there, so each bucket is the same float32 sum, in the same order,
 // whatever the thread count: results are bit-identical from 1 thread to many and from run to run.
 // Units of m > 1 values (row granularity) split the rows * cols buckets evenly, a range crossing rows: each thread
-// reads every unit and adds the part of its windows that falls in its range. Against splitting whole rows (2 threads
-// on 3 rows: one does 2), that is 1.5x faster on a 2% embedding gradient (555 -> 366 us on the 2-core VM).
+// reads every unit and adds the part of its windows that falls in its range, so that the threads share the work
+// evenly where splitting whole rows would not (2 threads on 3 rows: one does 2).
 // Units of one value (element granularity) split whole rows: with per-value hashing an owner of part of a row must
 // hash every value, and steering the other owners' values away costs about as much as adding them. So at most
 // `rows` threads work on such a sketch, unevenly when the thread count does not divide the rows.
@@ -19,14 +19,15 @@
 #include <mutex>
 #include <vector>
 
+#include "ops/parallel.h"
 #include "ops/sketch.h"
 
 namespace fastdist::sketch {
 namespace {
 
 // count_sketch allocates its table (rows x cols float32, a few MiB) on every call, and malloc hands out a buffer
-// that size as freshly mapped pages each time: their first-touch faults took 100 of the 460 us of a count_sketch
-// of a 2% embedding gradient on the 2-core VM. So freed tables go back to this pool, most recent last, and a call
+// that size as freshly mapped pages each time, whose first-touch faults cost a large part of a sparse gradient's
+// sketch (bench/README.md). So freed tables go back to this pool, most recent last, and a call
 // takes one of its size from there: at most kPooledBytes in all (the oldest leave first). The tensors are
 // ordinary CPU tensors but for not being resizable.
 class TablePool {
@@ -83,20 +84,13 @@ class TablePool {
   size_t pooled_ = 0;
 };
 
-// A chunk below this many bytes of memory traffic is not worth a thread: small inputs run on the calling thread.
-constexpr int64_t kGrainTrafficBytes = 256 * 1024;
-
-int64_t grain_for(int64_t bytes_per_item) {
-  return std::max<int64_t>(kGrainTrafficBytes / std::max<int64_t>(bytes_per_item, 1), 1);
-}
-
 // Runs sketch(begin, end) in parallel over ranges of the rows x cols table positions (see the top of this file):
 // any ranges for units of m > 1 values, no range under a quarter row (every thread hashes every unit); whole rows
 // for m == 1. Below a few chunks of work (values to read plus table to clear per row), one thread does everything.
 template <typename SketchFn>
 void for_table_ranges(int64_t rows, int64_t cols, int64_t m, int64_t value_bytes, SketchFn sketch) {
   const int64_t work_bytes = (value_bytes + cols * static_cast<int64_t>(sizeof(float))) * rows;
-  const bool one_thread = work_bytes < 2 * kGrainTrafficBytes;
+  const bool one_thread = work_bytes < 2 * kMinBytesPerThread;
   if (m > 1) {
     at::parallel_for(0, rows * cols, one_thread ? rows * cols : std::max<int64_t>(cols / 4, 1), sketch);
     return;
@@ -106,21 +100,21 @@ void for_table_ranges(int64_t rows, int64_t cols, int64_t m, int64_t value_bytes
 }
 
 at::Tensor nonzero_bitmap_cpu_op(const at::Tensor& x, c10::string_view granularity) {
-  const Units u = check_nonzero_bitmap(x, std::string(granularity));
+  const UnitShape shape = check_nonzero_bitmap(x, std::string(granularity));
   const at::Tensor src = x.contiguous();
-  at::Tensor out = at::empty({sketch_support_bytes(u.n)}, src.options().dtype(at::kByte));
+  at::Tensor out = at::empty({packed_bytes(shape.n)}, src.options().dtype(at::kByte));
   const void* in = src.const_data_ptr();
   const int elem_bytes = static_cast<int>(src.element_size());
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, out.numel(), grain_for(8 * u.m * elem_bytes), [&](int64_t begin, int64_t end) {
-    fastdist::nonzero_bitmap_cpu(in, elem_bytes, u.n, u.m, dst, begin, end);
+  at::parallel_for(0, out.numel(), grain_for(8 * shape.m * elem_bytes), [&](int64_t begin, int64_t end) {
+    fastdist::nonzero_bitmap_cpu(in, elem_bytes, shape.n, shape.m, dst, begin, end);
   });
   return out;
 }
 
 at::Tensor count_sketch_cpu_op(const at::Tensor& x, int64_t rows, int64_t cols, int64_t seed,
                                const std::optional<at::Tensor>& support, c10::string_view granularity) {
-  const Units u = check_count_sketch(x, rows, cols, seed, support, std::string(granularity));
+  const UnitShape shape = check_count_sketch(x, rows, cols, seed, support, std::string(granularity));
   const at::Tensor src = x.contiguous();
   const at::Tensor sup = support.has_value() ? support->contiguous() : at::Tensor();
   at::Tensor table = TablePool::instance().table(rows, cols, src.options());
@@ -128,43 +122,44 @@ at::Tensor count_sketch_cpu_op(const at::Tensor& x, int64_t rows, int64_t cols, 
   const void* in = src.const_data_ptr();
   const uint8_t* sup_bytes = sup.defined() ? support_bytes(sup) : nullptr;
   float* dst = table.data_ptr<float>();
-  const SketchValueType type = value_type_of(src);
-  for_table_ranges(rows, cols, u.m, u.n * u.m * src.element_size(), [&](int64_t begin, int64_t end) {
-    fastdist::count_sketch_cpu(in, type, u.n, u.m, sup_bytes, hash, dst, begin, end);
+  const StorageType type = storage_type_of(src, "x");
+  for_table_ranges(rows, cols, shape.m, shape.n * shape.m * src.element_size(), [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_cpu(in, type, shape.n, shape.m, sup_bytes, hash, dst, begin, end);
   });
   return table;
 }
 
 at::Tensor count_sketch_decode_cpu_op(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
                                       int64_t seed) {
-  const Units u = check_count_sketch_decode(table, support, n, m, seed);
+  const UnitShape shape = check_count_sketch_decode(table, support, n, m, seed);
   const at::Tensor tab = table.contiguous();
   const at::Tensor sup = support.contiguous();
-  at::Tensor out = at::empty({u.n, u.m}, tab.options());
+  at::Tensor out = at::empty({shape.n, shape.m}, tab.options());
   const SketchHash hash = hash_for(seed, tab.size(0), tab.size(1));
-  const float* t = tab.const_data_ptr<float>();
+  const float* table_values = tab.const_data_ptr<float>();
   const uint8_t* sup_bytes = support_bytes(sup);
   float* dst = out.data_ptr<float>();
   // Work items are units; each writes its m outputs (reading rows table values each where supported).
-  at::parallel_for(0, u.n, grain_for(u.m * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
-    fastdist::count_sketch_decode_cpu(t, sup_bytes, u.n, u.m, hash, dst, begin, end);
+  const int64_t grain = grain_for(shape.m * static_cast<int64_t>(sizeof(float)));
+  at::parallel_for(0, shape.n, grain, [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_decode_cpu(table_values, sup_bytes, shape.n, shape.m, hash, dst, begin, end);
   });
   return out;
 }
 
 at::Tensor count_sketch_units_cpu_op(const at::Tensor& values, const at::Tensor& units, int64_t rows, int64_t cols,
                                      int64_t seed) {
-  const Units u = check_count_sketch_units(values, units, rows, cols, seed);
+  const UnitShape shape = check_count_sketch_units(values, units, rows, cols, seed);
   const at::Tensor src = values.contiguous();
   const at::Tensor idx = units.contiguous();
   at::Tensor table = TablePool::instance().table(rows, cols, src.options());
   const SketchHash hash = hash_for(seed, rows, cols);
   const void* in = src.const_data_ptr();
-  const SketchValueType type = value_type_of(src);
+  const StorageType type = storage_type_of(src, "values");
   const int64_t* unit_ids = idx.const_data_ptr<int64_t>();
   float* dst = table.data_ptr<float>();
-  for_table_ranges(rows, cols, u.m, u.n * u.m * src.element_size(), [&](int64_t begin, int64_t end) {
-    fastdist::count_sketch_units_cpu(in, type, unit_ids, u.n, u.m, hash, dst, begin, end);
+  for_table_ranges(rows, cols, shape.m, shape.n * shape.m * src.element_size(), [&](int64_t begin, int64_t end) {
+    fastdist::count_sketch_units_cpu(in, type, unit_ids, shape.n, shape.m, hash, dst, begin, end);
   });
   return table;
 }
@@ -176,11 +171,11 @@ at::Tensor count_sketch_decode_units_cpu_op(const at::Tensor& table, const at::T
   const at::Tensor idx = units.contiguous();
   at::Tensor out = at::empty({k, m}, tab.options());
   const SketchHash hash = hash_for(seed, tab.size(0), tab.size(1));
-  const float* t = tab.const_data_ptr<float>();
-  const int64_t* u = idx.const_data_ptr<int64_t>();
+  const float* table_values = tab.const_data_ptr<float>();
+  const int64_t* unit_ids = idx.const_data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, k, grain_for(m * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
-    fastdist::count_sketch_decode_units_cpu(t, u, m, hash, dst, begin, end);
+    fastdist::count_sketch_decode_units_cpu(table_values, unit_ids, m, hash, dst, begin, end);
   });
   return out;
 }
@@ -194,10 +189,10 @@ std::tuple<at::Tensor, at::Tensor> sketch_hash_cpu_op(const at::Tensor& idx, int
   at::Tensor sign = at::empty({rows, len}, src.options().dtype(at::kChar));
   const SketchHash hash = hash_for(seed, rows, cols);
   const int64_t* in = src.const_data_ptr<int64_t>();
-  int64_t* b = bucket.data_ptr<int64_t>();
-  int8_t* s = sign.data_ptr<int8_t>();
+  int64_t* bucket_out = bucket.data_ptr<int64_t>();
+  int8_t* sign_out = sign.data_ptr<int8_t>();
   at::parallel_for(0, len, grain_for(rows * 64), [&](int64_t begin, int64_t end) {  // ~64 bytes' worth per hash
-    fastdist::sketch_hash_cpu(in, len, m, hash, b, s, begin, end);
+    fastdist::sketch_hash_cpu(in, len, m, hash, bucket_out, sign_out, begin, end);
   });
   return {bucket, sign};
 }

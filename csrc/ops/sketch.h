@@ -14,7 +14,7 @@
 namespace fastdist::sketch {
 
 // x viewed as n units of m values.
-struct Units {
+struct UnitShape {
   int64_t n;
   int64_t m;
 };
@@ -27,30 +27,13 @@ inline bool is_row_granularity(const std::string& granularity) {
 
 // Row granularity: n = x.shape[0], m = the product of the other dimensions; element granularity: n = numel, m = 1
 // (a 0-d tensor is one element).
-inline Units units_of(const at::Tensor& x, const std::string& granularity) {
+inline UnitShape units_of(const at::Tensor& x, const std::string& granularity) {
   if (is_row_granularity(granularity)) {
     TORCH_CHECK(x.dim() >= 1, "fastdist: 'x' must have at least 1 dimension(s) for granularity \"row\", got shape ",
                 x.sizes());
     return {x.size(0), c10::multiply_integers(x.sizes().begin() + 1, x.sizes().end())};
   }
   return {x.numel(), 1};
-}
-
-inline bool is_floating_sketch_type(const at::Tensor& x) {
-  const at::ScalarType t = x.scalar_type();
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-inline SketchValueType value_type_of(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return SketchValueType::kFloat32;
-    case at::kDouble: return SketchValueType::kFloat64;
-    case at::kHalf: return SketchValueType::kFloat16;
-    case at::kBFloat16: return SketchValueType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "fastdist: 'x' must have a floating dtype (torch.float32, torch.float16, torch.bfloat16 or "
-                  "torch.float64), got ", dtype_name(x.scalar_type()));
-  }
 }
 
 inline void check_rows(int64_t rows) {
@@ -61,44 +44,40 @@ inline void check_cols(int64_t cols) {
   TORCH_CHECK(cols >= 1 && cols <= kSketchMaxCols, "fastdist: 'cols' must be in [1, ", kSketchMaxCols, "], got ", cols);
 }
 
-inline void check_seed(int64_t seed) {
-  TORCH_CHECK(seed >= 0, "fastdist: 'seed' must be in [0, 2^63), got ", seed);
-}
-
-// support: uint8 [ceil(n / 8)], on the device of `other` (named other_name).
-inline void check_support(const at::Tensor& support, const at::Tensor& other, const char* other_name, const Units& u,
-                          const char* units) {
+// support: uint8 [ceil(n / 8)], on the device of `other` (named other_name); units_name says what the n units are.
+inline void check_support(const at::Tensor& support, const at::Tensor& other, const char* other_name,
+                          const UnitShape& shape, const char* units_name) {
   FD_CHECK_DTYPE(support, at::kByte);
   TORCH_CHECK(support.device() == other.device(), "fastdist: 'support' and '", other_name,
               "' must be on the same device, got ", support.device(), " and ", other.device());
-  const int64_t bytes = sketch_support_bytes(u.n);
+  const int64_t bytes = packed_bytes(shape.n);
   TORCH_CHECK(support.dim() == 1 && support.size(0) == bytes, "fastdist: 'support' must have shape [", bytes,
-              "] (ceil(n / 8) for n = ", u.n, " ", units, "), got shape ", support.sizes());
+              "] (ceil(n / 8) for n = ", shape.n, " ", units_name, "), got shape ", support.sizes());
 }
 
 // nonzero_bitmap(x, granularity) -> uint8 [ceil(n / 8)]
-inline Units check_nonzero_bitmap(const at::Tensor& x, const std::string& granularity) {
-  value_type_of(x);
+inline UnitShape check_nonzero_bitmap(const at::Tensor& x, const std::string& granularity) {
+  check_dtype_in(x, "x", kFloatingDtypes);
   return units_of(x, granularity);
 }
 
 // count_sketch(x, rows, cols, seed, support, granularity) -> float32 [rows, cols]
-inline Units check_count_sketch(const at::Tensor& x, int64_t rows, int64_t cols, int64_t seed,
-                                const std::optional<at::Tensor>& support, const std::string& granularity) {
-  value_type_of(x);
+inline UnitShape check_count_sketch(const at::Tensor& x, int64_t rows, int64_t cols, int64_t seed,
+                                    const std::optional<at::Tensor>& support, const std::string& granularity) {
+  check_dtype_in(x, "x", kFloatingDtypes);
   check_rows(rows);
   check_cols(cols);
   check_seed(seed);
-  const Units u = units_of(x, granularity);
+  const UnitShape shape = units_of(x, granularity);
   if (support.has_value()) {
-    check_support(*support, x, "x", u, granularity == "row" ? "rows of x" : "elements of x");
+    check_support(*support, x, "x", shape, granularity == "row" ? "rows of x" : "elements of x");
   }
-  return u;
+  return shape;
 }
 
 // count_sketch_decode(table, support, n, m, seed) -> float32 [n, m]
-inline Units check_count_sketch_decode(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
-                                       int64_t seed) {
+inline UnitShape check_count_sketch_decode(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
+                                           int64_t seed) {
   FD_CHECK_DTYPE(table, at::kFloat);
   FD_CHECK_DIM(table, 2);
   TORCH_CHECK(table.size(0) >= 1 && table.size(0) <= kSketchMaxRows, "fastdist: 'table' must have 1 to ",
@@ -110,17 +89,16 @@ inline Units check_count_sketch_decode(const at::Tensor& table, const at::Tensor
   TORCH_CHECK(m == 0 || n <= std::numeric_limits<int64_t>::max() / m,
               "fastdist: 'n' * 'm' must fit in int64, got n = ", n, ", m = ", m);
   check_seed(seed);
-  const Units u{n, m};
-  check_support(support, table, "table", u, "units");
-  return u;
+  const UnitShape shape{n, m};
+  check_support(support, table, "table", shape, "units");
+  return shape;
 }
 
 // count_sketch_units(values, units, rows, cols, seed) -> float32 [rows, cols]; returns (k, m) of values
-inline Units check_count_sketch_units(const at::Tensor& values, const at::Tensor& units, int64_t rows, int64_t cols,
-                                      int64_t seed) {
-  TORCH_CHECK(values.dim() >= 1, "fastdist: 'values' must have at least 1 dimension(s), got shape ", values.sizes());
-  TORCH_CHECK(is_floating_sketch_type(values), "fastdist: 'values' must have a floating dtype (torch.float32, "
-              "torch.float16, torch.bfloat16 or torch.float64), got ", dtype_name(values.scalar_type()));
+inline UnitShape check_count_sketch_units(const at::Tensor& values, const at::Tensor& units, int64_t rows,
+                                          int64_t cols, int64_t seed) {
+  FD_CHECK_DIM_AT_LEAST(values, 1);
+  check_dtype_in(values, "values", kFloatingDtypes);
   check_rows(rows);
   check_cols(cols);
   check_seed(seed);

@@ -11,23 +11,23 @@ namespace fastdist::sketch {
 namespace {
 
 at::Tensor nonzero_bitmap_cuda_op(const at::Tensor& x, c10::string_view granularity) {
-  const Units u = check_nonzero_bitmap(x, std::string(granularity));
+  const UnitShape shape = check_nonzero_bitmap(x, std::string(granularity));
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor src = x.contiguous();
-  at::Tensor out = at::empty({sketch_support_bytes(u.n)}, src.options().dtype(at::kByte));
-  C10_CUDA_CHECK(fastdist::nonzero_bitmap_cuda(src.const_data_ptr(), static_cast<int>(src.element_size()), u.n, u.m,
-                                               out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()));
+  at::Tensor out = at::empty({packed_bytes(shape.n)}, src.options().dtype(at::kByte));
+  C10_CUDA_CHECK(fastdist::nonzero_bitmap_cuda(src.const_data_ptr(), static_cast<int>(src.element_size()), shape.n,
+                                               shape.m, out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
 at::Tensor count_sketch_cuda_op(const at::Tensor& x, int64_t rows, int64_t cols, int64_t seed,
                                 const std::optional<at::Tensor>& support, c10::string_view granularity) {
-  const Units u = check_count_sketch(x, rows, cols, seed, support, std::string(granularity));
+  const UnitShape shape = check_count_sketch(x, rows, cols, seed, support, std::string(granularity));
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor src = x.contiguous();
   const at::Tensor sup = support.has_value() ? support->contiguous() : at::Tensor();
   at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
-  C10_CUDA_CHECK(fastdist::count_sketch_cuda(src.const_data_ptr(), value_type_of(src), u.n, u.m,
+  C10_CUDA_CHECK(fastdist::count_sketch_cuda(src.const_data_ptr(), storage_type_of(src, "x"), shape.n, shape.m,
                                              sup.defined() ? support_bytes(sup) : nullptr, hash_for(seed, rows, cols),
                                              table.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
   return table;
@@ -35,12 +35,12 @@ at::Tensor count_sketch_cuda_op(const at::Tensor& x, int64_t rows, int64_t cols,
 
 at::Tensor count_sketch_decode_cuda_op(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
                                        int64_t seed) {
-  const Units u = check_count_sketch_decode(table, support, n, m, seed);
+  const UnitShape shape = check_count_sketch_decode(table, support, n, m, seed);
   const c10::cuda::CUDAGuard guard(table.device());
   const at::Tensor tab = table.contiguous();
   const at::Tensor sup = support.contiguous();
-  at::Tensor out = at::empty({u.n, u.m}, tab.options());
-  C10_CUDA_CHECK(fastdist::count_sketch_decode_cuda(tab.const_data_ptr<float>(), support_bytes(sup), u.n, u.m,
+  at::Tensor out = at::empty({shape.n, shape.m}, tab.options());
+  C10_CUDA_CHECK(fastdist::count_sketch_decode_cuda(tab.const_data_ptr<float>(), support_bytes(sup), shape.n, shape.m,
                                                     hash_for(seed, tab.size(0), tab.size(1)), out.data_ptr<float>(),
                                                     c10::cuda::getCurrentCUDAStream()));
   return out;
@@ -48,13 +48,13 @@ at::Tensor count_sketch_decode_cuda_op(const at::Tensor& table, const at::Tensor
 
 at::Tensor count_sketch_units_cuda_op(const at::Tensor& values, const at::Tensor& units, int64_t rows, int64_t cols,
                                       int64_t seed) {
-  const Units u = check_count_sketch_units(values, units, rows, cols, seed);
+  const UnitShape shape = check_count_sketch_units(values, units, rows, cols, seed);
   const c10::cuda::CUDAGuard guard(values.device());
   const at::Tensor src = values.contiguous();
   const at::Tensor idx = units.contiguous();
   at::Tensor table = at::empty({rows, cols}, src.options().dtype(at::kFloat));
-  C10_CUDA_CHECK(fastdist::count_sketch_units_cuda(src.const_data_ptr(), value_type_of(src),
-                                                   idx.const_data_ptr<int64_t>(), u.n, u.m,
+  C10_CUDA_CHECK(fastdist::count_sketch_units_cuda(src.const_data_ptr(), storage_type_of(src, "values"),
+                                                   idx.const_data_ptr<int64_t>(), shape.n, shape.m,
                                                    hash_for(seed, rows, cols), table.data_ptr<float>(),
                                                    c10::cuda::getCurrentCUDAStream()));
   return table;

@@ -13,17 +13,11 @@
 #include <memory>
 #include <vector>
 
+#include "ops/parallel.h"
 #include "ops/topk.h"
 
 namespace fastdist::topk {
 namespace {
-
-// A chunk below this many bytes of memory traffic is not worth a thread: small inputs run on the calling thread.
-constexpr int64_t kGrainTrafficBytes = 256 * 1024;
-
-int64_t rows_grain(int64_t bytes_per_row) {
-  return std::max<int64_t>(kGrainTrafficBytes / std::max<int64_t>(bytes_per_row, 1), 1);
-}
 
 // One long row (per-tensor TopK) split into chunks: the histogram and the partition run over the chunks in parallel,
 // each chunk writing its lists at its own offset of the scratch arrays; the lists are then closed up in chunk order
@@ -77,14 +71,16 @@ std::tuple<at::Tensor, at::Tensor> topk_compress_cpu_op(const at::Tensor& x, int
   at::Tensor values = at::empty({rows, k}, src.options());
   at::Tensor indices = at::empty({rows, k}, src.options().dtype(at::kInt));
   const float* in = src.const_data_ptr<float>();
-  float* v = values.data_ptr<float>();
-  int32_t* idx = indices.data_ptr<int32_t>();
+  float* kept_values = values.data_ptr<float>();
+  int32_t* kept_indices = indices.data_ptr<int32_t>();
   if (rows == 1 && d >= kLongRow && at::get_num_threads() > 1) {
-    select_long_row(in, d, k, v, idx, std::min<int64_t>(4 * at::get_num_threads(), d / (kLongRow / 16)));
+    select_long_row(in, d, k, kept_values, kept_indices,
+                    std::min<int64_t>(4 * at::get_num_threads(), d / (kLongRow / 16)));
   } else {
-    at::parallel_for(0, rows, rows_grain(3 * d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
-      const std::unique_ptr<uint64_t[]> scratch(new uint64_t[(fastdist::topk_cpu_scratch_bytes(d) + 7) / 8]);
-      fastdist::topk_compress_cpu(in, rows, d, k, v, idx, begin, end, scratch.get());
+    at::parallel_for(0, rows, grain_for(3 * d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+      const int64_t scratch_words = (fastdist::topk_cpu_scratch_bytes(d) + 7) / 8;  // 8-byte aligned
+      const std::unique_ptr<uint64_t[]> scratch(new uint64_t[scratch_words]);
+      fastdist::topk_compress_cpu(in, rows, d, k, kept_values, kept_indices, begin, end, scratch.get());
     });
   }
   return {values.to(x.scalar_type()), indices};
@@ -96,12 +92,12 @@ at::Tensor topk_decompress_cpu_op(const at::Tensor& values, const at::Tensor& in
   const at::Tensor idx = indices.contiguous();
   const int64_t rows = val.size(0), k = val.size(1);
   at::Tensor out = at::empty({rows, d}, val.options());
-  const float* v = val.const_data_ptr<float>();
-  const int32_t* i = idx.const_data_ptr<int32_t>();
+  const float* kept_values = val.const_data_ptr<float>();
+  const int32_t* kept_indices = idx.const_data_ptr<int32_t>();
   float* dst = out.data_ptr<float>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, rows, rows_grain(d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
-    bad += fastdist::topk_decompress_cpu(v, i, rows, k, d, dst, begin, end);
+  at::parallel_for(0, rows, grain_for(d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+    bad += fastdist::topk_decompress_cpu(kept_values, kept_indices, rows, k, d, dst, begin, end);
   });
   TORCH_CHECK(bad.load() == 0, "fastdist: 'indices' must be in [0, d) with d = ", d, ", got ", bad.load(),
               " out of range");
@@ -112,12 +108,12 @@ at::Tensor topk_indices_to_bitmap_cpu_op(const at::Tensor& indices, int64_t d) {
   check_indices_to_bitmap(indices, d);
   const at::Tensor idx = indices.contiguous();
   const int64_t rows = idx.size(0), k = idx.size(1);
-  at::Tensor out = at::empty({rows, (d + 7) / 8}, idx.options().dtype(at::kByte));
-  const int32_t* i = idx.const_data_ptr<int32_t>();
+  at::Tensor out = at::empty({rows, packed_bytes(d)}, idx.options().dtype(at::kByte));
+  const int32_t* kept_indices = idx.const_data_ptr<int32_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, rows, rows_grain(4 * k + d / 8), [&](int64_t begin, int64_t end) {
-    bad += fastdist::topk_indices_to_bitmap_cpu(i, rows, k, d, dst, begin, end);
+  at::parallel_for(0, rows, grain_for(4 * k + d / 8), [&](int64_t begin, int64_t end) {
+    bad += fastdist::topk_indices_to_bitmap_cpu(kept_indices, rows, k, d, dst, begin, end);
   });
   TORCH_CHECK(bad.load() == 0, "fastdist: 'indices' must be strictly ascending within [0, d) in every row, with d = ",
               d, "; ", bad.load(), " row(s) are not");
@@ -129,11 +125,11 @@ at::Tensor topk_bitmap_to_indices_cpu_op(const at::Tensor& bitmap, int64_t d, in
   const at::Tensor bm = bitmap.contiguous();
   const int64_t rows = bm.size(0);
   at::Tensor out = at::empty({rows, k}, bm.options().dtype(at::kInt));
-  const uint8_t* b = bm.const_data_ptr<uint8_t>();
+  const uint8_t* bits = bm.const_data_ptr<uint8_t>();
   int32_t* dst = out.data_ptr<int32_t>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, rows, rows_grain(4 * k + d / 8), [&](int64_t begin, int64_t end) {
-    bad += fastdist::topk_bitmap_to_indices_cpu(b, rows, k, d, dst, begin, end);
+  at::parallel_for(0, rows, grain_for(4 * k + d / 8), [&](int64_t begin, int64_t end) {
+    bad += fastdist::topk_bitmap_to_indices_cpu(bits, rows, k, d, dst, begin, end);
   });
   TORCH_CHECK(bad.load() == 0, "fastdist: 'bitmap' must have exactly k = ", k, " bits set among the first d = ", d,
               " of every row; ", bad.load(), " row(s) do not");

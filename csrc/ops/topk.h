@@ -11,12 +11,6 @@
 
 namespace fastdist::topk {
 
-inline void check_float_values(const at::Tensor& t, const char* name) {
-  const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "fastdist: '", name,
-              "' must have dtype torch.float32, torch.float16 or torch.bfloat16, got ", dtype_name(dt));
-}
-
 inline void check_d(int64_t d) {
   TORCH_CHECK(d >= 0 && d <= std::numeric_limits<int32_t>::max(), "fastdist: 'd' must be in [0, 2^31 - 1], got ", d);
 }
@@ -27,7 +21,7 @@ inline void check_k(int64_t k, int64_t d) {
 
 // topk_compress(x [B, D], k) -> (values [B, k] x.dtype, indices [B, k] int32)
 inline void check_topk_compress(const at::Tensor& x, int64_t k) {
-  check_float_values(x, "x");
+  check_dtype_in(x, "x", kFloat32Or16BitDtypes);
   FD_CHECK_DIM(x, 2);
   TORCH_CHECK(x.size(1) <= std::numeric_limits<int32_t>::max(),
               "fastdist: 'x' rows must have at most 2^31 - 1 values (indices are int32), got shape ", x.sizes());
@@ -36,7 +30,7 @@ inline void check_topk_compress(const at::Tensor& x, int64_t k) {
 
 // topk_decompress(values [B, k], indices [B, k] int32, d) -> [B, d] values.dtype
 inline void check_topk_decompress(const at::Tensor& values, const at::Tensor& indices, int64_t d) {
-  check_float_values(values, "values");
+  check_dtype_in(values, "values", kFloat32Or16BitDtypes);
   FD_CHECK_DTYPE(indices, at::kInt);
   FD_CHECK_DIM(values, 2);
   FD_CHECK_DIM(indices, 2);
@@ -62,7 +56,7 @@ inline void check_bitmap_to_indices(const at::Tensor& bitmap, int64_t d, int64_t
   FD_CHECK_DTYPE(bitmap, at::kByte);
   FD_CHECK_DIM(bitmap, 2);
   check_d(d);
-  FD_CHECK_LAST_DIM(bitmap, (d + 7) / 8, "ceil(d / 8) for d = " + std::to_string(d));
+  FD_CHECK_LAST_DIM(bitmap, packed_bytes(d), "ceil(d / 8) for d = " + std::to_string(d));
   TORCH_CHECK(k >= 0 && k <= d, "fastdist: 'k' must be in [0, d] with d = ", d, ", got ", k);
 }
 

@@ -39,7 +39,7 @@ at::Tensor topk_indices_to_bitmap_cuda_op(const at::Tensor& indices, int64_t d) 
   check_indices_to_bitmap(indices, d);
   const c10::cuda::CUDAGuard guard(indices.device());
   const at::Tensor idx = indices.contiguous();
-  at::Tensor out = at::empty({idx.size(0), (d + 7) / 8}, idx.options().dtype(at::kByte));
+  at::Tensor out = at::empty({idx.size(0), packed_bytes(d)}, idx.options().dtype(at::kByte));
   C10_CUDA_CHECK(fastdist::topk_indices_to_bitmap_cuda(idx.const_data_ptr<int32_t>(), idx.size(0), idx.size(1), d,
                                                        out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()));
   return out;

@@ -1,20 +1,21 @@
 // The CPU bit-packing kernels against a naive bit-at-a-time reference, over sizes that hit every path
 // (empty, partial last byte, the 32-byte vector blocks and their tails) and over split ranges.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "kernels/bitpack.h"
-#include "testing.h"
 
 namespace {
 
-using fastdist::bytes_per_row;
+using fastdist::packed_bytes;
 using Bytes = std::vector<uint8_t>;
 
-const int64_t kSizes[] = {0,  1,  2,  7,   8,   9,   15,  16,  17,  31,   32,
-                          33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099};
+const int64_t kSizes[] = {0,  1,  2,  7,   8,   9,   15,  16,  17,  31,   32,  33,
+                          63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099};
 const int64_t kRows[] = {0, 1, 2, 3, 5};
 
 Bytes random_bytes(int64_t count, std::mt19937& rng, int max_value) {
@@ -25,17 +26,17 @@ Bytes random_bytes(int64_t count, std::mt19937& rng, int max_value) {
 }
 
 Bytes reference_pack(const Bytes& mask, int64_t rows, int64_t n) {
-  Bytes out(rows * bytes_per_row(n), 0);
+  Bytes out(rows * packed_bytes(n), 0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < n; ++k)
-      if (mask[r * n + k] & 1) out[r * bytes_per_row(n) + k / 8] |= static_cast<uint8_t>(1 << (k % 8));
+      if (mask[r * n + k] & 1) out[r * packed_bytes(n) + k / 8] |= static_cast<uint8_t>(1 << (k % 8));
   return out;
 }
 
 Bytes reference_unpack(const Bytes& packed, int64_t rows, int64_t n) {
   Bytes out(rows * n);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < n; ++k) out[r * n + k] = (packed[r * bytes_per_row(n) + k / 8] >> (k % 8)) & 1;
+    for (int64_t k = 0; k < n; ++k) out[r * n + k] = (packed[r * packed_bytes(n) + k / 8] >> (k % 8)) & 1;
   return out;
 }
 
@@ -57,29 +58,29 @@ int64_t first_mismatch(const Bytes& a, const Bytes& b) {
 
 }  // namespace
 
-FD_TEST(pack_bits_cpu_matches_reference_with_zero_padding) {
+TEST(Bitpack, pack_bits_cpu_matches_reference_with_zero_padding) {
   std::mt19937 rng(1);
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
       const Bytes mask = random_bytes(rows * n, rng, 1);
-      Bytes out(rows * bytes_per_row(n), 0xFF);  // padding bits must be cleared, not left as they were
+      Bytes out(rows * packed_bytes(n), 0xFF);  // padding bits must be cleared, not left as they were
       fastdist::pack_bits_cpu(mask.data(), rows, n, out.data(), 0, static_cast<int64_t>(out.size()));
       const int64_t bad = first_mismatch(out, reference_pack(mask, rows, n));
-      FD_EXPECT(bad == -1, "rows=" << rows << " n=" << n << " first wrong byte " << bad);
+      EXPECT_TRUE(bad == -1) << "rows=" << rows << " n=" << n << " first wrong byte " << bad;
     }
 }
 
-FD_TEST(pack_bits_cpu_reads_only_bit_zero_of_mask_bytes) {
+TEST(Bitpack, pack_bits_cpu_reads_only_bit_zero_of_mask_bytes) {
   std::mt19937 rng(2);
   for (int64_t n : kSizes) {
     const Bytes mask = random_bytes(3 * n, rng, 255);
-    Bytes out(3 * bytes_per_row(n));
+    Bytes out(3 * packed_bytes(n));
     fastdist::pack_bits_cpu(mask.data(), 3, n, out.data(), 0, static_cast<int64_t>(out.size()));
-    FD_EXPECT(first_mismatch(out, reference_pack(mask, 3, n)) == -1, "n=" << n);
+    EXPECT_TRUE(first_mismatch(out, reference_pack(mask, 3, n)) == -1) << "n=" << n;
   }
 }
 
-FD_TEST(pack_bits_cpu_split_ranges_write_exactly_their_bytes) {
+TEST(Bitpack, pack_bits_cpu_split_ranges_write_exactly_their_bytes) {
   std::mt19937 rng(3);
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
@@ -91,31 +92,31 @@ FD_TEST(pack_bits_cpu_split_ranges_write_exactly_their_bytes) {
         fastdist::pack_bits_cpu(mask.data(), rows, n, out.data(), cuts[i], cuts[i + 1]);
         for (int64_t b = 0; b < static_cast<int64_t>(out.size()); ++b) {
           const bool written = b < cuts[i + 1];
-          FD_EXPECT(out[b] == (written ? want[b] : 0xAB), "rows=" << rows << " n=" << n << " range ["
-                    << cuts[i] << ", " << cuts[i + 1] << ") byte " << b);
+          EXPECT_TRUE(out[b] == (written ? want[b] : 0xAB))
+              << "rows=" << rows << " n=" << n << " range [" << cuts[i] << ", " << cuts[i + 1] << ") byte " << b;
         }
       }
     }
 }
 
-FD_TEST(unpack_bits_cpu_matches_reference_and_ignores_padding_bits) {
+TEST(Bitpack, unpack_bits_cpu_matches_reference_and_ignores_padding_bits) {
   std::mt19937 rng(4);
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
-      const Bytes packed = random_bytes(rows * bytes_per_row(n), rng, 255);  // padding bits set at random
+      const Bytes packed = random_bytes(rows * packed_bytes(n), rng, 255);  // padding bits set at random
       Bytes out(rows * n, 0xAB);
       fastdist::unpack_bits_cpu(packed.data(), rows, n, out.data(), 0, static_cast<int64_t>(packed.size()));
       const int64_t bad = first_mismatch(out, reference_unpack(packed, rows, n));
-      FD_EXPECT(bad == -1, "rows=" << rows << " n=" << n << " first wrong element " << bad);
+      EXPECT_TRUE(bad == -1) << "rows=" << rows << " n=" << n << " first wrong element " << bad;
     }
 }
 
-FD_TEST(unpack_bits_cpu_split_ranges_write_exactly_their_elements) {
+TEST(Bitpack, unpack_bits_cpu_split_ranges_write_exactly_their_elements) {
   std::mt19937 rng(5);
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
       if (n == 0) continue;
-      const int64_t bpr = bytes_per_row(n);
+      const int64_t bpr = packed_bytes(n);
       const Bytes packed = random_bytes(rows * bpr, rng, 255);
       const Bytes want = reference_unpack(packed, rows, n);
       const std::vector<int64_t> cuts = random_cuts(static_cast<int64_t>(packed.size()), rng);
@@ -124,26 +125,26 @@ FD_TEST(unpack_bits_cpu_split_ranges_write_exactly_their_elements) {
         fastdist::unpack_bits_cpu(packed.data(), rows, n, out.data(), cuts[i], cuts[i + 1]);
         for (int64_t e = 0; e < static_cast<int64_t>(out.size()); ++e) {
           const bool written = (e / n) * bpr + (e % n) / 8 < cuts[i + 1];  // its packed byte is done
-          FD_EXPECT(out[e] == (written ? want[e] : 0xAB), "rows=" << rows << " n=" << n << " range ["
-                    << cuts[i] << ", " << cuts[i + 1] << ") element " << e);
+          EXPECT_TRUE(out[e] == (written ? want[e] : 0xAB))
+              << "rows=" << rows << " n=" << n << " range [" << cuts[i] << ", " << cuts[i + 1] << ") element " << e;
         }
       }
     }
 }
 
-FD_TEST(unpack_of_pack_is_the_identity) {
+TEST(Bitpack, unpack_of_pack_is_the_identity) {
   std::mt19937 rng(6);
   for (int64_t rows : kRows)
     for (int64_t n : kSizes) {
       const Bytes mask = random_bytes(rows * n, rng, 1);
-      Bytes packed(rows * bytes_per_row(n)), back(rows * n);
+      Bytes packed(rows * packed_bytes(n)), back(rows * n);
       fastdist::pack_bits_cpu(mask.data(), rows, n, packed.data(), 0, static_cast<int64_t>(packed.size()));
       fastdist::unpack_bits_cpu(packed.data(), rows, n, back.data(), 0, static_cast<int64_t>(packed.size()));
-      FD_EXPECT(back == mask, "rows=" << rows << " n=" << n);
+      EXPECT_TRUE(back == mask) << "rows=" << rows << " n=" << n;
     }
 }
 
-FD_TEST(bitwise_or_reduce_cpu_matches_reference_over_split_ranges) {
+TEST(Bitpack, bitwise_or_reduce_cpu_matches_reference_over_split_ranges) {
   std::mt19937 rng(7);
   for (int64_t p : {0, 1, 2, 3, 7})
     for (int64_t b : {0, 1, 7, 8, 9, 100, 8191, 8192, 8193, 20000}) {
@@ -156,6 +157,6 @@ FD_TEST(bitwise_or_reduce_cpu_matches_reference_over_split_ranges) {
       for (size_t i = 0; i + 1 < cuts.size(); ++i)
         fastdist::bitwise_or_reduce_cpu(packed.data(), p, b, out.data(), cuts[i], cuts[i + 1]);
       const int64_t bad = first_mismatch(out, want);
-      FD_EXPECT(bad == -1, "p=" << p << " b=" << b << " first wrong byte " << bad);
+      EXPECT_TRUE(bad == -1) << "p=" << p << " b=" << b << " first wrong byte " << bad;
     }
 }

@@ -1,5 +1,7 @@
 // The CPU MoE kernels against naive references: the layout (run in several chunk splits, which must not change a
 // bit), permute/unpermute, and the route's softmax, top-k and tie-breaking.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -7,7 +9,6 @@
 #include <vector>
 
 #include "kernels/moe.h"
-#include "testing.h"
 
 namespace {
 
@@ -26,10 +27,9 @@ Layout run_layout(const I64& ids, int64_t tokens, int64_t k, int64_t experts, in
   I64 hist(chunks * k * experts, 0), dropped(experts);
   auto begin = [&](int64_t c) { return c * tokens / chunks; };
   for (int64_t c = 0; c < chunks; ++c)
-    fastdist::moe_layout_histogram_cpu(ids.data(), tokens, k, experts, begin(c), begin(c + 1),
-                                       &hist[c * k * experts]);
-  fastdist::moe_layout_scan_cpu(hist.data(), chunks, k, experts, ranks, capacity, out.counts.data(),
-                                out.offsets.data(), dropped.data(), out.rank_counts.data());
+    fastdist::moe_layout_histogram_cpu(ids.data(), tokens, k, experts, begin(c), begin(c + 1), &hist[c * k * experts]);
+  fastdist::moe_layout_scan_cpu(hist.data(), chunks, k, experts, ranks, capacity, out.counts.data(), out.offsets.data(),
+                                dropped.data(), out.rank_counts.data());
   for (int64_t c = chunks - 1; c >= 0; --c)  // any order: chunks are independent after the scan
     fastdist::moe_layout_scatter_cpu(ids.data(), k, experts, capacity, out.offsets.data(), dropped.data(), begin(c),
                                      begin(c + 1), &hist[c * k * experts], out.permutation.data(),
@@ -38,8 +38,7 @@ Layout run_layout(const I64& ids, int64_t tokens, int64_t k, int64_t experts, in
 }
 
 // std::stable_sort of the slots in priority order by expert.
-Layout reference_layout(const I64& ids, int64_t tokens, int64_t k, int64_t experts, int64_t ranks,
-                        int64_t capacity) {
+Layout reference_layout(const I64& ids, int64_t tokens, int64_t k, int64_t experts, int64_t ranks, int64_t capacity) {
   const int64_t n = tokens * k;
   I64 order;
   for (int64_t j = 0; j < k; ++j)
@@ -75,7 +74,7 @@ bool same(const Layout& a, const Layout& b) {
 
 }  // namespace
 
-FD_TEST(moe_layout_cpu_is_the_stable_sort_for_every_chunking) {
+TEST(Moe, moe_layout_cpu_is_the_stable_sort_for_every_chunking) {
   std::mt19937 rng(7);
   const int64_t shapes[][4] = {{0, 2, 4, 2}, {1, 1, 1, 1}, {13, 2, 4, 2}, {257, 3, 16, 4}, {1000, 2, 8, 8}};
   for (const auto& s : shapes) {
@@ -86,22 +85,22 @@ FD_TEST(moe_layout_cpu_is_the_stable_sort_for_every_chunking) {
     for (int64_t capacity : {-1, 0, 1, 7, 100000}) {
       const Layout want = reference_layout(ids, tokens, k, experts, ranks, capacity);
       for (int64_t chunks : {1, 2, 3, 8}) {
-        FD_EXPECT(same(run_layout(ids, tokens, k, experts, ranks, capacity, chunks), want),
-                  "tokens=" << tokens << " k=" << k << " E=" << experts << " C=" << capacity << " chunks=" << chunks);
+        EXPECT_TRUE(same(run_layout(ids, tokens, k, experts, ranks, capacity, chunks), want))
+            << "tokens=" << tokens << " k=" << k << " E=" << experts << " C=" << capacity << " chunks=" << chunks;
       }
     }
   }
 }
 
-FD_TEST(moe_layout_histogram_counts_ids_out_of_range) {
+TEST(Moe, moe_layout_histogram_counts_ids_out_of_range) {
   const I64 ids = {0, 3, -1, 4, 2, 1};
   I64 hist(2 * 4, 0);
   const int64_t invalid = fastdist::moe_layout_histogram_cpu(ids.data(), 3, 2, 4, 0, 3, hist.data());
-  FD_EXPECT(invalid == 2, "invalid=" << invalid);
-  FD_EXPECT((hist == I64{1, 0, 1, 0, 0, 1, 0, 1}), "");
+  EXPECT_TRUE(invalid == 2) << "invalid=" << invalid;
+  EXPECT_EQ(hist, (I64{1, 0, 1, 0, 0, 1, 0, 1}));
 }
 
-FD_TEST(moe_permute_and_unpermute_cpu_match_the_definition) {
+TEST(Moe, moe_permute_and_unpermute_cpu_match_the_definition) {
   const int64_t tokens = 5, k = 2, d = 3;
   const I64 row_of_slot = {3, -1, 0, 4, 1, -1, 2, 5, -1, 6};
   std::vector<float> x(tokens * d), w(tokens * k), y(7 * d);
@@ -109,11 +108,11 @@ FD_TEST(moe_permute_and_unpermute_cpu_match_the_definition) {
   for (size_t i = 0; i < w.size(); ++i) w[i] = 0.25f * static_cast<float>(i + 1);
   for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(i % 5) - 1.5f;
   std::vector<float> permuted(7 * d, 0.0f), combined(tokens * d);
-  fastdist::moe_permute_cpu(x.data(), fastdist::MoeValueType::kFloat32, d, k, row_of_slot.data(), w.data(),
+  fastdist::moe_permute_cpu(x.data(), fastdist::StorageType::kFloat32, d, k, row_of_slot.data(), w.data(),
                             permuted.data(), 0, 2);
-  fastdist::moe_permute_cpu(x.data(), fastdist::MoeValueType::kFloat32, d, k, row_of_slot.data(), w.data(),
+  fastdist::moe_permute_cpu(x.data(), fastdist::StorageType::kFloat32, d, k, row_of_slot.data(), w.data(),
                             permuted.data(), 2, tokens);
-  fastdist::moe_unpermute_cpu(y.data(), fastdist::MoeValueType::kFloat32, d, k, row_of_slot.data(), w.data(),
+  fastdist::moe_unpermute_cpu(y.data(), fastdist::StorageType::kFloat32, d, k, row_of_slot.data(), w.data(),
                               combined.data(), 0, tokens);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c = 0; c < d; ++c) {
@@ -122,27 +121,67 @@ FD_TEST(moe_permute_and_unpermute_cpu_match_the_definition) {
         const int64_t r = row_of_slot[t * k + j];
         if (r < 0) continue;
         want += w[t * k + j] * y[r * d + c];
-        FD_EXPECT(permuted[r * d + c] == w[t * k + j] * x[t * d + c], "t=" << t << " j=" << j);
+        EXPECT_TRUE(permuted[r * d + c] == w[t * k + j] * x[t * d + c]) << "t=" << t << " j=" << j;
       }
-      FD_EXPECT(combined[t * d + c] == want, "t=" << t << " c=" << c);
+      EXPECT_TRUE(combined[t * d + c] == want) << "t=" << t << " c=" << c;
     }
   }
 }
 
-FD_TEST(moe_route_cpu_softmax_topk_and_ties) {
+TEST(Moe, moe_route_cpu_softmax_topk_and_ties) {
   const int64_t experts = 4, k = 2;
   const std::vector<float> logits = {0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 3.0f, 2.0f, 3.0f};
   std::vector<float> probs(8), lse(2), w(4);
   I64 idx(4);
-  const int64_t nan_rows = fastdist::moe_route_cpu(logits.data(), fastdist::MoeValueType::kFloat32, experts, k,
+  const int64_t nan_rows = fastdist::moe_route_cpu(logits.data(), fastdist::StorageType::kFloat32, experts, k,
                                                    probs.data(), lse.data(), idx.data(), w.data(), 0, 2);
-  FD_EXPECT(nan_rows == 0, "");
-  FD_EXPECT((idx == I64{0, 1, 1, 3}), idx[0] << idx[1] << idx[2] << idx[3]);
-  FD_EXPECT(std::fabs(probs[0] - 0.25f) < 1e-7f, probs[0]);
+  EXPECT_TRUE(nan_rows == 0);
+  EXPECT_EQ(idx, (I64{0, 1, 1, 3}));
+  EXPECT_TRUE(std::fabs(probs[0] - 0.25f) < 1e-7f) << probs[0];
   const double z = std::exp(1.0) + 2 * std::exp(3.0) + std::exp(2.0);
-  FD_EXPECT(std::fabs(lse[1] - std::log(z)) < 1e-5, lse[1]);
-  FD_EXPECT(std::fabs(w[2] - std::exp(3.0) / z) < 1e-6, w[2]);
+  EXPECT_TRUE(std::fabs(lse[1] - std::log(z)) < 1e-5) << lse[1];
+  EXPECT_TRUE(std::fabs(w[2] - std::exp(3.0) / z) < 1e-6) << w[2];
   const std::vector<float> bad = {0.0f, NAN, 1.0f, 2.0f};
-  FD_EXPECT(fastdist::moe_route_cpu(bad.data(), fastdist::MoeValueType::kFloat32, experts, 1, probs.data(),
-                                    lse.data(), idx.data(), w.data(), 0, 1) == 1, "NaN row not reported");
+  EXPECT_TRUE(fastdist::moe_route_cpu(bad.data(), fastdist::StorageType::kFloat32, experts, 1, probs.data(), lse.data(),
+                                      idx.data(), w.data(), 0, 1) == 1)
+      << "NaN row not reported";
+}
+
+TEST(Moe, moe_route_cpu_counts_rows_without_a_softmax) {
+  // +inf and an all -inf row have no softmax (inf - inf), like a NaN logit; a -inf among finite logits is fine.
+  const float inf = INFINITY;
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -inf, -inf, -inf,  //
+                                     1.0f, inf,  0.0f, -inf, 3.0f, 1.0f};
+  std::vector<float> probs(12), lse(4), w(4);
+  I64 idx(4);
+  EXPECT_EQ(fastdist::moe_route_cpu(logits.data(), fastdist::StorageType::kFloat32, 3, 1, probs.data(), lse.data(),
+                                    idx.data(), w.data(), 0, 4),
+            2);
+  EXPECT_EQ(idx[0], 2);
+  EXPECT_EQ(idx[3], 1);
+  EXPECT_EQ(probs[9], 0.0f) << "a -inf logit has probability 0";
+}
+
+TEST(Moe, moe_unpermute_cpu_rounds_a_bfloat16_sum_once) {
+  // Three slots per token summed in float32 and rounded to bfloat16 at the end, not after every add.
+  const int64_t tokens = 2, k = 3, d = 4;
+  const I64 row_of_slot = {0, 1, 2, 3, -1, 4};
+  std::vector<uint16_t> y(5 * d), out(tokens * d);
+  std::vector<float> y_float(5 * d);
+  for (int64_t i = 0; i < 5 * d; ++i) {
+    y[i] = fastdist::float_to_bfloat16(1.0f + static_cast<float>(i) / 128.0f);  // exact in bfloat16
+    y_float[i] = fastdist::bfloat16_to_float(y[i]);
+  }
+  fastdist::moe_unpermute_cpu(y.data(), fastdist::StorageType::kBFloat16, d, k, row_of_slot.data(), nullptr, out.data(),
+                              0, tokens);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t c = 0; c < d; ++c) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = row_of_slot[t * k + j];
+        if (r >= 0) sum += y_float[r * d + c];
+      }
+      EXPECT_EQ(out[t * d + c], fastdist::float_to_bfloat16(sum)) << "t " << t << " c " << c;
+    }
+  }
 }

@@ -1,6 +1,8 @@
 // The count-sketch hash against a naive reference that uses % on unsigned __int128, and the CPU kernels against
 // naive element-at-a-time references, over sizes, supports and split ranges that hit every path (direct hashing,
 // lane stepping forward and back, skipped chunks, partial chunks, runs of rows).
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,12 +11,11 @@
 #include <vector>
 
 #include "kernels/sketch.h"
-#include "testing.h"
 
 namespace {
 
 using fastdist::SketchHash;
-using fastdist::SketchValueType;
+using fastdist::StorageType;
 using u128 = unsigned __int128;
 constexpr uint64_t kP = (uint64_t{1} << 61) - 1;
 
@@ -80,12 +81,16 @@ float ref_half(uint16_t h) {
   return sign ? -v : v;
 }
 
-float ref_value(const void* x, SketchValueType type, int64_t i) {
+float ref_value(const void* x, StorageType type, int64_t i) {
   switch (type) {
-    case SketchValueType::kFloat32: return static_cast<const float*>(x)[i];
-    case SketchValueType::kFloat64: return static_cast<float>(static_cast<const double*>(x)[i]);
-    case SketchValueType::kFloat16: return ref_half(static_cast<const uint16_t*>(x)[i]);
-    case SketchValueType::kBFloat16: return bits_float(uint32_t{static_cast<const uint16_t*>(x)[i]} << 16);
+    case StorageType::kFloat32:
+      return static_cast<const float*>(x)[i];
+    case StorageType::kFloat64:
+      return static_cast<float>(static_cast<const double*>(x)[i]);
+    case StorageType::kFloat16:
+      return ref_half(static_cast<const uint16_t*>(x)[i]);
+    case StorageType::kBFloat16:
+      return bits_float(uint32_t{static_cast<const uint16_t*>(x)[i]} << 16);
   }
   return 0;
 }
@@ -93,7 +98,7 @@ float ref_value(const void* x, SketchValueType type, int64_t i) {
 bool bit(const std::vector<uint8_t>& bitmap, int64_t u) { return (bitmap[u >> 3] >> (u & 7)) & 1; }
 
 // Every value of every supported unit (or every non-zero value), in increasing index, in float32.
-std::vector<float> ref_sketch(const void* x, SketchValueType type, int64_t n, int64_t m,
+std::vector<float> ref_sketch(const void* x, StorageType type, int64_t n, int64_t m,
                               const std::vector<uint8_t>* support, const SketchHash& h) {
   std::vector<float> table(h.rows * h.cols, 0.0f);
   for (int64_t i = 0; i < n * m; ++i) {
@@ -164,45 +169,53 @@ std::vector<int64_t> random_cuts(int64_t total, std::mt19937_64& rng) {
   return cuts;
 }
 
-const uint64_t kEdgeIndices[] = {0,          1,          2,          7,          8,          (1ULL << 31) - 1,
-                                 1ULL << 31, 1ULL << 32, kP - 1,     kP,         kP + 1,     2 * kP,
-                                 1ULL << 40, (1ULL << 40) - 1, (1ULL << 62), (1ULL << 63) - 1, 1ULL << 63,
-                                 ~0ULL};
+const uint64_t kEdgeIndices[] = {
+    0,          1,    2,      7,      8,          (1ULL << 31) - 1, 1ULL << 31,   1ULL << 32,
+    kP - 1,     kP,   kP + 1, 2 * kP, 1ULL << 40, (1ULL << 40) - 1, (1ULL << 62), (1ULL << 63) - 1,
+    1ULL << 63, ~0ULL};
 
 }  // namespace
 
 // ---- the hash ----
 
-FD_TEST(mersenne_arithmetic_matches_int128_remainders) {
+TEST(Sketch, mersenne_arithmetic_matches_int128_remainders) {
   std::mt19937_64 rng(1);
   std::vector<uint64_t> xs(std::begin(kEdgeIndices), std::end(kEdgeIndices));
   for (int k = 0; k < 2000; ++k) xs.push_back(rng());
   for (uint64_t x : xs) {
-    FD_EXPECT(fastdist::sketch_mod_p(x) == x % kP, "x=" << x);
+    EXPECT_TRUE(fastdist::sketch_mod_p(x) == x % kP) << "x=" << x;
     const uint64_t a = x % kP;
     for (uint64_t y : {uint64_t{0}, uint64_t{1}, kP - 1, rng() % kP, rng() % kP}) {
-      FD_EXPECT(fastdist::sketch_mulmod(a, y) == static_cast<uint64_t>(u128{a} * y % kP), "a=" << a << " y=" << y);
+      EXPECT_TRUE(fastdist::sketch_mulmod(a, y) == static_cast<uint64_t>(u128{a} * y % kP)) << "a=" << a << " y=" << y;
     }
   }
 }
 
-FD_TEST(fastmod_matches_remainder) {
+TEST(Sketch, fastmod_matches_remainder) {
   std::mt19937_64 rng(2);
-  const std::vector<uint64_t> divisors = {1, 2, 3, 7, 1000, 65536, 1000003, (uint64_t{1} << 31) - 1,
-                                          (uint64_t{1} << 32) - 1, rng() % (uint64_t{1} << 32) + 1};
+  const std::vector<uint64_t> divisors = {1,
+                                          2,
+                                          3,
+                                          7,
+                                          1000,
+                                          65536,
+                                          1000003,
+                                          (uint64_t{1} << 31) - 1,
+                                          (uint64_t{1} << 32) - 1,
+                                          rng() % (uint64_t{1} << 32) + 1};
   for (uint64_t d : divisors) {
     const uint64_t inv = ~uint64_t{0} / d;
     for (uint64_t x : {uint64_t{0}, d - 1, d, kP - 1, (uint64_t{1} << 62) - 1, 2 * kP}) {
-      FD_EXPECT(fastdist::sketch_fastmod(x, d, inv) == x % d, "x=" << x << " d=" << d);
+      EXPECT_TRUE(fastdist::sketch_fastmod(x, d, inv) == x % d) << "x=" << x << " d=" << d;
     }
     for (int k = 0; k < 2000; ++k) {
       const uint64_t x = rng() >> 2;
-      FD_EXPECT(fastdist::sketch_fastmod(x, d, inv) == x % d, "x=" << x << " d=" << d);
+      EXPECT_TRUE(fastdist::sketch_fastmod(x, d, inv) == x % d) << "x=" << x << " d=" << d;
     }
   }
 }
 
-FD_TEST(hash_matches_the_int128_reference) {
+TEST(Sketch, hash_matches_the_int128_reference) {
   std::mt19937_64 rng(3);
   const std::vector<uint64_t> seeds = {0, 1, 12345, (uint64_t{1} << 63) - 1, rng() >> 1};
   for (uint64_t seed : seeds) {
@@ -212,36 +225,36 @@ FD_TEST(hash_matches_the_int128_reference) {
       std::vector<uint64_t> indices(std::begin(kEdgeIndices), std::end(kEdgeIndices));
       for (int k = 0; k < 100; ++k) indices.push_back(rng() >> (k % 3 == 0 ? 1 : k % 3 == 1 ? 24 : 44));
       // columns past 2^62 take the bucket's plain-% path
-      std::vector<uint64_t> columns = {0, 1, 2, 3, 1023, (uint64_t{1} << 62) - 1, uint64_t{1} << 62, kP, kP + 1,
-                                       (uint64_t{1} << 63) - 1};
+      std::vector<uint64_t> columns = {
+          0, 1, 2, 3, 1023, (uint64_t{1} << 62) - 1, uint64_t{1} << 62, kP, kP + 1, (uint64_t{1} << 63) - 1};
       for (int k = 0; k < 6; ++k) columns.push_back(rng() >> (k % 2 ? 20 : 50));
       for (int j = 0; j < h.rows; ++j) {
-        FD_EXPECT(h.a[j] == ref.a[j] && h.b[j] == ref.b[j] && h.c[j] == ref.c[j] && h.d[j] == ref.d[j] &&
-                      h.g[j] == ref.g[j],
-                  "coefficients of row " << j << " seed " << seed);
-        FD_EXPECT(h.a[j] >= 1 && h.a[j] < kP && h.b[j] < kP && h.c[j] >= 1 && h.c[j] < kP && h.d[j] < kP &&
-                      h.g[j] >= 1 && h.g[j] < kP,
-                  "coefficient range, row " << j);
+        EXPECT_TRUE(h.a[j] == ref.a[j] && h.b[j] == ref.b[j] && h.c[j] == ref.c[j] && h.d[j] == ref.d[j] &&
+                    h.g[j] == ref.g[j])
+            << "coefficients of row " << j << " seed " << seed;
+        EXPECT_TRUE(h.a[j] >= 1 && h.a[j] < kP && h.b[j] < kP && h.c[j] >= 1 && h.c[j] < kP && h.d[j] < kP &&
+                    h.g[j] >= 1 && h.g[j] < kP)
+            << "coefficient range, row " << j;
         for (uint64_t i : indices) {
           for (uint64_t col : columns) {
-            FD_EXPECT(h.bucket(j, i, col) == ref.bucket(j, i, col),
-                      "seed=" << seed << " cols=" << cols << " j=" << j << " u=" << i << " col=" << col);
-            FD_EXPECT(h.negative(j, i, col) == ref.negative(j, i, col),
-                      "seed=" << seed << " j=" << j << " u=" << i << " col=" << col);
+            EXPECT_TRUE(h.bucket(j, i, col) == ref.bucket(j, i, col))
+                << "seed=" << seed << " cols=" << cols << " j=" << j << " u=" << i << " col=" << col;
+            EXPECT_TRUE(h.negative(j, i, col) == ref.negative(j, i, col))
+                << "seed=" << seed << " j=" << j << " u=" << i << " col=" << col;
           }
         }
         // col 0 is the textbook per-value hash of the index: what element granularity (m = 1) uses
         for (uint64_t i : indices) {
-          FD_EXPECT(h.bucket(j, i, 0) == static_cast<int64_t>(((u128{ref.a[j]} * i + ref.b[j]) % kP) % cols) &&
-                        h.negative(j, i, 0) == (((((u128{ref.c[j]} * i + ref.d[j]) % kP) >> 30) & 1) != 0),
-                    "seed=" << seed << " j=" << j << " i=" << i);
+          EXPECT_TRUE(h.bucket(j, i, 0) == static_cast<int64_t>(((u128{ref.a[j]} * i + ref.b[j]) % kP) % cols) &&
+                      h.negative(j, i, 0) == (((((u128{ref.c[j]} * i + ref.d[j]) % kP) >> 30) & 1) != 0))
+              << "seed=" << seed << " j=" << j << " i=" << i;
         }
       }
     }
   }
 }
 
-FD_TEST(sketch_hash_cpu_writes_rows_by_len_over_split_ranges) {
+TEST(Sketch, sketch_hash_cpu_writes_rows_by_len_over_split_ranges) {
   std::mt19937_64 rng(4);
   const SketchHash h = fastdist::make_sketch_hash(77, 5, 999);
   std::vector<int64_t> idx(1000);
@@ -256,21 +269,21 @@ FD_TEST(sketch_hash_cpu_writes_rows_by_len_over_split_ranges) {
     for (int j = 0; j < 5; ++j)
       for (int64_t t = 0; t < len; ++t) {
         const uint64_t i = static_cast<uint64_t>(idx[t]), u = i / m, col = i % m;
-        FD_EXPECT(bucket[j * len + t] == h.bucket(j, u, col), "m=" << m << " j=" << j << " t=" << t);
-        FD_EXPECT(sign[j * len + t] == (h.negative(j, u, col) ? -1 : 1), "m=" << m << " j=" << j << " t=" << t);
+        EXPECT_TRUE(bucket[j * len + t] == h.bucket(j, u, col)) << "m=" << m << " j=" << j << " t=" << t;
+        EXPECT_TRUE(sign[j * len + t] == (h.negative(j, u, col) ? -1 : 1)) << "m=" << m << " j=" << j << " t=" << t;
       }
   }
 }
 
-FD_TEST(median_of_rows) {
+TEST(Sketch, median_of_rows) {
   float three[] = {3.0f, -1.0f, 2.0f};
-  FD_EXPECT(fastdist::sketch_median(three, 3) == 2.0f, "");
+  EXPECT_TRUE(fastdist::sketch_median(three, 3) == 2.0f);
   float four[] = {4.0f, 1.0f, 8.0f, 2.0f};
-  FD_EXPECT(fastdist::sketch_median(four, 4) == 3.0f, "mean of 2 and 4");
+  EXPECT_TRUE(fastdist::sketch_median(four, 4) == 3.0f) << "mean of 2 and 4";
   float one[] = {-5.0f};
-  FD_EXPECT(fastdist::sketch_median(one, 1) == -5.0f, "");
+  EXPECT_TRUE(fastdist::sketch_median(one, 1) == -5.0f);
   float with_nan[] = {1.0f, std::nanf(""), 2.0f};
-  FD_EXPECT(std::isnan(fastdist::sketch_median(with_nan, 3)), "");
+  EXPECT_TRUE(std::isnan(fastdist::sketch_median(with_nan, 3)));
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<float> value(-10.0f, 10.0f);
   for (int rows = 1; rows <= fastdist::kSketchMaxRows; ++rows)
@@ -280,7 +293,7 @@ FD_TEST(median_of_rows) {
       std::vector<float> sorted = v;
       std::sort(sorted.begin(), sorted.end());
       const float want = rows % 2 ? sorted[rows / 2] : 0.5f * sorted[rows / 2 - 1] + 0.5f * sorted[rows / 2];
-      FD_EXPECT(fastdist::sketch_median(v.data(), rows) == want, "rows=" << rows);
+      EXPECT_TRUE(fastdist::sketch_median(v.data(), rows) == want) << "rows=" << rows;
     }
 }
 
@@ -309,11 +322,11 @@ void check_nonzero_bitmap(std::mt19937_64& rng) {
       const std::vector<int64_t> cuts = random_cuts(bytes, rng);
       for (size_t k = 0; k + 1 < cuts.size(); ++k)
         fastdist::nonzero_bitmap_cpu(x.data(), sizeof(U), n, m, got.data(), cuts[k], cuts[k + 1]);
-      FD_EXPECT(got == want, "elem_bytes=" << sizeof(U) << " n=" << n << " m=" << m);
+      EXPECT_TRUE(got == want) << "elem_bytes=" << sizeof(U) << " n=" << n << " m=" << m;
     }
 }
 
-FD_TEST(nonzero_bitmap_cpu_matches_reference_over_split_ranges) {
+TEST(Sketch, nonzero_bitmap_cpu_matches_reference_over_split_ranges) {
   std::mt19937_64 rng(6);
   check_nonzero_bitmap<uint16_t>(rng);
   check_nonzero_bitmap<uint32_t>(rng);
@@ -322,7 +335,7 @@ FD_TEST(nonzero_bitmap_cpu_matches_reference_over_split_ranges) {
 
 // ---- count_sketch_cpu ----
 
-FD_TEST(count_sketch_cpu_matches_in_order_reference) {
+TEST(Sketch, count_sketch_cpu_matches_in_order_reference) {
   std::mt19937_64 rng(7);
   struct Shape {
     int64_t n, m;
@@ -338,38 +351,38 @@ FD_TEST(count_sketch_cpu_matches_in_order_reference) {
         for (int rows : {1, 3}) {
           const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, 1 + static_cast<int64_t>(rng() % 700));
           std::vector<float> got(rows * h.cols, 1.0f);  // every row must be overwritten
-          fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup ? sup->data() : nullptr, h,
+          fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, s.n, s.m, sup ? sup->data() : nullptr, h,
                                      got.data(), 0, rows * h.cols);
-          const int64_t bad = first_mismatch(got, ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h));
-          FD_EXPECT(bad == -1, "n=" << s.n << " m=" << s.m << " density=" << density << " support=" << support_kind
-                                    << " rows=" << rows << " first wrong bucket " << bad);
+          const int64_t bad = first_mismatch(got, ref_sketch(x.data(), StorageType::kFloat32, s.n, s.m, sup, h));
+          EXPECT_TRUE(bad == -1) << "n=" << s.n << " m=" << s.m << " density=" << density << " support=" << support_kind
+                                 << " rows=" << rows << " first wrong bucket " << bad;
         }
       }
 }
 
-FD_TEST(count_sketch_cpu_row_ranges_write_only_their_rows) {  // element granularity splits whole rows
+TEST(Sketch, count_sketch_cpu_row_ranges_write_only_their_rows) {  // element granularity splits whole rows
   std::mt19937_64 rng(8);
   const int rows = 7;
   const int64_t cols = 501;
   const SketchHash h = fastdist::make_sketch_hash(9, rows, cols);
   for (double density : {0.01, 0.3}) {  // direct hashing and lane stepping
     const std::vector<float> x = random_values(20000, density, rng);
-    const std::vector<float> want = ref_sketch(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h);
+    const std::vector<float> want = ref_sketch(x.data(), StorageType::kFloat32, 20000, 1, nullptr, h);
     std::vector<float> got(rows * cols, -1.0f);
     const std::vector<int64_t> cuts = random_cuts(rows, rng);
     for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-      fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, 20000, 1, nullptr, h, got.data(),
-                                 cuts[k] * cols, cuts[k + 1] * cols);
+      fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, 20000, 1, nullptr, h, got.data(), cuts[k] * cols,
+                                 cuts[k + 1] * cols);
       for (int64_t b = 0; b < rows * cols; ++b) {
         const bool written = b < cuts[k + 1] * cols;
-        FD_EXPECT(same_bits(got[b], written ? want[b] : -1.0f), "density=" << density << " rows [" << cuts[k]
-                  << ", " << cuts[k + 1] << ") bucket " << b);
+        EXPECT_TRUE(same_bits(got[b], written ? want[b] : -1.0f))
+            << "density=" << density << " rows [" << cuts[k] << ", " << cuts[k + 1] << ") bucket " << b;
       }
     }
   }
 }
 
-FD_TEST(unit_sketches_over_any_position_ranges_write_only_those_positions_bit_for_bit) {
+TEST(Sketch, unit_sketches_over_any_position_ranges_write_only_those_positions_bit_for_bit) {
   std::mt19937_64 rng(18);
   struct Shape {
     int64_t n, m, cols;
@@ -380,39 +393,39 @@ FD_TEST(unit_sketches_over_any_position_ranges_write_only_those_positions_bit_fo
   for (Shape s : {Shape{300, 37, 501}, Shape{40, 600, 501}, Shape{50, 300, 7}, Shape{20, 1000, 4096},
                   Shape{20, 3000, 40000}, Shape{3, 17000, 60000}})
     for (int rows : {3, 5})
-    for (bool with_support : {false, true}) {
-      const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, s.cols);
-      const std::vector<float> x = random_values(s.n * s.m, 0.5, rng);
-      const std::vector<uint8_t> support = random_bitmap(s.n, 0.3, rng);
-      const uint8_t* sup = with_support ? support.data() : nullptr;
-      const std::vector<float> want =
-          ref_sketch(x.data(), SketchValueType::kFloat32, s.n, s.m, with_support ? &support : nullptr, h);
-      std::vector<int64_t> units;  // the supported units' values, compacted, for count_sketch_units_cpu
-      std::vector<float> values;
-      for (int64_t u = 0; u < s.n; ++u) {
-        if (sup != nullptr && !((support[u >> 3] >> (u & 7)) & 1)) continue;
-        units.push_back(u);
-        values.insert(values.end(), x.begin() + u * s.m, x.begin() + (u + 1) * s.m);
-      }
-      std::vector<float> got(rows * s.cols, -1.0f), got_units(rows * s.cols, -1.0f);
-      const std::vector<int64_t> cuts = random_cuts(rows * s.cols, rng);
-      for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-        fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, s.n, s.m, sup, h, got.data(), cuts[k],
-                                   cuts[k + 1]);
-        fastdist::count_sketch_units_cpu(values.data(), SketchValueType::kFloat32, units.data(),
-                                         static_cast<int64_t>(units.size()), s.m, h, got_units.data(), cuts[k],
-                                         cuts[k + 1]);
-        for (int64_t b = 0; b < rows * s.cols; ++b) {
-          const float expected = b < cuts[k + 1] ? want[b] : -1.0f;
-          FD_EXPECT(same_bits(got[b], expected) && same_bits(got_units[b], expected),
-                    "n=" << s.n << " m=" << s.m << " cols=" << s.cols << " support=" << with_support << " range ["
-                         << cuts[k] << ", " << cuts[k + 1] << ") position " << b);
+      for (bool with_support : {false, true}) {
+        const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, rows, s.cols);
+        const std::vector<float> x = random_values(s.n * s.m, 0.5, rng);
+        const std::vector<uint8_t> support = random_bitmap(s.n, 0.3, rng);
+        const uint8_t* sup = with_support ? support.data() : nullptr;
+        const std::vector<float> want =
+            ref_sketch(x.data(), StorageType::kFloat32, s.n, s.m, with_support ? &support : nullptr, h);
+        std::vector<int64_t> units;  // the supported units' values, compacted, for count_sketch_units_cpu
+        std::vector<float> values;
+        for (int64_t u = 0; u < s.n; ++u) {
+          if (sup != nullptr && !((support[u >> 3] >> (u & 7)) & 1)) continue;
+          units.push_back(u);
+          values.insert(values.end(), x.begin() + u * s.m, x.begin() + (u + 1) * s.m);
+        }
+        std::vector<float> got(rows * s.cols, -1.0f), got_units(rows * s.cols, -1.0f);
+        const std::vector<int64_t> cuts = random_cuts(rows * s.cols, rng);
+        for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+          fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, s.n, s.m, sup, h, got.data(), cuts[k],
+                                     cuts[k + 1]);
+          fastdist::count_sketch_units_cpu(values.data(), StorageType::kFloat32, units.data(),
+                                           static_cast<int64_t>(units.size()), s.m, h, got_units.data(), cuts[k],
+                                           cuts[k + 1]);
+          for (int64_t b = 0; b < rows * s.cols; ++b) {
+            const float expected = b < cuts[k + 1] ? want[b] : -1.0f;
+            EXPECT_TRUE(same_bits(got[b], expected) && same_bits(got_units[b], expected))
+                << "n=" << s.n << " m=" << s.m << " cols=" << s.cols << " support=" << with_support << " range ["
+                << cuts[k] << ", " << cuts[k + 1] << ") position " << b;
+          }
         }
       }
-    }
 }
 
-FD_TEST(count_sketch_cpu_reads_every_value_type) {
+TEST(Sketch, count_sketch_cpu_reads_every_value_type) {
   std::mt19937_64 rng(9);
   const int64_t count = 3000;
   std::vector<uint16_t> halves(count), bf16(count);
@@ -425,18 +438,18 @@ FD_TEST(count_sketch_cpu_reads_every_value_type) {
   const SketchHash h = fastdist::make_sketch_hash(10, 3, 4096);
   struct Case {
     const void* x;
-    SketchValueType type;
+    StorageType type;
   };
-  for (Case c : {Case{halves.data(), SketchValueType::kFloat16}, Case{bf16.data(), SketchValueType::kBFloat16},
-                 Case{doubles.data(), SketchValueType::kFloat64}}) {
+  for (Case c : {Case{halves.data(), StorageType::kFloat16}, Case{bf16.data(), StorageType::kBFloat16},
+                 Case{doubles.data(), StorageType::kFloat64}}) {
     std::vector<float> got(3 * 4096);
     fastdist::count_sketch_cpu(c.x, c.type, count, 1, nullptr, h, got.data(), 0, 3 * 4096);
     const int64_t bad = first_mismatch(got, ref_sketch(c.x, c.type, count, 1, nullptr, h));
-    FD_EXPECT(bad == -1, "type " << static_cast<int>(c.type) << " first wrong bucket " << bad);
+    EXPECT_TRUE(bad == -1) << "type " << static_cast<int>(c.type) << " first wrong bucket " << bad;
   }
 }
 
-FD_TEST(float16_values_convert_exactly_for_every_bit_pattern) {
+TEST(Sketch, float16_values_convert_exactly_for_every_bit_pattern) {
   // One value per call, one bucket: the table holds +-value exactly.
   const SketchHash h = fastdist::make_sketch_hash(0, 1, 1);
   const float sign = h.negative(0, 0, 0) ? -1.0f : 1.0f;
@@ -444,17 +457,19 @@ FD_TEST(float16_values_convert_exactly_for_every_bit_pattern) {
   for (uint32_t bits = 0; bits < 65536; ++bits) {
     const uint16_t half = static_cast<uint16_t>(bits);
     float table = 123.0f;
-    fastdist::count_sketch_cpu(&half, SketchValueType::kFloat16, 1, 1, nullptr, h, &table, 0, 1);
+    fastdist::count_sketch_cpu(&half, StorageType::kFloat16, 1, 1, nullptr, h, &table, 0, 1);
     const float want = sign * ref_half(half);
     const bool ok = std::isnan(want) ? std::isnan(table) : table == want;
-    if (!ok && wrong++ < 5) FD_EXPECT(ok, "half bits 0x" << std::hex << bits << " got " << table << " want " << want);
+    if (!ok && wrong++ < 5) {
+      EXPECT_TRUE(ok) << "half bits 0x" << std::hex << bits << " got " << table << " want " << want;
+    }
   }
-  FD_EXPECT(wrong == 0, wrong << " wrong conversions");
+  EXPECT_TRUE(wrong == 0) << wrong << " wrong conversions";
 }
 
 // ---- count_sketch_decode_cpu ----
 
-FD_TEST(count_sketch_decode_cpu_matches_reference_over_split_ranges) {
+TEST(Sketch, count_sketch_decode_cpu_matches_reference_over_split_ranges) {
   std::mt19937_64 rng(11);
   struct Shape {
     int64_t n, m;
@@ -477,12 +492,12 @@ FD_TEST(count_sketch_decode_cpu_matches_reference_over_split_ranges) {
           fastdist::count_sketch_decode_cpu(table.data(), support.data(), s.n, s.m, h, got.data(), cuts[k],
                                             cuts[k + 1]);
         const int64_t bad = first_mismatch(got, want);
-        FD_EXPECT(bad == -1, "n=" << s.n << " m=" << s.m << " density=" << density << " rows=" << rows
-                                  << " first wrong value " << bad);
+        EXPECT_TRUE(bad == -1) << "n=" << s.n << " m=" << s.m << " density=" << density << " rows=" << rows
+                               << " first wrong value " << bad;
       }
 }
 
-FD_TEST(count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed_unit) {
+TEST(Sketch, count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed_unit) {
   std::mt19937_64 rng(21);
   for (int64_t m : {1, 2, 7, 300, 1000}) {
     const int64_t n = 3000 / m + 20;
@@ -492,7 +507,7 @@ FD_TEST(count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed_unit
     std::vector<float> full(n * m);
     fastdist::count_sketch_decode_cpu(table.data(), all.data(), n, m, h, full.data(), 0, n);
     std::vector<int64_t> units;
-    for (int64_t u = 3; u < std::min<int64_t>(n, 300); ++u) units.push_back(u);  // a long run
+    for (int64_t u = 3; u < std::min<int64_t>(n, 300); ++u) units.push_back(u);     // a long run
     for (int k = 0; k < 50; ++k) units.push_back(static_cast<int64_t>(rng() % n));  // scattered, repeats
     const int64_t k = static_cast<int64_t>(units.size());
     std::vector<float> got(k * m, 7.0f);
@@ -501,12 +516,13 @@ FD_TEST(count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed_unit
       fastdist::count_sketch_decode_units_cpu(table.data(), units.data(), m, h, got.data(), cuts[c], cuts[c + 1]);
     int64_t wrong = 0;
     for (int64_t t = 0; t < k; ++t)
-      for (int64_t e = 0; e < m; ++e) wrong += std::memcmp(&got[t * m + e], &full[units[t] * m + e], sizeof(float)) != 0;
-    FD_EXPECT(wrong == 0, "m=" << m << ": " << wrong << " wrong values");
+      for (int64_t e = 0; e < m; ++e)
+        wrong += std::memcmp(&got[t * m + e], &full[units[t] * m + e], sizeof(float)) != 0;
+    EXPECT_TRUE(wrong == 0) << "m=" << m << ": " << wrong << " wrong values";
   }
 }
 
-FD_TEST(decode_of_a_sketch_without_collisions_is_exact) {
+TEST(Sketch, decode_of_a_sketch_without_collisions_is_exact) {
   std::mt19937_64 rng(12);
   const int64_t n = 100000;
   std::vector<float> x(n, 0.0f);
@@ -518,7 +534,7 @@ FD_TEST(decode_of_a_sketch_without_collisions_is_exact) {
   }
   const SketchHash h = fastdist::make_sketch_hash(13, 3, 4096);
   std::vector<float> table(3 * 4096), out(n);
-  fastdist::count_sketch_cpu(x.data(), SketchValueType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3 * 4096);
+  fastdist::count_sketch_cpu(x.data(), StorageType::kFloat32, n, 1, support.data(), h, table.data(), 0, 3 * 4096);
   fastdist::count_sketch_decode_cpu(table.data(), support.data(), n, 1, h, out.data(), 0, n);
-  FD_EXPECT(out == x, "decoded values differ");
+  EXPECT_TRUE(out == x) << "decoded values differ";
 }

@@ -10,6 +10,9 @@ The ops are ``torch.ops.fastdist.{pack_bits, unpack_bits, bitwise_or_reduce}`` w
 """
 import torch
 
+from fastdist.ops._checks import (check_dim, check_dim_at_least, check_dtype, check_last_dim, check_nonnegative,
+                                  packed_bytes)
+
 __all__ = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]
 
 
@@ -64,39 +67,24 @@ def bitwise_or_reduce(packed: torch.Tensor) -> torch.Tensor:
 # Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the
 # same messages as the C++ kernels (csrc/ops/bitpack.h).
 
-def _check_dtype(name, t, dtype):
-    if t.dtype != dtype:
-        raise RuntimeError(f"fastdist: '{name}' must have dtype {dtype}, got {t.dtype}")
-
-
-def _check_dim_at_least(name, t, d):
-    if t.dim() < d:
-        raise RuntimeError(f"fastdist: '{name}' must have at least {d} dimension(s), got shape {list(t.shape)}")
-
-
 @torch.library.register_fake("fastdist::pack_bits")
 def _pack_bits_fake(mask):
-    _check_dtype("mask", mask, torch.bool)
-    _check_dim_at_least("mask", mask, 1)
-    return mask.new_empty((*mask.shape[:-1], (mask.shape[-1] + 7) // 8), dtype=torch.uint8)
+    check_dtype("mask", mask, torch.bool)
+    check_dim_at_least("mask", mask, 1)
+    return mask.new_empty((*mask.shape[:-1], packed_bytes(mask.shape[-1])), dtype=torch.uint8)
 
 
 @torch.library.register_fake("fastdist::unpack_bits")
 def _unpack_bits_fake(packed, n):
-    _check_dtype("packed", packed, torch.uint8)
-    _check_dim_at_least("packed", packed, 1)
-    if n < 0:
-        raise RuntimeError(f"fastdist: 'n' must be >= 0, got {n}")
-    expected = (n + 7) // 8
-    torch._check(packed.shape[-1] == expected,
-                 lambda: f"fastdist: 'packed' must have last dimension {expected} (ceil(n / 8) for n = {n}), "
-                         f"got shape {list(packed.shape)}")
+    check_dtype("packed", packed, torch.uint8)
+    check_dim_at_least("packed", packed, 1)
+    check_nonnegative("n", n)
+    check_last_dim("packed", packed, packed_bytes(n), f"ceil(n / 8) for n = {n}")
     return packed.new_empty((*packed.shape[:-1], n), dtype=torch.bool)
 
 
 @torch.library.register_fake("fastdist::bitwise_or_reduce")
 def _bitwise_or_reduce_fake(packed):
-    _check_dtype("packed", packed, torch.uint8)
-    if packed.dim() != 2:
-        raise RuntimeError(f"fastdist: 'packed' must have 2 dimension(s), got shape {list(packed.shape)}")
+    check_dtype("packed", packed, torch.uint8)
+    check_dim("packed", packed, 2)
     return packed.new_empty((packed.shape[1],))

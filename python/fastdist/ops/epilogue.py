@@ -14,10 +14,11 @@ bit-identical for any thread count) and CUDA kernels; fake kernels for ``torch.c
 """
 import torch
 
+from fastdist.ops._checks import FLOATING_DTYPES, check_dim_at_least, check_dtype_in, check_same_device
+
 __all__ = ["ACTIVATIONS", "bias_epilogue", "bias_epilogue_backward"]
 
 ACTIVATIONS = ("none", "gelu_tanh", "gelu_erf")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def bias_epilogue(x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -52,11 +53,8 @@ def bias_epilogue_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tens
 # ---- fake kernels: the C++ checks (csrc/ops/epilogue.h) with the same messages ----
 
 def _check_x_and_bias(x, bias):
-    if x.dtype not in _FLOAT_DTYPES:
-        raise RuntimeError("fastdist: 'x' must have a floating dtype (torch.float32, torch.float16, torch.bfloat16 "
-                           f"or torch.float64), got {x.dtype}")
-    if x.dim() < 1:
-        raise RuntimeError(f"fastdist: 'x' must have at least 1 dimension(s), got shape {list(x.shape)}")
+    check_dtype_in("x", x, FLOATING_DTYPES)
+    check_dim_at_least("x", x, 1)
     if bias is not None:
         _check_like_x(bias, "bias", x)
         cols = x.shape[-1]
@@ -68,8 +66,7 @@ def _check_x_and_bias(x, bias):
 def _check_like_x(t, name, x):
     if t.dtype != x.dtype:
         raise RuntimeError(f"fastdist: '{name}' must have the dtype of 'x' ({x.dtype}), got {t.dtype}")
-    if t.device != x.device:
-        raise RuntimeError(f"fastdist: '{name}' and 'x' must be on the same device, got {t.device} and {x.device}")
+    check_same_device(name, t, "x", x)
 
 
 def _check_same_shape(t, name, x):

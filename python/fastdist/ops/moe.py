@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from fastdist.ops._checks import check_dim, check_dtype, check_dtype_in, check_nonnegative
+
 __all__ = ["MAX_K", "capacity_for", "moe_layout", "moe_permute", "moe_route", "moe_unpermute"]
 
 MAX_K = 16
@@ -109,26 +111,9 @@ def moe_unpermute(y: torch.Tensor, row_of_slot: torch.Tensor, weight: torch.Tens
 
 # ---- fake kernels (same checks and messages as csrc/ops/moe.h) ----
 
-def _check_logits_dtype(name, t):
-    if t.dtype not in _LOGIT_DTYPES:
-        raise RuntimeError(f"fastdist: '{name}' must have dtype torch.float32 or torch.float64, got {t.dtype}")
-
-
-def _check_rows_dtype(name, t):
-    if t.dtype not in _ROW_DTYPES:
-        raise RuntimeError(f"fastdist: '{name}' must have a floating dtype (torch.float32, torch.float64, "
-                           f"torch.float16 or torch.bfloat16), got {t.dtype}")
-
-
-def _check_dim(name, t, d):
-    if t.dim() != d:
-        raise RuntimeError(f"fastdist: '{name}' must have {d} dimension(s), got shape {list(t.shape)}")
-
-
 def _check_slots(x, x_name, row_of_slot, weight, tokens):
-    if row_of_slot.dtype != torch.int64:
-        raise RuntimeError(f"fastdist: 'row_of_slot' must have dtype torch.int64, got {row_of_slot.dtype}")
-    _check_dim("row_of_slot", row_of_slot, 2)
+    check_dtype("row_of_slot", row_of_slot, torch.int64)
+    check_dim("row_of_slot", row_of_slot, 2)
     torch._check(row_of_slot.shape[0] == tokens,
                  lambda: f"fastdist: 'row_of_slot' must have {tokens} rows (one per token), "
                          f"got shape {list(row_of_slot.shape)}")
@@ -141,8 +126,8 @@ def _check_slots(x, x_name, row_of_slot, weight, tokens):
 
 @torch.library.register_fake("fastdist::moe_route")
 def _moe_route_fake(logits, k):
-    _check_logits_dtype("logits", logits)
-    _check_dim("logits", logits, 2)
+    check_dtype_in("logits", logits, _LOGIT_DTYPES)
+    check_dim("logits", logits, 2)
     tokens, experts = logits.shape
     torch._check(experts >= 1, lambda: "fastdist: 'logits' must have at least 1 expert (column)")
     if not 1 <= k <= MAX_K:
@@ -155,9 +140,8 @@ def _moe_route_fake(logits, k):
 
 @torch.library.register_fake("fastdist::moe_layout")
 def _moe_layout_fake(topk_idx, num_experts, num_ranks, capacity):
-    if topk_idx.dtype != torch.int64:
-        raise RuntimeError(f"fastdist: 'topk_idx' must have dtype torch.int64, got {topk_idx.dtype}")
-    _check_dim("topk_idx", topk_idx, 2)
+    check_dtype("topk_idx", topk_idx, torch.int64)
+    check_dim("topk_idx", topk_idx, 2)
     if num_experts < 1:
         raise RuntimeError(f"fastdist: 'num_experts' must be >= 1, got {num_experts}")
     if num_ranks < 1 or num_experts % num_ranks:
@@ -173,19 +157,18 @@ def _moe_layout_fake(topk_idx, num_experts, num_ranks, capacity):
 
 @torch.library.register_fake("fastdist::moe_permute")
 def _moe_permute_fake(x, row_of_slot, num_rows, weight):
-    _check_rows_dtype("x", x)
-    _check_dim("x", x, 2)
-    if num_rows < 0:
-        raise RuntimeError(f"fastdist: 'num_rows' must be >= 0, got {num_rows}")
+    check_dtype_in("x", x, _ROW_DTYPES)
+    check_dim("x", x, 2)
+    check_nonnegative("num_rows", num_rows)
     _check_slots(x, "x", row_of_slot, weight, x.shape[0])
     return x.new_empty((num_rows, x.shape[1]))
 
 
 @torch.library.register_fake("fastdist::moe_unpermute")
 def _moe_unpermute_fake(y, row_of_slot, weight):
-    _check_rows_dtype("y", y)
-    _check_dim("y", y, 2)
-    _check_dim("row_of_slot", row_of_slot, 2)
+    check_dtype_in("y", y, _ROW_DTYPES)
+    check_dim("y", y, 2)
+    check_dim("row_of_slot", row_of_slot, 2)
     _check_slots(y, "y", row_of_slot, weight, row_of_slot.shape[0])
     return y.new_empty((row_of_slot.shape[0], y.shape[1]))
 

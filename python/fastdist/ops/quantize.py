@@ -26,11 +26,13 @@ import math
 
 import torch
 
+from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_dtype, check_dtype_in, check_same_device, check_seed,
+                                  packed_bytes)
+
 __all__ = ["BITS", "SCHEMES", "dequantize", "quantize"]
 
 BITS = (1, 2, 4, 8)
 SCHEMES = ("minmax", "absmax")
-_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def quantize(x: torch.Tensor, bits: int, scheme: str = "minmax", group_size: int | None = None,
@@ -53,9 +55,7 @@ def quantize(x: torch.Tensor, bits: int, scheme: str = "minmax", group_size: int
     """
     if group_size is None:
         group_size = max(x.numel(), 1)
-    if not 0 <= seed < 2**63:
-        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
-    return torch.ops.fastdist.quantize.default(x, bits, scheme, group_size, stochastic, seed)
+    return torch.ops.fastdist.quantize.default(x, bits, scheme, group_size, stochastic, check_seed(seed))
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, scheme: str,
@@ -87,16 +87,13 @@ def _check_group(n, group_size):
 
 @torch.library.register_fake("fastdist::quantize")
 def _quantize_fake(x, bits, scheme, group_size, stochastic, seed):
-    if x.dtype not in _VALUE_DTYPES:
-        raise RuntimeError(f"fastdist: 'x' must have dtype torch.float32, torch.float16 or torch.bfloat16, got "
-                           f"{x.dtype}")
+    check_dtype_in("x", x, FLOAT32_OR_16BIT_DTYPES)
     _check_bits_scheme(bits, scheme)
     n = x.numel()
     _check_group(n, group_size)
-    if seed < 0:
-        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+    check_seed(seed)
     groups = n // group_size
-    return (x.new_empty(((n * bits + 7) // 8,), dtype=torch.uint8), x.new_empty((groups,), dtype=torch.float32),
+    return (x.new_empty((packed_bytes(n * bits),), dtype=torch.uint8), x.new_empty((groups,), dtype=torch.float32),
             x.new_empty((groups,), dtype=torch.float32))
 
 
@@ -107,15 +104,12 @@ def _dequantize_fake(packed, scales, zeros, bits, scheme, group_size, shape):
         raise RuntimeError(f"fastdist: 'shape' must not be negative, got {list(shape)}")
     n = math.prod(shape)
     _check_group(n, group_size)
-    for name, t, dtype in (("packed", packed, torch.uint8), ("scales", scales, torch.float32),
-                           ("zeros", zeros, torch.float32)):
-        if t.dtype != dtype:
-            raise RuntimeError(f"fastdist: '{name}' must have dtype {dtype}, got {t.dtype}")
-    for name, t in (("scales", scales), ("zeros", zeros)):
-        if t.device != packed.device:
-            raise RuntimeError(f"fastdist: 'packed' and '{name}' must be on the same device, got {packed.device} and "
-                               f"{t.device}")
-    nbytes = (n * bits + 7) // 8
+    check_dtype("packed", packed, torch.uint8)
+    check_dtype("scales", scales, torch.float32)
+    check_dtype("zeros", zeros, torch.float32)
+    check_same_device("packed", packed, "scales", scales)
+    check_same_device("packed", packed, "zeros", zeros)
+    nbytes = packed_bytes(n * bits)
     torch._check(packed.dim() == 1 and packed.shape[0] == nbytes,
                  lambda: f"fastdist: 'packed' must have shape [{nbytes}] (ceil(n * bits / 8) for n = {n}, bits = "
                          f"{bits}), got shape {list(packed.shape)}")

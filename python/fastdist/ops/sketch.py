@@ -31,21 +31,18 @@ count, bit for bit. On CUDA, count_sketch accumulates with atomic adds: the same
 they match the CPU's to rounding (at most ``(k - 1) * 2**-24 * sum |x|`` for a bucket of ``k`` values) and may
 vary run to run in the last bits. Hashes, supports and decoding are exact on both.
 """
+import math
+
 import torch
+
+from fastdist.ops._checks import (FLOATING_DTYPES, check_dim, check_dim_at_least, check_dtype, check_dtype_in,
+                                  check_nonnegative, check_same_device, check_seed, packed_bytes)
 
 __all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "count_sketch_decode_units",
            "count_sketch_units", "nonzero_bitmap", "sketch_hash"]
 
 MAX_ROWS = 15
 MAX_COLS = 2**31 - 1
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _seed_in_range(seed: int) -> int:
-    # int64 covers [-2^63, 2^63); a Python int outside it cannot reach the op, so it gets the op's message here.
-    if not 0 <= seed < 2**63:
-        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
-    return seed
 
 
 def nonzero_bitmap(x: torch.Tensor, granularity: str = "element") -> torch.Tensor:
@@ -95,7 +92,7 @@ def count_sketch(x: torch.Tensor, rows: int, cols: int, seed: int, support: torc
         RuntimeError: ``x`` not floating point; ``rows``, ``cols`` or ``seed`` out of range; ``support`` not uint8,
             not of shape ``[ceil(n / 8)]`` or on another device; ``granularity`` invalid (or ``"row"`` with 0-d ``x``).
     """
-    return torch.ops.fastdist.count_sketch.default(x, rows, cols, _seed_in_range(seed), support, granularity)
+    return torch.ops.fastdist.count_sketch.default(x, rows, cols, check_seed(seed), support, granularity)
 
 
 def count_sketch_units(values: torch.Tensor, units: torch.Tensor, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -117,7 +114,7 @@ def count_sketch_units(values: torch.Tensor, units: torch.Tensor, rows: int, col
         RuntimeError: ``values`` not floating point or 0-d; ``units`` not int64 1-D of length ``k`` or on another
             device; ``rows``, ``cols`` or ``seed`` out of range.
     """
-    return torch.ops.fastdist.count_sketch_units.default(values, units, rows, cols, _seed_in_range(seed))
+    return torch.ops.fastdist.count_sketch_units.default(values, units, rows, cols, check_seed(seed))
 
 
 def count_sketch_decode(table: torch.Tensor, support: torch.Tensor, n: int, m: int, seed: int) -> torch.Tensor:
@@ -143,7 +140,7 @@ def count_sketch_decode(table: torch.Tensor, support: torch.Tensor, n: int, m: i
             ``[ceil(n / 8)]`` or on another device; ``n`` or ``m`` negative or ``n * m`` past int64; ``seed`` out of
             range.
     """
-    return torch.ops.fastdist.count_sketch_decode.default(table, support, n, m, _seed_in_range(seed))
+    return torch.ops.fastdist.count_sketch_decode.default(table, support, n, m, check_seed(seed))
 
 
 def count_sketch_decode_units(table: torch.Tensor, units: torch.Tensor, m: int, seed: int) -> torch.Tensor:
@@ -165,7 +162,7 @@ def count_sketch_decode_units(table: torch.Tensor, units: torch.Tensor, m: int, 
         RuntimeError: ``table`` invalid as for :func:`count_sketch_decode`; ``units`` not int64 1-D or on another
             device; ``m`` negative or ``k * m`` past int64; ``seed`` out of range.
     """
-    return torch.ops.fastdist.count_sketch_decode_units.default(table, units, m, _seed_in_range(seed))
+    return torch.ops.fastdist.count_sketch_decode_units.default(table, units, m, check_seed(seed))
 
 
 def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int, m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,21 +181,11 @@ def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int, m: int = 1) 
     Raises:
         RuntimeError: ``idx`` not int64 1-D; ``rows``, ``cols``, ``seed`` or ``m`` out of range.
     """
-    return torch.ops.fastdist.sketch_hash.default(idx, rows, cols, _seed_in_range(seed), m)
+    return torch.ops.fastdist.sketch_hash.default(idx, rows, cols, check_seed(seed), m)
 
 
 # Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the same
 # messages as the C++ kernels (csrc/ops/sketch.h).
-
-def _dtype_name(dtype):
-    return str(dtype)
-
-
-def _check_float(x):
-    if x.dtype not in _FLOAT_DTYPES:
-        raise RuntimeError("fastdist: 'x' must have a floating dtype (torch.float32, torch.float16, torch.bfloat16 "
-                           f"or torch.float64), got {_dtype_name(x.dtype)}")
-
 
 def _check_granularity(granularity):
     if granularity not in ("row", "element"):
@@ -211,10 +198,7 @@ def _units(x, granularity):
         if x.dim() < 1:
             raise RuntimeError("fastdist: 'x' must have at least 1 dimension(s) for granularity \"row\", "
                                f"got shape {list(x.shape)}")
-        m = 1
-        for s in x.shape[1:]:
-            m *= s
-        return x.shape[0], m
+        return x.shape[0], math.prod(x.shape[1:])
     return x.numel(), 1
 
 
@@ -223,32 +207,34 @@ def _check_rows_cols_seed(rows, cols, seed):
         raise RuntimeError(f"fastdist: 'rows' must be in [1, {MAX_ROWS}], got {rows}")
     if not 1 <= cols <= MAX_COLS:
         raise RuntimeError(f"fastdist: 'cols' must be in [1, {MAX_COLS}], got {cols}")
-    if seed < 0:
-        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+    check_seed(seed)
 
 
-def _check_support(support, other, other_name, n, units):
-    if support.dtype != torch.uint8:
-        raise RuntimeError(f"fastdist: 'support' must have dtype torch.uint8, got {_dtype_name(support.dtype)}")
-    if support.device != other.device:
-        raise RuntimeError(f"fastdist: 'support' and '{other_name}' must be on the same device, got "
-                           f"{support.device} and {other.device}")
-    expected = (n + 7) // 8
+def _check_support(support, other, other_name, n, units_name):
+    check_dtype("support", support, torch.uint8)
+    check_same_device("support", support, other_name, other)
+    expected = packed_bytes(n)
     torch._check(support.dim() == 1 and support.shape[0] == expected,
-                 lambda: f"fastdist: 'support' must have shape [{expected}] (ceil(n / 8) for n = {n} {units}), "
+                 lambda: f"fastdist: 'support' must have shape [{expected}] (ceil(n / 8) for n = {n} {units_name}), "
                          f"got shape {list(support.shape)}")
+
+
+def _check_units(units, other_name, other):
+    check_dtype("units", units, torch.int64)
+    check_dim("units", units, 1)
+    check_same_device("units", units, other_name, other)
 
 
 @torch.library.register_fake("fastdist::nonzero_bitmap")
 def _nonzero_bitmap_fake(x, granularity):
-    _check_float(x)
+    check_dtype_in("x", x, FLOATING_DTYPES)
     n, _ = _units(x, granularity)
-    return x.new_empty(((n + 7) // 8,), dtype=torch.uint8)
+    return x.new_empty((packed_bytes(n),), dtype=torch.uint8)
 
 
 @torch.library.register_fake("fastdist::count_sketch")
 def _count_sketch_fake(x, rows, cols, seed, support, granularity):
-    _check_float(x)
+    check_dtype_in("x", x, FLOATING_DTYPES)
     _check_rows_cols_seed(rows, cols, seed)
     n, _ = _units(x, granularity)
     if support is not None:
@@ -257,10 +243,8 @@ def _count_sketch_fake(x, rows, cols, seed, support, granularity):
 
 
 def _check_table(table):
-    if table.dtype != torch.float32:
-        raise RuntimeError(f"fastdist: 'table' must have dtype torch.float32, got {_dtype_name(table.dtype)}")
-    if table.dim() != 2:
-        raise RuntimeError(f"fastdist: 'table' must have 2 dimension(s), got shape {list(table.shape)}")
+    check_dtype("table", table, torch.float32)
+    check_dim("table", table, 2)
     torch._check(1 <= table.shape[0] <= MAX_ROWS,
                  lambda: f"fastdist: 'table' must have 1 to {MAX_ROWS} rows, got shape {list(table.shape)}")
     torch._check(1 <= table.shape[1] <= MAX_COLS,
@@ -270,33 +254,21 @@ def _check_table(table):
 @torch.library.register_fake("fastdist::count_sketch_decode")
 def _count_sketch_decode_fake(table, support, n, m, seed):
     _check_table(table)
-    if n < 0:
-        raise RuntimeError(f"fastdist: 'n' must be >= 0, got {n}")
-    if m < 0:
-        raise RuntimeError(f"fastdist: 'm' must be >= 0, got {m}")
+    check_nonnegative("n", n)
+    check_nonnegative("m", m)
     if m and n > (2**63 - 1) // m:
         raise RuntimeError(f"fastdist: 'n' * 'm' must fit in int64, got n = {n}, m = {m}")
-    if seed < 0:
-        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
+    check_seed(seed)
     _check_support(support, table, "table", n, "units")
     return table.new_empty((n, m))
 
 
 @torch.library.register_fake("fastdist::count_sketch_units")
 def _count_sketch_units_fake(values, units, rows, cols, seed):
-    if values.dim() < 1:
-        raise RuntimeError(f"fastdist: 'values' must have at least 1 dimension(s), got shape {list(values.shape)}")
-    if values.dtype not in _FLOAT_DTYPES:
-        raise RuntimeError("fastdist: 'values' must have a floating dtype (torch.float32, torch.float16, "
-                           f"torch.bfloat16 or torch.float64), got {_dtype_name(values.dtype)}")
+    check_dim_at_least("values", values, 1)
+    check_dtype_in("values", values, FLOATING_DTYPES)
     _check_rows_cols_seed(rows, cols, seed)
-    if units.dtype != torch.int64:
-        raise RuntimeError(f"fastdist: 'units' must have dtype torch.int64, got {_dtype_name(units.dtype)}")
-    if units.dim() != 1:
-        raise RuntimeError(f"fastdist: 'units' must have 1 dimension(s), got shape {list(units.shape)}")
-    if units.device != values.device:
-        raise RuntimeError(f"fastdist: 'units' and 'values' must be on the same device, got {units.device} and "
-                           f"{values.device}")
+    _check_units(units, "values", values)
     torch._check(units.shape[0] == values.shape[0],
                  lambda: f"fastdist: 'units' must have one entry per row of 'values' ({values.shape[0]}), got shape "
                          f"{list(units.shape)}")
@@ -306,26 +278,16 @@ def _count_sketch_units_fake(values, units, rows, cols, seed):
 @torch.library.register_fake("fastdist::count_sketch_decode_units")
 def _count_sketch_decode_units_fake(table, units, m, seed):
     _check_table(table)
-    if m < 0:
-        raise RuntimeError(f"fastdist: 'm' must be >= 0, got {m}")
-    if seed < 0:
-        raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
-    if units.dtype != torch.int64:
-        raise RuntimeError(f"fastdist: 'units' must have dtype torch.int64, got {_dtype_name(units.dtype)}")
-    if units.dim() != 1:
-        raise RuntimeError(f"fastdist: 'units' must have 1 dimension(s), got shape {list(units.shape)}")
-    if units.device != table.device:
-        raise RuntimeError(f"fastdist: 'units' and 'table' must be on the same device, got {units.device} and "
-                           f"{table.device}")
+    check_nonnegative("m", m)
+    check_seed(seed)
+    _check_units(units, "table", table)
     return table.new_empty((units.shape[0], m))
 
 
 @torch.library.register_fake("fastdist::sketch_hash")
 def _sketch_hash_fake(idx, rows, cols, seed, m=1):
-    if idx.dtype != torch.int64:
-        raise RuntimeError(f"fastdist: 'idx' must have dtype torch.int64, got {_dtype_name(idx.dtype)}")
-    if idx.dim() != 1:
-        raise RuntimeError(f"fastdist: 'idx' must have 1 dimension(s), got shape {list(idx.shape)}")
+    check_dtype("idx", idx, torch.int64)
+    check_dim("idx", idx, 1)
     _check_rows_cols_seed(rows, cols, seed)
     if m < 1:
         raise RuntimeError(f"fastdist: 'm' must be >= 1, got {m}")

@@ -22,9 +22,11 @@ import math
 
 import torch
 
+from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_dim, check_dtype, check_dtype_in, check_last_dim,
+                                  check_same_device, packed_bytes)
+
 __all__ = ["topk_bitmap_to_indices", "topk_compress", "topk_decompress", "topk_indices_to_bitmap", "topk_k"]
 
-_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_D = 2**31 - 1
 
 
@@ -100,22 +102,6 @@ def topk_bitmap_to_indices(bitmap: torch.Tensor, d: int, k: int) -> torch.Tensor
 # Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the same
 # messages as the C++ kernels (csrc/ops/topk.h).
 
-def _check_values_dtype(name, t):
-    if t.dtype not in _VALUE_DTYPES:
-        raise RuntimeError(f"fastdist: '{name}' must have dtype torch.float32, torch.float16 or torch.bfloat16, "
-                           f"got {t.dtype}")
-
-
-def _check_dim(name, t, d):
-    if t.dim() != d:
-        raise RuntimeError(f"fastdist: '{name}' must have {d} dimension(s), got shape {list(t.shape)}")
-
-
-def _check_dtype(name, t, dtype):
-    if t.dtype != dtype:
-        raise RuntimeError(f"fastdist: '{name}' must have dtype {dtype}, got {t.dtype}")
-
-
 def _check_d(d):
     if not 0 <= d <= _MAX_D:
         raise RuntimeError(f"fastdist: 'd' must be in [0, 2^31 - 1], got {d}")
@@ -123,8 +109,8 @@ def _check_d(d):
 
 @torch.library.register_fake("fastdist::topk_compress")
 def _topk_compress_fake(x, k):
-    _check_values_dtype("x", x)
-    _check_dim("x", x, 2)
+    check_dtype_in("x", x, FLOAT32_OR_16BIT_DTYPES)
+    check_dim("x", x, 2)
     d = x.shape[1]
     torch._check(d <= _MAX_D, lambda: "fastdist: 'x' rows must have at most 2^31 - 1 values (indices are int32), "
                                       f"got shape {list(x.shape)}")
@@ -134,13 +120,11 @@ def _topk_compress_fake(x, k):
 
 @torch.library.register_fake("fastdist::topk_decompress")
 def _topk_decompress_fake(values, indices, d):
-    _check_values_dtype("values", values)
-    _check_dtype("indices", indices, torch.int32)
-    _check_dim("values", values, 2)
-    _check_dim("indices", indices, 2)
-    if values.device != indices.device:
-        raise RuntimeError(f"fastdist: 'values' and 'indices' must be on the same device, got {values.device} and "
-                           f"{indices.device}")
+    check_dtype_in("values", values, FLOAT32_OR_16BIT_DTYPES)
+    check_dtype("indices", indices, torch.int32)
+    check_dim("values", values, 2)
+    check_dim("indices", indices, 2)
+    check_same_device("values", values, "indices", indices)
     torch._check(values.shape == indices.shape,
                  lambda: f"fastdist: 'values' and 'indices' must have the same shape, got {list(values.shape)} and "
                          f"{list(indices.shape)}")
@@ -152,23 +136,20 @@ def _topk_decompress_fake(values, indices, d):
 
 @torch.library.register_fake("fastdist::topk_indices_to_bitmap")
 def _topk_indices_to_bitmap_fake(indices, d):
-    _check_dtype("indices", indices, torch.int32)
-    _check_dim("indices", indices, 2)
+    check_dtype("indices", indices, torch.int32)
+    check_dim("indices", indices, 2)
     _check_d(d)
     torch._check(indices.shape[1] <= d, lambda: f"fastdist: 'indices' must have at most d = {d} columns, got shape "
                                                 f"{list(indices.shape)}")
-    return indices.new_empty((indices.shape[0], (d + 7) // 8), dtype=torch.uint8)
+    return indices.new_empty((indices.shape[0], packed_bytes(d)), dtype=torch.uint8)
 
 
 @torch.library.register_fake("fastdist::topk_bitmap_to_indices")
 def _topk_bitmap_to_indices_fake(bitmap, d, k):
-    _check_dtype("bitmap", bitmap, torch.uint8)
-    _check_dim("bitmap", bitmap, 2)
+    check_dtype("bitmap", bitmap, torch.uint8)
+    check_dim("bitmap", bitmap, 2)
     _check_d(d)
-    expected = (d + 7) // 8
-    torch._check(bitmap.shape[-1] == expected,
-                 lambda: f"fastdist: 'bitmap' must have last dimension {expected} (ceil(d / 8) for d = {d}), "
-                         f"got shape {list(bitmap.shape)}")
+    check_last_dim("bitmap", bitmap, packed_bytes(d), f"ceil(d / 8) for d = {d}")
     if not 0 <= k <= d:
         raise RuntimeError(f"fastdist: 'k' must be in [0, d] with d = {d}, got {k}")
     return bitmap.new_empty((bitmap.shape[0], k), dtype=torch.int32)
