@@ -30,7 +30,7 @@ def _distributed_backends():
     return ", ".join(have) or "none"
 
 
-def collect():
+def collect() -> list[tuple[str, str]]:
     """The report as an ordered list of (key, value)."""
     from fastdist import netsim
 
@@ -57,7 +57,8 @@ def collect():
     ]
 
 
-def main():
+def main() -> None:
+    """Prints the report, one aligned line per key."""
     rows = collect()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

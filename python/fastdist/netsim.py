@@ -407,11 +407,17 @@ def _counter_field(ifname: str, index: int, netns: str | None) -> int:
 
 
 def tx_bytes(ifname: str = IFNAME, netns: str | None = None) -> int:
-    """Bytes sent by interface `ifname`, as seen from the calling thread's network namespace -- or from
-    namespace `netns` when given (read by a helper thread).
+    """Bytes sent by an interface.
 
     The kernel counts a TCP segmentation-offload super-packet (up to 64 KiB) with its headers once, so a
     bulk transfer shows the payload plus well under 1 %; the link's rate is charged per 1514-byte frame.
+
+    Args:
+        ifname: the interface.
+        netns: the network namespace to read it in (by a helper thread); None: the calling thread's.
+
+    Raises:
+        ValueError: no such interface there.
     """
     return _counter_field(ifname, 8, netns)
 
@@ -459,19 +465,23 @@ def shaping(rate_bits: int, mtu: int = 1500, delay_s: float = 0.0) -> tuple[int,
     burst (token-bucket depth) = max(rate/HZ, 2 frames): the bytes the link carries in one kernel timer
     tick (CONFIG_HZ; 100 assumed when unknown) -- 500 KB at 1 Gbit/s and HZ=250, 5 MB at 10 Gbit/s. A
     smaller bucket starves the link: tbf must then split TCP's 64 KiB GSO packets into frames and can
-    send only a bucketful per wake-up. Measured here (single TCP stream, 2 cores): at 1 Gbit/s a
-    2-frame bucket gave 34 % of the rate and 64 KiB 87 %; at 10 Gbit/s 64 KiB gave 22 %; rate/HZ gives
-    96 % at 1 Gbit/s, i.e. the 1448/1514 payload share of a full frame. The cost: after an idle period
-    up to one tick's worth of bytes leaves at memory speed.
+    send only a bucketful per wake-up; rate/HZ lets a single TCP stream reach the 1448/1514 payload share
+    of a full frame (bench/README.md has the measurements). The cost: after an idle period up to one
+    tick's worth of bytes leaves at memory speed.
 
     limit (bytes tbf queues before dropping) = burst + max(10 ms at the rate, 1000 frames of 1514 bytes)
     + the round-trip bandwidth-delay product when a delay is added. 1000 frames is Linux's default
     txqueuelen, what a real NIC's queue holds; 10 ms keeps fast links from dropping. The queue matters
-    most on the switch port several hosts send to at once (all-to-all, gather): at 1 Gbit/s with three
-    senders into one host, a 200 KB limit lost packets every few round trips and delivered 81 % (BBR),
-    a 10 KB limit collapsed TCP to 1 % (retransmission timeouts), while this limit delivers 96 % with no
-    drops. A full queue adds queueing delay (limit/rate, at most about 125 ms at 100 Mbit/s, 14 ms at
-    10 Gbit/s) -- only while the link is saturated, as on real hardware.
+    most on the switch port several hosts send to at once (all-to-all, gather): a much smaller limit
+    loses packets every few round trips or collapses TCP into retransmission timeouts, while this one
+    delivers the payload share with no drops. A full queue adds queueing delay (limit/rate, at most
+    about 125 ms at 100 Mbit/s, 14 ms at 10 Gbit/s) -- only while the link is saturated, as on real
+    hardware.
+
+    Args:
+        rate_bits: the link rate in bits/s.
+        mtu: the interfaces' MTU.
+        delay_s: the one-way delay added, in seconds.
     """
     rate_bytes = rate_bits / 8
     burst = max(math.ceil(rate_bytes / _kernel_hz()), 2 * (mtu + _ETH_HEADER))
@@ -497,16 +507,20 @@ _PROBE_RE = re.compile(rf"^{re.escape(PREFIX)}\d+-probe\d+$")
 class Cluster:
     """N simulated hosts on a switch, each with a full-duplex link of `rate` (and optional `delay`).
 
-    num_hosts: 1..253 hosts (namespaces ``<tag>-h0`` ...; addresses 198.18.0.1 ...).
-    rate:      link rate, e.g. "1gbit", "10gbit", "100mbit", or bits/s (see `parse_rate`).
-    delay:     one-way latency between two hosts ("1ms", 0.001, ...), half of it added on each side of
-               each link, so a round trip takes 2 x delay; None for none. Needs netem in the kernel,
-               else `start` raises NetsimUnavailable naming CONFIG_NET_SCH_NETEM.
-    mtu:       MTU of every interface (68..65535).
-    name:      optional label (letters, digits, '_', '.') added to the namespaces' names.
-
     Built on ``__enter__`` (or `start`), removed on ``__exit__`` (or `close`); see the module docstring for
     how teardown is guaranteed. A cluster is built once; a closed cluster cannot be restarted.
+
+    Args:
+        num_hosts: 1..253 hosts (namespaces ``<tag>-h0`` ...; addresses 198.18.0.1 ...).
+        rate: link rate, e.g. "1gbit", "10gbit", "100mbit", or bits/s (see `parse_rate`).
+        delay: one-way latency between two hosts ("1ms", 0.001, ...), half of it added on each side of each
+            link, so a round trip takes 2 x delay; None for none. Needs netem in the kernel, else `start` raises
+            NetsimUnavailable naming CONFIG_NET_SCH_NETEM.
+        mtu: MTU of every interface (68..65535).
+        name: optional label (letters, digits, '_', '.') added to the namespaces' names.
+
+    Raises:
+        ValueError: an argument out of its range.
     """
 
     def __init__(self, num_hosts: int, rate: str | int = "10gbit", delay: str | float | None = None,
@@ -542,6 +556,7 @@ class Cluster:
 
     @property
     def is_up(self) -> bool:
+        """Whether the cluster is built and not yet removed."""
         return self._state == "up"
 
     @property

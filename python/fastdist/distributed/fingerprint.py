@@ -14,9 +14,14 @@ import torch.distributed as dist
 
 
 class MismatchError(RuntimeError):
-    """Ranks disagree on a value that must be identical everywhere."""
+    """Ranks disagree on a value that must be identical everywhere.
 
-    def __init__(self, name, values_by_rank):
+    Args:
+        name: what disagrees (e.g. a configuration's name, or its differing fields).
+        values_by_rank: {rank: that rank's value}, shown in the message.
+    """
+
+    def __init__(self, name: str, values_by_rank: dict):
         self.name = name
         self.values_by_rank = values_by_rank
         shown = "; ".join(f"rank {r}: {v}" for r, v in values_by_rank.items())
@@ -65,8 +70,15 @@ def _encode(value, out):
                         "tensors, arrays, dataclasses or containers of them")
 
 
-def fingerprint(value):
-    """A signed 64-bit hash of `value` that is identical on every machine for equal values."""
+def fingerprint(value: object) -> int:
+    """A signed 64-bit hash of ``value`` that is identical on every machine for equal values.
+
+    Args:
+        value: numbers, strings, dtypes, devices, tensors, arrays, enums, dataclasses, or containers of them.
+
+    Raises:
+        TypeError: a value of another type.
+    """
     parts = []
     _encode(value, parts)
     digest = hashlib.blake2b(b"".join(parts), digest_size=8).digest()
@@ -86,11 +98,20 @@ def _collective_device(group):
         else torch.device("cpu")
 
 
-def check_same(name, value, group=None):
-    """Raises MismatchError on every rank of `group` if `value` is not the same on all of them.
+def check_same(name: str, value: object, group: dist.ProcessGroup | None = None) -> None:
+    """Raises MismatchError on every rank of ``group`` if ``value`` is not the same on all of them.
 
     Every rank of the group must call it (it is a collective). Cost: one all-gather of 8 bytes
     per rank; a second, object all-gather happens only on mismatch, to name each rank's value.
+
+    Args:
+        name: what is checked, for the message.
+        value: anything :func:`fingerprint` takes.
+        group: the process group (None: the default group).
+
+    Raises:
+        MismatchError: the ranks' values differ (on every rank).
+        RuntimeError: no process group is initialized.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"fastdist: check_same('{name}') needs an initialized torch.distributed process group")

@@ -17,21 +17,33 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from fastdist import netsim
+
 
 class RankError(RuntimeError):
-    """A rank raised or died; carries the rank and its traceback."""
+    """A rank raised or died; carries the rank and its traceback.
 
-    def __init__(self, rank, world_size, detail):
+    Args:
+        rank: the failing rank.
+        world_size: the job's ranks.
+        detail: its traceback, or how it died.
+    """
+
+    def __init__(self, rank: int, world_size: int, detail: str):
         self.rank = rank
         super().__init__(f"rank {rank} of {world_size} failed:\n{detail}")
 
 
-def resolve_backend(backend, world_size):
-    """'auto' -> NCCL when every local rank can have its own GPU, else gloo."""
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``backend`` itself, or for ``"auto"``: NCCL when each of ``world_size`` local ranks can have its own GPU,
+    else gloo."""
     if backend != "auto":
         return backend
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
@@ -114,19 +126,29 @@ def _exit_reason(code):
     return f"exited with code {code}"
 
 
-def spawn(fn, world_size, *args, backend="auto", timeout=300.0, cluster=None, threads_per_rank=None):
-    """Runs `fn(*args)` on `world_size` local ranks and returns the list of their return values.
+def spawn(fn: Callable[..., object], world_size: int, *args: object, backend: str = "auto", timeout: float = 300.0,
+          cluster: "netsim.Cluster | None" = None, threads_per_rank: int | None = None) -> list:
+    """Runs ``fn(*args)`` on ``world_size`` local ranks and returns the list of their return values.
 
-    fn:        a picklable (module-level) function; it runs with the default process group initialized
-               (destroyed after it returns) and torchrun's environment variables set.
-    backend:   "auto" (NCCL when there is a GPU per rank, else gloo), "gloo", "nccl", ...
-    timeout:   seconds for the whole job, start-up included; also the process group's timeout.
-               On expiry every rank is killed and TimeoutError carries the stuck ranks' stacks.
-    cluster:   a fastdist.netsim.Cluster: rank i runs inside host i's network namespace and gloo
-               binds to its shaped interface.
-    threads_per_rank: torch threads in each rank (default: cores // world_size, at least 1;
-               OMP_NUM_THREADS in the caller's environment wins).
-    Raises RankError with the first failing rank's traceback (the other ranks are killed).
+    Args:
+        fn: a picklable (module-level) function; it runs with the default process group initialized
+            (destroyed after it returns) and torchrun's environment variables set.
+        world_size: the ranks.
+        *args: ``fn``'s arguments, pickled to every rank.
+        backend: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"``, ``"nccl"``, ...
+        timeout: seconds for the whole job, start-up included; also the process group's timeout.
+        cluster: a fastdist.netsim.Cluster: rank i runs inside host i's network namespace and gloo binds to its
+            shaped interface.
+        threads_per_rank: torch threads in each rank (default: cores // world_size, at least 1;
+            OMP_NUM_THREADS in the caller's environment wins).
+
+    Returns:
+        The ranks' return values, in rank order (plainly pickled back).
+
+    Raises:
+        RankError: a rank raised or died, with the first failing rank's traceback (the other ranks are killed).
+        TimeoutError: the job outlived ``timeout``; every rank is killed and the stuck ranks' stacks are in it.
+        ValueError: ``world_size < 1``, or a cluster with fewer hosts than ranks.
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
