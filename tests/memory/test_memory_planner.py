@@ -1,5 +1,5 @@
 """plan/apply/optimize: budgets respected in prediction, gradients bitwise equal under any plan, policies differ
-exactly where the spec's filter and director say they should."""
+exactly where DELTA's filter and director say they should."""
 import copy
 import itertools
 import json
