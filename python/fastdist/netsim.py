@@ -619,7 +619,7 @@ class Cluster:
         self.start()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         try:
             self.close()
         except NetsimError as e:

@@ -601,7 +601,7 @@ def apply(model: torch.nn.Module, plan: Plan, prefetcher: SwapPrefetcher | None 
 
 
 def optimize(model: torch.nn.Module, example_batch: torch.Tensor | tuple, budget_bytes: int, policy: str = "delta",
-             **kwargs) -> AppliedPlan:
+             **kwargs: object) -> AppliedPlan:
     """:func:`plan`, then :func:`apply` the plan.
 
     Args:

@@ -345,7 +345,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None,
-                    **kwargs) -> "ColumnParallelLinear":
+                    **kwargs: object) -> "ColumnParallelLinear":
         """The column-parallel shard of an ``nn.Linear``, its weights copied, so that the ranks together compute
         exactly ``linear``.
 
@@ -439,7 +439,8 @@ class RowParallelLinear(_ParallelLinear):
         return y.view(*lead, self.out_features)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kwargs) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None,
+                    **kwargs: object) -> "RowParallelLinear":
         """The row-parallel shard of an ``nn.Linear``, its weights copied (arguments as for
         :meth:`ColumnParallelLinear.from_linear`)."""
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
