@@ -2,11 +2,11 @@
 
 Each rank holds one stage: a two-layer MLP block (hidden -> expand x hidden -> hidden, GELU, residual) applied to
 activations [batch, seq, hidden] float32. The defaults (2 MiB of activation per boundary, a light block) put the
-pipeline in the regime the compressors are for, where the links and not the arithmetic bound the step: on this
-2-core CPU a heavier block makes the step compute-bound whatever the network (raise --expand / --hidden to see it).
-A training step sends the activation forward through the three
-boundaries (fastdist.compress.StageBoundary over torch.distributed P2P) and the gradient back, then every stage
-steps SGD. Methods (activation compressor / gradient compressor):
+pipeline in the regime the compressors are for, where the links and not the arithmetic bound the step: on a small
+CPU a heavier block makes the step compute-bound whatever the network (raise --expand / --hidden to see it).
+A training step sends the activation forward through the three boundaries (fastdist.compress.StageBoundary over
+torch.distributed P2P) and the gradient back, then every stage steps SGD. Methods (activation compressor /
+gradient compressor):
 
   none        uncompressed both ways
   topk10+q8   TopK 10% per sample forward; backward the gradient at the forward's kept positions (mask reuse),
@@ -19,7 +19,8 @@ All methods run in the same run, interleaved (one step of each per repetition, o
 Columns: step time (median over repetitions of the step's wall time on stage 0, which starts after a barrier and
 ends when its backward is done: the whole pipeline's latency), speed-up over none, wire bytes per boundary per step
 forward and backward (what send_packet put on the wire: the frame's prefix, header, alignment padding and packet
-tensors, summed over the 3 boundaries then divided by 3), and tx bytes per boundary (what the sending ranks' interfaces really sent, simulated network only).
+tensors, summed over the 3 boundaries then divided by 3), and tx bytes per boundary (what the sending ranks'
+interfaces really sent, simulated network only).
 link(ms,model) is the time those wire bytes need on the shaped links, boundary after boundary, both ways (3 x
 (fwd + bwd) bytes / rate): step time minus it is what compute, compression and the transport stack cost.
 With --net 1gbit (default) the ranks run on a simulated cluster whose links are shaped to 1 Gbit/s (needs root);
@@ -46,7 +47,8 @@ def add_arguments(p):
     p.add_argument("--hidden", type=at_least(1), default=16,
                    help="hidden size (default 16); activation = batch x seq x hidden float32 per boundary")
     p.add_argument("--expand", type=at_least(1), default=1, help="MLP expansion factor of each stage (default 1)")
-    p.add_argument("--width", type=at_least(1), default=None, help="shorthand: seq = width / hidden (values per sample)")
+    p.add_argument("--width", type=at_least(1), default=None,
+                   help="shorthand: seq = width / hidden (values per sample)")
     p.add_argument("--steps", type=at_least(1), default=5, help="timed steps per method, >= 5 for a claim (default 5)")
     p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps per method first (default 2)")
     p.add_argument("--methods", type=comma_list(choices=METHODS), default=METHODS,

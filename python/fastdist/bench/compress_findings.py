@@ -36,7 +36,8 @@ def add_arguments(p):
     p.add_argument("--tasks", type=comma_list(choices=TASKS), default=TASKS, help="comma-separated subset of cnn,gpt")
     p.add_argument("--rows", type=comma_list(choices=ROWS), default=ROWS,
                    help="comma-separated subset of " + ",".join(ROWS))
-    p.add_argument("--epochs", type=at_least(2), default=5, help="training epochs (default 5; AQ-SGD's first is uncompressed)")
+    p.add_argument("--epochs", type=at_least(2), default=5,
+                   help="training epochs (default 5; AQ-SGD's first is uncompressed)")
     p.add_argument("--train", type=at_least(128), default=1536, help="training samples (default 1536)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")

@@ -242,7 +242,8 @@ def add_arguments(p):
     p.add_argument("--policy", choices=["delta", "dtr", "msps"], default="delta", help="planner policy (default delta)")
     p.add_argument("--scale", choices=["small", "tiny", "gpt"], default="small",
                    help="model sizes: tiny (tests), small (CPU), gpt (GPU: a GPT block stack, ResNet-50 at 224)")
-    p.add_argument("--steps", type=at_least(1), default=5, help="timed steps per configuration, >= 5 for a claim (default 5)")
+    p.add_argument("--steps", type=at_least(1), default=5,
+                   help="timed steps per configuration, >= 5 for a claim (default 5)")
     p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps first (default 2)")
     p.add_argument("--rounds", type=at_least(1), default=1,
                    help="run every configuration this many times, interleaved, in fresh processes (default 1)")
@@ -366,7 +367,7 @@ def _plan_text(plan):
 
 
 def _targets(rows):
-    """The issue's numbers: hidden copy time >= 80 % on the transformer, and at 50 % budget overhead <= 15 %
+    """The memory targets: hidden copy time >= 80 % on the transformer, and at 50 % budget overhead <= 15 %
     and below both checkpoint and save_on_cpu."""
     lines, checks = [], {}
     hidden = [r["hidden_fraction"] for r in rows if r["model"] == "transformer" and r["hidden_fraction"] is not None]

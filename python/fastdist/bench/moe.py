@@ -64,12 +64,14 @@ def add_arguments(p):
     p.add_argument("--drift-every", type=at_least(1), default=4, help="steps between popularity swaps (default 4)")
     p.add_argument("--steps", type=at_least(1), default=8, help="timed steps per method, >= 5 for a claim (default 8)")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per method first (default 2)")
-    p.add_argument("--project", type=comma_list(at_least(1)), default="8,16,32,64", help="rank counts for the cost-model projection")
+    p.add_argument("--project", type=comma_list(at_least(1)), default="8,16,32,64",
+                   help="rank counts for the cost-model projection")
     p.add_argument("--seed", type=int, default=0)
 
 
 def _config_from(args):
-    return {"methods": args.methods, "d_model": args.d_model, "d_ff": args.d_ff, "experts_per_rank": args.experts_per_rank,
+    return {"methods": args.methods, "d_model": args.d_model, "d_ff": args.d_ff,
+            "experts_per_rank": args.experts_per_rank,
             "k": args.k, "tokens": args.tokens, "capacity_factor": args.capacity_factor,
             "max_replicas": args.max_replicas, "zipf": args.zipf, "drift_every": args.drift_every,
             "steps": args.steps, "warmup": args.warmup, "seed": args.seed,

@@ -407,7 +407,7 @@ def add_arguments(p):
     p.add_argument("--dim", type=at_least(1), default=64, help="embedding and LSTM width d (default 64)")
     p.add_argument("--embed-dim", type=at_least(1), default=None,
                    help="input embedding width D, if not d: 1024 makes a 128 MiB embedding gradient at V 32768, "
-                        "the issue's size, with the compute of the d-wide model (default d)")
+                        "the size the sketch is built for, with the compute of the d-wide model (default d)")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--negatives", type=int, default=1024, help="sampled-softmax negatives per step (default 1024)")

@@ -49,8 +49,10 @@ def add_arguments(p):
                    help="with --net auto: multiples of the balanced rate")
     p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is aborted")
-    p.add_argument("--op-shape", type=shape_type(3), default="2048,2048,1024", help="row op M,K,N (full K; default 2048,2048,1024)")
-    p.add_argument("--block", type=shape_type(4), default="768,12,128,8", help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
+    p.add_argument("--op-shape", type=shape_type(3), default="2048,2048,1024",
+                   help="row op M,K,N (full K; default 2048,2048,1024)")
+    p.add_argument("--block", type=shape_type(4), default="768,12,128,8",
+                   help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
     p.add_argument("--reps", type=at_least(1), default=15, help="timed repetitions per block variant, >= 5 for a claim")
     p.add_argument("--op-reps", type=at_least(1), default=45,
                    help="timed repetitions per row-op variant (cheap, and its k = 1 vs auto comparison is a few %%)")
@@ -171,7 +173,8 @@ def bench_rank(config):
                                "time_ms": statistics.median(block_samples[name]) * 1e3})
     lone_gemm = model.gemm_time(m, k_local, n)
     lone_comm = model.allreduce_time(m * n * 4, world)
-    result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "block_rows": block_rows, "core": core, "cost_model": model.state_dict(),
+    result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "block_rows": block_rows, "core": core,
+              "cost_model": model.state_dict(),
               "cost_model_repr": repr(model), "gemm_ms": lone_gemm * 1e3, "allreduce_ms": lone_comm * 1e3,
               "calibration": model.samples}
     return result if rank == 0 else None
