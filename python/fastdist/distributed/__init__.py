@@ -1,5 +1,6 @@
 """Multi-rank plumbing: the local runner and the cross-rank agreement check."""
-from fastdist.distributed.fingerprint import MismatchError, check_same, fingerprint
+from fastdist.distributed.fingerprint import CallCounter, MismatchError, check_same, fingerprint, global_ranks
 from fastdist.distributed.spawn import RankError, resolve_backend, spawn
 
-__all__ = ["MismatchError", "RankError", "check_same", "fingerprint", "resolve_backend", "spawn"]
+__all__ = ["CallCounter", "MismatchError", "RankError", "check_same", "fingerprint", "global_ranks", "resolve_backend",
+           "spawn"]

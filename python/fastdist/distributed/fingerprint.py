@@ -1,12 +1,16 @@
 """Checks that a value (a seed, a size, a split table, a plan) is the same on every rank.
 
 One fixed-size all-gather of a 64-bit fingerprint: it cannot hang on mismatched sizes, and a mismatch
-raises on every rank with a message naming the field and each rank's value.
+raises on every rank with a message naming the field and each rank's value. A configuration passed as a dict
+or a dataclass is checked as a whole and a mismatch names the fields that differ, so a new setting only needs
+a new key. `CallCounter` numbers the calls of a per-call exchange, so that a rank that skipped or added a call
+is caught by the exchange instead of pairing its call n with a peer's call n + 1.
 """
 import dataclasses
 import enum
 import hashlib
 import struct
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -93,6 +97,43 @@ def _short_repr(value, limit=200):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def global_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
+    """The global rank of each rank of ``group``, in group-rank order (None: the default group)."""
+    world = dist.get_world_size(group)
+    return [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
+
+
+def _fields(value, prefix=""):
+    """{dotted field name: leaf value} of a dict or dataclass (nested ones flattened); {"": value} otherwise."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if not isinstance(value, Mapping) or not value:
+        return {prefix: value}
+    out = {}
+    for k, v in value.items():
+        out.update(_fields(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _field_summary(value):
+    """{field: (fingerprint, short repr)} and the whole value's: what the ranks exchange on a mismatch."""
+    fields = {k: (fingerprint(v), _short_repr(v)) for k, v in _fields(value).items()}
+    return fields, _short_repr(value)
+
+
+def _mismatch(name, summaries, ranks):
+    """The MismatchError for gathered `_field_summary`s: the differing fields and each rank's value of them (the
+    whole values when no single field differs, e.g. two dataclass types with equal fields)."""
+    fields = [f for f, _ in summaries]
+    missing = (None, "<missing>")
+    names = sorted(set().union(*fields), key=str)
+    differing = [f for f in names if len({s.get(f, missing)[0] for s in fields}) > 1]
+    if not differing or "" in differing:
+        return MismatchError(name, {r: whole for r, (_, whole) in zip(ranks, summaries)})
+    shown = {r: ", ".join(f"{f}={s.get(f, missing)[1]}" for f in differing) for r, s in zip(ranks, fields)}
+    return MismatchError(f"{name}: {', '.join(differing)}", shown)
+
+
 def _collective_device(group):
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
@@ -102,7 +143,9 @@ def check_same(name: str, value: object, group: dist.ProcessGroup | None = None)
     """Raises MismatchError on every rank of ``group`` if ``value`` is not the same on all of them.
 
     Every rank of the group must call it (it is a collective). Cost: one all-gather of 8 bytes
-    per rank; a second, object all-gather happens only on mismatch, to name each rank's value.
+    per rank; a second, object all-gather happens only on mismatch, to name each rank's value. A dict or
+    dataclass ``value`` is a configuration: a mismatch names the fields that differ (nested ones as ``a.b``)
+    and shows only those, so adding a setting to what is checked is adding a key.
 
     Args:
         name: what is checked, for the message.
@@ -124,7 +167,55 @@ def check_same(name: str, value: object, group: dist.ProcessGroup | None = None)
     dist.all_gather(gathered, mine, group=group)
     if len({int(t.item()) for t in gathered}) == 1:
         return
-    reprs = [None] * world
-    dist.all_gather_object(reprs, _short_repr(value), group=group)
-    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
-    raise MismatchError(name, dict(zip(ranks, reprs)))
+    summaries = [None] * world
+    dist.all_gather_object(summaries, _field_summary(value), group=group)
+    raise _mismatch(name, summaries, global_ranks(group))
+
+
+class CallCounter:
+    """Numbers the calls of one per-call exchange (a header, a packet, a routing all-to-all).
+
+    When one rank skips or adds a call, its call n meets a peer's call n + 1 in an exchange whose sizes still match:
+    a silent wrong result. Putting the call number in the exchange the call already makes catches it at no extra
+    collective: take the number with :meth:`take` before the exchange, send it with the rest, and pass what every
+    rank sent to :meth:`check`. The count is state: it is in ``state_dict`` so that a resumed run keeps agreeing
+    with ranks that did not restart.
+
+    Example::
+
+        number = self.calls.take()
+        header = torch.tensor([fingerprint(config), number, local_size])
+        gathered = ...  # the all-gather the call makes anyway
+        self.calls.check("sketch_allreduce", dict(zip(global_ranks(group), gathered[:, 1].tolist())))
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def take(self) -> int:
+        """This call's number (0 for the first call); counts the call."""
+        number = self.calls
+        self.calls += 1
+        return number
+
+    def check(self, name: str, numbers_by_rank: Mapping[int, int]) -> None:
+        """Raises MismatchError if the ranks' call numbers differ.
+
+        Args:
+            name: the API whose calls are numbered, for the message.
+            numbers_by_rank: {global rank: the call number it sent}, every rank of the exchange (a pair or a group).
+
+        Raises:
+            MismatchError: the numbers differ: a rank skipped or added a call.
+        """
+        if len(set(numbers_by_rank.values())) > 1:
+            raise MismatchError(f"{name} call number (a rank skipped or added a call)",
+                                {r: int(n) for r, n in numbers_by_rank.items()})
+
+    def state_dict(self) -> dict:
+        """{"calls": the calls counted so far}."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restores the count from :meth:`state_dict`."""
+        self.calls = int(state["calls"])
