@@ -15,6 +15,8 @@
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
 Under torchrun (`torchrun --nproc-per-node 8 -m fastdist.bench collectives`) the ranks are torchrun's.
 """
+from __future__ import annotations
+
 import argparse
 import importlib
 import sys
@@ -50,7 +52,8 @@ def _suite(name):
     return importlib.import_module(SUITES[name])
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
+    """The fastdist-bench argument parser: the global options and one subcommand per suite."""
     parser = argparse.ArgumentParser(prog="fastdist-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--netsim-cleanup", action="store_true",
@@ -90,7 +93,8 @@ def _save(module, result, json_path, plot_path):
     return result
 
 
-def tour(json_path=None, plot_path=None):
+def tour(json_path: str | None = None, plot_path: str | None = None) -> dict:
+    """Runs every suite with its TOUR arguments; returns their payloads by suite name."""
     results = {}
     start = time.monotonic()
     for name, argv in TOUR.items():
@@ -105,7 +109,8 @@ def tour(json_path=None, plot_path=None):
     return results
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
+    """The fastdist-bench entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.netsim_cleanup:

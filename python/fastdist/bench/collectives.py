@@ -10,7 +10,11 @@ busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others (broa
 (netsim only; barriers included), so the two side by side show where a backend exceeds the optimum —
 e.g. gloo's reduce_scatter is an all-reduce in disguise and sends twice the optimum.
 """
+from __future__ import annotations
+
+import argparse
 import statistics
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +30,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32}
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     add_launch_arguments(p, timeout=1800.0)
     p.add_argument("--min-size", type=parse_size, default="1K", help="smallest per-rank buffer (default 1K)")
     p.add_argument("--max-size", type=parse_size, default="64M", help="largest per-rank buffer (default 64M)")
@@ -40,7 +45,7 @@ def add_arguments(p):
                    help="keep repeating small sizes until this many seconds are timed (default 0.25)")
 
 
-def sizes_from(args):
+def sizes_from(args: argparse.Namespace) -> list[int]:
     """The per-rank buffer sizes of the sweep: --min-size, times --factor, up to --max-size."""
     lo, hi = args.min_size, args.max_size
     if lo <= 0 or hi < lo:
@@ -117,13 +122,15 @@ class Case:
         else:
             raise ValueError(f"unknown collective {name!r}; choose from {COLLECTIVES}")
 
-    def reset(self):
+    def reset(self) -> None:
+        """Restores the input buffers before a call."""
         if self.name in ("all_reduce", "broadcast"):
             self.buf.copy_(self.src)
         else:
             self.buf.zero_()
 
-    def wrong(self):
+    def wrong(self) -> int:
+        """How many elements of the result differ from the expected ones."""
         return int((self.buf != self.expected).sum().item())
 
 
@@ -139,7 +146,7 @@ def _timed_iterations(case, count, device):
     return samples, wrong
 
 
-def bench_rank(config):
+def bench_rank(config: dict) -> Any:
     """Runs the sweep on this rank; returns the rows on rank 0 (None elsewhere). A collective."""
     rank = dist.get_rank()
     device = rank_device()
@@ -175,7 +182,7 @@ def bench_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
     config = {"ops": args.ops, "sizes": sizes_from(args), "dtype": args.dtype, "iters": args.iters,
               "warmup": args.warmup, "min_time": args.min_time, "max_iters": 200}
@@ -190,7 +197,8 @@ def run(args):
     return {"suite": "collectives", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows}
 
 
-def format_rows(rows):
+def format_rows(rows: list[dict]) -> str:
+    """The result rows as the suite's text table."""
     headers = ["collective", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
                "wire B/rank", "tx B/rank", "#wrong"]
     table = [[r["collective"], r["size"], r["count"], r["dtype"], r["time_us"], r["algbw"], r["busbw"],
@@ -199,7 +207,8 @@ def format_rows(rows):
     return report.format_table(headers, table, {"time(us)": ".1f", "algbw(GB/s)": ".3f", "busbw(GB/s)": ".3f"})
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     _, fig, ax = report.subplots(figsize=(8, 5))
     for op in result["config"]["ops"]:
         rows = [r for r in result["rows"] if r["collective"] == op]

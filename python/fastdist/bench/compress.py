@@ -26,7 +26,11 @@ link(ms,model) is the time those wire bytes need on the shaped links, boundary a
 With --net 1gbit (default) the ranks run on a simulated cluster whose links are shaped to 1 Gbit/s (needs root);
 otherwise on loopback, which the output says.
 """
+from __future__ import annotations
+
+import argparse
 import statistics
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +43,8 @@ from fastdist.bench.toolkit import all_sum, at_least, comma_list, interleave, pr
 METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     add_launch_arguments(p, timeout=1800.0)
     p.set_defaults(net="1gbit")
     p.add_argument("--batch", type=at_least(1), default=8, help="samples per step (default 8)")
@@ -90,7 +95,7 @@ class _Stage(nn.Module):
         super().__init__()
         self.up, self.down = nn.Linear(hidden, expand * hidden), nn.Linear(expand * hidden, hidden)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(nn.functional.gelu(self.up(x)))
 
 
@@ -114,7 +119,7 @@ class _Pipeline:
         self.step_count = 0
         self.shape = (config["batch"], config["seq"], config["hidden"])
 
-    def step(self):
+    def step(self) -> tuple[int, int]:
         """One training step; returns this rank's (fwd wire bytes sent, bwd wire bytes sent)."""
         b = self.shape[0]
         first = (self.step_count % 2) * b
@@ -136,7 +141,8 @@ class _Pipeline:
         return fwd, bwd
 
 
-def bench_rank(config):
+def bench_rank(config: dict) -> Any:
+    """Runs the suite's measurements on this rank (a collective); returns the results on rank 0, None elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
     methods = config["methods"]
     pipes = {m: _Pipeline(m, config, rank, world) for m in methods}
@@ -178,7 +184,9 @@ def bench_rank(config):
     return rows
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+    other torchrun ranks)."""
     config = _config_from(args)
     if args.net != "loopback":
         from fastdist import netsim
@@ -197,7 +205,8 @@ def run(args):
     return {"suite": "compress", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows}
 
 
-def format_rows(rows):
+def format_rows(rows: list[dict]) -> str:
+    """The result rows as the suite's text table."""
     headers = ["method", "step(ms)", "speed-up", "link(ms,model)", "fwd B/boundary", "bwd B/boundary",
                "tx B/boundary", "fwd ratio"]
     table = [[r["method"], r["time_ms"], "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
@@ -207,7 +216,8 @@ def format_rows(rows):
     return report.format_table(headers, table)
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows, env = result["rows"], result["env"]
     names = [r["method"] for r in rows]
     _, fig, (ax_t, ax_b) = report.subplots(1, 2, figsize=(11, 4))

@@ -14,6 +14,9 @@ feedback; TopK 10% with an independent TopK 10% of the gradient; AQ-SGD with 4-b
 activation compressor also applied in eval mode; AQ-SGD and error feedback then use their inner compressor) and with
 uncompressed inference. Every row trains from the same initial weights on the same batches (seeded).
 """
+from __future__ import annotations
+
+import argparse
 import math
 import statistics
 import time
@@ -32,7 +35,8 @@ ROWS = ["none", "topk5", "topk10", "topk30", "topk50", "quant2", "quant4", "quan
 TASKS = ["cnn", "gpt"]
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     p.add_argument("--tasks", type=comma_list(choices=TASKS), default=TASKS, help="comma-separated subset of cnn,gpt")
     p.add_argument("--rows", type=comma_list(choices=ROWS), default=ROWS,
                    help="comma-separated subset of " + ",".join(ROWS))
@@ -43,7 +47,7 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
 
 
-def boundary_for(row, samples):
+def boundary_for(row: str, samples: int) -> Boundary:
     """A fresh Boundary of a row (each boundary owns its compressors and their state)."""
     if row == "none":
         return Boundary()
@@ -69,7 +73,7 @@ def boundary_for(row, samples):
 
 # ---- (a)'s data: generated shapes ----
 
-def shapes_dataset(n, seed, size=16):
+def shapes_dataset(n: int, seed: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """n images [n, 1, size, size] of 8 classes and their labels; a function of (n, seed) only."""
     g = generator("shapes", seed, n)
     labels = torch.randint(0, 8, (n,), generator=g)
@@ -163,7 +167,9 @@ def _data(task, config):
     return {"x_train": x_train, "x_test": corpus.heldout(batch=256, seq=32), "vocab": 256}
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+    other torchrun ranks)."""
     tasks, rows = args.tasks, args.rows
     config = {"tasks": tasks, "rows": rows, "epochs": args.epochs, "train": args.train, "seed": args.seed}
     with report.torch_threads(args.threads):
@@ -185,14 +191,16 @@ def run(args):
     return {"suite": "compress-findings", "env": env, "config": config, "rows": results}
 
 
-def format_rows(rows):
+def format_rows(rows: list[dict]) -> str:
+    """The result rows as the suite's text table."""
     headers = ["task", "row", "compressed inf.", "uncompressed inf.", "train loss", "time(s)"]
     table = [[r["task"], r["row"], r["compressed"], r["uncompressed"], r["train_loss_last_epoch"], r["seconds"]]
              for r in rows]
     return report.format_table(headers, table, {"time(s)": ".1f"})
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     tasks = result["config"]["tasks"]
     _, fig, axes = report.subplots(len(tasks), 1, figsize=(12, 3.8 * len(tasks)), squeeze=False)
     for ax, task in zip(axes[:, 0], tasks):

@@ -90,6 +90,7 @@ class ZipfMarkovCorpus:
         return succ.view(self.vocab, self.successors)
 
     def config(self):
+        """The constructor arguments that rebuild this language."""
         return {"vocab": self.vocab, "exponent": self.exponent, "successors": self.successors,
                 "follow": self.follow, "seed": self.seed}
 

@@ -1,6 +1,11 @@
 """Where a suite's ranks run: torchrun's processes, or local ranks on the simulated network or loopback."""
+from __future__ import annotations
+
+import argparse
 import dataclasses
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,14 +17,16 @@ from fastdist.distributed import resolve_backend, spawn
 
 @dataclasses.dataclass
 class Launch:
+    """What `run_ranks` returns: rank 0's result and where the ranks ran."""
+
     result: object          # what fn returned on rank 0 (None on the other torchrun ranks)
     backend: str
     world: int
     network: str            # the label every figure carries
-    link_gbps: float = None  # the simulated link rate in GB/s, None when not shaped
+    link_gbps: float | None = None  # the simulated link rate in GB/s, None when not shaped
 
 
-def add_launch_arguments(p, timeout):
+def add_launch_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
     """The options run_ranks takes, shared by every multi-rank suite."""
     p.add_argument("--ranks", type=at_least(1), default=4, help="number of local ranks (default 4)")
     p.add_argument("--net", default="loopback",
@@ -29,16 +36,17 @@ def add_launch_arguments(p, timeout):
                    help=f"seconds before the whole run is aborted (default {timeout:g})")
 
 
-def under_torchrun():
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or with its environment)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-def tx_counter(enabled):
+def tx_counter(enabled: bool) -> int:
     """Bytes this rank's interface has sent (its own namespace on the simulated cluster); 0 when not measured."""
     return netsim.tx_bytes() if enabled else 0
 
 
-def pin_to_core(rank):
+def pin_to_core(rank: int) -> int:
     """Every thread of this process (gloo's too) on core `rank` (mod the cores it may use), and one torch thread.
     Returns the core."""
     cores = sorted(os.sched_getaffinity(0))
@@ -67,7 +75,8 @@ def _torchrun(fn, config, backend):
     return Launch(result, backend, world, "real network (launched by torchrun)")
 
 
-def run_ranks(fn, config, *, ranks, net="loopback", delay=None, timeout=1800.0, backend="auto"):
+def run_ranks(fn: Callable[[dict], Any], config: dict, *, ranks: int, net: str = "loopback",
+              delay: str | None = None, timeout: float = 1800.0, backend: str = "auto") -> Launch:
     """Runs fn(config) on every rank; returns a Launch with rank 0's result.
 
     Under torchrun: in this process, on the process group torchrun's environment describes.

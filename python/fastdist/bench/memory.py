@@ -25,6 +25,9 @@ GPU (--device cuda --memory-cap GIB --scale gpt --models resnet50,transformer): 
 with torch.cuda.set_per_process_memory_fraction, searches the largest batch whose step fits (doubling, then
 bisection; fastdist plans are made at the default batch and kept) and reports throughput at that batch.
 """
+from __future__ import annotations
+
+import argparse
 import ctypes
 import gc
 import json
@@ -33,6 +36,7 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -56,7 +60,8 @@ SIZES = {  # model -> scale -> dims
 }
 
 
-def build(model, scale, device, seed=0):
+def build(model: str, scale: str, device: torch.device | str, seed: int = 0) -> tuple[nn.Module, Callable, int,
+          Callable]:
     """(network, make_batch(b) -> (inputs, targets), default batch size, loss_fn(output, targets))."""
     dims = SIZES[model][scale]
     torch.manual_seed(seed)
@@ -83,7 +88,7 @@ def build(model, scale, device, seed=0):
     return net.to(device), make_batch, dims["batch"], loss_fn
 
 
-def largest_batch(fits, limit):
+def largest_batch(fits: Callable[[int], bool], limit: int) -> int:
     """The largest b in [1, limit] with fits(b), for a monotone fits: doubling, then bisection. 0 if none."""
     lo, hi = 0, 1
     while hi <= limit and fits(hi):
@@ -120,7 +125,7 @@ def _checkpoint_every_block(net):
         block.forward = lambda *a, f=forward: checkpoint(f, *a, use_reentrant=False)
 
 
-def run_config(spec):
+def run_config(spec: dict) -> dict:
     """Runs one configuration (dict from the parent) and returns its measurements."""
     import fastdist.memory as fm
 
@@ -232,7 +237,8 @@ def _worker_main(spec_json):
 
 # ---- the suite ----
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     p.add_argument("--models", type=comma_list(choices=MODELS), default=DEFAULT_MODELS,
                    help="comma-separated subset of " + ",".join(MODELS) + " (default transformer,cnn)")
     p.add_argument("--configs", type=comma_list(choices=CONFIGS), default=CONFIGS,
@@ -282,7 +288,9 @@ def _run_child(spec, timeout):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+    other torchrun ranks)."""
     models, configs = args.models, _configurations(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
@@ -402,7 +410,8 @@ def _targets(rows):
     return {"checks": checks, "lines": lines}
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows = result["rows"]
     models = sorted({r["model"] for r in rows}, key=MODELS.index)
     plt, fig, axes = report.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)

@@ -27,9 +27,13 @@ Then the projection: the calibrated cost model evaluated on synthetic Zipf count
 the popularity over a random expert order (labelled as a projection; nothing there is measured). The layout kernel
 (moe_layout) is timed by `fastdist-bench kernels --family moe`.
 """
+from __future__ import annotations
+
+import argparse
 import math
 import os
 import statistics
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +52,8 @@ METHODS = {
 }
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     add_launch_arguments(p, timeout=1800.0)
     p.set_defaults(ranks=2)
     p.add_argument("--methods", type=comma_list(choices=list(METHODS)), default=list(METHODS),
@@ -80,7 +85,7 @@ def _config_from(args):
 
 # ---- the routing every method sees ----
 
-def popularity_order(num_experts, step, config):
+def popularity_order(num_experts: int, step: int, config: dict) -> list[int]:
     """Expert ids from most to least popular at `step`: expert 0 first (so the heaviest experts share an owner, the
     case balancing exists for), then one adjacent swap per drift period, walking down the order."""
     order = list(range(num_experts))
@@ -91,7 +96,7 @@ def popularity_order(num_experts, step, config):
     return order
 
 
-def gate_column(num_experts, step, config):
+def gate_column(num_experts: int, step: int, config: dict) -> torch.Tensor:
     """Gate column 0 (feature 0 of every token is 1): log Zipf popularity. The other columns add per-token noise
     of std ~1 to the logits, so tokens spread over the experts in roughly Zipf proportions."""
     col = torch.empty(num_experts)
@@ -100,7 +105,8 @@ def gate_column(num_experts, step, config):
     return col
 
 
-def tokens_for(step, rank, config, device):
+def tokens_for(step: int, rank: int, config: dict, device: torch.device) -> torch.Tensor:
+    """Rank `rank`'s tokens at `step`: [tokens, d_model] normal, feature 0 set to 1 (the gate's popularity column)."""
     g = torch.Generator().manual_seed(config["seed"] * 1_000_003 + 7919 * step + rank)
     x = torch.randn(config["tokens"], config["d_model"], generator=g)
     x[:, 0] = 1.0
@@ -137,7 +143,8 @@ def _time_step(layer, x, device):
     return all_max([watch.seconds], device)[0]
 
 
-def bench_rank(config):
+def bench_rank(config: dict) -> Any:
+    """Runs the suite's measurements on this rank (a collective); returns the results on rank 0, None elsewhere."""
     from fastdist.moe import calibrate
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,7 +201,7 @@ def _summarise(samples, method):
     }
 
 
-def projection(cost_model, config):
+def projection(cost_model: dict, config: dict) -> list[dict]:
     """Predicted layer time per policy on Zipf count matrices for larger rank counts (no measurement)."""
     from fastdist.moe import CostModel, Plan, loads, plan_prophet, plan_shadow
 
@@ -219,7 +226,9 @@ def projection(cost_model, config):
     return rows
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+    other torchrun ranks)."""
     config = _config_from(args)
     launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
     if launch.result is None:
@@ -262,7 +271,8 @@ def run(args):
             "cost_model": launch.result["cost_model"], "projection": proj}
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows, env = result["rows"], result["env"]
     _, fig, (ax_t, ax_b, ax_p) = report.subplots(1, 3, figsize=(15, 4.5))
     names = [r["method"] for r in rows]

@@ -9,7 +9,7 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ import fastdist
 
 
 @contextlib.contextmanager
-def torch_threads(n):
+def torch_threads(n: int | None) -> Iterator[None]:
     """torch's intra-op thread count set to `n` inside the block (None or 0: left as it is), restored after."""
     before = torch.get_num_threads()
     if n:
@@ -29,7 +29,7 @@ def torch_threads(n):
         torch.set_num_threads(before)
 
 
-def environment(*, backend, device, ranks, network):
+def environment(*, backend: str, device: str, ranks: int, network: str) -> dict:
     """The environment header of a run, as a dict (also stored in the JSON)."""
     return {
         "fastdist": fastdist.__version__,
@@ -56,7 +56,8 @@ def launch_environment(launch: Any) -> dict:
     return env
 
 
-def format_environment(env):
+def format_environment(env: dict) -> str:
+    """The environment header as '# key value' lines."""
     keys = ["fastdist", "torch", "backend", "device", "ranks", "network", "cuda_kernels", "host_cpus", "date"]
     return "\n".join(f"# {k:<13} {env[k]}" for k in keys if k in env)
 
@@ -121,7 +122,8 @@ def _cell(v: Any, spec: str) -> str:
     return str(v)
 
 
-def human_bytes(n):
+def human_bytes(n: float) -> str:
+    """A byte count with a binary unit: 1536 -> '1.5KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f}{unit}" if unit == "B" or n == int(n) else f"{n:.1f}{unit}"
@@ -148,7 +150,8 @@ def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
     plt.close(fig)
 
 
-def write_json(path, payload):
+def write_json(path: str, payload: dict) -> None:
+    """Writes `payload` to `path` as JSON, creating its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)

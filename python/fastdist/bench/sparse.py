@@ -32,8 +32,12 @@ is zeroed before every call (outside the timing), so that each call compresses t
 every other method and its error is the compression error of one call (the hook still adds and
 updates the residual, at full cost).
 """
+from __future__ import annotations
+
+import argparse
 import math
 import statistics
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +53,8 @@ SKETCH_METHODS = {"omnireduce", "sketch", "auto"}
 LOSSLESS = {"dense", "agsparse", "omnireduce"}
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     add_launch_arguments(p, timeout=3600.0)
     p.add_argument("--shape", type=shape_type(2), default="32768x1024",
                    help="gradient rows x dim, float32 (default 32768x1024 = 128 MiB)")
@@ -120,11 +125,12 @@ class _Gradient:
                                                       seed=config["seed"])
         self.work = torch.empty_like(self.grad)
 
-    def error(self, result):
+    def error(self, result: torch.Tensor) -> float:
+        """The relative L2 error ||result - exact sum|| / ||exact sum||."""
         diff = torch.linalg.vector_norm(result - self.ref, dtype=torch.float64)
         return float(diff) / self.ref_norm if self.ref_norm else float(diff)
 
-    def call(self, name):
+    def call(self, name: str) -> tuple[int, str]:
         """Reduces self.work with method `name`; returns (wire bytes model, what ran)."""
         from fastdist.comm import baselines as bl
         from fastdist.comm import last_stats, sketch_allreduce
@@ -223,7 +229,7 @@ def _bench_density(config, density, world, rank, device, bar):
     return rows, gradient
 
 
-def bench_rank(config):
+def bench_rank(config: dict) -> Any:
     """Runs every density on this rank; returns (rows, gradients) on rank 0, None elsewhere. A collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -239,7 +245,7 @@ def bench_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
     config = _config_from(args)
     _require_sketch_ops(config["methods"])
@@ -274,7 +280,8 @@ def _note(r):
     return ", ".join(notes)
 
 
-def format_rows(rows):
+def format_rows(rows: list[dict]) -> str:
+    """The result rows as the suite's text table."""
     headers = ["method", "density loc/union", "time(ms)", "speed-up", "wire B/rank", "tx B/rank", "rel.err",
                "eff.algbw(GB/s)", "note"]
     table = [[r["method"], f"{r['density'] * 100:g}% / {r['density_union'] * 100:.2f}%", r["time_ms"],
@@ -284,7 +291,8 @@ def format_rows(rows):
     return report.format_table(headers, table, {"rel.err": ".2e", "eff.algbw(GB/s)": ".3f"})
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows, config, env = result["rows"], result["config"], result["env"]
     methods, densities = config["methods"], config["densities"]
     plt, fig, (ax_t, ax_e) = report.subplots(1, 2, figsize=(13, 5))

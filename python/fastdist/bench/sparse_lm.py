@@ -44,16 +44,20 @@ excluded), speed-up vs dense, wire bytes per rank per step (ours: what sketch_ho
 rank's interface really sent (busiest rank, median step). A second table orders the methods by wire bytes:
 the Pareto front of bytes vs final loss.
 """
+import argparse
 import math
 import statistics
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.models import SparseLM, make_data, step_batch
+from fastdist.bench.corpus import ZipfMarkovCorpus
+from fastdist.bench.models import NegativeSampler, SparseLM, make_data, step_batch
 from fastdist.bench.toolkit import at_least, comma_list, progress, together, up_to
 from fastdist.comm.baselines import ring_allreduce_bytes
 
@@ -68,7 +72,7 @@ LOSS_TIE = 1e-4  # final losses closer than this are equal for the Pareto front
 
 # --- the optimizer's view of a gradient ------------------------------------------------------------------------
 
-def row_sparse(grad):
+def row_sparse(grad: torch.Tensor) -> torch.Tensor:
     """The rows of a dense [n, m] gradient that hold a non-zero, as a coalesced sparse_coo tensor: the same
     gradient, but Adagrad then updates only those rows. Exact: Adagrad leaves a row whose gradient is zero
     unchanged (state += 0, parameter += -lr * 0 / std), so the sparse and dense updates agree."""
@@ -81,7 +85,7 @@ def row_sparse(grad):
 
 # --- the union sizes that set the sketch sizes -----------------------------------------------------------------
 
-def calibrate(corpus, sampler, config, world):
+def calibrate(corpus: ZipfMarkovCorpus, sampler: NegativeSampler, config: dict, world: int) -> dict:
     """Union sizes (rows) of (embed, out) over the first calibration steps, from the data alone."""
     unions, locals_ = {"embed": [], "out": []}, {"embed": [], "out": []}
     for step in range(config["calibration_steps"]):
@@ -127,7 +131,8 @@ class SketchRouter:
         self.plain_wire_bytes = 0
         self.index_of = {}  # id(state) -> the bucket index it was last used for
 
-    def state_for(self, bucket):
+    def state_for(self, bucket: Any) -> Any:
+        """The SketchState of the V-row matrix alone in `bucket`, or None for any other bucket."""
         params = bucket.parameters()
         if len(params) != 1:
             return None
@@ -136,14 +141,16 @@ class SketchRouter:
                 return state
         return None
 
-    def sparse_wire_bytes(self):
+    def sparse_wire_bytes(self) -> int:
         """Bytes of the V-row matrices' buckets (what sketch_hook sent for them)."""
         return sum(b.wire_bytes for s in self.states.values() for b in s.buckets.values())
 
-    def wire_bytes(self):
+    def wire_bytes(self) -> int:
+        """Bytes of every bucket so far (the plain ones' ring model and what sketch_hook sent)."""
         return self.plain_wire_bytes + self.sparse_wire_bytes()
 
-    def last_methods(self):
+    def last_methods(self) -> dict[str, str]:
+        """How each V-row matrix was reduced in the last step, by name (embed, out)."""
         out = {}
         for name, state in zip(("embed", "out"), self.states.values()):
             b = state.buckets.get(self.index_of.get(id(state)))
@@ -151,7 +158,8 @@ class SketchRouter:
         return out
 
 
-def routed_sketch_hook(router, bucket):
+def routed_sketch_hook(router: SketchRouter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: V-row matrices through sketch_hook, other buckets all-reduced."""
     from fastdist.comm.hooks import sketch_hook
 
     state = router.state_for(bucket)
@@ -172,22 +180,26 @@ def routed_sketch_hook(router, bucket):
 
 # --- methods ---------------------------------------------------------------------------------------------------
 
-def sketch_methods(sizes):
+def sketch_methods(sizes: Sequence[float]) -> list[str]:
+    """The sketch method names for the sizes, each with and without error feedback."""
     names = []
     for f in sizes:
         names += [f"sketch-{f:g}x", f"sketch-{f:g}x+ef"]
     return names
 
 
-def uses_sketch_hook(name):
+def uses_sketch_hook(name: str) -> bool:
+    """Whether method `name` reduces through fastdist's sketch_hook."""
     return name in OURS or name.startswith("sketch-")
 
 
-def all_methods(sizes=SKETCH_SIZES):
+def all_methods(sizes: Sequence[float] = SKETCH_SIZES) -> list[str]:
+    """Every method name, baselines first."""
     return BASELINES + OURS + sketch_methods(sizes)
 
 
-def parse_methods(text, sizes):
+def parse_methods(text: str, sizes: Sequence[float]) -> list[str]:
+    """The methods named by `text` (names or groups, comma-separated), in order, without repeats."""
     known = all_methods(sizes)
     groups = {"all": known, "baselines": BASELINES, "ours": OURS + sketch_methods(sizes),
               "sketch": sketch_methods(sizes)}
@@ -264,7 +276,9 @@ class Method:
         self.numels = [p.numel() for p in self.model.parameters()]
         self.shapes = [tuple(p.shape) for p in self.model.parameters()]
 
-    def train_step(self, inputs, targets, negatives, log_expected):
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor,
+                   log_expected: torch.Tensor) -> float:
+        """One training step of this method; returns its loss."""
         self.opt.zero_grad(set_to_none=True)
         loss = self.ddp(inputs, targets, negatives, log_expected)
         loss.backward()
@@ -275,13 +289,13 @@ class Method:
         self.opt.step()
         return float(loss.detach())
 
-    def wire_counter(self):
+    def wire_counter(self) -> tuple[int, int]:
         """Running totals of bytes sent, all and for the V-row matrices, for methods that report them (ours)."""
         if self.router is None:
             return 0, 0
         return self.router.wire_bytes(), self.router.sparse_wire_bytes()
 
-    def modelled_wire(self, step, local_rows):
+    def modelled_wire(self, step: int, local_rows: torch.Tensor) -> tuple[int, int]:
         """(all, V-row matrices') bytes the busiest rank must send in `step`, for the baselines. local_rows:
         [world, 2] unique rows of (embed, out) on each rank at this step."""
         w, esize = self.world, 4
@@ -314,7 +328,7 @@ class Method:
 
 # --- one rank --------------------------------------------------------------------------------------------------
 
-def train_rank(config):
+def train_rank(config: dict) -> dict | None:
     """Trains every method on this rank, interleaved per step; returns the results on rank 0, else None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     # Adagrad's sparse path builds sparse tensors without invariant checks and says so once per process
@@ -395,7 +409,8 @@ def train_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------------------
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     add_launch_arguments(p, timeout=7200.0)
     p.add_argument("--steps", type=at_least(1), default=300, help="training steps per method (default 300)")
     p.add_argument("--methods", default="all",
@@ -426,7 +441,8 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median (default 3)")
 
 
-def make_config(args):
+def make_config(args: argparse.Namespace) -> dict:
+    """The run's config from the parsed options."""
     sizes = tuple(args.sketch_sizes)
     embed_dim = args.dim if args.embed_dim is None else args.embed_dim
     return {
@@ -441,7 +457,7 @@ def make_config(args):
     }
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload."""
     config = make_config(args)
     launch = run_ranks(train_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
@@ -468,7 +484,7 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize(result):
+def summarize(result: dict) -> dict:
     """Adds per-method medians, speed-ups, Pareto flags and notes to `result` (in place)."""
     warm = result["config"]["warmup"]
     methods = result["methods"]
@@ -530,7 +546,8 @@ def _embed_dim(config):
     return config.get("embed_dim", config["dim"])  # runs recorded before --embed-dim have none
 
 
-def format_setup(result):
+def format_setup(result: dict) -> str:
+    """The model, data and union-size lines of the header."""
     c, cal = result["config"], result["calibration"]
     embed_dim = _embed_dim(c)
     lstm = f"LSTM({c['dim']})" if embed_dim == c["dim"] else f"LSTM({embed_dim} -> {c['dim']})"
@@ -547,7 +564,8 @@ def format_setup(result):
     return "\n".join(lines)
 
 
-def format_methods(result):
+def format_methods(result: dict) -> str:
+    """The per-method table: final loss, step time, wire bytes, how each matrix was reduced."""
     has_tx = any(m["median_tx_bytes"] is not None for m in result["methods"])
     headers = ["method", "final loss", "vs dense", "step(ms)", "speed-up", "wire B/rank/step"] + \
               (["tx B/rank/step"] if has_tx else []) + ["lossless", "reduced as"]
@@ -563,7 +581,8 @@ def format_methods(result):
     return report.format_table(headers, rows)
 
 
-def format_pareto(result):
+def format_pareto(result: dict) -> str:
+    """The methods ordered by wire bytes, with the Pareto front of bytes against final loss marked."""
     headers = ["method", "wire B/rank/step", "vs best lossless sparse", "V-row matrices", "vs best lossless sparse",
                "final loss", "vs dense", "lossless", "pareto"]
     rows = []
@@ -587,7 +606,8 @@ def _times(x):
     return "-" if x is None else f"{x:.2f}x"
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     methods = result["methods"]
     plt, fig, (ax1, ax2, ax3) = report.subplots(1, 3, figsize=(18, 5.5))
     colors = {m["method"]: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}

@@ -46,6 +46,7 @@ class GradientSpec:
 
     @property
     def nbytes(self):
+        """The gradient's size in bytes (float32)."""
         return self.rows * self.dim * torch.empty((), dtype=self.dtype).element_size()
 
 

@@ -209,7 +209,7 @@ def rank_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def interleave(names: Sequence[str], warmup: int, reps: int) -> Iterator[tuple[int, str, str]]:
+def interleave(names: Sequence[Any], warmup: int, reps: int) -> Iterator[tuple[int, Any, str]]:
     """The order in which a suite runs its methods: every name once per repetition, the order rotated each time
     (no method always runs first or after the same one), `warmup` untimed repetitions first.
 

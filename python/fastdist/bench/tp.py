@@ -22,10 +22,15 @@ on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the
 Speed-ups are against k = 1 (op) and the Megatron-style block with the same recompute setting. Without root
 (no simulated cluster) it runs on loopback and says so.
 """
+from __future__ import annotations
+
+import argparse
 import math
 import random
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,14 +38,16 @@ import torch.distributed as dist
 from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.launch import pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, at_least, comma_list, progress, shape_type, time_fn, together, up_to
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, shape_type, time_fn,
+                                     together, up_to)
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
 BLOCK_VARIANTS = ["megatron", "chunked", "oases", "megatron+recompute", "chunked+recompute", "oases+recompute"]
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     p.add_argument("--ranks", type=at_least(1), default=2, help="tensor-parallel ranks, one core each (default 2)")
     p.add_argument("--net", default="auto",
                    help="'auto' (rate where all-reduce time = GEMM time, times each --rate-multipliers), "
@@ -94,6 +101,8 @@ def _op_variants(config, model):
     x = torch.randn(m, layers[1].in_per_rank)
 
     def run(layer):
+        """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+        other torchrun ranks)."""
         def call():
             with torch.no_grad():
                 layer(x)
@@ -142,7 +151,8 @@ def _block_variants(config, model):
             "oases+recompute": step(oases_recompute, False)}
 
 
-def bench_rank(config):
+def bench_rank(config: dict) -> Any:
+    """Runs the suite's measurements on this rank (a collective); returns the results on rank 0, None elsewhere."""
     from fastdist.tp import CostModel, TPOp
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -182,7 +192,7 @@ def bench_rank(config):
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def op_balanced_rate(op_shape, world):
+def op_balanced_rate(op_shape: Sequence[int], world: int) -> tuple[float, float]:
     """(bit/s, GEMM s): the link rate at which the ring all-reduce of the row op's float32 output takes as long
     as its GEMM on one core: 2 (t - 1) / t * M * N * 4 bytes over the GEMM time."""
     m, k_full, n = op_shape
@@ -192,7 +202,7 @@ def op_balanced_rate(op_shape, world):
     return 8 * 2 * (world - 1) / world * m * n * 4 / gemm_s, gemm_s
 
 
-def block_balanced_rate(block, world):
+def block_balanced_rate(block: Sequence[int], world: int) -> tuple[float, float]:
     """(bit/s, compute s): the rate at which a block step's 4 all-reduces of [batch * seq, hidden] float32 take as
     long as its compute, estimated as the single-process block's forward + backward on one core over t."""
     from fastdist.tp import GPTBlock
@@ -207,7 +217,8 @@ def block_balanced_rate(block, world):
     return 8 * wire / compute_s, compute_s
 
 
-def chunked_gemm_cost(shape, reps=7, warmup=2, device=None):
+def chunked_gemm_cost(shape: Sequence[int], reps: int = 7, warmup: int = 2,
+                      device: torch.device | str | None = None) -> dict:
     """Median time of one [M, K] x [K, N] GEMM and of the same GEMM as k = 2, 4, 8 row chunks written into one
     preallocated output (the chunked linears' GEMMs), on `device` (default: CUDA when available, bf16 there;
     CPU fp32 otherwise). CUDA: events, 256 MiB written between samples to flush L2. Rows: k, ms, overhead."""
@@ -241,11 +252,10 @@ def chunked_gemm_cost(shape, reps=7, warmup=2, device=None):
 
     ks = [1, 2, 4, 8]
     samples = {k: [] for k in ks}
-    for it in range(warmup + reps):
-        for k in ks[it % len(ks):] + ks[:it % len(ks)]:
-            t = sample(k)
-            if it >= warmup:
-                samples[k].append(t)
+    for it, k, _ in interleave(ks, warmup, reps):
+        t = sample(k)
+        if it >= warmup:
+            samples[k].append(t)
     base = statistics.median(samples[1])
     return {"device": str(device), "dtype": str(dtype), "shape": list(shape),
             "rows": [{"k": k, "time_ms": statistics.median(samples[k]) * 1e3,
@@ -253,7 +263,9 @@ def chunked_gemm_cost(shape, reps=7, warmup=2, device=None):
                       "overhead_pct": (statistics.median(samples[k]) / base - 1) * 100} for k in ks]}
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+    other torchrun ranks)."""
     if args.gemm_check:
         result = chunked_gemm_cost(args.gemm_check, reps=args.reps, warmup=args.warmup)
         print(f"# chunked GEMM {result['shape']} {result['dtype']} on {result['device']} (median of {args.reps})")
@@ -313,7 +325,8 @@ def run(args):
             "op_reps": args.op_reps, "runs": runs}
 
 
-def format_op_rows(rows):
+def format_op_rows(rows: list[dict]) -> str:
+    """The row-parallel op's table: time per chunk count against k = 1 and the cost model."""
     base = next(r for r in rows if r["k"] == "1")["time_ms"]
     table = [[f"k={r['k']}" + (f" ({r['chunks']})" if r["k"] == "auto" else ""), r["time_ms"],
               f"{base / r['time_ms']:.2f}x", r["predicted_ms"], f"{(r['predicted_ms'] / r['time_ms'] - 1) * 100:+.0f}%"]
@@ -321,7 +334,8 @@ def format_op_rows(rows):
     return report.format_table(["row op", "time(ms)", "vs k=1", "predicted(ms)", "model err"], table)
 
 
-def format_block_rows(rows):
+def format_block_rows(rows: list[dict]) -> str:
+    """The GPT block's table: each variant's time against Megatron-style (with or without recompute)."""
     by = {r["variant"]: r["time_ms"] for r in rows}
     table = []
     for r in rows:
@@ -330,7 +344,8 @@ def format_block_rows(rows):
     return report.format_table(["GPT block fwd+bwd", "time(ms)", "vs megatron"], table)
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     if not result["runs"]:
         raise SystemExit("fastdist-bench tp: --gemm-check has no plot; use --json")
     op_runs = [r for r in result["runs"] if r["op_rows"]]
