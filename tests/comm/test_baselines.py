@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.comm import baselines as bl
-from fastdist.bench import synthetic
+from fastdist.testing import synthetic
 from fastdist.distributed import MismatchError, spawn
 
 VOCAB, DIM = 96, 12

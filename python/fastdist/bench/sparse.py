@@ -2,7 +2,7 @@
 
 Embedding-shaped gradients (--shape, default 32768 x 1024 float32 = 128 MiB) at several row densities
 (--densities, percent of rows non-zero on each rank), drawn with realistic overlap between ranks: every
-rank takes the rows of distinct tokens sampled from one shared Zipf distribution (fastdist.bench.synthetic),
+rank takes the rows of distinct tokens sampled from one shared Zipf distribution (fastdist.testing.synthetic),
 so frequent rows are non-zero everywhere and rare ones on one rank. Per density, on N ranks, every method
 runs in the same run, interleaved (one call of each per repetition, the order rotated each repetition),
 warm-up first, each call on a fresh copy of the same gradient:
@@ -101,7 +101,7 @@ class _Gradient:
     """One density's gradient on this rank, its exact sum, and the sizes every method is configured with."""
 
     def __init__(self, config, density, world, rank, device):
-        from fastdist.bench import synthetic
+        from fastdist.testing import synthetic
         from fastdist.comm import baselines
 
         self.spec = synthetic.GradientSpec(rows=config["rows"], dim=config["dim"], density=density,

@@ -1,0 +1,1 @@
+"""Data for tests and benchmarks, not for training: synthetic embedding gradients (`synthetic`)."""
