@@ -1,26 +1,33 @@
-"""One spawned gloo job per world size runs every rank-side part of tests/tp (tp_on_ranks.py)."""
+"""Spawned gloo jobs run every rank-side part of tests/tp (tp_on_ranks.py): one job per world size for most of
+it, so the suite pays the start-up of a multi-process job a few times instead of once per test; compiling and
+the cross-rank failure cases get jobs of their own (slow, or able to take a job down when they regress)."""
 import pytest
 from fastdist.distributed import spawn
 from tp_on_ranks import run_on_ranks
+from user_models_on_ranks import USER_MODELS
 
-WORLD_2 = ["mlp", "mlp_sp", "gather_split", "collectives", "bad_shapes", "auto_chunks", "oases_block",
-           "parallelized_block", "block_counts", "oases_order", "calibrate"]
-WORLD_4 = ["mlp", "mlp_sp", "gather_split", "oases_block", "parallelized_block"]
+JOBS = {
+    2: [["mlp", "mlp_sp", "gather_split", "collectives", "bad_shapes", "auto_chunks", "oases_block",
+         "parallelized_block", "block_counts", "oases_order", "calibrate", "refusals",
+         *(f"user_model:{name}" for name in USER_MODELS)]],
+    4: [["mlp", "mlp_sp", "gather_split", "oases_block", "parallelized_block", "user_model:nanogpt"]],
+}
 
 
 @pytest.fixture(scope="session")
 def tp_ranks():
     """``tp_ranks(world, name)``: every rank's return value of tp_on_ranks' function ``name`` on ``world`` ranks,
-    in rank order; a rank on which it raised fails the test with that rank's traceback. Each world size's job runs
-    once, on first use."""
-    jobs = {}
+    in rank order; a rank on which it raised fails the test with that rank's traceback. The job that runs ``name``
+    runs once, on first use."""
+    results = {}
 
     def values(world, name):
-        if world not in jobs:
-            jobs[world] = spawn(run_on_ranks, world, WORLD_2 if world == 2 else WORLD_4, backend="gloo", timeout=300)
+        job = next(tuple(names) for names in JOBS[world] if name in names)
+        if (world, job) not in results:
+            results[world, job] = spawn(run_on_ranks, world, list(job), backend="gloo", timeout=600)
         per_rank = []
-        for rank, results in enumerate(jobs[world]):
-            status, value = results[name]
+        for rank, by_name in enumerate(results[world, job]):
+            status, value = by_name[name]
             if status != "ok":
                 pytest.fail(f"{name!r} raised on rank {rank} of {world}:\n{value}", pytrace=False)
             per_rank.append(value)

@@ -19,6 +19,7 @@ from fastdist.tp import (
     parallelize,
 )
 from torch.utils.checkpoint import checkpoint
+from user_models_on_ranks import ON_RANKS as USER_MODELS_ON_RANKS
 
 CHUNKS = [1, 2, 3, 4, 8]
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
@@ -281,6 +282,7 @@ ON_RANKS = {
     "block_counts": block_collective_counts,
     "oases_order": oases_issue_order,
     "calibrate": calibrated_model_state,
+    **USER_MODELS_ON_RANKS,
 }
 
 

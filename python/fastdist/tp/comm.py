@@ -11,6 +11,11 @@ Every collective fastdist.tp issues goes through :func:`all_reduce`, :func:`all_
 The log is what the collective-count tests and the benchmark read: Megatron-style checkpointing of a GPT block
 all-reduces 6 activations' worth per layer per step (2 forward, 2 backward, 2 again in recomputation), the Oases
 block with recompute 4.
+
+Under ``torch.compile`` the same calls issue torch's functional collectives
+(``torch.distributed._functional_collectives``), which the compiler can trace and schedule: they return a new
+tensor instead of writing in place, so callers use what ``wait()`` returns. Nothing is counted while compiling
+(the log records what runs eagerly).
 """
 import contextlib
 import dataclasses
@@ -18,6 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from fastdist.distributed.compat import all_gather_single, reduce_scatter_single
 
@@ -92,8 +98,21 @@ def _record(kind, numel, site, backward):
             log.max_in_flight = max(log.max_in_flight, _in_flight)
 
 
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: this process's CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` traces the caller (the collectives are then functional)."""
+    return torch.compiler.is_compiling()
+
+
 class Pending:
-    """An issued collective: ``wait()`` returns its output tensor once it is complete."""
+    """An issued collective: ``wait()`` returns its output tensor once it is complete (in eager mode the tensor
+    the caller passed, written in place; under ``torch.compile`` a new one)."""
 
     def __init__(self, work: dist.Work | None, out: torch.Tensor):
         self._work = work
@@ -118,6 +137,8 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, *, site: str, b
         site: who issues it, as recorded (e.g. ``"row.forward"``).
         backward: issued by an autograd backward (recorded as the backward phase).
     """
+    if compiling():
+        return _FunctionalPending(funcol.all_reduce(t, "sum", _functional_group(group)))
     _record("all_reduce", t.numel(), site, backward)
     return Pending(dist.all_reduce(t, group=group, async_op=True), t)
 
@@ -128,9 +149,11 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup | No
 
     Args:
         out: the gathered tensor.
-        t: this rank's part.
+        t: this rank's part, contiguous.
         group, site, backward: as for :func:`all_reduce`.
     """
+    if compiling():
+        return _FunctionalPending(funcol.all_gather_tensor(t, 0, _functional_group(group)))
     _record("all_gather", out.numel(), site, backward)
     return Pending(all_gather_single(out, t, group=group, async_op=True), out)
 
@@ -144,8 +167,24 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup 
         t: this rank's addend, ``world`` blocks of ``out``'s size, rank-major.
         group, site, backward: as for :func:`all_reduce`.
     """
+    if compiling():
+        return _FunctionalPending(funcol.reduce_scatter_tensor(t, "sum", 0, _functional_group(group)))
     _record("reduce_scatter", t.numel(), site, backward)
     return Pending(reduce_scatter_single(out, t, group=group, async_op=True), out)
+
+
+class _FunctionalPending(Pending):
+    """A functional collective's result, traced by ``torch.compile``; ``wait()`` returns the completed tensor."""
+
+    def __init__(self, out):
+        super().__init__(None, out)
+
+    def wait(self):
+        return funcol.wait_tensor(self.out)
+
+
+def _functional_group(group):
+    return group if group is not None else dist.group.WORLD
 
 
 class _PendingPair(Pending):
