@@ -178,9 +178,7 @@ def bench_rank(config: dict) -> Any:
     for r in rows:  # the time the bytes alone need on the shaped links, one boundary after another, both ways
         r["link_ms_model"] = boundaries * (r["fwd_wire_bytes"] + r["bwd_wire_bytes"]) * 8 / rate * 1e3 if rate \
             else None
-    base = next((r for r in rows if r["method"] == "none"), None)
-    for r in rows:
-        r["speedup"] = base["time_ms"] / r["time_ms"] if base else None
+    report.set_speedups(rows, "none")
     return rows
 
 
@@ -209,7 +207,7 @@ def format_rows(rows: list[dict]) -> str:
     """The result rows as the suite's text table."""
     headers = ["method", "step(ms)", "speed-up", "link(ms,model)", "fwd B/boundary", "bwd B/boundary",
                "tx B/boundary", "fwd ratio"]
-    table = [[r["method"], r["time_ms"], "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+    table = [[r["method"], r["time_ms"], report.times_text(r["speedup"]),
               "-" if r["link_ms_model"] is None else r["link_ms_model"],
               int(r["fwd_wire_bytes"]), int(r["bwd_wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]),
               f"{r['dense_bytes'] / max(r['fwd_wire_bytes'], 1):.1f}x"] for r in rows]

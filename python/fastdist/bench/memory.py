@@ -350,19 +350,17 @@ def _derive(rows):
 def _table(rows):
     headers = ["model", "config", "batch", "samples/s", "step(ms)", "overhead(%)", "act. peak(MiB)", "saved(%)",
                "swapped(MiB)", "copy(ms)", "exposed(ms)", "hidden(%)", "plan"]
+    def pct(x):
+        return float("nan") if x is None else 100 * x
+
     out = []
     for r in rows:
-        p = r.get("prefetcher") or {}
-        plan = r.get("plan")
-        out.append([r["model"], r["config"], r["batch"], r["samples_per_s"], r["step_ms"],
-                    100 * r["overhead"] if r["overhead"] is not None else float("nan"),
-                    r["activation_peak_bytes"] / 2**20,
-                    100 * r["memory_saved"] if r["memory_saved"] is not None else float("nan"),
-                    p.get("bytes_swapped", 0) / 2**20 / max(1, len(r["samples_ms"]) // len(r["rounds"])),
-                    1e3 * p.get("copy_seconds", 0.0) / max(1, len(r["samples_ms"]) // len(r["rounds"])),
-                    1e3 * p.get("exposed_wait_seconds", 0.0) / max(1, len(r["samples_ms"]) // len(r["rounds"])),
-                    100 * r["hidden_fraction"] if r["hidden_fraction"] is not None else float("nan"),
-                    _plan_text(plan)])
+        p, steps = r.get("prefetcher") or {}, max(1, len(r["samples_ms"]) // len(r["rounds"]))
+        out.append([r["model"], r["config"], r["batch"], r["samples_per_s"], r["step_ms"], pct(r["overhead"]),
+                    r["activation_peak_bytes"] / 2**20, pct(r["memory_saved"]),
+                    p.get("bytes_swapped", 0) / 2**20 / steps, 1e3 * p.get("copy_seconds", 0.0) / steps,
+                    1e3 * p.get("exposed_wait_seconds", 0.0) / steps, pct(r["hidden_fraction"]),
+                    _plan_text(r.get("plan"))])
     return ("# per step: swapped MiB, copy ms and exposed ms are per timed step\n"
             + report.format_table(headers, out))
 

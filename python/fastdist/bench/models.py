@@ -88,7 +88,17 @@ class ConvBlock(nn.Module):
         return torch.relu(x + self.body(x))
 
 
-class ResidualCNN(nn.Module):
+class _PooledConvNet(nn.Module):
+    """stem -> blocks -> global average pooling -> head, for networks that define those three."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class ResidualCNN(_PooledConvNet):
     """A 3x3 stem to `channels`, `blocks` ConvBlocks, global average pooling, `classes` logits."""
 
     def __init__(self, channels: int, blocks: int, classes: int = 10):
@@ -96,12 +106,6 @@ class ResidualCNN(nn.Module):
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
         self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(blocks))
         self.head = nn.Linear(channels, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(dim=(2, 3)))
 
 
 class Bottleneck(nn.Module):
@@ -121,7 +125,7 @@ class Bottleneck(nn.Module):
         return torch.relu(self.skip(x) + self.body(x))
 
 
-class ResNet50(nn.Module):
+class ResNet50(_PooledConvNet):
     """ResNet-50 (bottleneck stages of 3, 4, 6, 3 blocks); its 16 blocks are the segments."""
 
     def __init__(self, classes: int = 1000):
@@ -135,12 +139,6 @@ class ResNet50(nn.Module):
                 cin = 4 * width
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(cin, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(dim=(2, 3)))
 
 
 class StagedCNN(nn.Module):

@@ -235,9 +235,7 @@ def run(args: argparse.Namespace) -> dict | None:
         return None
     samples = launch.result["samples"]
     rows = [_summarise(samples[m], m) for m in config["methods"]]
-    base = next((r for r in rows if r["method"] == "dropless"), None)
-    for r in rows:
-        r["speedup_vs_dropless"] = base["time_ms"] / r["time_ms"] if base else None
+    report.set_speedups(rows, "dropless", "speedup_vs_dropless")
     env = report.launch_environment(launch)
     print(f"# layer        d_model {config['d_model']}, d_ff {config['d_ff']}, {launch.result['num_experts']} experts "
           f"({config['experts_per_rank']}/rank), top-{config['k']}, {config['tokens']} tokens/rank, Zipf "
@@ -245,8 +243,7 @@ def run(args: argparse.Namespace) -> dict | None:
           f"{config['warmup']} warm-up")
     headers = ["method", "fwd+bwd(ms)", "speed-up", "tok max/mean", "a2a max/mean", "std before/after", "dropped",
                "replicas", "predicted(ms)", "err(medians)", "err(per step)"]
-    speedup = (lambda r: "-" if r["speedup_vs_dropless"] is None else f"{r['speedup_vs_dropless']:.2f}x")
-    table = [[r["method"], r["time_ms"], speedup(r),
+    table = [[r["method"], r["time_ms"], report.times_text(r["speedup_vs_dropless"]),
               f"{r['tokens_max_over_mean']:.2f}", f"{r['a2a_max_over_mean']:.2f}",
               f"{r['std_before']:.0f}/{r['std_after']:.0f}", r["dropped"], r["replicas"], r["predicted_ms"],
               f"{100 * r['model_error_of_medians']:.0f}%", f"{100 * r['model_error']:.0f}%"] for r in rows]

@@ -122,6 +122,18 @@ def _cell(v: Any, spec: str) -> str:
     return str(v)
 
 
+def set_speedups(rows: list[dict], baseline: str, key: str = "speedup", time: str = "time_ms") -> None:
+    """Sets each row's `key` to the baseline method's `time` over its own (None when no row is the baseline)."""
+    base = next((r for r in rows if r["method"] == baseline), None)
+    for r in rows:
+        r[key] = base[time] / r[time] if base else None
+
+
+def times_text(x: float | None) -> str:
+    """A ratio as '1.25x'; '-' for None."""
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def human_bytes(n: float) -> str:
     """A byte count with a binary unit: 1536 -> '1.5KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -219,9 +219,7 @@ def _bench_density(config, density, world, rank, device, bar):
             "topk_k": g.topk_k if name == "topk" else None,
             "explore_ms": statistics.median(all_max(explore, device)) * 1e3 if name == "auto" and explore else None,
         })
-    dense = next((r for r in rows if r["method"] == "dense"), None)
-    for r in rows:
-        r["speedup"] = dense["time_ms"] / r["time_ms"] if dense else None
+    report.set_speedups(rows, "dense")
     gradient = {"density": density, "local_rows": g.local_rows, "union_rows": g.union_rows,
                 "union_density": g.union_rows / config["rows"], "union_values": g.union_rows * config["dim"],
                 "sketch_shape": [g.sketch_rows, g.sketch_cols], "topk_k": g.topk_k, "bytes": nbytes}
@@ -285,7 +283,7 @@ def format_rows(rows: list[dict]) -> str:
     headers = ["method", "density loc/union", "time(ms)", "speed-up", "wire B/rank", "tx B/rank", "rel.err",
                "eff.algbw(GB/s)", "note"]
     table = [[r["method"], f"{r['density'] * 100:g}% / {r['density_union'] * 100:.2f}%", r["time_ms"],
-              "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", int(r["wire_bytes"]),
+              report.times_text(r["speedup"]), int(r["wire_bytes"]),
               "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), float(r["rel_error"]), r["algbw"], _note(r)]
              for r in rows]
     return report.format_table(headers, table, {"rel.err": ".2e", "eff.algbw(GB/s)": ".3f"})

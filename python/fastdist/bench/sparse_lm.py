@@ -47,6 +47,7 @@ the Pareto front of bytes vs final loss.
 import argparse
 import math
 import statistics
+import types
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -101,23 +102,10 @@ def calibrate(corpus: ZipfMarkovCorpus, sampler: NegativeSampler, config: dict, 
 
 # --- routing DDP buckets to sketch_hook ---------------------------------------------------------------------
 
-class _NotLast:
-    """A GradBucket seen through sketch_hook without advancing its step counter (the router does that)."""
-
-    def __init__(self, bucket):
-        self._bucket = bucket
-
-    def buffer(self):
-        return self._bucket.buffer()
-
-    def index(self):
-        return self._bucket.index()
-
-    def parameters(self):
-        return self._bucket.parameters()
-
-    def is_last(self):
-        return False
+def _not_last(bucket: dist.GradBucket) -> types.SimpleNamespace:
+    """`bucket` seen through sketch_hook without advancing its step counter (the router does that)."""
+    return types.SimpleNamespace(buffer=bucket.buffer, index=bucket.index, parameters=bucket.parameters,
+                                 is_last=lambda: False)
 
 
 class SketchRouter:
@@ -171,7 +159,7 @@ def routed_sketch_hook(router: SketchRouter, bucket: dist.GradBucket) -> torch.f
         fut = fut.then(lambda f: f.value()[0])
     else:
         router.index_of[id(state)] = bucket.index()
-        fut = sketch_hook(state, _NotLast(bucket))
+        fut = sketch_hook(state, _not_last(bucket))
     if bucket.is_last():
         for s in router.states.values():
             s.iter += 1
@@ -573,7 +561,7 @@ def format_methods(result: dict) -> str:
     for m in result["methods"]:
         how = "; ".join(f"{k}: " + "/".join(sorted(p)) for k, p in sorted(m["chosen_counts"].items())) or "-"
         row = [m["method"], m["final_loss"], _pct(m["loss_vs_dense"]), m["median_step_s"] * 1e3,
-               _times(m["speedup_vs_dense"]), int(m["median_wire_bytes"])]
+               report.times_text(m["speedup_vs_dense"]), int(m["median_wire_bytes"])]
         if has_tx:
             row.append("-" if m["median_tx_bytes"] is None else int(m["median_tx_bytes"]))
         row += ["yes" if m["lossless"] else "no", how]
@@ -600,10 +588,6 @@ def _pct(x, signed=True):
     if x is None:
         return "-"
     return f"{100 * x:+.2f}%" if signed else f"{100 * x:.1f}%"
-
-
-def _times(x):
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def plot(result: dict, path: str) -> None:

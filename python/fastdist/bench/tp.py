@@ -329,7 +329,8 @@ def format_op_rows(rows: list[dict]) -> str:
     """The row-parallel op's table: time per chunk count against k = 1 and the cost model."""
     base = next(r for r in rows if r["k"] == "1")["time_ms"]
     table = [[f"k={r['k']}" + (f" ({r['chunks']})" if r["k"] == "auto" else ""), r["time_ms"],
-              f"{base / r['time_ms']:.2f}x", r["predicted_ms"], f"{(r['predicted_ms'] / r['time_ms'] - 1) * 100:+.0f}%"]
+              report.times_text(base / r["time_ms"]), r["predicted_ms"],
+              f"{(r['predicted_ms'] / r['time_ms'] - 1) * 100:+.0f}%"]
              for r in rows]
     return report.format_table(["row op", "time(ms)", "vs k=1", "predicted(ms)", "model err"], table)
 
@@ -340,7 +341,7 @@ def format_block_rows(rows: list[dict]) -> str:
     table = []
     for r in rows:
         base = by["megatron+recompute" if r["variant"].endswith("+recompute") else "megatron"]
-        table.append([r["variant"], r["time_ms"], f"{base / r['time_ms']:.2f}x"])
+        table.append([r["variant"], r["time_ms"], report.times_text(base / r["time_ms"])])
     return report.format_table(["GPT block fwd+bwd", "time(ms)", "vs megatron"], table)
 
 
