@@ -3,6 +3,7 @@ from the same full weights) for every chunk count, ragged token counts, with and
 on 2 and 4 ranks; the collectives issued are the ones the overlap schedule says; bad shapes raise clearly.
 What runs on the ranks is in tp_on_ranks.py."""
 import pytest
+import torch
 import torch.nn.functional as F
 from fastdist.tp import chunk_bounds
 from fastdist.tp.cost import UNCALIBRATED_CHUNKS
@@ -104,3 +105,27 @@ def test_auto_chunks_default_to_four_and_a_cross_rank_disagreement_raises_on_eve
     for r in tp_ranks(2, "auto_chunks"):
         assert r["uncalibrated"] == UNCALIBRATED_CHUNKS and r["few_rows"] == 3  # never more chunks than rows
         assert r["mismatch"] is not None and "overlap_chunks for 64 rows" in r["mismatch"]
+
+
+def test_ranks_given_different_token_counts_raise_on_every_rank_instead_of_aborting(tp_ranks):
+    ranks = tp_ranks(2, "token_mismatch")
+    # rank r passes 10 + 2r rows: every rank raises MismatchError naming each rank's count, before any collective of
+    # mismatched size, whether the chunk count is fixed or automatic, for either linear, under sequence parallelism
+    # (rows 20 and 24), and when the other rank's row count was already seen
+    counts = {"row_fixed_chunks": "rank 0: 10; rank 1: 12", "row_auto_chunks": "rank 0: 10; rank 1: 12",
+              "column": "rank 0: 10; rank 1: 12", "row_sequence_parallel": "rank 0: 20; rank 1: 24",
+              "after_a_matching_call": "rank 0: 10; rank 1: 12"}
+    for rank, got in enumerate(ranks):
+        for case, shown in counts.items():
+            kind, message = got[case]
+            assert kind == "MismatchError", (rank, case, message)
+            assert "input rows (tokens" in message and f"({shown})" in message, (rank, case, message)
+    # a wrong width on rank 1 alone: rank 1 says what is wrong with its input, rank 0 that rank 1's was invalid
+    assert ranks[0]["bad_input_on_one_rank"] == (
+        "MismatchError", "fastdist: 'RowParallelLinear input rows (tokens; every rank must pass the same number)' "
+        "differs across ranks (rank 0: 10; rank 1: invalid input)")
+    assert ranks[1]["bad_input_on_one_rank"] == (
+        "ValueError", "fastdist: RowParallelLinear input must have 4 input features per rank in its last dimension, "
+                      "got shape [10, 5]")
+    # the group is still usable: a matching call afterwards gives both ranks the same reduced output
+    torch.testing.assert_close(ranks[0]["matching_output"], ranks[1]["matching_output"])

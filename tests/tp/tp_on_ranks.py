@@ -174,6 +174,41 @@ def auto_chunks():
     return out
 
 
+def _raised(make):
+    """(exception type name, message) of what ``make()`` raises; None when it raises nothing."""
+    try:
+        make()
+    except Exception as e:  # noqa: BLE001 - the test compares the type and the message
+        return type(e).__name__, str(e)
+    return None
+
+
+def token_mismatch():
+    """{case: what this rank's call raised} when the ranks pass different token counts (rank r: 10 + 2r rows), and
+    the output of a matching call afterwards (the group still works)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = 10 + 2 * rank
+    torch.manual_seed(7)
+    row_fixed = RowParallelLinear(8, 8, None, overlap_chunks=2)
+    row_auto = RowParallelLinear(8, 8, None, overlap_chunks="auto",
+                                 cost_model=CostModel(alpha=1e-5, beta=1e9, gemm_rate=1e9, world_size=world))
+    column = ColumnParallelLinear(8, 8, None, overlap_chunks=1)
+    row_sp = RowParallelLinear(8, 8, None, overlap_chunks=1, sequence_parallel=True)
+    out = {
+        "row_fixed_chunks": _raised(lambda: row_fixed(torch.randn(rows, 8 // world))),
+        "row_auto_chunks": _raised(lambda: row_auto(torch.randn(rows, 8 // world))),
+        "column": _raised(lambda: column(torch.randn(rows, 8)).sum().backward()),
+        "row_sequence_parallel": _raised(lambda: row_sp(torch.randn(2 * rows, 8 // world))),
+    }
+    row_fixed(torch.randn(10, 8 // world))  # 10 rows everywhere: seen (and its chunk count cached) on every rank
+    out["after_a_matching_call"] = _raised(lambda: row_fixed(torch.randn(rows, 8 // world)))
+    bad_features = 8 // world + (1 if rank == 1 else 0)  # rank 1 alone passes a wrong width
+    out["bad_input_on_one_rank"] = _raised(lambda: row_fixed(torch.randn(10, bad_features)))
+    x = torch.randn(6, 8 // world)
+    out["matching_output"] = row_fixed(x).detach()
+    return out
+
+
 # ---- on the ranks: blocks ----
 
 def oases_block():
@@ -282,6 +317,7 @@ ON_RANKS = {
     "block_counts": block_collective_counts,
     "oases_order": oases_issue_order,
     "calibrate": calibrated_model_state,
+    "token_mismatch": token_mismatch,
     **USER_MODELS_ON_RANKS,
 }
 
