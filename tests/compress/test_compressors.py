@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdist.compress import (AQSGD, EF21, Chain, ErrorFeedback, Identity, MemoryStore, MmapStore, Quantize,
-                               StoreCorruptedError, StoreFullError, TopK)
+                               StoreFullError, TopK)
 from helpers import randn
 
 
@@ -191,24 +191,6 @@ def test_a_full_store_refuses_new_samples():
         aq.compress(randn(2, 4), torch.tensor([5, 6]))
 
 
-def test_mmap_store_persists_reopens_and_matches_the_memory_store(tmp_path):
-    path = tmp_path / "m.bin"
-    mem, mm = AQSGD(Quantize(4), MemoryStore(10)), AQSGD(Quantize(4), MmapStore(path, 10))
-    ids = torch.tensor([4, 0, 9])
-    for epoch in range(3):
-        mem.set_epoch(epoch)
-        mm.set_epoch(epoch)
-        x = randn(3, 16, seed=epoch)
-        mm.prefetch(ids)
-        assert torch.equal(mem.roundtrip(x, ids)[0], mm.roundtrip(x, ids)[0])
-    state = mm.state_dict()
-    reopened = MmapStore(path, 10)
-    assert torch.equal(reopened.get(ids), mem.store.get(ids))
-    again = AQSGD(Quantize(4), MmapStore(path, 10))
-    again.load_state_dict(state)
-    assert again.epoch == 2 and len(again.store) == 3
-
-
 def test_prefetch_returns_the_same_rows_as_a_direct_read():
     store = MemoryStore(10)
     store.put(torch.arange(5), randn(5, 7))
@@ -217,39 +199,6 @@ def test_prefetch_returns_the_same_rows_as_a_direct_read():
     assert torch.equal(store.get(torch.tensor([3, 1])), want)
     store.prefetch(torch.tensor([2, 4]))
     assert torch.equal(store.get(torch.tensor([0])), store.data[0:1])  # other ids: a direct read
-
-
-@pytest.mark.parametrize("damage, message", [
-    (lambda b: b"XXXX" + b[4:], "bad magic"),
-    (lambda b: b[:-100], "bytes, expected"),
-    (lambda b: b[:10], "shorter than its header"),
-])
-def test_a_corrupted_mmap_file_is_a_clear_error(tmp_path, damage, message):
-    path = tmp_path / "m.bin"
-    store = MmapStore(path, 4)
-    store.put(torch.tensor([1, 2]), randn(2, 8))
-    store.flush()
-    data = path.read_bytes()
-    path.write_bytes(damage(data))
-    with pytest.raises(StoreCorruptedError, match=message):
-        MmapStore(path, 4)
-
-
-def test_an_mmap_file_opened_with_another_capacity_is_refused(tmp_path):
-    path = tmp_path / "m.bin"
-    MmapStore(path, 4).put(torch.tensor([1]), randn(1, 8))
-    with pytest.raises(StoreCorruptedError, match="capacity 4"):
-        MmapStore(path, 5)
-
-
-def test_mmap_slot_table_with_repeated_ids_is_refused(tmp_path):
-    path = tmp_path / "m.bin"
-    store = MmapStore(path, 4)
-    store.put(torch.tensor([1, 2]), randn(2, 8))
-    store._ids[1] = 1
-    store.flush()
-    with pytest.raises(StoreCorruptedError, match="invalid or repeated sample ids"):
-        MmapStore(path, 4)
 
 
 # ---- bad configurations and inputs ----

@@ -2,9 +2,11 @@
 
 A store moves the bytes of one storage out and back asynchronously and says when each copy has landed.
 Both stores hand out `Copy` objects: `done()` polls, `wait()` blocks and returns the seconds spent blocked,
-`seconds` is the copy's own duration once it has finished.
+`seconds` is the copy's own duration once it has finished. A file that cannot be grown or written raises
+:class:`StoreIOError` naming the file, the bytes and the cause.
 """
 import bisect
+import errno
 import os
 import tempfile
 import threading
@@ -15,6 +17,39 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 PAGE = 4096
+
+__all__ = ["FileStore", "PinnedStore", "StoreIOError", "preallocate"]
+
+
+class StoreIOError(OSError):
+    """A store's file could not be grown, written or read: a full disk, a file size limit, an I/O error. ``errno``
+    is the cause's; the message names the file and the bytes."""
+
+
+# The file system cannot reserve space ahead (writes still report a full disk, only later).
+_NO_PREALLOCATION = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def preallocate(fd: int, offset: int, nbytes: int, what: str) -> None:
+    """Reserves bytes ``[offset, offset + nbytes)`` of the file ``fd`` on its disk, so that a full disk is reported
+    now rather than by a later write into them (or by SIGBUS through a memory mapping of a sparse file).
+
+    Args:
+        fd: an open file descriptor.
+        offset: the first byte to reserve.
+        nbytes: how many bytes.
+        what: the file as the message should name it.
+
+    Raises:
+        StoreIOError: the file system refused (ENOSPC, EFBIG, EIO, ...).
+    """
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        if e.errno in _NO_PREALLOCATION:
+            return
+        raise StoreIOError(e.errno, f"{what}: cannot reserve {nbytes} bytes at offset {offset}: "
+                                    f"{e.strerror or e}") from e
 
 
 def _byte_view(storage):
@@ -115,6 +150,20 @@ class FileStore:
         with self._lock:
             return self._extents.size
 
+    def _reserve(self, nbytes):
+        """An extent of ``nbytes``; the file grows (on disk, now) when no freed extent fits."""
+        with self._lock:
+            size, free = self._extents.size, list(self._extents._free)
+            offset = self._extents.alloc(nbytes)
+            if self._extents.size > size:
+                try:
+                    preallocate(self._fd, size, self._extents.size - size,
+                                f"fastdist swap file {self.filename} (unlinked)")
+                except StoreIOError:
+                    self._extents.size, self._extents._free = size, free  # as before: nothing was reserved
+                    raise
+        return offset
+
     def write(self, storage: torch.UntypedStorage,
               on_done: Callable[[_FutureCopy], None]) -> tuple[tuple[int, int], _FutureCopy]:
         """Starts copying ``storage`` out.
@@ -125,10 +174,13 @@ class FileStore:
 
         Returns:
             (slot, copy): where the bytes go, and the copy in flight.
+
+        Raises:
+            StoreIOError: the file cannot grow by the storage's bytes (the copy's own I/O errors are raised by
+                its ``wait()``, as StoreIOError too).
         """
         nbytes = storage.nbytes()
-        with self._lock:
-            offset = self._extents.alloc(nbytes)
+        offset = self._reserve(nbytes)
         src = _byte_view(storage).numpy()
         copy = _FutureCopy()
 
@@ -136,7 +188,11 @@ class FileStore:
             start = time.perf_counter()
             written = 0
             while written < nbytes:  # pwrite may write less than asked
-                written += os.pwrite(self._fd, src[written:], offset + written)
+                try:
+                    written += os.pwrite(self._fd, src[written:], offset + written)
+                except OSError as e:
+                    raise StoreIOError(e.errno, f"fastdist swap file {self.filename} (unlinked): writing {nbytes} "
+                                                f"bytes at offset {offset} failed: {e.strerror or e}") from e
             copy.seconds = time.perf_counter() - start
             on_done(copy)
 
