@@ -129,3 +129,13 @@ def test_ranks_given_different_token_counts_raise_on_every_rank_instead_of_abort
                       "got shape [10, 5]")
     # the group is still usable: a matching call afterwards gives both ranks the same reduced output
     torch.testing.assert_close(ranks[0]["matching_output"], ranks[1]["matching_output"])
+
+
+@pytest.mark.slow
+def test_linears_under_torch_compile_fullgraph_give_the_eager_outputs_and_gradients(tp_ranks):
+    # torch.compile(fullgraph=True) of Column -> Row (2 chunks) and of the sequence-parallel pair, forward and
+    # backward, on gloo: the functional collectives give what the eager asynchronous ones give
+    for rank, got in enumerate(tp_ranks(2, "compiled")):
+        assert set(got["compiled"]) == set(got["eager"])
+        for name, eager in got["eager"].items():
+            assert_close(got["compiled"][name], eager, f"rank {rank}: {name}", **TOLERANCE)

@@ -209,6 +209,41 @@ def token_mismatch():
     return out
 
 
+def compiled_case(world):
+    """(fc1, fc2, x, x sequence-parallel): the MLP run eagerly and under torch.compile."""
+    torch.manual_seed(8)
+    return (torch.nn.Linear(12, 8 * world), torch.nn.Linear(8 * world, 12), torch.randn(6, 3, 12),
+            torch.randn(6 * world, 3, 12))
+
+
+def compiled_against_eager():
+    """{"eager" | "compiled": outputs and gradients} of one step of two Column -> Row MLPs (2 chunks each, one
+    sequence-parallel), run eagerly and as one torch.compile(fullgraph=True) function."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fc1, fc2, x, x_sp = compiled_case(world)
+    col = ColumnParallelLinear.from_linear(fc1, None, overlap_chunks=2, activation="gelu_tanh")
+    row = RowParallelLinear.from_linear(fc2, None, overlap_chunks=2)
+    col_sp = ColumnParallelLinear.from_linear(fc1, None, overlap_chunks=2, sequence_parallel=True)
+    row_sp = RowParallelLinear.from_linear(fc2, None, overlap_chunks=2, sequence_parallel=True)
+    layers = {"col": col, "row": row, "col_sp": col_sp, "row_sp": row_sp}
+
+    def step(x, x_sp):
+        return row(col(x), residual=x), row_sp(torch.relu(col_sp(x_sp)))
+
+    out = {}
+    for mode, fn in (("eager", step), ("compiled", torch.compile(step, fullgraph=True))):
+        xs, xs_sp = x.clone().requires_grad_(), shard(x_sp, world, rank, 0).clone().requires_grad_()
+        y, y_sp = fn(xs, xs_sp)
+        (y.square().sum() + y_sp.square().sum()).backward()
+        out[mode] = {"output": y.detach(), "output_sp": y_sp.detach(), "input_grad": xs.grad,
+                     "input_grad_sp": xs_sp.grad,
+                     **{f"{name}.{p}": getattr(layer, p).grad.clone() for name, layer in layers.items()
+                        for p in ("weight", "bias")}}
+        for layer in layers.values():
+            layer.zero_grad(set_to_none=True)
+    return out
+
+
 # ---- on the ranks: blocks ----
 
 def oases_block():
@@ -318,6 +353,7 @@ ON_RANKS = {
     "oases_order": oases_issue_order,
     "calibrate": calibrated_model_state,
     "token_mismatch": token_mismatch,
+    "compiled": compiled_against_eager,
     **USER_MODELS_ON_RANKS,
 }
 
