@@ -5,11 +5,10 @@
 
 Each rank owns num_experts / world experts; tokens travel to them by all-to-all, and the planner (balance="prophet")
 replicates the experts that the last step overloaded. Everything else is an ordinary data-parallel loop:
-  - the non-expert parameters (embeddings, attention, norms, gates) are replicated: their gradients are averaged
-    over the ranks by an all-reduce, as DDP would;
-  - the expert parameters live on one rank each: their gradients already hold every rank's tokens (the all-to-all
-    brought them, and the replicas' gradients were reduced to the owner during backward), so they are only scaled
-    by 1 / world to match the averaged loss;
+  - each MoE layer calibrates the planner's cost model once, before training (MoELayer.calibrate);
+  - fastdist.moe.data_parallel wraps the model in DDP, which averages the replicated parameters (embeddings,
+    attention, norms, gates), and has the MoE layers average their experts' gradients (each expert lives on one
+    rank and its gradient already holds every rank's tokens), so the ranks train as one process on their joint batch;
   - each block asks its MoE layer to start the replica parameter transfer before its attention runs, so the
     transfer overlaps that compute (MoELayer.prefetch_replicas).
 
@@ -21,6 +20,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from fastdist import moe
 from fastdist.moe import MoELayer
 from torch import nn
 
@@ -74,12 +74,6 @@ class MoEGPT(nn.Module):
             x = block(x, mask)
         return self.head(self.ln(x))
 
-    def aux_loss(self):
-        return sum(b.moe.aux_loss for b in self.blocks)
-
-
-def expert_parameters(model):
-    return {id(p) for b in model.blocks for p in (b.moe.w1, b.moe.b1, b.moe.w2, b.moe.b2)}
 
 
 def bigram_chain(vocab, seed):
@@ -114,8 +108,10 @@ def main(argv=None):
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same replicated weights on every rank (expert shapes are equal too)
-    model = MoEGPT(args.vocab, args.dim, args.layers, args.heads, args.experts, args.k, args.balance, args.seq)
-    experts = expert_parameters(model)
+    gpt = MoEGPT(args.vocab, args.dim, args.layers, args.heads, args.experts, args.k, args.balance, args.seq)
+    for block in gpt.blocks:
+        block.moe.calibrate()  # a collective; layers of one shape share the measurement
+    model = moe.data_parallel(gpt)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     chain = bigram_chain(args.vocab, args.seed)
     data = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own sequences
@@ -125,19 +121,11 @@ def main(argv=None):
         logits = model(inputs)
         loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
-        (loss + model.aux_loss()).backward()
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if id(p) in experts:
-                p.grad.div_(world)
-            else:
-                dist.all_reduce(p.grad)
-                p.grad.div_(world)
+        (loss + moe.aux_loss(model)).backward()
         opt.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        stats = model.blocks[0].moe.stats()
+        stats = gpt.blocks[0].moe.stats()
         log.append((step, mean_loss.item() / world, stats["tokens_max_over_mean"]))
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {mean_loss.item() / world:.4f}  layer-0 tokens max/mean "

@@ -8,20 +8,30 @@ stretch with one expert's parameters broadcast beside it. Each measurement is th
 then the slowest rank's figure is taken (an all-reduce MAX), so every rank holds identical constants, as the
 planner's determinism requires.
 
+Measurements draw from their own generator, never from torch's global one. A calibration can be kept in a JSON file,
+keyed by the hardware it ran on (device, cores and threads, ranks and their hosts, backend, torch version) and the
+layer's shape; every rank of the group must find the same one there for it to be used.
+
 Ranks on one machine that share its cores (more ranks than its cores fit at their thread counts, on CPU) are
 recorded in the model (rank_hosts, host_slots), and their expert GEMM rate is measured one rank at a time: the
 model then shares the host between them (fastdist.moe.planner.shared_makespan).
 """
+import dataclasses
+import json
 import os
+import platform
 import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from fastdist.distributed.fingerprint import fingerprint
 from fastdist.distributed.timing import time_fn
 from fastdist.moe.planner import CostModel
 
-__all__ = ["calibrate", "clear_cache"]
+__all__ = ["calibrate", "clear_cache", "hardware_key"]
 
 _CACHE = {}
 
@@ -83,16 +93,17 @@ def _solo_time(fn, reps, group):
     return seconds
 
 
-def _layer_overhead(x, num_experts, k, reps, sync):
+def _layer_overhead(x, num_experts, k, reps, sync, generator):
     """Seconds of the layer's work around its experts for x's tokens, forward + backward: the gate, route, layout,
     permute and combine, with identity experts and no communication."""
     from fastdist.ops import moe_layout, moe_permute, moe_route, moe_unpermute
 
-    gate = torch.nn.Linear(x.shape[1], num_experts, bias=False, device=x.device, dtype=x.dtype)
+    gate = (torch.randn(num_experts, x.shape[1], generator=generator, dtype=x.dtype) / x.shape[1] ** 0.5) \
+        .to(x.device).requires_grad_()
 
     def step():
         xs = x.detach().requires_grad_()
-        _, _, idx, weight = moe_route(gate(xs).float(), k)
+        _, _, idx, weight = moe_route(F.linear(xs, gate).float(), k)
         _, offsets, _, _, row_of_slot, _, _ = moe_layout(idx, num_experts, 1, -1)
         rows = moe_permute(xs, row_of_slot, int(offsets[-1]))
         moe_unpermute(rows, row_of_slot, weight.to(rows.dtype)).pow(2).mean().backward()
@@ -101,12 +112,75 @@ def _layer_overhead(x, num_experts, k, reps, sync):
     return _typical_time(step, reps)
 
 
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_key(device: torch.device, world: int, backend: str | None) -> str:
+    """This rank's hardware as a calibration file keys it: the device (CPU model and the cores this process may use,
+    or the GPU's name), torch's threads, the ranks (and how many share this host), the backend and torch's version.
+
+    Args:
+        device: where the layer computes.
+        world: the ranks of the group.
+        backend: the process group's backend (None: one process).
+    """
+    what = f"cuda {torch.cuda.get_device_name(device)}" if device.type == "cuda" else \
+        f"cpu {_cpu_model()} x{len(os.sched_getaffinity(0))}"
+    local = os.environ.get("LOCAL_WORLD_SIZE", "?") if world > 1 else "1"
+    return (f"{what}, {torch.get_num_threads()} threads, {world} ranks ({local} on this host), {backend or 'none'}, "
+            f"torch {torch.__version__}")
+
+
+def _load_cached(path, key):
+    try:
+        with open(path) as f:
+            fields = json.load(f)["calibrations"][key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    fields.update(rank_hosts=tuple(fields["rank_hosts"]), host_slots=tuple(fields["host_slots"]))
+    return CostModel(**fields)
+
+
+def _save_cached(path, key, model):
+    """Adds `model` under `key` to the file at `path`, replacing the file in one step (ranks may share it)."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        kept = {}
+    kept.setdefault("calibrations", {})[key] = dataclasses.asdict(model)
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".fastdist-calibration-", delete=False) as f:
+        json.dump(kept, f, indent=1, sort_keys=True)
+    os.replace(f.name, path)
+
+
+def _everyone_found(model, group, world, device):
+    """Whether every rank of `group` found the same cached `model` (a collective when world > 1)."""
+    found = fingerprint(model) if model is not None else 0
+    if world == 1:
+        return model is not None
+    mine = torch.tensor([found], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return found != 0 and all(int(t.item()) == found for t in everyone)
+
+
 def calibrate(group: dist.ProcessGroup | None = None, d_model: int = 512, d_ff: int = 2048,
               dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, reps: int = 9,
               tokens: int = 1024, small_rows: int = 1, large_rows: int = 1024, num_experts: int | None = None,
-              k: int = 2) -> CostModel:
-    """The CostModel for an FFN expert of ``d_model x d_ff`` on ``group``, measured on this machine (cached per
-    group and shape). A collective where a process group exists: every rank gets the slowest rank's figures.
+              k: int = 2, cache: str | os.PathLike | None = None) -> CostModel:
+    """The CostModel for an FFN expert of ``d_model x d_ff`` on ``group``, measured on this machine (kept per
+    group and shape for the process, and in ``cache`` if given). A collective where a process group exists: every
+    rank gets the slowest rank's figures. Leaves torch's global random state as it was.
 
     Args:
         group: the expert-parallel process group (None: the default group, or one process).
@@ -120,6 +194,8 @@ def calibrate(group: dist.ProcessGroup | None = None, d_model: int = 512, d_ff: 
         large_rows: token rows to every rank in the large one (its bandwidth).
         num_experts: with it, also the layer's own work per routed assignment (top-``k`` of ``num_experts``).
         k: experts per token.
+        cache: a JSON file of calibrations keyed by :func:`hardware_key` and the shape: used when every rank finds
+            the same one there; otherwise measured and added to it.
     """
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
@@ -129,6 +205,21 @@ def calibrate(group: dist.ProcessGroup | None = None, d_model: int = 512, d_ff: 
     key = (_group_ranks(group) if distributed else (0,), d_model, d_ff, dtype, str(device), num_experts, k)
     if key in _CACHE:
         return _CACHE[key]
+    shape = (f"d_model {d_model}, d_ff {d_ff}, {dtype}, {num_experts} experts, top-{k}, {tokens} tokens, "
+             f"all-to-all rows {small_rows}/{large_rows}")
+    file_key = f"{hardware_key(device, world, dist.get_backend(group) if distributed else None)}; {shape}"
+    cached = _load_cached(cache, file_key) if cache is not None else None
+    if cache is not None and _everyone_found(cached, group, world, device):
+        _CACHE[key] = cached
+        return cached
+    model = _measure(group, world, d_model, d_ff, dtype, device, reps, tokens, small_rows, large_rows, num_experts, k)
+    if cache is not None:
+        _save_cached(cache, file_key, model)
+    _CACHE[key] = model
+    return model
+
+
+def _measure(group, world, d_model, d_ff, dtype, device, reps, tokens, small_rows, large_rows, num_experts, k):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, d_model, generator=g, dtype=dtype).to(device).requires_grad_()
     w1 = torch.randn(d_model, d_ff, generator=g, dtype=dtype).to(device).requires_grad_()
@@ -156,7 +247,7 @@ def calibrate(group: dist.ProcessGroup | None = None, d_model: int = 512, d_ff: 
         return _typical_time(run, reps)
 
     t_small, t_large = a2a(small_rows), a2a(large_rows)
-    t_overhead = _layer_overhead(x.detach(), num_experts, k, reps, sync) if num_experts else 0.0
+    t_overhead = _layer_overhead(x.detach(), num_experts, k, reps, sync, g) if num_experts else 0.0
     # What a replica transfer (one expert's parameters, sent by group rank 0) takes from the FFN running beside it.
     expert_bytes = (2 * d_model * d_ff + d_model + d_ff) * elem
     t_beside = t_transfer = 3 * t_ffn
@@ -193,10 +284,8 @@ def calibrate(group: dist.ProcessGroup | None = None, d_model: int = 512, d_ff: 
         alpha = max(t_small - bytes_small / bandwidth, 0.0)
     else:
         bandwidth, alpha = bytes_large / t_large, 0.0
-    model = CostModel(d_model=d_model, d_ff=d_ff, a2a_alpha_s=alpha, a2a_bytes_per_s=bandwidth,
-                      flops_per_s=tokens * 4 * d_model * d_ff / max(t_ffn_solo, 1e-12), p2p_bytes_per_s=bandwidth,
-                      elem_bytes=elem, p2p_compute_s_per_byte=transfer_compute / expert_bytes,
-                      overhead_s_per_assignment=t_overhead / (tokens * k), rank_hosts=rank_hosts,
-                      host_slots=host_slots)
-    _CACHE[key] = model
-    return model
+    return CostModel(d_model=d_model, d_ff=d_ff, a2a_alpha_s=alpha, a2a_bytes_per_s=bandwidth,
+                     flops_per_s=tokens * 4 * d_model * d_ff / max(t_ffn_solo, 1e-12), p2p_bytes_per_s=bandwidth,
+                     elem_bytes=elem, p2p_compute_s_per_byte=transfer_compute / expert_bytes,
+                     overhead_s_per_assignment=t_overhead / (tokens * k), rank_hosts=rank_hosts,
+                     host_slots=host_slots)

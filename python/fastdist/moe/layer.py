@@ -6,9 +6,11 @@ One forward, on every rank of `group` (R ranks, E experts, rank r owns experts [
    group, asynchronous), so they travel while the gate, the layout and the dispatch all-to-all run.
 2. Gate: fp32 softmax top-k (fastdist.ops.moe_route); layout: stable counting sort by expert with capacity or
    dropless (moe_layout); token rows copied into expert order (moe_permute).
-3. One all-gather of the per-expert kept and total counts and the plan's fingerprint (2 E + 1 int64 per rank, the
-   only host sync): it gives every rank the count matrix, hence the all-to-all split sizes and the next plan,
-   identically everywhere, and checks that every rank ran this step's plan.
+3. One all-gather of the per-expert kept and total counts and a header (2 E + 7 int64 per rank, the only host
+   sync): it gives every rank the count matrix, hence the all-to-all split sizes and the next plan, identically
+   everywhere, and checks that every rank runs the same call of the same layer (layer index and per-layer call
+   number), in the same dtypes, with the same cost model and this step's plan; a mismatch raises MismatchError on
+   every rank before any size-dependent collective runs.
 4. Rows for experts this rank holds a replica of stay here; the rest go to their owners in one variable-size
    all_to_all_single (autograd backward swaps the splits). Ranks with no tokens still take part.
 5. Owned experts compute first (their inputs have arrived), then the replica parameters are waited for and the
@@ -16,13 +18,19 @@ One forward, on every rank of `group` (R ranks, E experts, rank r owns experts [
    k rows weighted by its gate probabilities (dropped slots contribute nothing).
 6. Backward: replica gradients are sent to the owners as soon as autograd produces them and are received
    asynchronously; the owners add them to their parameters' .grad in a callback at the end of the backward pass,
-   i.e. before any optimizer step.
+   i.e. before any optimizer step. Under data parallelism (fastdist.moe.data_parallel) that callback also sums the
+   expert gradients over the expert's data-parallel replicas and averages them as DDP averages the others.
+
+Under torch.compile the gate, route and layout compile; everything from the count all-gather to the combine (sizes
+that depend on the data) runs eagerly behind torch.compiler.disable, so a compiled model breaks its graph there and
+never recompiles for a new routing.
 
 The plan for step n+1 is computed from step n's counts (expert load changes slowly; Pro-Prophet's observation), by
 the same deterministic planner on every rank, on a CPU thread while step n's all-to-alls and experts run. Step 1's
 transfer can start earlier than the layer's forward: MoELayer.prefetch_replicas() (e.g. before the block's attention).
 """
 import concurrent.futures
+import copy
 import dataclasses
 import math
 import time
@@ -34,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdist.distributed import MismatchError, check_same, compat, fingerprint
-from fastdist.moe.calibrate import calibrate
+from fastdist.moe.calibrate import calibrate as measure_cost_model
 from fastdist.moe.planner import CostModel, Plan, Planner, loads
 from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
 
@@ -75,6 +83,7 @@ class _ReplicaTraffic:
         self.pending = []            # forward receives: (expert, handle, buffer)
         self.sends = []
         self.grad_recvs = []         # backward: (local expert index, handle, buffer)
+        self.owned_grads = None      # backward, under data parallelism: this step's (w1, b1, w2, b2) gradients
         self.finish_queued = False
         rank = layer.rank
         for e, holder in plan.replicas:
@@ -119,25 +128,48 @@ class _ReplicaTraffic:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
 
     def finish_grads(self):
-        """End of backward: adds the received replica gradients into the owner's .grad (in plan order)."""
+        """End of backward: adds the received replica gradients into the owner's .grad (in plan order); under data
+        parallelism first sums this step's expert gradients over the expert's replicas and averages them."""
         layer = self.layer
         params = (layer.w1, layer.b1, layer.w2, layer.b2)
-        for local, handle, buf in self.grad_recvs:
-            handle.wait()
-            for p, g in zip(params, layer.split_expert(buf)):
+        averaging = layer._averaging
+        if averaging is None:
+            for local, handle, buf in self.grad_recvs:
+                handle.wait()
+                for p, g in zip(params, layer.split_expert(buf)):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad[local] += g
+        else:
+            # Only this step's gradient is reduced (not what .grad accumulated before), so accumulation over
+            # micro-batches stays a sum of averages.
+            owned = self.owned_grads or (None,) * 4
+            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                              for g, p in zip(owned, params)])
+            grads = [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params)]
+            for local, handle, buf in self.grad_recvs:
+                handle.wait()
+                for g, replica_grad in zip(grads, layer.split_expert(buf)):
+                    g[local] += replica_grad
+            if averaging.group is not None:
+                dist.all_reduce(flat, group=averaging.group)
+            flat.div_(averaging.divisor)
+            for p, g in zip(params, grads):
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad[local] += g
+                    p.grad = g
+                else:
+                    p.grad += g
         for handle in self.sends:
             handle.wait()
-        self.grad_recvs, self.sends = [], []
+        self.grad_recvs, self.sends, self.owned_grads = [], [], None
 
 
 class _OwnedExperts(torch.autograd.Function):
     """Identity on the owned expert parameters; its backward posts the receives for their replicas' gradients.
 
     The owners add those gradients at the end of the backward pass (queue_callback), so no rank blocks inside
-    autograd on a peer that may still be running another part of its backward.
+    autograd on a peer that may still be running another part of its backward. Under data parallelism the owned
+    gradients go to that callback too (which reduces and averages them) instead of to .grad.
     """
 
     @staticmethod
@@ -147,8 +179,12 @@ class _OwnedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gw1, gb1, gw2, gb2):
-        ctx.traffic.post_grad_receives()
-        ctx.traffic.finish_at_end_of_backward()
+        traffic = ctx.traffic
+        traffic.post_grad_receives()
+        traffic.finish_at_end_of_backward()
+        if traffic.layer._averaging is not None:
+            traffic.owned_grads = (gw1, gb1, gw2, gb2)
+            return None, None, None, None, None
         return None, gw1, gb1, gw2, gb2
 
 
@@ -186,6 +222,16 @@ class _DispatchPlan:
     owned_sizes: list         # received rows per owned expert
     local_sizes: list         # local rows per replicated expert
 
+
+@dataclasses.dataclass
+class _Averaging:
+    """How data parallelism reduces a layer's expert gradients (set by fastdist.moe.data_parallel)."""
+    divisor: int                        # the data-parallel ranks: gradients are averaged over them, as DDP does
+    group: dist.ProcessGroup | None     # the ranks holding the same experts (None: this rank alone)
+
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_LAYERS_PER_GROUP = {}  # ranks of a group -> MoELayers built on it by this process (every rank counts alike)
 
 _PLANNER_THREAD = []
 
@@ -225,11 +271,14 @@ class MoELayer(nn.Module):
         plan_interval: replan every this many steps.
         max_replicas_per_rank: replicas one rank may hold (memory bound).
         aux_loss_coef: weight of the Switch load-balancing loss in `self.aux_loss` (add it to your loss).
-        cost_model: a fastdist.moe.CostModel; None: measured by fastdist.moe.calibrate(group) at the first forward.
+        cost_model: a fastdist.moe.CostModel. "prophet" and "shadow" need one on more than one rank: pass it, or
+            call :meth:`calibrate` before the first forward (the first forward raises otherwise).
         min_capacity, replan_gain, planner_budget: see fastdist.moe.planner.
 
-    Every rank must construct the layer with the same configuration: a fingerprint check raises
-    fastdist.distributed.MismatchError on every rank otherwise.
+    Every rank must construct the layer with the same configuration (cost model included, and the same number of
+    layers on the group before it): a fingerprint check raises fastdist.distributed.MismatchError on every rank
+    otherwise. Pickling (and torch.save of a model) leaves the process group out; :meth:`attach` binds an unpickled
+    layer to one again.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, k: int = 2, capacity_factor: float = 1.25,
@@ -238,42 +287,38 @@ class MoELayer(nn.Module):
                  aux_loss_coef: float = 0.01, cost_model: CostModel | None = None, min_capacity: int = 4,
                  replan_gain: float = 0.03, planner_budget: int | None = None):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"fastdist: activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
-        self.world = dist.get_world_size(group) if self.distributed else 1
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        if num_experts < 1 or num_experts % self.world:
-            raise ValueError(f"fastdist: num_experts ({num_experts}) must be a positive multiple of the group size "
-                             f"({self.world})")
-        if not 1 <= k <= num_experts:
-            raise ValueError(f"fastdist: k must be in [1, num_experts = {num_experts}], got {k}")
         self.d_model, self.d_ff, self.num_experts, self.k = d_model, d_ff, num_experts, k
         self.capacity_factor, self.dropless, self.min_capacity = capacity_factor, dropless, min_capacity
         self.activation = activation
         self.aux_loss_coef = aux_loss_coef
         self.balance = balance
-        self.experts_per_rank = num_experts // self.world
-        self.first_expert = self.rank * self.experts_per_rank
         self.config = {"d_model": d_model, "d_ff": d_ff, "num_experts": num_experts, "k": k,
                        "capacity_factor": float(capacity_factor), "dropless": bool(dropless),
                        "min_capacity": min_capacity, "activation": activation, "balance": balance,
                        "plan_interval": plan_interval, "max_replicas_per_rank": max_replicas_per_rank,
                        "replan_gain": float(replan_gain), "planner_budget": planner_budget}
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.layer_index = 0
         if self.distributed:
-            check_same("MoELayer configuration", self.config, group)
+            ranks = self._group_ranks(group)
+            self.layer_index = _LAYERS_PER_GROUP.get(ranks, 0)
+            _LAYERS_PER_GROUP[ranks] = self.layer_index + 1
+        # Checked before anything can raise on one rank only: every rank then raises alike, none waits.
+        self._bind(group, cost_model)
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"fastdist: activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        if num_experts < 1 or num_experts % self.world:
+            raise ValueError(f"fastdist: num_experts ({num_experts}) must be a positive multiple of the group size "
+                             f"({self.world})")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"fastdist: k must be in [1, num_experts = {num_experts}], got {k}")
+        self.experts_per_rank = num_experts // self.world
+        self.first_expert = self.rank * self.experts_per_rank
         self.planner = Planner(balance, cost_model, max_replicas_per_rank, plan_interval, replan_gain,
                                planner_budget)
-        if cost_model is not None and self.distributed:
-            check_same("MoELayer cost model", cost_model, group)
-        # Replica traffic has its own process group so it can run beside the all-to-all. Only the members of
-        # `group` create it (other expert-parallel groups create theirs concurrently): local synchronization
-        # names the group by its ranks instead of a world-wide counter.
-        self.replica_group = None
-        if self.distributed and self.world > 1 and balance != "none":
-            ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.world)]
-            self.replica_group = dist.new_group(ranks, use_local_synchronization=group is not None)
+        self._make_replica_group()
         e_local = self.experts_per_rank
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(e_local, d_model, d_ff))
@@ -286,6 +331,105 @@ class MoELayer(nn.Module):
         self.aux_loss = None
         self._stats = {}
         self._prefetched = None
+        self._calls = 0             # forwards so far: each one's number travels in its header
+        self._averaging = None      # set by fastdist.moe.data_parallel
+
+    # ---- the process group: bound at construction or by attach(), never pickled ----
+
+    @staticmethod
+    def _group_ranks(group):
+        world = dist.get_world_size(group)
+        return tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(world))
+
+    def _bind(self, group, cost_model):
+        """Binds the layer to `group` after checking, in one collective, that every rank configured it alike."""
+        self.group = group
+        self.replica_group = None
+        self._unbound = False
+        if self.distributed:
+            setting = {**self.config, "cost_model": cost_model, "layer_index": self.layer_index,
+                       "group_size": self.world}
+            try:
+                check_same("MoELayer configuration", setting, group)
+            except MismatchError:
+                # Name the fields that differ (the whole configuration is too long to show): every rank is here.
+                everyone = [None] * self.world
+                dist.all_gather_object(everyone, setting, group=group)
+                differ = [f for f in setting if any(e[f] != setting[f] for e in everyone)]
+                raise MismatchError("MoELayer configuration",
+                                    {r: {f: e[f] for f in differ} for r, e in enumerate(everyone)}) from None
+
+    def _make_replica_group(self):
+        # Replica traffic has its own process group so it can run beside the all-to-all. Only the members of
+        # `group` create it (other expert-parallel groups create theirs concurrently): local synchronization
+        # names the group by its ranks instead of a world-wide counter.
+        if self.distributed and self.world > 1 and self.balance != "none":
+            self.replica_group = dist.new_group(list(self._group_ranks(self.group)),
+                                                use_local_synchronization=self.group is not None)
+
+    def attach(self, group: dist.ProcessGroup | None = None) -> None:
+        """Binds a layer that was unpickled (which leaves its process group out) to ``group``.
+
+        A collective over ``group``: every rank of it attaches its layer. The group must have the size and this
+        rank the position the layer had when it was pickled; the configuration check of the constructor runs again.
+        Data parallelism (fastdist.moe.data_parallel) is set up again by wrapping the model again.
+
+        Args:
+            group: the expert-parallel process group (None: the default group).
+
+        Raises:
+            RuntimeError: no process group is initialized, or the group's size or this rank's position differ
+                from the layer's.
+            MismatchError: the ranks' layers are configured differently.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("fastdist: MoELayer.attach needs an initialized torch.distributed process group")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if (world, rank) != (self.world, self.rank):
+            raise RuntimeError(f"fastdist: this MoELayer holds the experts of rank {self.rank} of {self.world}; "
+                               f"it cannot attach as rank {rank} of {world}")
+        self._bind(group, self.planner.cost)
+        self._make_replica_group()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # Process groups and in-flight messages belong to this process; aux_loss to this step's graph.
+        state.update(group=None, replica_group=None, _prefetched=None, _averaging=None, aux_loss=None,
+                     _unbound=self.distributed)
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "MoELayer":
+        # A copy in this process shares the process groups (handles, not state) and starts with no step in flight.
+        for shared in (self.group, self.replica_group, self._averaging):
+            if shared is not None:
+                memo[id(shared)] = shared
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        state = {**self.__dict__, "_prefetched": None, "aux_loss": None}
+        state.pop("_compiled_call_impl", None)
+        twin.__dict__.update(copy.deepcopy(state, memo))
+        return twin
+
+    # ---- calibration ----
+
+    def calibrate(self, cache: str | None = None, **options) -> CostModel:
+        """Measures the planner's cost model on this machine for this layer's shape and uses it from now on.
+
+        A collective over the layer's group (every rank calls it; each gets the slowest rank's figures). Run it once
+        before training, never inside a step; layers of equal shape on one group share the measurement.
+
+        Args:
+            cache: a JSON file keeping calibrations keyed by hardware and shape: a calibration found there (by every
+                rank) is used without measuring; a new one is added to it.
+            **options: passed to fastdist.moe.calibrate (reps, tokens, ...).
+
+        Returns:
+            The cost model, also in ``self.planner.cost``.
+        """
+        self.planner.cost = measure_cost_model(self.group if self.distributed else None, self.d_model, self.d_ff,
+                                               self.w1.dtype, device=self.w1.device, num_experts=self.num_experts,
+                                               k=self.k, cache=cache, **options)
+        return self.planner.cost
 
     # ---- helpers for the replica traffic ----
 
@@ -315,6 +459,7 @@ class MoELayer(nn.Module):
         """The replicas this step uses."""
         return self.planner.plan
 
+    @torch.compiler.disable
     def prefetch_replicas(self) -> None:
         """Starts sending this step's replica parameters now, so that they travel while earlier work runs.
 
@@ -322,18 +467,20 @@ class MoELayer(nn.Module):
         the transfer overlaps the attention); forward() starts the transfer itself when nobody did. Every rank of
         the group must call it for the same steps (it issues point-to-point messages on the replica group).
         """
+        self._check_bound()
         if self.world > 1 and self.plan.replicas and self._prefetched is None:
             self._prefetched = _ReplicaTraffic(self, self.plan)
 
-    def _ensure_cost_model(self):
-        if self.planner.cost is None and self.balance != "none":
-            self.planner.cost = calibrate(self.group if self.distributed else None, self.d_model, self.d_ff,
-                                          self.w1.dtype, num_experts=self.num_experts, k=self.k)
+    def _check_bound(self):
+        if self._unbound:
+            raise RuntimeError("fastdist: this MoELayer was unpickled, which leaves its process group out; call "
+                               "layer.attach(group) on every rank of the group before using it")
 
     # ---- compute ----
 
     def _ffn(self, x, w1, b1, w2, b2):
-        return _ACTIVATIONS[self.activation](x @ w1 + b1) @ w2 + b2
+        # addmm, as nn.Linear: under autocast the experts compute in its dtype and return it
+        return torch.addmm(b2, _ACTIVATIONS[self.activation](torch.addmm(b1, x, w1)), w2)
 
     def _experts(self, rows, sizes, params):
         """rows grouped by expert, sizes[i] rows for params[i] = (w1, b1, w2, b2)."""
@@ -345,36 +492,92 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MoE FFN of every token of ``x`` (``[..., d_model]``, this rank's tokens; any count, none included).
 
-        A collective over the group; sets ``aux_loss`` and :meth:`stats`.
+        A collective over the group; sets ``aux_loss`` and :meth:`stats`. Under autocast the experts compute, and
+        the result comes, in the autocast dtype.
+
+        Raises:
+            MismatchError: on every rank, when the ranks run different layers or calls of this layer, in different
+                dtypes, with different cost models or plans.
+            RuntimeError: on every rank, when balance "prophet" or "shadow" has no cost model on more than one rank.
         """
-        start = time.perf_counter()
-        self._ensure_cost_model()
         shape = x.shape
         x = x.reshape(-1, self.d_model)
         tokens = x.shape[0]
-        plan = self.plan if self.world > 1 else Plan()
-        self.prefetch_replicas()
-        traffic, self._prefetched = self._prefetched, None
-
         logits = self.gate(x).float()
         probs, _, topk_idx, topk_weight = moe_route(logits, self.k)
         capacity = -1 if self.dropless else capacity_for(tokens, self.num_experts, self.k, self.capacity_factor,
                                                          self.min_capacity)
         counts, offsets, _, _, row_of_slot, _, _ = moe_layout(topk_idx, self.num_experts, 1, capacity)
+        out = self._exchange(x, counts, offsets, row_of_slot, topk_weight)
+        # Switch load-balancing loss on this rank's tokens: E * sum_e f_e * mean_t p_e.
+        if tokens:
+            fraction = counts.to(probs.dtype) / (tokens * self.k)
+            self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * probs.mean(0)).sum()
+        else:
+            self.aux_loss = probs.sum() * 0.0
+        return out.reshape(shape)
+
+    def _header(self, x):
+        """This call's identity and settings, as int64s: the layer, its call number, the dtypes of the rows sent,
+        the parameters and the experts' compute, and the cost model's fingerprint (0: none)."""
+        device = x.device.type
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
+            torch.promote_types(x.dtype, self.w1.dtype)
+        cost = self.planner.cost
+        return [self.layer_index, self._calls] + [_DTYPES.index(d) if d in _DTYPES else -1
+                                                  for d in (x.dtype, self.w1.dtype, compute)] + \
+            [fingerprint(cost) if cost is not None else 0]
+
+    def _check_headers(self, headers):
+        """Raises on every rank (each holds every rank's header) when the ranks' calls disagree."""
+        def dtype_name(code):
+            return str(_DTYPES[code]).replace("torch.", "") if code >= 0 else "other"
+
+        def differ(columns):
+            return len({tuple(row) for row in headers[:, columns].tolist()}) > 1
+
+        if differ([0, 1]):
+            raise MismatchError("MoELayer call", {r: f"layer {h[0]} of its group, call {h[1]}"
+                                                  for r, h in enumerate(headers.tolist())})
+        if differ([2, 3, 4]):
+            raise MismatchError("MoELayer dtype", {
+                r: f"rows {dtype_name(h[2])}, parameters {dtype_name(h[3])}, experts compute in {dtype_name(h[4])}"
+                for r, h in enumerate(headers.tolist())})
+        if differ([5]):
+            raise MismatchError("MoELayer cost model", {r: f"fingerprint {h[5]:#x}" if h[5] else "none"
+                                                        for r, h in enumerate(headers.tolist())})
+        if differ([6]):
+            raise MismatchError("MoELayer plan", {r: f"plan fingerprint {h[6]:#x}"
+                                                  for r, h in enumerate(headers.tolist())})
+        if self.planner.cost is None and self.balance in ("prophet", "shadow"):
+            raise RuntimeError(f"fastdist: MoELayer(balance={self.balance!r}) plans with a cost model and has none: "
+                               "call layer.calibrate() on every rank before the first forward (cache=PATH keeps "
+                               "the measurement), or pass cost_model=")
+
+    @torch.compiler.disable
+    def _exchange(self, x, counts, offsets, row_of_slot, topk_weight):
+        """Everything whose sizes depend on the routing: the count all-gather, dispatch, experts and combine."""
+        start = time.perf_counter()
+        self._check_bound()
+        plan = self.plan if self.world > 1 else Plan()
+        self.prefetch_replicas()
+        traffic, self._prefetched = self._prefetched, None
+        if traffic is None and self.world > 1 and self._averaging is not None:
+            traffic = _ReplicaTraffic(self, plan)  # no message: it carries the gradients' end-of-backward step
         kept = offsets[1:] - offsets[:-1]
-        # The count matrix [R, E] of kept (and all) assignments: one all-gather, the layer's host sync. It also
-        # carries each rank's plan fingerprint, so every rank checks that all used the same plan at no extra cost.
-        plan_print = torch.tensor([fingerprint(plan)], dtype=torch.int64, device=counts.device)
-        mine = torch.cat([kept, counts, plan_print]).to(x.device)
+        # The count matrix [R, E] of kept (and all) assignments and every rank's header: one all-gather, the
+        # layer's host sync, and the check that every rank runs the same call alike, at no extra collective.
+        header = self._header(x) + [fingerprint(plan)]
+        mine = torch.cat([kept, counts, torch.tensor(header, dtype=torch.int64, device=counts.device)]).to(x.device)
         if self.world > 1:
             gathered = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=x.device)
             compat.all_gather_single(gathered, mine, group=self.group)
         else:
             gathered = mine
+        self._calls += 1
         gathered = gathered.view(self.world, -1).cpu().numpy()
-        if len(set(gathered[:, -1].tolist())) > 1:
-            raise MismatchError("MoELayer plan", {r: f"plan fingerprint {int(v):#x}"
-                                                  for r, v in enumerate(gathered[:, -1])})
+        if self.world > 1:
+            self._check_headers(gathered[:, 2 * self.num_experts:])
         kept_counts = gathered[:, :self.num_experts]
         all_counts = gathered[:, self.num_experts:2 * self.num_experts]
         # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
@@ -411,22 +614,15 @@ class MoELayer(nn.Module):
         y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group) \
             if self.world > 1 else y_received
         if route.local_experts:
-            y_rows = torch.empty_like(rows).index_copy(0, torch.cat([route.send_index, route.local_index]),
-                                                       torch.cat([y_sent, y_local]))
+            y_rows = y_sent.new_empty(rows.shape).index_copy(0, torch.cat([route.send_index, route.local_index]),
+                                                             torch.cat([y_sent, y_local]))
         else:
             y_rows = y_sent
         out = moe_unpermute(y_rows, row_of_slot, topk_weight.to(y_rows.dtype))
-
-        # Switch load-balancing loss on this rank's tokens: E * sum_e f_e * mean_t p_e.
-        if tokens:
-            fraction = counts.to(probs.dtype) / (tokens * self.k)
-            self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * probs.mean(0)).sum()
-        else:
-            self.aux_loss = probs.sum() * 0.0
         self._record(kept_counts, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
         if planning is not None:
             planning.result()  # the next forward's all-gather checks that every rank planned alike
-        return out.reshape(shape)
+        return out
 
     def _dispatch_plan(self, kept_counts, plan, device):
         """Where this rank's rows go and where the received rows come from, from the count matrix and the plan.
@@ -495,9 +691,15 @@ class MoELayer(nn.Module):
         return dict(self._stats)
 
     def get_extra_state(self) -> dict:
+        """The planner's state (plan, counts, steps) for ``state_dict``, with the configuration's fingerprint."""
         return {"planner": self.planner.state_dict(), "config_fingerprint": fingerprint(self.config)}
 
     def set_extra_state(self, state: dict) -> None:
+        """Restores what :meth:`get_extra_state` returned.
+
+        Raises:
+            ValueError: the state comes from a layer configured differently.
+        """
         if state["config_fingerprint"] != fingerprint(self.config):
             raise ValueError("fastdist: MoELayer state_dict comes from a layer with a different configuration")
         self.planner.load_state_dict(state["planner"])

@@ -1,0 +1,113 @@
+"""fastdist.moe.data_parallel: a GPT whose FFNs are MoE layers, trained on 2 ranks that each take half of the global
+batch, ends with the parameters of one process training on the whole batch (SGD and Adam, 5 steps, replicas on
+and off); the README's MoE recipe runs as written under torchrun."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from fastdist import moe
+from fastdist.bench.models import TransformerLM
+from fastdist.distributed import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB, DIM, HEADS, LAYERS, SEQ, EXPERTS = 32, 16, 2, 2, 8, 4
+BATCH, STEPS = 8, 5   # global batch; each of the 2 ranks trains on half of it
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.5),
+              "adam": lambda params: torch.optim.Adam(params, lr=1e-2)}
+
+
+def moe_gpt(balance):
+    """A GPT (fastdist.bench.models.TransformerLM) whose FFNs are replaced by MoE layers, as a user would do it."""
+    torch.manual_seed(0)
+    model = TransformerLM(VOCAB, DIM, HEADS, LAYERS, seq=SEQ)
+    for block in model.blocks:
+        block.mlp = moe.MoELayer(DIM, 2 * DIM, EXPERTS, k=2, dropless=True, balance=balance)
+    return model.double()  # float64: the comparison sees the gradients' scale, not summation order
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def train(model, optimizer, rows):
+    """STEPS optimizer steps on `rows` of each global batch; the parameters after them, by name."""
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    for batch in batches():
+        tokens = batch[rows]
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return {name: p.detach().clone() for name, p in inner.named_parameters()}
+
+
+def is_expert(name):
+    return name.rsplit(".", 1)[-1] in ("w1", "b1", "w2", "b2")
+
+
+def _train_half(state, balance, optimizers):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = EXPERTS // world
+    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    results = {}
+    for optimizer in optimizers:
+        model = moe_gpt(balance)  # each rank builds its own experts; the single-process weights replace them
+        model.load_state_dict({n: t[rank * per:(rank + 1) * per] if is_expert(n) else t for n, t in state.items()})
+        results[optimizer] = train(moe.data_parallel(model), optimizer, half)
+    return results
+
+
+@pytest.mark.parametrize("balance", ["none", "replicate_topk"])
+def test_two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(balance):
+    reference = moe_gpt(balance)  # no process group here: one process holds every expert
+    state = reference.state_dict()
+    ranks = spawn(_train_half, 2, state, balance, list(OPTIMIZERS), backend="gloo", timeout=180, threads_per_rank=1)
+    for optimizer in OPTIMIZERS:
+        single = moe_gpt(balance)
+        single.load_state_dict(state)
+        want = train(single, optimizer, slice(None))
+        for name, expected in want.items():
+            if is_expert(name):  # each rank holds its contiguous share of the experts
+                got = torch.cat([ranks[r][optimizer][name] for r in range(2)])
+                torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9, msg=f"{optimizer} {name}")
+            else:
+                for r in range(2):
+                    torch.testing.assert_close(ranks[r][optimizer][name], expected, rtol=1e-7, atol=1e-9,
+                                               msg=f"{optimizer} {name} on rank {r}")
+
+
+def test_expert_and_non_expert_parameters_split_the_model():
+    model = moe_gpt("none")
+    experts, others = moe.expert_parameters(model), moe.non_expert_parameters(model)
+    assert len(experts) == 4 * LAYERS
+    assert {id(p) for p in experts} | {id(p) for p in others} == {id(p) for p in model.parameters()}
+    assert not {id(p) for p in experts} & {id(p) for p in others}
+    assert all(p is not block.mlp.gate.weight for block in model.blocks for p in experts)
+
+
+def readme_moe_recipe():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    recipes = re.findall(r"<!-- runs in tests/moe/test_data_parallel.py under torchrun -->\n```python\n(.*?)```",
+                         readme, re.S)
+    assert len(recipes) == 1
+    return recipes[0]
+
+
+def test_readme_moe_recipe_runs_as_written_under_torchrun(tmp_path):
+    script = tmp_path / "recipe.py"
+    script.write_text(readme_moe_recipe())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = re.findall(r"rank (\d) loss (\d+\.\d+)", proc.stdout)
+    assert sorted(r for r, _ in losses) == ["0", "1"], proc.stdout
