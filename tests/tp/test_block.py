@@ -22,13 +22,10 @@ def test_oases_block_equals_the_single_process_block_with_and_without_recompute(
     ref, out, input_grad = _single_process_block(*oases_case())
     # each Oases parameter's gradient: the reference's, and the dimension along which a rank holds its part
     # (column-parallel qkv and fc1 by rows, row-parallel proj and fc2 by columns; None: replicated)
+    held = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "attn.proj.weight": 1, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
+            "mlp.fc2.weight": 1}
     want = {"output": (out, None), "input_grad": (input_grad, None),
-            "ln1_weight": (ref.ln1.weight.grad, None), "ln1_bias": (ref.ln1.bias.grad, None),
-            "qkv_weight": (ref.attn.qkv.weight.grad, 0), "qkv_bias": (ref.attn.qkv.bias.grad, 0),
-            "proj_weight": (ref.attn.proj.weight.grad, 1), "proj_bias": (ref.attn.proj.bias.grad, None),
-            "ln2_weight": (ref.ln2.weight.grad, None), "ln2_bias": (ref.ln2.bias.grad, None),
-            "fc1_weight": (ref.mlp.fc1.weight.grad, 0), "fc1_bias": (ref.mlp.fc1.bias.grad, 0),
-            "fc2_weight": (ref.mlp.fc2.weight.grad, 1), "fc2_bias": (ref.mlp.fc2.bias.grad, None)}
+            **{name: (p.grad, held.get(name)) for name, p in ref.named_parameters()}}
     for rank, by_recompute in enumerate(tp_ranks(world, "oases_block")):
         for recompute, got in by_recompute.items():
             assert set(got) == set(want)
@@ -48,6 +45,19 @@ def test_parallelize_turns_a_gpt_block_into_an_equivalent_tensor_parallel_one(tp
             for name, (full, dim) in want.items():
                 assert_close(got[name], shard(full, world, rank, dim), f"rank {rank} of {world}, k={k}, {name}",
                              **TOLERANCE)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_oases_block_loads_a_gpt_block_state_dict_and_gathers_one_back(tp_ranks, world):
+    ref = reference_block()
+    x, _ = oases_case()
+    with torch.no_grad():
+        out = ref(x)
+    for rank, got in enumerate(tp_ranks(world, "oases_state_dict")):
+        assert got["keys"] == sorted(ref.state_dict())  # the same names: ln1.weight, attn.qkv.weight, ...
+        assert_close(got["output"], out, f"rank {rank}: output after load_state_dict(GPTBlock's)", **TOLERANCE)
+        for name, value in ref.state_dict().items():
+            assert torch.equal(got["gathered"][name], value), f"rank {rank}: {name} gathered by full_state_dict"
 
 
 def test_megatron_checkpointing_all_reduces_6_activations_per_layer_and_oases_recompute_4(tp_ranks):

@@ -24,8 +24,6 @@ from user_models_on_ranks import ON_RANKS as USER_MODELS_ON_RANKS
 CHUNKS = [1, 2, 3, 4, 8]
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
 HIDDEN, HEADS, SEQ = 16, 4, 5
-OASES_PARAMETERS = ["ln1_weight", "ln1_bias", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "ln2_weight",
-                    "ln2_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
 CALIBRATION_SHAPE = (64, 32, 32)  # rows, in_features, out_features
 COLLECTIVES_ROWS, COLLECTIVES_FEATURES = 6, 8  # the input of the Column -> Row pair whose collectives are logged
 
@@ -257,8 +255,21 @@ def oases_block():
         out = block(xs)
         (out * weight).sum().backward()
         results[recompute] = {"output": out.detach(), "input_grad": xs.grad,
-                              **{name: getattr(block, name).grad for name in OASES_PARAMETERS}}
+                              **{name: p.grad for name, p in block.named_parameters()}}
     return results
+
+
+def oases_state_dict():
+    """An Oases block loaded from a GPTBlock's state_dict: its keys, its output, and the full state it gathers."""
+    ref = reference_block()
+    x, _ = oases_case()
+    block = OverlappedTransformerBlock(HIDDEN, HEADS, None)
+    block.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        out = block(x)
+    gathered = GPTBlock(HIDDEN, HEADS)
+    gathered.load_state_dict(block.full_state_dict())
+    return {"keys": sorted(block.state_dict()), "output": out, "gathered": gathered.state_dict()}
 
 
 def parallelized_block():
@@ -348,6 +359,7 @@ ON_RANKS = {
     "bad_shapes": bad_shapes,
     "auto_chunks": auto_chunks,
     "oases_block": oases_block,
+    "oases_state_dict": oases_state_dict,
     "parallelized_block": parallelized_block,
     "block_counts": block_collective_counts,
     "oases_order": oases_issue_order,

@@ -103,8 +103,21 @@ class GPTBlock(nn.Module):
 
 # ---- the Oases block ----
 
-_PARAMS = ["ln1_weight", "ln1_bias", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "ln2_weight", "ln2_bias",
-           "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+# The block's parameters, named as GPTBlock's (so that state_dicts load into each other); with each one, the
+# dimension along which a rank holds its part (column-parallel qkv and fc1 by rows, row-parallel proj and fc2 by
+# columns; None: whole on every rank).
+_PARAMS = {"ln1.weight": None, "ln1.bias": None, "attn.qkv.weight": 0, "attn.qkv.bias": 0, "attn.proj.weight": 1,
+           "attn.proj.bias": None, "ln2.weight": None, "ln2.bias": None, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
+           "mlp.fc2.weight": 1, "mlp.fc2.bias": None}
+
+
+class _Weights(nn.Module):
+    """A weight and a bias, held where GPTBlock holds them (``attn.qkv``, ``ln1``, ...); computes nothing itself."""
+
+    def __init__(self, weight_shape, bias_shape, factory):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(weight_shape, **factory))
+        self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
 
 
 class _Segments:
@@ -114,23 +127,23 @@ class _Segments:
         self.p, self.head_dim, self.eps, self.batch, self.seq = p, head_dim, eps, batch, seq
 
     def ln1(self, x):
-        return F.layer_norm(x, x.shape[-1:], self.p["ln1_weight"], self.p["ln1_bias"], self.eps)
+        return F.layer_norm(x, x.shape[-1:], self.p["ln1.weight"], self.p["ln1.bias"], self.eps)
 
     def attn_partial(self, u1):
         """This rank's heads; the proj GEMM's partial sum (no bias: it is added once, after the all-reduce)."""
-        qkv = torch.addmm(self.p["qkv_bias"], u1, self.p["qkv_weight"].t())
-        return _attention(qkv, self.batch, self.seq, self.head_dim) @ self.p["proj_weight"].t()
+        qkv = torch.addmm(self.p["attn.qkv.bias"], u1, self.p["attn.qkv.weight"].t())
+        return _attention(qkv, self.batch, self.seq, self.head_dim) @ self.p["attn.proj.weight"].t()
 
     def residual_ln2(self, x, r1):
-        h = bias_epilogue(r1, self.p["proj_bias"], x, "none")
-        return h, F.layer_norm(h, h.shape[-1:], self.p["ln2_weight"], self.p["ln2_bias"], self.eps)
+        h = bias_epilogue(r1, self.p["attn.proj.bias"], x, "none")
+        return h, F.layer_norm(h, h.shape[-1:], self.p["ln2.weight"], self.p["ln2.bias"], self.eps)
 
     def mlp_partial(self, u2):
-        a = bias_epilogue(u2 @ self.p["fc1_weight"].t(), self.p["fc1_bias"], None, "gelu_tanh")
-        return a @ self.p["fc2_weight"].t()
+        a = bias_epilogue(u2 @ self.p["mlp.fc1.weight"].t(), self.p["mlp.fc1.bias"], None, "gelu_tanh")
+        return a @ self.p["mlp.fc2.weight"].t()
 
     def output(self, h, r2):
-        return bias_epilogue(r2, self.p["fc2_bias"], h, "none")
+        return bias_epilogue(r2, self.p["mlp.fc2.bias"], h, "none")
 
 
 class _OneInFlight:
@@ -284,8 +297,11 @@ class OverlappedTransformerBlock(nn.Module):
         dtype: the parameters' dtype.
 
     Inputs are ``[batch, seq, hidden]``, replicated on the group's ranks, ``batch >= 2`` (the two sub-batches are
-    its halves). Parameters: LayerNorms and the row-parallel biases whole on every rank; ``qkv``/``fc1`` weights
-    and biases by output rows, ``proj``/``fc2`` weights by input columns, as in :func:`fastdist.tp.parallelize`.
+    its halves). Parameters are named as :class:`GPTBlock`'s (``ln1.weight``, ``attn.qkv.weight``, ...): LayerNorms
+    and the row-parallel biases whole on every rank; ``qkv``/``fc1`` weights and biases by output rows,
+    ``proj``/``fc2`` weights by input columns, as in :func:`fastdist.tp.parallelize`. ``load_state_dict`` takes a
+    GPTBlock's ``state_dict`` (its full tensors are sharded) or this block's; :meth:`full_state_dict` gathers one a
+    GPTBlock loads.
     """
 
     def __init__(self, hidden: int, heads: int, group: dist.ProcessGroup | None = None, mlp_ratio: int = 4,
@@ -310,12 +326,16 @@ class OverlappedTransformerBlock(nn.Module):
         self.recompute = recompute
         f = {"device": device, "dtype": dtype}
         qkv_rows, mlp_rows = 3 * hidden // world, mlp_ratio * hidden // world
-        shapes = {"ln1_weight": (hidden,), "ln1_bias": (hidden,), "qkv_weight": (qkv_rows, hidden),
-                  "qkv_bias": (qkv_rows,), "proj_weight": (hidden, hidden // world), "proj_bias": (hidden,),
-                  "ln2_weight": (hidden,), "ln2_bias": (hidden,), "fc1_weight": (mlp_rows, hidden),
-                  "fc1_bias": (mlp_rows,), "fc2_weight": (hidden, mlp_rows), "fc2_bias": (hidden,)}
-        for name in _PARAMS:
-            self.register_parameter(name, nn.Parameter(torch.empty(shapes[name], **f)))
+        self.ln1 = _Weights((hidden,), (hidden,), f)
+        self.attn = nn.Module()
+        self.attn.qkv = _Weights((qkv_rows, hidden), (qkv_rows,), f)
+        self.attn.proj = _Weights((hidden, hidden // world), (hidden,), f)
+        self.ln2 = _Weights((hidden,), (hidden,), f)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = _Weights((mlp_rows, hidden), (mlp_rows,), f)
+        self.mlp.fc2 = _Weights((hidden, mlp_rows), (hidden,), f)
+        # A GPTBlock's full-size tensors load as this rank's shard of them.
+        self._register_load_state_dict_pre_hook(self._shard_full_tensors)
         check_same("OverlappedTransformerBlock config", (hidden, heads, mlp_ratio, eps, str(dtype)), group)
         self.reset_parameters()
 
@@ -332,30 +352,36 @@ class OverlappedTransformerBlock(nn.Module):
         self.load_full_block(full)
 
     def load_full_block(self, block: GPTBlock) -> None:
-        """Copies this rank's shard of a :class:`GPTBlock`'s parameters.
+        """Copies this rank's shard of a :class:`GPTBlock`'s parameters (``load_state_dict(block.state_dict())``).
 
         Args:
             block: the single-process block of the same sizes.
         """
-        t, r = self.world_size, self.rank
+        self.load_state_dict(block.state_dict())
 
-        def rows(w):
-            n = w.shape[0] // t
-            return w[r * n:(r + 1) * n]
+    def _shard_full_tensors(self, state_dict, prefix, *_):
+        for name, dim in _PARAMS.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if dim is None or value is None or value.shape == self.get_parameter(name).shape:
+                continue
+            if value.shape[dim] != self.get_parameter(name).shape[dim] * self.world_size:
+                continue  # neither the full tensor nor this rank's part: load_state_dict reports the mismatch
+            state_dict[key] = value.chunk(self.world_size, dim=dim)[self.rank]
 
-        def cols(w):
-            n = w.shape[1] // t
-            return w[:, r * n:(r + 1) * n]
-
-        src = {"ln1_weight": block.ln1.weight, "ln1_bias": block.ln1.bias,
-               "qkv_weight": rows(block.attn.qkv.weight), "qkv_bias": rows(block.attn.qkv.bias),
-               "proj_weight": cols(block.attn.proj.weight), "proj_bias": block.attn.proj.bias,
-               "ln2_weight": block.ln2.weight, "ln2_bias": block.ln2.bias,
-               "fc1_weight": rows(block.mlp.fc1.weight), "fc1_bias": rows(block.mlp.fc1.bias),
-               "fc2_weight": cols(block.mlp.fc2.weight), "fc2_bias": block.mlp.fc2.bias}
-        with torch.no_grad():
-            for name in _PARAMS:
-                getattr(self, name).copy_(src[name])
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole block's parameters, gathered from the group's ranks: a :class:`GPTBlock`'s ``state_dict``.
+        A collective."""
+        full = {}
+        for name, dim in _PARAMS.items():
+            part = self.get_parameter(name).detach()
+            if dim is None:
+                full[name] = part.clone()
+                continue
+            parts = [torch.empty_like(part) for _ in range(self.world_size)]
+            dist.all_gather(parts, part.contiguous(), group=self.group)
+            full[name] = torch.cat(parts, dim=dim)
+        return full
 
     @classmethod
     def from_block(cls, block: GPTBlock, group: dist.ProcessGroup | None = None,
@@ -384,7 +410,7 @@ class OverlappedTransformerBlock(nn.Module):
             raise ValueError(f"fastdist: OverlappedTransformerBlock splits the batch into two sub-batches; it needs "
                              f"batch >= 2, got {x.shape[0]}")
         meta = (self.group, self.head_dim, self.eps, self.recompute)
-        return _OasesBlockFn.apply(x, meta, *[getattr(self, n) for n in _PARAMS])
+        return _OasesBlockFn.apply(x, meta, *[self.get_parameter(n) for n in _PARAMS])
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads}, mlp_ratio={self.mlp_ratio}, world_size={self.world_size}, "
