@@ -8,7 +8,7 @@ from user_models_on_ranks import USER_MODELS
 
 JOBS = {
     2: [["mlp", "mlp_sp", "gather_split", "collectives", "bad_shapes", "auto_chunks", "oases_block",
-         "parallelized_block", "block_counts", "oases_order", "calibrate", "refusals", "oases_state_dict",
+         "parallelized_block", "block_counts", "oases_order", "calibrate", "calibration_cache", "refusals", "oases_state_dict",
          *(f"user_model:{name}" for name in USER_MODELS)], ["token_mismatch"], ["compiled"]],
     4: [["mlp", "mlp_sp", "gather_split", "oases_block", "parallelized_block", "user_model:nanogpt"]],
 }

@@ -106,10 +106,34 @@ def test_cost_model_state_dict_round_trips():
     assert copy.gemm_time(4, 8, 8) == 1e-5
 
 
+class _FixedPredictions(CostModel):
+    """A calibrated model whose T(k) are given: what choose_chunks decides from them."""
+
+    def __init__(self, predicted, error):
+        super().__init__(alpha=1e-6, beta=1e9, gemm_rate=1e9, world_size=2, error=error)
+        self.predicted = predicted
+
+    def predict(self, op, k):
+        return self.predicted[k]
+
+
+@pytest.mark.parametrize(("predicted", "error", "chosen"), [
+    ({1: 1.00, 2: 0.97, 4: 0.96, 8: 0.99}, 0.05, 1),   # a 4% gain inside a 5% error: the plain path
+    ({1: 1.00, 2: 0.97, 4: 0.96, 8: 0.99}, 0.00, 2),   # no error: the fewest chunks within 3% of the best
+    ({1: 1.00, 2: 0.80, 4: 0.70, 8: 0.72}, 0.10, 4),   # a 30% gain beyond a 10% error: split
+    ({1: 1.00, 2: 0.80, 4: 0.70, 8: 0.72}, 0.20, 2),   # within 20% of the best, 2 chunks do
+    ({1: 1.00, 2: 0.80, 4: 0.70, 8: 0.72}, 0.50, 1),   # the model cannot tell a 30% gain from its error
+])
+def test_choose_chunks_takes_a_split_only_when_its_predicted_gain_exceeds_the_measured_error(predicted, error,
+                                                                                             chosen):
+    assert _FixedPredictions(predicted, error).choose_chunks((1024, 512, 256)) == chosen
+
+
 def test_calibration_gives_every_rank_the_same_positive_model(tp_ranks):
     (state0, text), (state1, _) = tp_ranks(2, "calibrate")
     assert state0 == state1
     assert state0["alpha"] > 0 and state0["beta"] > 0 and state0["gemm_rate"] > 0
+    assert state0["error"] > 0  # measured: the prediction misses and the samples' spread
     rows, _, out_features = CALIBRATION_SHAPE
     compute = dict(state0["comm_compute_table"])  # S at the 2-, 4-, 8-way chunks' float32 output bytes
     assert sorted(compute) == sorted(-(-rows // k) * out_features * 4 for k in CHUNK_CHOICES[1:])
@@ -163,3 +187,13 @@ def test_plan_solves_a_48_layer_model_in_under_a_second():
     p = plan(config, 16, 160e9, max_degree=8)
     assert time.perf_counter() - start < 1.0
     assert len(p.degrees) == 96 and p.solve_s < 1.0
+
+
+def test_calibration_is_cached_in_a_file_keyed_by_hardware_and_shapes(tp_ranks):
+    for got in tp_ranks(2, "calibration_cache"):
+        # measured and saved; the same calibration again: loaded, not measured; another calibration: measured
+        assert got["sources"] == ["measured", "cache", "measured"]
+        assert got["again"] == got["first"] and got["loaded"] == got["first"]
+        key = got["first"]["key"]
+        assert key.startswith("gloo | ") and "| 2 ranks |" in key and f"shapes [{list(CALIBRATION_SHAPE)}]" in key
+        assert got["keys"] == sorted([key, got["other_key"]]) and got["other_key"] != key

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from fastdist.tp import chunk_bounds
 from fastdist.tp.cost import UNCALIBRATED_CHUNKS
+from fastdist.tp.linear import UNCALIBRATED_AUTO_WARNING
 from helpers import assert_close
 from tp_on_ranks import (CHUNKS, COLLECTIVES_FEATURES, COLLECTIVES_ROWS, TOLERANCE, gather_split_case, mlp_case,
                          shard)
@@ -104,6 +105,9 @@ def test_bad_shapes_raise_clear_errors(tp_ranks):
 def test_auto_chunks_default_to_four_and_a_cross_rank_disagreement_raises_on_every_rank(tp_ranks):
     for r in tp_ranks(2, "auto_chunks"):
         assert r["uncalibrated"] == UNCALIBRATED_CHUNKS and r["few_rows"] == 3  # never more chunks than rows
+        # the unmeasured default is said, once, with what to do instead
+        assert r["uncalibrated_warnings"] == [UNCALIBRATED_AUTO_WARNING]
+        assert "no calibrated cost model" in UNCALIBRATED_AUTO_WARNING and "cache=" in UNCALIBRATED_AUTO_WARNING
         assert r["mismatch"] is not None and "overlap_chunks for 64 rows" in r["mismatch"]
 
 

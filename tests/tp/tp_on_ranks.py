@@ -4,7 +4,11 @@
 Each rank-side function returns plain values (tensors, records, messages) and asserts nothing: the tests compare
 them with what the single-process layers compute from the same seeded inputs (the ``*_case`` functions, which
 both sides call)."""
+import json
+import os
+import tempfile
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -157,7 +161,10 @@ def auto_chunks():
     rank = dist.get_rank()
     out = {}
     row = RowParallelLinear(8, 8, None, overlap_chunks="auto")
-    row(torch.randn(10, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row(torch.randn(10, 4))
+    out["uncalibrated_warnings"] = [str(w.message) for w in caught]
     out["uncalibrated"] = row.chunks_for(10)
     row(torch.randn(3, 4))
     out["few_rows"] = row.chunks_for(3)
@@ -349,6 +356,27 @@ def calibrated_model_state():
     return model.state_dict(), repr(model)
 
 
+def calibration_cache():
+    """Sources, states and the file's keys of models calibrated with a cache file: measured, then loaded, then
+    another calibration's measured and added beside it."""
+    path = os.path.join(tempfile.gettempdir(), f"fastdist-tp-cost-{os.environ['MASTER_PORT']}.json")
+    kwargs = {"shapes": (CALIBRATION_SHAPE,), "sizes": [4096, 65536], "reps": 2}
+    try:
+        first = CostModel.calibrate(None, cache=path, **kwargs)
+        again = CostModel.calibrate(None, cache=path, **kwargs)
+        other = CostModel.calibrate(None, cache=path, **{**kwargs, "sizes": [4096]})
+        dist.barrier()
+        with open(path) as f:
+            keys = sorted(json.load(f)["models"])
+        loaded = CostModel.load(path, first.key)
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0 and os.path.exists(path):
+            os.remove(path)
+    return {"sources": [first.source, again.source, other.source], "first": first.state_dict(),
+            "again": again.state_dict(), "loaded": loaded.state_dict(), "keys": keys, "other_key": other.key}
+
+
 # ---- the runner ----
 
 ON_RANKS = {
@@ -364,6 +392,7 @@ ON_RANKS = {
     "block_counts": block_collective_counts,
     "oases_order": oases_issue_order,
     "calibrate": calibrated_model_state,
+    "calibration_cache": calibration_cache,
     "token_mismatch": token_mismatch,
     "compiled": compiled_against_eager,
     **USER_MODELS_ON_RANKS,

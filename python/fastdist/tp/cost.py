@@ -17,13 +17,27 @@ occupy SMs and HBM bandwidth. :meth:`calibrate` measures ``S`` at the calibratio
 sizes by running its chunked pipeline (a table; interpolated, proportional past it). So chunking hides only the
 collective's waiting, never its work, and on a fast link less than the extra chunks cost: the model then keeps
 ``k = 1``. The best possible gain is
-``(G + C) / max(G, C) <= 2``. :meth:`CostModel.choose_chunks` picks the fewest ``k`` from {1, 2, 4, 8}
-within 3% of the least ``T(k)``; uncalibrated, it returns 4 (TransformerEngine's default too).
+``(G + C) / max(G, C) <= 2``.
+
+:meth:`CostModel.choose_chunks` takes a split only when its predicted gain exceeds the model's error: the fewest
+``k`` from {1, 2, 4, 8} predicted within ``max(3%, error)`` of the least ``T(k)``, so ``k = 1`` (the plain,
+Megatron-style path) unless chunking promises more than the model can tell apart. ``error`` is measured by
+:meth:`calibrate`: the largest relative difference between the model's prediction and the calibration shape's
+measured pipeline at k = 1, 2, 4, 8, or the measurements' own spread (their interquartile range over the median),
+whichever is larger; a calibration taken on a loaded machine is noisy, and then keeps ``k = 1`` unless the gain is
+large. Uncalibrated, ``choose_chunks`` returns 4 (TransformerEngine's default too), and the linears warn.
 
 Calibration times every measurement on every rank and keeps the slowest rank's median, so all ranks hold the
-same model and make the same choices (the linears also check that with a fingerprint exchange).
+same model and make the same choices (the linears also check that with a fingerprint exchange). It is a step of
+its own, cacheable: ``calibrate(cache="tp-cost.json")`` loads the model measured for this hardware and these
+shapes (:func:`calibration_key`) from the file when it is there, and measures and adds it otherwise.
 """
 import dataclasses
+import json
+import os
+import platform
+import statistics
+import tempfile
 
 import numpy as np
 import torch
@@ -31,13 +45,15 @@ import torch.distributed as dist
 
 from fastdist.distributed.timing import all_max, time_ranks
 from fastdist.tp.chunks import chunk_bounds
+from fastdist.tp.comm import collective_device
 
-__all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "default_cost_model", "set_default_cost_model"]
+__all__ = ["CHUNK_CHOICES", "CostModel", "TPOp", "calibration_key", "default_cost_model", "set_default_cost_model"]
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 UNCALIBRATED_CHUNKS = 4
-# choose_chunks takes the fewest chunks predicted within this fraction of the best: a split that promises less
-# is inside the model's error and adds messages whose latency varies.
+# choose_chunks takes the fewest chunks predicted within this fraction of the best (or within the model's measured
+# error, when larger): a split that promises less is inside the model's error and adds messages whose latency
+# varies.
 CHUNK_TOLERANCE = 0.03
 
 
@@ -72,13 +88,18 @@ class CostModel:
         allreduce_table: all-reduced bytes -> seconds, measured on ``world_size`` ranks.
         comm_compute_table: all-reduced bytes -> the compute seconds the all-reduce takes from a GEMM beside it.
         world_size: the ranks the tables were measured on.
+        error: the model's relative error, as measured by :meth:`calibrate`: a split is taken only when its
+            predicted gain exceeds it.
+        key: what the model was measured for (:func:`calibration_key`; None when not calibrated here).
 
-    Without ``alpha``, ``beta`` and ``gemm_rate`` the model is uncalibrated and chooses 4 chunks.
+    Without ``alpha``, ``beta`` and ``gemm_rate`` the model is uncalibrated and chooses 4 chunks. ``source`` says
+    where a calibrated model came from: ``"measured"`` or ``"cache"``.
     """
 
     def __init__(self, alpha: float | None = None, beta: float | None = None, gemm_overhead: float = 0.0,
                  gemm_rate: float | None = None, gemm_table: dict | None = None, allreduce_table: dict | None = None,
-                 comm_compute_table: dict | None = None, world_size: int | None = None):
+                 comm_compute_table: dict | None = None, world_size: int | None = None, error: float = 0.0,
+                 key: str | None = None):
         self.alpha = alpha                  # seconds per ring step
         self.beta = beta                    # bytes per second per link
         self.gemm_overhead = gemm_overhead  # lambda: seconds per GEMM launch
@@ -89,6 +110,10 @@ class CostModel:
         # all-reduced bytes -> compute seconds that all-reduce takes from a GEMM beside it (S); empty: free
         self.comm_compute_table = {int(b): float(v) for b, v in (comm_compute_table or {}).items()}
         self.world_size = world_size
+        self.error = float(error)
+        self.key = key
+        self.source = None
+        self.samples = None
         self._chosen = {}
 
     @property
@@ -164,8 +189,9 @@ class CostModel:
             dtype: the GEMM's dtype.
 
         Returns:
-            The fewest chunks from ``CHUNK_CHOICES`` (at most ``rows``) predicted within ``CHUNK_TOLERANCE`` of
-            the best; 4 (at most ``rows``) when uncalibrated. Remembered per shape.
+            The fewest chunks from ``CHUNK_CHOICES`` (at most ``rows``) predicted within ``max(CHUNK_TOLERANCE,
+            error)`` of the best, so 1 unless a split's predicted gain exceeds the model's error; 4 (at most
+            ``rows``) when uncalibrated. Remembered per shape.
         """
         rows = int(shape[0])
         t = world_size or self.world_size or 2
@@ -179,7 +205,7 @@ class CostModel:
             candidates = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
             predicted = {kk: self.predict(tp_op, kk) for kk in candidates}
             best = min(predicted.values())
-            k = min(kk for kk in candidates if predicted[kk] <= best * (1 + CHUNK_TOLERANCE))
+            k = min(kk for kk in candidates if predicted[kk] <= best * (1 + max(CHUNK_TOLERANCE, self.error)))
         self._chosen[key] = k
         return k
 
@@ -188,10 +214,11 @@ class CostModel:
     @classmethod
     def calibrate(cls, group: dist.ProcessGroup | None = None,
                   shapes: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024),), sizes: list[int] | None = None,
-                  reps: int = 5, dtype: torch.dtype = torch.float32) -> "CostModel":
+                  reps: int = 5, dtype: torch.dtype = torch.float32,
+                  cache: str | os.PathLike | None = None) -> "CostModel":
         """Measures this machine: all-reduce times (fit alpha, beta), GEMM times of every shape and of its row
-        chunks (the table, and a fit of lambda and the rate), and the first shape's chunked pipeline for k = 2, 4,
-        8 (the compute an all-reduce of each chunk size takes from the GEMM beside it).
+        chunks (the table, and a fit of lambda and the rate), and the first shape's chunked pipeline for k = 1, 2,
+        4, 8 (the compute an all-reduce of each chunk size takes from the GEMM beside it, and the model's error).
 
         A collective: every rank of ``group`` must call it; all get the same model (the slowest rank's figures).
 
@@ -202,20 +229,40 @@ class CostModel:
                 chunks).
             reps: timed repetitions per measurement (after a warm-up); the median is kept.
             dtype: the GEMMs' and all-reduces' dtype.
+            cache: a JSON file of calibrated models keyed by :func:`calibration_key`: the model for this hardware
+                and these arguments is loaded from it when present (group rank 0 reads the file and sends the model
+                to the others), else measured and added to it (by group rank 0). None: always measure.
 
         Returns:
-            The calibrated model; its ``samples`` attribute holds the raw measurements.
+            The calibrated model; ``source`` is ``"cache"`` or ``"measured"``, and a measured model's ``samples``
+            holds the raw measurements.
         """
         world = dist.get_world_size(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-            else torch.device("cpu")
+        device = collective_device(group)
         elem = torch.tensor([], dtype=dtype).element_size()
         if sizes is None:
             chunk_bytes = {-(-rows // k) * n_out * elem for rows, _, n_out in shapes for k in CHUNK_CHOICES}
             sizes = sorted({1 << 14, 1 << 16} | chunk_bytes)
+        key = calibration_key(group, shapes, sizes, dtype)
+        first_rank = dist.get_global_rank(group, 0) if group is not None else 0
+        if cache is not None:
+            cached = [None]
+            if dist.get_rank() == first_rank:
+                found = cls.load(cache, key)
+                cached[0] = None if found is None else found.state_dict()
+            dist.broadcast_object_list(cached, src=first_rank, group=group)
+            if cached[0] is not None:
+                model = cls()
+                model.load_state_dict(cached[0])
+                model.source = "cache"
+                return model
+        samples = {}
 
-        def timed(fn):  # this rank's median after one warm-up; the slowest rank's figures are taken below
-            return time_ranks(fn, reps, device=device, group=group, slowest=False).median
+        def timed(fn, label=None):  # this rank's median after one warm-up; the slowest rank's figures are taken below
+            timing = time_ranks(fn, reps, device=device, group=group, slowest=False)
+            if label is not None:
+                samples[label] = list(timing.samples)
+            return timing.median
 
         raw = []
         for nbytes in sizes:
@@ -243,7 +290,7 @@ class CostModel:
         model = cls(alpha=alpha, beta=beta, gemm_overhead=max(launch_overhead, 0.0),
                     gemm_rate=1.0 / max(inv_rate, 1e-18),
                     gemm_table=dict(zip(table_keys, gemm_raw)), allreduce_table=dict(zip(sizes, raw)),
-                    world_size=world)
+                    world_size=world, key=key)
         # S, what an all-reduce takes from the GEMM beside it: the first shape's GEMM in k = 2, 4, 8 chunks, each
         # chunk's all-reduce started after its GEMM as the linears run them. Where the GEMMs dominate,
         # T(k) = k g + (k - 1) s + c, so s = (T(k) - k g - c) / (k - 1) at the chunk's bytes; where the
@@ -252,7 +299,7 @@ class CostModel:
         x = torch.randn(rows, k_in, dtype=dtype, device=device)
         w = torch.randn(n_out, k_in, dtype=dtype, device=device)
         piped = []
-        for k in CHUNK_CHOICES[1:]:
+        for k in CHUNK_CHOICES:
             def pipeline(bounds=chunk_bounds(rows, k)):
                 out = x.new_empty(rows, n_out)  # a fresh output, as the linears allocate (and fault in) theirs
                 pending = []
@@ -262,15 +309,55 @@ class CostModel:
                 for work in pending:
                     work.wait()
 
-            piped.append(timed(pipeline))
-        for k, t_k in zip(CHUNK_CHOICES[1:], all_max(piped, device, group)):
+            piped.append(timed(pipeline, label=k))
+        spreads = [_relative_spread(samples[k]) for k in CHUNK_CHOICES]
+        measured = all_max(piped + spreads, device, group)
+        piped, spread = dict(zip(CHUNK_CHOICES, measured[:len(piped)])), max(measured[len(piped):])
+        for k in CHUNK_CHOICES[1:]:
             m = -(-rows // k)
             nbytes = m * n_out * elem
             g, c = model.gemm_time(m, k_in, n_out, dtype), model.allreduce_time(nbytes)
-            model.comm_compute_table[nbytes] = max((t_k - k * g - c) / (k - 1), 0.0)
+            model.comm_compute_table[nbytes] = max((piped[k] - k * g - c) / (k - 1), 0.0)
+        # The error: how far the model misses the pipeline it was fitted beside (k = 1 is not part of the fit), or
+        # how much the measurements themselves vary, whichever is larger.
+        op = TPOp("row", rows, k_in, n_out, world, dtype)
+        misses = [abs(model.predict(op, k) - piped[k]) / piped[k] for k in CHUNK_CHOICES]
+        model.error = max(max(misses), spread)
+        model.source = "measured"
         model.samples = {"allreduce_bytes": list(sizes), "allreduce_s": raw, "gemm": list(zip(table_keys, gemm_raw)),
-                         "pipeline_s": dict(zip(CHUNK_CHOICES[1:], piped)),
+                         "pipeline_s": piped, "pipeline_spread": spread, "prediction_misses": misses,
                          "allreduce_compute_s": sorted(model.comm_compute_table.items())}
+        if cache is not None and dist.get_rank() == first_rank:
+            model.save(cache)
+        return model
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Adds this model to the JSON file of calibrated models at ``path`` under its :attr:`key` (replacing the
+        entry of the same key; written whole to a temporary file and renamed, so a reader never sees half of it).
+
+        Raises:
+            ValueError: the model has no key (it was not made by :meth:`calibrate`).
+        """
+        if self.key is None:
+            raise ValueError("fastdist: CostModel.save needs a model made by CostModel.calibrate (its key says which "
+                             "hardware and shapes it was measured for)")
+        models = _read_models(path)
+        models[self.key] = self.state_dict()
+        folder = os.path.dirname(os.path.abspath(path))
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            json.dump({"models": models}, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, key: str) -> "CostModel | None":
+        """The model stored under ``key`` (:func:`calibration_key`) in the JSON file at ``path``; None when the file
+        or the entry is missing."""
+        state = _read_models(path).get(key)
+        if state is None:
+            return None
+        model = cls()
+        model.load_state_dict(state)
+        model.source = "cache"
         return model
 
     # ---- state ----
@@ -278,7 +365,7 @@ class CostModel:
     def state_dict(self) -> dict:
         """The model and the chunk counts chosen so far, as plain data."""
         return {"alpha": self.alpha, "beta": self.beta, "gemm_overhead": self.gemm_overhead,
-                "gemm_rate": self.gemm_rate, "world_size": self.world_size,
+                "gemm_rate": self.gemm_rate, "world_size": self.world_size, "error": self.error, "key": self.key,
                 "gemm_table": [list(k) + [v] for k, v in sorted(self.gemm_table.items())],
                 "allreduce_table": [[b, v] for b, v in sorted(self.allreduce_table.items())],
                 "comm_compute_table": [[b, v] for b, v in sorted(self.comm_compute_table.items())],
@@ -289,6 +376,7 @@ class CostModel:
         self.alpha, self.beta = state["alpha"], state["beta"]
         self.gemm_overhead, self.gemm_rate = state["gemm_overhead"], state["gemm_rate"]
         self.world_size = state["world_size"]
+        self.error, self.key = float(state.get("error", 0.0)), state.get("key")
         self.gemm_table = {(int(m), int(k), int(n), dt): float(v) for m, k, n, dt, v in state["gemm_table"]}
         self.allreduce_table = {int(b): float(v) for b, v in state["allreduce_table"]}
         self.comm_compute_table = {int(b): float(v) for b, v in state["comm_compute_table"]}
@@ -299,13 +387,58 @@ class CostModel:
             return "CostModel(uncalibrated: choose_chunks -> 4)"
         return (f"CostModel(alpha={self.alpha * 1e6:.1f}us, beta={self.beta / 1e9:.3f}GB/s, "
                 f"gemm_rate={self.gemm_rate / 1e9:.1f}GFLOP/s, lambda={self.gemm_overhead * 1e6:.1f}us, "
-                f"{len(self.gemm_table)} measured GEMMs, all-reduce compute {self._compute_summary()})")
+                f"{len(self.gemm_table)} measured GEMMs, all-reduce compute {self._compute_summary()}, "
+                f"error {self.error:.1%})")
 
     def _compute_summary(self):
         if not self.comm_compute_table:
             return "none"
         b = max(self.comm_compute_table)
         return f"{self.comm_compute_table[b] * 1e3:.2f} ms at {b / 2**20:g} MiB"
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibration_key(group: dist.ProcessGroup | None, shapes: tuple[tuple[int, int, int], ...], sizes: list[int],
+                    dtype: torch.dtype) -> str:
+    """What a calibration was measured for, as one string: the hardware (backend, GPU or CPU model, torch threads,
+    ranks, torch version) and the calibration's shapes, all-reduce sizes and dtype. A cached model is used only
+    for an equal key; the link between the ranks is not part of it (a changed network needs a new cache file).
+
+    Args:
+        group: the tensor-parallel process group (None: the default group).
+        shapes, sizes, dtype: as for :meth:`CostModel.calibrate` (``sizes`` resolved).
+    """
+    backend = dist.get_backend(group)
+    device = torch.cuda.get_device_name() if backend == "nccl" else _cpu_name()
+    return (f"{backend} | {device} | {torch.get_num_threads()} threads | {dist.get_world_size(group)} ranks | "
+            f"torch {torch.__version__} | shapes {[list(s) for s in shapes]} | sizes {list(sizes)} | {dtype}")
+
+
+def _read_models(path):
+    """{key: state} of the JSON file of calibrated models at ``path`` ({} when there is none)."""
+    try:
+        with open(path) as f:
+            return json.load(f).get("models", {})
+    except FileNotFoundError:
+        return {}
+
+
+def _relative_spread(samples):
+    """The interquartile range of ``samples`` over their median (0 for fewer than 2)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / median if median > 0 else 0.0
 
 
 def _interpolate(table, sizes, nbytes):
