@@ -168,8 +168,7 @@ def _data(task, config):
 
 
 def run(args: argparse.Namespace) -> dict | None:
-    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
-    other torchrun ranks)."""
+    """Runs the suite in this process; prints the header and table; returns the JSON payload."""
     tasks, rows = args.tasks, args.rows
     config = {"tasks": tasks, "rows": rows, "epochs": args.epochs, "train": args.train, "seed": args.seed}
     with report.torch_threads(args.threads):

@@ -89,11 +89,6 @@ class ZipfMarkovCorpus:
         succ[order] = _draw(self._cdf, ends - flow[order] / 2)
         return succ.view(self.vocab, self.successors)
 
-    def config(self):
-        """The constructor arguments that rebuild this language."""
-        return {"vocab": self.vocab, "exponent": self.exponent, "successors": self.successors,
-                "follow": self.follow, "seed": self.seed}
-
     # --- sampling --------------------------------------------------------------------------------------
 
     def sample(self, batch, length, generator):

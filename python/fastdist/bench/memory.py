@@ -289,8 +289,8 @@ def _run_child(spec, timeout):
 
 
 def run(args: argparse.Namespace) -> dict | None:
-    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
-    other torchrun ranks)."""
+    """Runs the suite in this process (each configuration in a child); prints the header and tables; returns the
+    JSON payload."""
     models, configs = args.models, _configurations(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

@@ -83,18 +83,6 @@ def _config_from(args):
             "seed": args.seed, "measure_tx": False}
 
 
-def _require_sketch_ops(methods):
-    wanted = sorted(SKETCH_METHODS & set(methods))
-    if not wanted:
-        return
-    from fastdist import ops
-    missing = [name for name in ("nonzero_bitmap", "count_sketch", "count_sketch_decode") if not hasattr(ops, name)]
-    if missing:
-        raise SystemExit(f"fastdist-bench sparse: {', '.join(wanted)} need the sketch ops, which this build lacks "
-                         f"(fastdist.ops.{', fastdist.ops.'.join(missing)}); rebuild fastdist, or leave them "
-                         f"out with --methods")
-
-
 # --- one rank --------------------------------------------------------------------------------------
 
 class _Gradient:
@@ -246,7 +234,6 @@ def bench_rank(config: dict) -> Any:
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
     config = _config_from(args)
-    _require_sketch_ops(config["methods"])
     launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
     if launch.result is None:
         return None

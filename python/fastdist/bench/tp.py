@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from fastdist import netsim
 from fastdist.bench import report
-from fastdist.bench.launch import pin_to_core, run_ranks
+from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, shape_type, time_fn,
                                      together, up_to)
 
@@ -48,14 +48,10 @@ BLOCK_VARIANTS = ["megatron", "chunked", "oases", "megatron+recompute", "chunked
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the suite's options to `p`."""
-    p.add_argument("--ranks", type=at_least(1), default=2, help="tensor-parallel ranks, one core each (default 2)")
-    p.add_argument("--net", default="auto",
-                   help="'auto' (rate where all-reduce time = GEMM time, times each --rate-multipliers), "
-                        "'loopback', or a rate such as 1gbit")
+    add_launch_arguments(p, timeout=1800.0)  # one core per rank
+    p.set_defaults(ranks=2, net="auto")
     p.add_argument("--rate-multipliers", type=comma_list(up_to(math.inf)), default="1,10",
-                   help="with --net auto: multiples of the balanced rate")
-    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is aborted")
+                   help="with --net auto: links at these multiples of the rate where all-reduce time = GEMM time")
     p.add_argument("--op-shape", type=shape_type(3), default="2048,2048,1024",
                    help="row op M,K,N (full K; default 2048,2048,1024)")
     p.add_argument("--block", type=shape_type(4), default="768,12,128,8",
@@ -100,9 +96,7 @@ def _op_variants(config, model):
                                                cost_model=model if k == "auto" else None) for k in OP_KS}
     x = torch.randn(m, layers[1].in_per_rank)
 
-    def run(layer):
-        """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
-        other torchrun ranks)."""
+    def forward_of(layer):
         def call():
             with torch.no_grad():
                 layer(x)
@@ -118,7 +112,7 @@ def _op_variants(config, model):
                 torch.matmul(x[start:stop], weight_t, out=out[start:stop])
         return call
 
-    variants = {f"k={k}": run(layer) for k, layer in layers.items()}
+    variants = {f"k={k}": forward_of(layer) for k, layer in layers.items()}
     variants.update({f"gemm k={k}": gemm_only(k) for k in GEMM_ONLY_KS})
     return variants, layers["auto"].chunks_for(m)
 
