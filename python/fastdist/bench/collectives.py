@@ -95,10 +95,11 @@ class Case:
         elif name in ("all_to_all", "all_to_all_uneven"):
             # uneven: rank s sends weight(s, d) units to rank d, weights 1..n: every rank still sends and
             # receives n(n+1)/2 units in all, but no two of its chunks to distinct peers are equal.
-            if name == "all_to_all":
-                weight = lambda s, d: 1  # noqa: E731
-            else:
-                weight = lambda s, d: 1 + (s + d) % n  # noqa: E731
+            uneven = name == "all_to_all_uneven"
+
+            def weight(s, d):
+                return 1 + (s + d) % n if uneven else 1
+
             total_w = sum(weight(r, d) for d in range(n))
             unit = max(1, count // total_w)
             send = [weight(r, d) * unit for d in range(n)]
