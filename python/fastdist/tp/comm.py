@@ -105,6 +105,22 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+_host_groups = {}
+
+
+def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A process group over ``group``'s ranks whose collectives take CPU tensors, for small checks read on the
+    host: ``group`` itself when it is gloo's; otherwise a gloo group over the same ranks, created on the first call
+    for ``group`` (a collective over its ranks), so that reading a check never waits for the GPU."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    key = group if group is not None else dist.group.WORLD
+    if key not in _host_groups:
+        ranks = dist.get_process_group_ranks(key)
+        _host_groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _host_groups[key]
+
+
 def compiling() -> bool:
     """True while ``torch.compile`` traces the caller (the collectives are then functional)."""
     return torch.compiler.is_compiling()

@@ -121,10 +121,9 @@ class _TokenCheck:
 
     def __init__(self, layer, rows, problem):
         self.layer, self.problem = layer, problem
-        device = comm.collective_device(layer.group)
-        self._mine = torch.tensor([rows if problem is None else -1], dtype=torch.int64, device=device)
-        self._all = torch.empty(layer.world_size, dtype=torch.int64, device=device)
-        self._work = all_gather_single(self._all, self._mine, group=layer.group, async_op=True)
+        self._mine = torch.tensor([rows if problem is None else -1], dtype=torch.int64)
+        self._all = torch.empty(layer.world_size, dtype=torch.int64)
+        self._work = all_gather_single(self._all, self._mine, group=layer.host_group, async_op=True)
 
     def verify(self):
         if self._work is None:
@@ -350,6 +349,7 @@ class _ParallelLinear(nn.Module):
         self.cost_model = cost_model
         self._kind = kind
         self._chunks_by_rows = {}
+        self.host_group = comm.host_group(group)  # where each call's token counts are exchanged (CPU tensors)
         check_same(f"{type(self).__name__} config",
                    (in_features, out_features, str(overlap_chunks), self.sequence_parallel, bias, str(dtype)), group)
 
