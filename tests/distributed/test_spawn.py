@@ -1,12 +1,21 @@
 """fastdist.distributed.spawn: the local multi-rank runner."""
+import json
+import math
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import spawn_programs
+from fastdist import netsim
 from fastdist.distributed import RankError, spawn
+
+PROGRAMS = spawn_programs.__file__
 
 
 def _report_environment():
@@ -114,3 +123,158 @@ def test_bad_world_size_is_rejected_before_starting_anything():
     with pytest.raises(ValueError, match="world_size"):
         spawn(_report_environment, 0)
 
+
+
+def _ends_by_destroying_the_process_group():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()  # as torchrun scripts end
+    return t.item()
+
+
+def test_a_function_that_destroys_the_process_group_itself_returns_its_result():
+    assert spawn(_ends_by_destroying_the_process_group, 2, timeout=120) == [2.0, 2.0]
+
+
+def _last_rank_exits_0_while_the_others_wait():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        os._exit(0)
+    dist.barrier()  # fails on the others once the last rank is gone
+    time.sleep(600)
+
+
+def test_a_rank_that_exits_0_without_a_result_is_named_rather_than_the_ranks_its_exit_broke():
+    for _ in range(3):  # which report reaches the parent first varies from run to run
+        with pytest.raises(RankError) as info:
+            spawn(_last_rank_exits_0_while_the_others_wait, 4, timeout=120)
+        assert info.value.rank == 3, str(info.value)
+        assert "exited with code 0 without reporting" in str(info.value)
+
+
+def _starts_a_sleep_then_rank1_raises(pid_dir):
+    sleep = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(pid_dir, f"sleep{dist.get_rank()}"), "w") as f:
+        f.write(str(sleep.pid))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 fails while its child process runs")
+    time.sleep(600)
+
+
+def _gone(pid):
+    """The process `pid` has exited (a zombie waiting for a parent that does not reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids, seconds):
+    """The pids of `pids` still running after `seconds` (polled)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+def test_the_child_processes_of_a_failed_rank_are_killed_with_it(tmp_path):
+    with pytest.raises(RankError, match="rank 1 fails while its child process runs"):
+        spawn(_starts_a_sleep_then_rank1_raises, 2, str(tmp_path), timeout=120)
+    sleeps = [int((tmp_path / f"sleep{r}").read_text()) for r in range(2)]
+    assert _wait_gone(sleeps, 5.0) == []
+
+
+def _children(pid):
+    """The pids of `pid`'s child processes, leaving out multiprocessing's resource tracker."""
+    children = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                tracker = b"resource_tracker" in f.read()
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            continue
+        if ppid == pid and not tracker:
+            children.append(int(entry))
+    return children
+
+
+def _kill_parent_while_ranks_start(mode, log_dir):
+    """Runs spawn_programs.py `mode`, SIGKILLs it as soon as its 2 ranks exist (they are still starting: the
+    import of torch alone takes longer), and returns (the rank pids, what the program printed first)."""
+    log = log_dir / "parent.stderr"
+    with open(log, "w") as stderr:  # a file, not a pipe: ranks that outlive the parent would hold a pipe open
+        parent = subprocess.Popen([sys.executable, PROGRAMS, mode], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    with parent.stdout:
+        first_line = parent.stdout.readline() if mode == "netsim" else ""
+    deadline = time.monotonic() + 120
+    ranks = []
+    while len(ranks) < 2 and time.monotonic() < deadline and parent.poll() is None:
+        ranks = _children(parent.pid)
+        time.sleep(0.01)
+    parent.kill()
+    parent.wait(timeout=30)
+    assert len(ranks) == 2, f"the ranks never started:\n{log.read_text()}"
+    return ranks, first_line
+
+
+def test_ranks_die_with_a_parent_killed_while_they_start(tmp_path):
+    ranks, _ = _kill_parent_while_ranks_start("sleep", tmp_path)
+    assert _wait_gone(ranks, 10.0) == []
+
+
+@pytest.mark.netsim
+def test_ranks_on_a_simulated_cluster_die_with_a_killed_parent_and_cleanup_leaves_no_namespace(tmp_path):
+    ranks, first_line = _kill_parent_while_ranks_start("netsim", tmp_path)
+    tag = json.loads(first_line)
+    assert _wait_gone(ranks, 10.0) == []
+    netsim.cleanup()
+    assert not [n for n in netsim.list_namespaces() if n.startswith(tag + "-")]
+
+
+def _tail_after_exception(stderr, exception_name):
+    """What the last `exception_name` raised in a process said (the end of its stderr, from its name on)."""
+    at = stderr.rfind(exception_name + ":")
+    assert at >= 0, stderr
+    return stderr[at:]
+
+
+def test_a_main_module_without_the_main_guard_gets_an_error_saying_to_add_it():
+    script = os.path.join(os.path.dirname(PROGRAMS), "spawn_unguarded_main.py")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    message = _tail_after_exception(run.stderr, "RankError")
+    assert 'if __name__ == "__main__":' in message and "spawn_unguarded_main.py" in message
+
+
+def test_a_function_defined_in_code_run_from_stdin_gets_an_error_saying_to_put_it_in_a_file():
+    code = "from fastdist.distributed import spawn\ndef rank_fn():\n    return 1\nspawn(rank_fn, 2, timeout=120)\n"
+    run = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    message = _tail_after_exception(run.stderr, "ValueError")
+    assert "rank_fn" in message and "stdin" in message and ".py file" in message
+
+
+def test_an_importable_function_spawned_by_code_run_from_stdin_runs():
+    code = (f"import json, sys\nsys.path.insert(0, {os.path.dirname(PROGRAMS)!r})\nimport spawn_programs\n"
+            "from fastdist.distributed import spawn\n"
+            "print(json.dumps(spawn(spawn_programs.sleep_then_return_pid, 2, 0.0, timeout=120)))\n")
+    run = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    pids = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(set(pids)) == 2
+
+
+def test_timeout_none_means_no_limit():
+    assert spawn(_echo_args, 2, 1, 2, timeout=None) == [(0, 3), (1, 3)]
+
+
+@pytest.mark.parametrize("timeout, error", [
+    (math.inf, ValueError), (math.nan, ValueError), (-1.0, ValueError), (0, ValueError),
+    ("60", TypeError), (True, TypeError),
+])
+def test_a_timeout_that_is_not_a_positive_finite_number_or_none_is_a_clear_error(timeout, error):
+    with pytest.raises(error, match="spawn: timeout must be"):
+        spawn(_echo_args, 2, 1, 2, timeout=timeout)
