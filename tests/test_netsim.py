@@ -436,6 +436,38 @@ def test_cleanup_removes_the_leftovers_of_a_process_killed_with_sigkill():
     assert not set(names) & set(netsim.cleanup(only_dead=True))  # idempotent
 
 
+@pytest.mark.netsim
+def test_plain_cleanup_keeps_the_live_clusters_of_running_processes_and_removes_those_of_killed_ones():
+    proc, theirs = _start_holder()
+    try:
+        with netsim.Cluster(2) as mine:
+            netsim.cleanup()  # what `fastdist-bench --netsim-cleanup` runs while both clusters are in use
+            assert set(theirs) <= _netns_names() and set(mine.namespaces) <= _netns_names()
+            proc.kill()
+            proc.wait(timeout=30)
+            removed = netsim.cleanup()
+            assert set(theirs) <= set(removed) and not set(theirs) & _netns_names()
+            assert set(mine.namespaces) <= _netns_names()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.netsim
+def test_cleanup_removes_a_namespace_whose_owner_pid_now_belongs_to_another_process():
+    # Named after this running process's pid with another start time: the process that made it is gone, and its
+    # pid went to us.
+    stale = f"{netsim.PREFIX}{os.getpid()}-s1-1-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with netsim.Cluster(1) as mine:
+            removed = netsim.cleanup()
+            assert stale in removed and stale not in _netns_names()
+            assert set(mine.namespaces) <= _netns_names()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # latency
 

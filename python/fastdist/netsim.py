@@ -20,7 +20,9 @@ Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2 (``ip``, ``tc``); `availa
 cluster can be built here and why not. Teardown is guaranteed while the process can still run code:
 context manager, SIGTERM/SIGHUP (turned into a `Terminated` exception while a cluster is up), Ctrl-C, an
 atexit fallback -- and for processes killed with SIGKILL, `cleanup()` (``fastdist-bench --netsim-cleanup``)
-removes every leftover namespace; all names start with ``fdsim-<pid>-<n>``.
+removes every leftover namespace. All names start with ``fdsim-<pid>-s<start time>-<n>``: the owning process's
+pid and start time (in clock ticks since boot, from /proc), so that cleanup can tell a leftover from a live
+cluster even after the owner's pid was reused.
 
 This module imports nothing from torch or the rest of fastdist: a helper process can load the file on its
 own (importlib), without the cost of importing torch.
@@ -293,7 +295,7 @@ def _probe() -> tuple[bool, str]:
     for option, what in (("CONFIG_VETH", "veth"), ("CONFIG_BRIDGE", "bridge"), ("CONFIG_NET_SCH_TBF", "tbf")):
         if _kernel_option(option) == "n":
             return False, f"the kernel lacks {what} ({option} is not set)"
-    name = f"{PREFIX}{os.getpid()}-probe{_next_id()}"
+    name = f"{_owner_prefix()}probe{_next_id()}"
     steps = [
         (["ip", "netns", "add", name], "cannot create a network namespace"),
         (["ip", "-n", name, "link", "add", "fdsim0", "type", "veth", "peer", "name", "fdsim1"],
@@ -500,8 +502,34 @@ def _next_id() -> int:
         return next(_counter)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.]{1,24}$")
-_TAG_PID_RE = re.compile(rf"^{re.escape(PREFIX)}(\d+)-")
-_PROBE_RE = re.compile(rf"^{re.escape(PREFIX)}\d+-probe\d+$")
+# The owner's pid and start time (names made before the start time was recorded have only the pid).
+_OWNER_RE = re.compile(rf"^{re.escape(PREFIX)}(\d+)-(?:s(\d+)-)?")
+_PROBE_RE = re.compile(rf"^{re.escape(PREFIX)}\d+-(?:s\d+-)?probe\d+$")
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat), or None if it is not running (gone,
+    or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the command name (which may hold spaces and parentheses): 3 (state) ... 22 (starttime).
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _owner_prefix() -> str:
+    """``fdsim-<pid>-s<start time>-``: how the names of this process's namespaces start."""
+    return f"{PREFIX}{os.getpid()}-s{_start_time(os.getpid())}-"
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process that created namespace `name` still runs: its pid is in use, by a process that started
+    when the owner did (another start time: the owner died and its pid was reused)."""
+    m = _OWNER_RE.match(name)
+    started = _start_time(int(m.group(1))) if m else None
+    return started is not None and (m.group(2) is None or started == int(m.group(2)))
 
 
 class Cluster:
@@ -679,7 +707,7 @@ class Cluster:
     def _plan(self) -> None:
         existing = set(list_namespaces())
         while True:
-            tag = f"{PREFIX}{os.getpid()}-{_next_id()}" + (f"-{self.name}" if self.name else "")
+            tag = f"{_owner_prefix()}{_next_id()}" + (f"-{self.name}" if self.name else "")
             hosts = [Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}", IFNAME, f"p{i}") for i in range(self.num_hosts)]
             names = [h.netns for h in hosts] + [f"{tag}-br"]
             if not existing.intersection(names):  # a leftover of an earlier process with our pid
@@ -853,23 +881,18 @@ def list_namespaces() -> list[str]:
         return []
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def cleanup(only_dead: bool = True) -> list[str]:
+    """Removes the fdsim-* network namespaces (with their links, bridge and shaping) that no running process owns,
+    and returns the names removed. Idempotent. For leftovers of processes killed with SIGKILL:
+    ``fastdist-bench --netsim-cleanup``.
 
+    A namespace's owner is the process that created it, named by pid and start time in the namespace's name, so
+    a live cluster (this process's or another's) survives and a leftover is removed even after its owner's pid
+    was reused.
 
-def cleanup(only_dead: bool = False) -> list[str]:
-    """Removes every fdsim-* network namespace (with its links, bridge and shaping) and returns the names
-    removed. Idempotent. For leftovers of processes killed with SIGKILL: ``fastdist-bench --netsim-cleanup``.
-
-    only_dead: keep the namespaces whose creating process (the pid in the name) is still running, so that
-    clusters other processes are using right now survive. (A pid reused since could keep a leftover alive
-    until the next plain cleanup.) Namespaces of this process's own live clusters are never "dead".
+    Args:
+        only_dead: False: also remove the live clusters of running processes (not their `available()` probes,
+            which remove themselves).
 
     Processes still running inside a removed namespace are not touched; the namespace itself disappears
     when the last of them exits.
@@ -881,10 +904,9 @@ def cleanup(only_dead: bool = False) -> list[str]:
         raise NetsimUnavailable(f"cannot remove simulated-cluster namespaces: {problem}")
     removed, failed = [], []
     for name in list_namespaces():
-        m = _TAG_PID_RE.match(name)
-        alive = bool(m) and _pid_alive(int(m.group(1)))
+        alive = _owner_alive(name)
         if alive and (only_dead or _PROBE_RE.match(name)):
-            continue  # only_dead; or another process's `available()` probe, which removes itself
+            continue  # a live cluster; or another process's `available()` probe, which removes itself
         p = _run(["ip", "netns", "del", name], check=False)
         if p.returncode == 0 or not os.path.lexists(os.path.join(NETNS_RUN_DIR, name)):
             removed.append(name)
