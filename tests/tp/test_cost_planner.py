@@ -195,5 +195,5 @@ def test_calibration_is_cached_in_a_file_keyed_by_hardware_and_shapes(tp_ranks):
         assert got["sources"] == ["measured", "cache", "measured"]
         assert got["again"] == got["first"] and got["loaded"] == got["first"]
         key = got["first"]["key"]
-        assert key.startswith("gloo | ") and "| 2 ranks |" in key and f"shapes [{list(CALIBRATION_SHAPE)}]" in key
+        assert "2 ranks" in key and "gloo" in key and f"shapes [{list(CALIBRATION_SHAPE)}]" in key
         assert got["keys"] == sorted([key, got["other_key"]]) and got["other_key"] != key

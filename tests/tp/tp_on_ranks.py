@@ -24,6 +24,7 @@ from fastdist.tp import (
 )
 from torch.utils.checkpoint import checkpoint
 from user_models_on_ranks import ON_RANKS as USER_MODELS_ON_RANKS
+from user_models_on_ranks import value_error_message
 
 CHUNKS = [1, 2, 3, 4, 8]
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
@@ -130,29 +131,20 @@ def collectives_issued():
     return out
 
 
-def _message(make):
-    """str of the ValueError ``make()`` raises, or None when it raises nothing."""
-    try:
-        make()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def bad_shapes():
     """{case: the ValueError's message (None if none was raised)} for each bad configuration and input."""
     world = dist.get_world_size()
     row = RowParallelLinear(8, 8, None, overlap_chunks=4)
     sp = RowParallelLinear(8, 8, None, overlap_chunks=1, sequence_parallel=True)
     return {
-        "column_out": _message(lambda: ColumnParallelLinear(8, 5, None)),
-        "row_in": _message(lambda: RowParallelLinear(7, 8, None)),
-        "bad_chunks": _message(lambda: RowParallelLinear(8, 8, None, overlap_chunks=0)),
-        "gather_and_sp": _message(lambda: ColumnParallelLinear(8, 8, None, gather_output=True,
+        "column_out": value_error_message(lambda: ColumnParallelLinear(8, 5, None)),
+        "row_in": value_error_message(lambda: RowParallelLinear(7, 8, None)),
+        "bad_chunks": value_error_message(lambda: RowParallelLinear(8, 8, None, overlap_chunks=0)),
+        "gather_and_sp": value_error_message(lambda: ColumnParallelLinear(8, 8, None, gather_output=True,
                                                                sequence_parallel=True)),
-        "m_below_k": _message(lambda: row(torch.randn(3, 8 // world))),
-        "features": _message(lambda: row(torch.randn(5, 3))),
-        "sp_rows": _message(lambda: sp(torch.randn(3, 8 // world))),
+        "m_below_k": value_error_message(lambda: row(torch.randn(3, 8 // world))),
+        "features": value_error_message(lambda: row(torch.randn(5, 3))),
+        "sp_rows": value_error_message(lambda: sp(torch.randn(3, 8 // world))),
     }
 
 

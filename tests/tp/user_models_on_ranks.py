@@ -48,8 +48,8 @@ def parallelized_user_model(name):
                          if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")}}
 
 
-def _refusal(make):
-    """The ValueError's message ``make()`` raises (None if it raises nothing)."""
+def value_error_message(make):
+    """str of the ValueError ``make()`` raises, or None when it raises nothing."""
     try:
         make()
     except ValueError as e:
@@ -62,8 +62,8 @@ def refusals():
     world = dist.get_world_size()
     mqa = um.LlamaConfig(num_key_value_heads=1)  # one key/value head: it cannot be split over 2 ranks
     return {
-        "multi_query": _refusal(lambda: parallelize(um.LlamaStack(mqa), None, overlap_chunks=1)),
-        "width_from_input": _refusal(lambda: parallelize(um.WidthFromInputAttention(16, 4), None,
+        "multi_query": value_error_message(lambda: parallelize(um.LlamaStack(mqa), None, overlap_chunks=1)),
+        "width_from_input": value_error_message(lambda: parallelize(um.WidthFromInputAttention(16, 4), None,
                                                          plan={"c_attn": "colwise", "c_proj": "rowwise"})),
         "world": world,
     }

@@ -35,7 +35,6 @@ shapes (:func:`calibration_key`) from the file when it is there, and measures an
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import tempfile
 
@@ -397,31 +396,21 @@ class CostModel:
         return f"{self.comm_compute_table[b] * 1e3:.2f} ms at {b / 2**20:g} MiB"
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def calibration_key(group: dist.ProcessGroup | None, shapes: tuple[tuple[int, int, int], ...], sizes: list[int],
                     dtype: torch.dtype) -> str:
-    """What a calibration was measured for, as one string: the hardware (backend, GPU or CPU model, torch threads,
-    ranks, torch version) and the calibration's shapes, all-reduce sizes and dtype. A cached model is used only
-    for an equal key; the link between the ranks is not part of it (a changed network needs a new cache file).
+    """What a calibration was measured for, as one string: the hardware (as MoE's calibration keys it: the device,
+    torch's threads, the ranks, the backend, torch's version) and the calibration's shapes, all-reduce sizes and
+    dtype. A cached model is used only for an equal key; the link between the ranks is not part of it (a changed
+    network needs a new cache file).
 
     Args:
         group: the tensor-parallel process group (None: the default group).
         shapes, sizes, dtype: as for :meth:`CostModel.calibrate` (``sizes`` resolved).
     """
-    backend = dist.get_backend(group)
-    device = torch.cuda.get_device_name() if backend == "nccl" else _cpu_name()
-    return (f"{backend} | {device} | {torch.get_num_threads()} threads | {dist.get_world_size(group)} ranks | "
-            f"torch {torch.__version__} | shapes {[list(s) for s in shapes]} | sizes {list(sizes)} | {dtype}")
+    from fastdist.moe.calibrate import hardware_key  # the one hardware key of the package's calibration files
+
+    hardware = hardware_key(collective_device(group), dist.get_world_size(group), dist.get_backend(group))
+    return f"{hardware} | shapes {[list(s) for s in shapes]} | sizes {list(sizes)} | {dtype}"
 
 
 def _read_models(path):
