@@ -4,9 +4,10 @@ import pickle
 
 import pytest
 import torch
+from torch import nn
 
-from fastdist.compress import (AQSGD, EF21, Chain, ErrorFeedback, Identity, MemoryStore, MmapStore, Quantize,
-                               StoreFullError, TopK)
+from fastdist.compress import (AQSGD, EF21, Boundary, Chain, ErrorFeedback, Identity, MemoryStore, MmapStore,
+                               Quantize, StoreFullError, TopK, batch)
 from helpers import randn
 
 
@@ -117,16 +118,52 @@ def test_ef21_ends_track_the_same_estimate_and_it_converges_to_a_constant_input(
     assert (out - x).norm() < 1e-3 * x.norm()
 
 
-def test_stateful_compressors_round_trip_their_state_and_pickle():
-    x = randn(2, 30)
-    for c in (ErrorFeedback(TopK(0.2)), EF21(Quantize(4)), Quantize(2, stochastic=True)):
-        for _ in range(3):
-            c.roundtrip(x)
-        clone = pickle.loads(pickle.dumps(c))
-        fresh = type(c)(c.c) if hasattr(c, "c") else Quantize(2, stochastic=True)
-        fresh.load_state_dict(c.state_dict())
-        a, b, d = c.roundtrip(x)[0], clone.roundtrip(x)[0], fresh.roundtrip(x)[0]
-        assert torch.equal(a, b) and torch.equal(a, d)
+STATEFUL = {
+    "error feedback": lambda path: ErrorFeedback(TopK(0.2)),
+    "ef21": lambda path: EF21(Quantize(4)),
+    "stochastic quantize": lambda path: Quantize(2, stochastic=True),
+    "chain": lambda path: Chain(TopK(0.3), Quantize(2, stochastic=True)),
+    "aqsgd, memory store": lambda path: AQSGD(Quantize(4), MemoryStore(8)),
+    "aqsgd, file store": lambda path: AQSGD(Quantize(4), MmapStore(path, 8)),
+}
+
+
+def _step(c, n):
+    """Step n of a run; an AQ-SGD compressor is left with the next batch's read in flight (prefetch)."""
+    x = randn(4, 30, seed=n)
+    if not isinstance(c, AQSGD):
+        return c.roundtrip(x)[0]
+    c.set_epoch(n)
+    out = c.roundtrip(x, torch.arange(4))[0]
+    c.prefetch(torch.arange(4))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_stateful_compressors_pickle_and_round_trip_their_state_mid_run(name, tmp_path):
+    """A pickled copy and a fresh compressor given the state_dict continue exactly as a twin that ran alongside."""
+    make = STATEFUL[name]
+    original, twin = make(tmp_path / "original.bin"), make(tmp_path / "twin.bin")
+    for n in range(3):
+        _step(original, n)
+        _step(twin, n)
+    clone = pickle.loads(pickle.dumps(original))
+    restored = make(tmp_path / "restored.bin")
+    restored.load_state_dict(original.state_dict())
+    for n in range(3, 5):
+        want = _step(twin, n)
+        assert torch.equal(_step(clone, n), want) and torch.equal(_step(restored, n), want), n
+
+
+def test_a_model_with_an_aqsgd_boundary_pickles_while_a_prefetch_is_in_flight():
+    model = nn.Sequential(nn.Linear(8, 16), Boundary(fwd=AQSGD(Quantize(4), MemoryStore(8))), nn.Linear(16, 1))
+    ids, x = torch.arange(4), randn(4, 8)
+    for epoch in range(2):
+        with batch(sample_ids=ids, next_sample_ids=ids, epoch=epoch):
+            model(x)
+    clone = pickle.loads(pickle.dumps(model))
+    with batch(sample_ids=ids, epoch=2):
+        assert torch.equal(clone(x), model(x))
 
 
 def test_feedback_shape_change_is_a_clear_error():

@@ -22,10 +22,7 @@ def _flip_byte(path, offset):
 # ---- a full disk, a truncated file ----
 
 def test_a_full_disk_at_the_first_put_is_a_clear_error_not_sigbus(tmp_path):
-    unavailable = store_faults.tiny_fs_unavailable()
-    if unavailable:
-        pytest.skip(unavailable)
-    report = store_faults.run("mmap-full-disk", str(tmp_path), tiny_fs=True)
+    report = store_faults.run_on_a_full_disk("mmap-full-disk", str(tmp_path))
     assert report["signal"] is None, report["stderr"]
     assert report["raised"] == "StoreIOError" and report["is_oserror"], report
     entries = 64 * 1024 * 4

@@ -15,10 +15,7 @@ import store_faults  # noqa: E402  (the compress tests' child-process runner)
 
 
 def test_a_full_disk_is_a_clear_error_from_write_naming_the_file_and_the_bytes(tmp_path):
-    unavailable = store_faults.tiny_fs_unavailable()
-    if unavailable:
-        pytest.skip(unavailable)
-    report = store_faults.run("file-store-full-disk", str(tmp_path), tiny_fs=True)
+    report = store_faults.run_on_a_full_disk("file-store-full-disk", str(tmp_path))
     assert report["signal"] is None, report["stderr"]
     assert report["raised"] == "StoreIOError" and report["is_oserror"], report
     message = report["message"]

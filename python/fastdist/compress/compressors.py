@@ -119,6 +119,13 @@ class Compressor:
         """A plain dict of the settings both ends must agree on (fingerprinted across ranks)."""
         return {"name": self.name}
 
+    def shared_state(self, sending: bool) -> torch.Tensor | None:
+        """The state that the two ends of a link hold bit for bit alike after the last message: this end's copy, as
+        it is after its last ``compress`` (``sending``) or ``decompress``; None when the ends share no state (the
+        stateless compressors, and classic error feedback, whose residual only the sender has). Links compare the
+        ends' digests of it (:func:`~fastdist.compress.p2p.state_digest`)."""
+        return None
+
     def state_dict(self) -> dict:
         """The compressor's state (empty for stateless ones)."""
         return {}

@@ -66,6 +66,9 @@ class ErrorFeedback(Compressor):
     def stateless(self) -> Compressor:
         return self.c.stateless()
 
+    def shared_state(self, sending: bool) -> torch.Tensor | None:
+        return self.c.shared_state(sending)  # the residual is the sender's alone
+
     def state_dict(self) -> dict:
         return {"residual": self.residual, "c": self.c.state_dict()}
 
@@ -121,6 +124,9 @@ class EF21(Compressor):
 
     def stateless(self) -> Compressor:
         return self.c.stateless()
+
+    def shared_state(self, sending: bool) -> torch.Tensor | None:
+        return self.sent if sending else self.received
 
     def state_dict(self) -> dict:
         return {"sent": self.sent, "received": self.received, "c": self.c.state_dict()}

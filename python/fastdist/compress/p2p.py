@@ -13,6 +13,15 @@ frame is announced. Messages between two ranks are matched in order, as torch.di
 StageBoundary check once, at construction, that their configurations agree (a pairwise fingerprint exchange that
 raises on both ends, naming the differing fields); every frame also carries the fingerprint, so a receiver never
 decodes with a configuration other than the sender's.
+
+What the ends must keep agreeing on while they run is checked in the frames they send anyway. A StageBoundary
+numbers its forward frames, and each gradient frame names the forward frame it answers, so a call skipped or added
+on one end (or gradients sent back in another order than the sender takes them) raises instead of pairing step n
+with step n + 1. A stateful compressor's shared state (EF21's estimate, AQ-SGD's entries of the batch) is digested
+after each message (every ``check_every``) by the sender and sent in the frame, and the receiver compares it with
+its own before it returns anything. The end that finds a mismatch raises and sends the other end a mismatch frame,
+which raises there at its next receive on the link (an end blocked in a send the raising end will never match sees
+the connection close instead).
 """
 import math
 import pickle
@@ -24,10 +33,13 @@ import torch.distributed as dist
 from fastdist.compress.aqsgd import AQSGD
 from fastdist.compress.boundary import check_boundary_arguments
 from fastdist.compress.compressors import Compressor, Identity, Packet
-from fastdist.distributed import MismatchError, fingerprint
+from fastdist.distributed import CallCounter, MismatchError, fingerprint
 from fastdist.ops import topk_decompress
 
-__all__ = ["Channel", "StageBoundary", "check_same_pair", "recv", "recv_packet", "send", "send_packet"]
+__all__ = ["Channel", "StageBoundary", "check_same_pair", "recv", "recv_packet", "send", "send_packet",
+           "state_digest"]
+
+_DIGEST_SAMPLES = 6
 
 
 def _device(group):
@@ -70,7 +82,7 @@ def check_same_pair(name: str, config: dict, peer: int, group: dist.ProcessGroup
     Args:
         name: what the config configures, for the message.
         config: a dict of plain values (nested dicts allowed).
-        peer: the other rank, in ``group``.
+        peer: the other rank (its global rank, as torch.distributed P2P takes it).
         group: the process group (None: the default group).
     """
     device = _device(group)
@@ -80,10 +92,9 @@ def check_same_pair(name: str, config: dict, peer: int, group: dist.ProcessGroup
     theirs = pickle.loads(_exchange(pickle.dumps(config), peer, group, device))
     a, b = _flatten(config), _flatten(theirs)
     fields = sorted(k for k in set(a) | set(b) if a.get(k, "<missing>") != b.get(k, "<missing>"))
-    peer_rank = dist.get_global_rank(group, peer) if group is not None else peer
     raise MismatchError(f"{name}: {', '.join(fields)}",
                         {dist.get_rank(): {f: a.get(f, "<missing>") for f in fields},
-                         peer_rank: {f: b.get(f, "<missing>") for f in fields}})
+                         peer: {f: b.get(f, "<missing>") for f in fields}})
 
 
 _PREFIX = 16  # int64 frame bytes, int64 header bytes (0: an announcement of the next frame's size)
@@ -95,13 +106,38 @@ def _aligned(n):
     return -(-n // _ALIGN) * _ALIGN
 
 
+def state_digest(t: torch.Tensor) -> torch.Tensor:
+    """A cheap exact digest of ``t``'s bytes, computed where ``t`` lives (no device synchronization): int64
+    ``[2 + k]``: the byte count, the sum of its 8-byte words modulo 2**64 (any one changed bit changes it, and it does
+    not depend on the order of the additions, so every device and thread count agrees), and k evenly spaced words.
+
+    Args:
+        t: any tensor (both ends of a link digest their copies of one state).
+    """
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    words = raw[:whole]
+    if words.data_ptr() % 8:
+        words = words.clone()
+    words = words.view(torch.int64)
+    total = words.sum() + raw[whole:].to(torch.int64).sum()
+    stride = max(1, words.numel() // _DIGEST_SAMPLES)
+    samples = words[::stride][:_DIGEST_SAMPLES]
+    count = torch.tensor([raw.numel()], dtype=torch.int64).to(raw.device)
+    return torch.cat([count, total.reshape(1), samples])
+
+
 class Channel:
     """One direction of a link as both of its ends see it: the receive buffer size they agree on (it only grows, to
-    the largest frame announced) and, on the sending end, the frame buffer reused from message to message."""
+    the largest frame announced) and, on the sending end, the frame buffer reused from message to message. It pickles
+    without the frame buffer."""
 
     def __init__(self):
         self.capacity = _MIN_CAPACITY
         self._frame = None
+
+    def __getstate__(self) -> dict:
+        return {"capacity": self.capacity, "_frame": None}
 
     def frame(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` on ``device`` to assemble a frame in, reused while it is large enough."""
@@ -121,8 +157,17 @@ def _exact_sizes(device):
     return device.type != "cpu"  # NCCL matches a receive's size exactly; gloo takes any message that fits
 
 
+_MISMATCH = "mismatch"  # the kind of the frame that tells the other end of a link it raised MismatchError
+_DIGEST = "state_digest"  # the frame tensor that carries the sender's state digest
+
+
+class _ReportedMismatch(MismatchError):
+    """The MismatchError the other end of a link found and sent in a mismatch frame (not to be sent back)."""
+
+
 def send_packet(packet: Packet, dst: int, config_fingerprint: int = 0, group: dist.ProcessGroup | None = None,
-                channel: Channel | None = None) -> int:
+                channel: Channel | None = None, number: int = 0, digest: torch.Tensor | None = None,
+                in_flight: list | None = None) -> int:
     """Sends a Packet as one frame (see the module docstring).
 
     Args:
@@ -132,15 +177,22 @@ def send_packet(packet: Packet, dst: int, config_fingerprint: int = 0, group: di
         group: the process group (None: the default group).
         channel: the sending end of a Channel whose receiving end is passed to recv_packet, or None for a fresh
             one on both ends.
+        number: the frame's number on its link, in the header (``packet.local["number"]`` on the receiving end).
+        digest: the sender's :func:`state_digest` of its shared state after this packet, or None.
+        in_flight: None to return once the frame has gone; else a list that the messages and their isend handles
+            are appended to, and the call returns at once.
 
     Returns:
         The bytes that went out: prefix, header, padding and tensors (and an announcement's prefix).
     """
     device = _device(group)
     channel = channel if channel is not None else Channel()
-    tensors = [t.detach().contiguous() for t in packet.tensors.values()]
-    layout = [(name, t.dtype, tuple(t.shape)) for name, t in zip(packet.tensors, tensors)]
-    header = pickle.dumps((config_fingerprint, packet.kind, packet.shape, packet.dtype, packet.meta, layout))
+    named = dict(packet.tensors)
+    if digest is not None:
+        named[_DIGEST] = digest
+    tensors = [t.detach().contiguous() for t in named.values()]
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in zip(named, tensors)]
+    header = pickle.dumps((config_fingerprint, number, packet.kind, packet.shape, packet.dtype, packet.meta, layout))
     offsets, end = [], _aligned(_PREFIX + len(header))
     for t in tensors:
         offsets.append(end)
@@ -152,17 +204,22 @@ def send_packet(packet: Packet, dst: int, config_fingerprint: int = 0, group: di
         if t.numel():
             frame[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
     sent = end
+    messages = []
     if end > channel.capacity or _exact_sizes(device):
-        announce = torch.frombuffer(bytearray(struct.pack("<qq", end, 0)), dtype=torch.uint8).to(device)
-        dist.send(announce, dst, group=group)
+        messages.append(torch.frombuffer(bytearray(struct.pack("<qq", end, 0)), dtype=torch.uint8).to(device))
         channel.capacity = max(channel.capacity, end)
         sent += _PREFIX
-    dist.send(frame, dst, group=group)
+    messages.append(frame)
+    for message in messages:
+        if in_flight is None:
+            dist.send(message, dst, group=group)
+        else:
+            in_flight.append((message, dist.isend(message, dst, group=group)))
     return sent
 
 
 def recv_packet(src: int, config_fingerprint: int | None = None, group: dist.ProcessGroup | None = None,
-                channel: Channel | None = None) -> Packet:
+                channel: Channel | None = None, name: str = "packet") -> Packet:
     """Receives a Packet sent by :func:`send_packet`.
 
     Args:
@@ -170,12 +227,15 @@ def recv_packet(src: int, config_fingerprint: int | None = None, group: dist.Pro
         config_fingerprint: this end's configuration fingerprint, checked against the sender's; None: unchecked.
         group: the process group (None: the default group).
         channel: the receiving end of the Channel the sender used, or None if it used None.
+        name: what the frame carries, for the messages.
 
     Returns:
-        The packet; its tensors are views into the received frame.
+        The packet; its tensors are views into the received frame. ``packet.local`` holds the frame's number
+        (``"number"``) and the sender's state digest (``"state_digest"``) if it sent one.
 
     Raises:
-        MismatchError: the sender's configuration fingerprint differs from ``config_fingerprint``.
+        MismatchError: the sender's configuration fingerprint differs from ``config_fingerprint``, or the sender sent
+            a mismatch frame (it raised MismatchError itself).
     """
     device = _device(group)
     channel = channel if channel is not None else Channel()
@@ -188,16 +248,31 @@ def recv_packet(src: int, config_fingerprint: int | None = None, group: dist.Pro
         buf = torch.empty(end if exact else channel.capacity, dtype=torch.uint8, device=device)
         dist.recv(buf, src, group=group)
         header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))[1]
-    fp, kind, shape, dtype, meta, layout = pickle.loads(_host_bytes(buf, _PREFIX, _PREFIX + header_len))
+    fp, their_number, kind, shape, dtype, meta, layout = pickle.loads(_host_bytes(buf, _PREFIX, _PREFIX + header_len))
+    if kind == _MISMATCH:
+        raise _ReportedMismatch(meta["name"], meta["values_by_rank"])
     if config_fingerprint is not None and fp != config_fingerprint:
-        raise MismatchError("compressor config", {src: f"fingerprint {fp:#x}",
-                                                  dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
+        raise MismatchError(f"{name}: compressor config", {src: f"fingerprint {fp:#x}",
+                                                           dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
     tensors, off = {}, _aligned(_PREFIX + header_len)
-    for name, t_dtype, t_shape in layout:
+    for t_name, t_dtype, t_shape in layout:
         nbytes = math.prod(t_shape) * t_dtype.itemsize
-        tensors[name] = buf[off:off + nbytes].view(t_dtype).view(t_shape)
+        tensors[t_name] = buf[off:off + nbytes].view(t_dtype).view(t_shape)
         off = _aligned(off + nbytes)
-    return Packet(kind, shape, dtype, tensors, meta)
+    local = {"number": their_number}
+    if _DIGEST in tensors:
+        local[_DIGEST] = tensors.pop(_DIGEST)
+    return Packet(kind, shape, dtype, tensors, meta, local)
+
+
+def _check_digest(name, theirs, mine, peer):
+    """Raises MismatchError when the sender's state digest ``theirs`` differs from this end's ``mine``."""
+    if theirs is None or mine is None:
+        return
+    mine = mine.to(theirs.device)
+    if not torch.equal(theirs, mine):
+        raise MismatchError(f"{name} (the ends' compressor states diverged: a state lost, reset or loaded on one "
+                            "end only)", {peer: f"digest {theirs.tolist()}", dist.get_rank(): f"digest {mine.tolist()}"})
 
 
 def send(t: torch.Tensor, dst: int, compressor: Compressor, group: dist.ProcessGroup | None = None,
@@ -215,8 +290,13 @@ def send(t: torch.Tensor, dst: int, compressor: Compressor, group: dist.ProcessG
         The packet sent.
     """
     packet = compressor.compress(t, sample_ids) if isinstance(compressor, AQSGD) else compressor.compress(t)
-    send_packet(packet, dst, fingerprint(compressor.config()), group)
+    send_packet(packet, dst, fingerprint(compressor.config()), group, digest=_digest_of(compressor, sending=True))
     return packet
+
+
+def _digest_of(compressor, sending):
+    state = compressor.shared_state(sending)
+    return None if state is None else state_digest(state)
 
 
 def recv(src: int, compressor: Compressor, group: dist.ProcessGroup | None = None,
@@ -228,9 +308,13 @@ def recv(src: int, compressor: Compressor, group: dist.ProcessGroup | None = Non
         compressor: this end's compressor (its state, e.g. AQ-SGD's store, is this end's).
         group: the process group (None: the default group).
         device: where to put the result (default: where it arrived).
+
+    Raises:
+        MismatchError: the sender's configuration differs, or its compressor state and this end's diverged.
     """
     packet = recv_packet(src, fingerprint(compressor.config()), group)
     out = compressor.decompress(packet)
+    _check_digest("recv", packet.local.get(_DIGEST), _digest_of(compressor, sending=False), src)
     return out if device is None else out.to(device)
 
 
@@ -238,26 +322,29 @@ class _SendActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, link, sample_ids):
         ctx.link = link
-        ctx.kept = link._send_forward(x.detach(), sample_ids)
+        ctx.number, ctx.kept = link._send_forward(x.detach(), sample_ids)
         ctx.shape, ctx.dtype = x.shape, x.dtype
         return x.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
-        return ctx.link._recv_backward(ctx.kept, ctx.shape, ctx.dtype), None, None
+        return ctx.link._recv_backward(ctx.number, ctx.kept, ctx.shape, ctx.dtype), None, None
 
 
 class _RecvActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, link, device):
         ctx.link = link
-        x, ctx.kept = link._recv_forward(device)
+        x, ctx.number, ctx.kept = link._recv_forward(device)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.link._send_backward(grad, ctx.kept)
+        ctx.link._send_backward(grad, ctx.number, ctx.kept)
         return None, None, None
+
+
+_DETACHED = "detached"  # the group of an unpickled link that was made on a group other than the default one
 
 
 class StageBoundary:
@@ -271,6 +358,12 @@ class StageBoundary:
     forward's kept positions is sent (k values per row, no indices: both ends know them), compressed by ``bwd``.
     ``stats`` holds the last message's wire bytes in each direction.
 
+    While they run, the ends check each other in the frames they send anyway (see the module docstring): activations
+    are numbered and gradients name the activation they answer; a stateful compressor's shared state (EF21's
+    estimate, AQ-SGD's entries of the batch) is digested by the sender and compared by the receiver. ``state_dict``
+    holds both compressors' state and the activation count. The link pickles without its process group: an
+    unpickled link made on a group other than the default one needs ``link.group`` set before use.
+
     Args:
         sender: the rank of the stage before the link.
         receiver: the rank of the stage after it.
@@ -278,30 +371,56 @@ class StageBoundary:
         bwd: the gradient's compressor (None: uncompressed; never AQ-SGD).
         backward_mask: ``"reuse"`` or ``"independent"``, as for :class:`~fastdist.compress.Boundary`.
         group: the process group the ranks are numbered in (None: the default group).
+        check_every: digest the compressor state this end sends after every ``check_every``-th message (0: never).
+            The default, every message, makes the receiver raise before it returns the first activation of a
+            diverged state, for one pass over the state on each end (less than the compression's own passes, and no
+            device synchronization on the sender); a larger value trades detection delay for that pass.
 
     Raises:
-        MismatchError: on both ends, when their configurations differ.
+        MismatchError: on both ends, when their configurations differ, and while running as described above.
     """
 
     def __init__(self, sender: int, receiver: int, fwd: Compressor | None = None, bwd: Compressor | None = None,
-                 backward_mask: str = "reuse", group: dist.ProcessGroup | None = None):
+                 backward_mask: str = "reuse", group: dist.ProcessGroup | None = None, check_every: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("fastdist.compress.StageBoundary needs an initialized torch.distributed process group")
         rank = dist.get_rank()
         if rank not in (sender, receiver) or sender == receiver:
             raise ValueError(f"fastdist.compress.StageBoundary: rank {rank} is neither end of {sender} -> {receiver}")
         check_boundary_arguments("StageBoundary", fwd, bwd, backward_mask)
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
+            raise ValueError(f"fastdist.compress.StageBoundary: 'check_every' must be an int >= 0, got "
+                             f"{check_every!r}")
         self.sender, self.receiver, self.group = sender, receiver, group
         self.fwd = fwd if fwd is not None else Identity()
         self.bwd = bwd if bwd is not None else Identity()
-        self.backward_mask = backward_mask
+        self.backward_mask, self.check_every = backward_mask, check_every
         self.is_sender = rank == sender
         self.peer = receiver if self.is_sender else sender
+        self.name = f"StageBoundary {sender}->{receiver}"
         self.config = {"fwd": self.fwd.config(), "bwd": self.bwd.config(), "backward_mask": backward_mask}
-        check_same_pair(f"StageBoundary {sender}->{receiver}", self.config, self.peer, group)
+        check_same_pair(self.name, self.config, self.peer, group)
         self._fwd_fp, self._bwd_fp = fingerprint(self.fwd.config()), fingerprint(self.bwd.config())
         self._fwd_channel, self._bwd_channel = Channel(), Channel()
+        self._activations = CallCounter()  # sent (sender end) or received (receiver end)
+        self._mismatch_sends = []  # mismatch frames in flight to the other end (kept alive, never waited for)
         self.stats = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["group"] = None if self.group is None else _DETACHED
+        state["_mismatch_sends"] = []
+        return state
+
+    def state_dict(self) -> dict:
+        """Both compressors' state and the activations counted (both ends must restore states of the same step)."""
+        return {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict(), "activations": self._activations.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned."""
+        self.fwd.load_state_dict(state["fwd"])
+        self.bwd.load_state_dict(state["bwd"])
+        self._activations.load_state_dict(state["activations"])
 
     # -- autograd-facing API
     def send(self, y: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -315,8 +434,7 @@ class StageBoundary:
         Returns:
             A 0-d token tensor.
         """
-        if not self.is_sender:
-            raise RuntimeError(f"fastdist.compress.StageBoundary: rank {dist.get_rank()} is the receiving end")
+        self._check_end(sending=True)
         return _SendActivation.apply(y, self, sample_ids)
 
     def recv(self, device: torch.device | str | None = None) -> torch.Tensor:
@@ -325,10 +443,17 @@ class StageBoundary:
         Args:
             device: where to put it (default: where it arrived).
         """
-        if self.is_sender:
-            raise RuntimeError(f"fastdist.compress.StageBoundary: rank {dist.get_rank()} is the sending end")
+        self._check_end(sending=False)
         anchor = torch.zeros((), requires_grad=True)
         return _RecvActivation.apply(anchor, self, device)
+
+    def _check_end(self, sending):
+        if sending != self.is_sender:
+            raise RuntimeError(f"fastdist.compress.{self.name}: rank {dist.get_rank()} is the "
+                               f"{'sending' if self.is_sender else 'receiving'} end")
+        if isinstance(self.group, str):
+            raise RuntimeError(f"fastdist.compress.{self.name} was unpickled without its process group: set "
+                               "link.group to the group it was made with")
 
     # -- the four halves
     def _kept(self, packet):
@@ -336,29 +461,77 @@ class StageBoundary:
             return None
         return self.fwd.kept_indices(packet)
 
+    def _digest(self, compressor, number):
+        if self.check_every == 0 or number % self.check_every:
+            return None
+        return _digest_of(compressor, sending=True)
+
+    def _told(self, error, channel, fp):
+        """Sends the other end a mismatch frame carrying ``error`` on ``channel``, without waiting (it may be
+        blocked elsewhere, or gone), and returns ``error`` to raise."""
+        packet = Packet(_MISMATCH, (), torch.float32, {}, {"name": error.name, "values_by_rank": error.values_by_rank})
+        send_packet(packet, self.peer, fp, self.group, channel, in_flight=self._mismatch_sends)
+        return error
+
     def _send_forward(self, x, sample_ids):
         packet = self.fwd.compress(x, sample_ids) if isinstance(self.fwd, AQSGD) else self.fwd.compress(x)
+        number = self._activations.take()
         self.stats["fwd_wire_bytes"] = send_packet(packet, self.receiver, self._fwd_fp, self.group,
-                                                   self._fwd_channel)
+                                                   self._fwd_channel, number, self._digest(self.fwd, number))
         self.stats["fwd_dense_bytes"] = x.numel() * x.element_size()
-        return self._kept(packet)
+        return number, self._kept(packet)
+
+    def _receive(self, forward, check_number):
+        """Receives and decompresses the next frame of one direction (the activation's if ``forward``), checking its
+        number with ``check_number(the frame's number) -> this end's`` and the sender's state digest. A mismatch found
+        here goes to the other end in a mismatch frame on the other direction's channel, then raises.
+
+        Returns:
+            (the packet, this end's number of it, the decompressed tensor).
+        """
+        src, compressor, fp, channel = (self.sender, self.fwd, self._fwd_fp, self._fwd_channel) if forward else \
+            (self.receiver, self.bwd, self._bwd_fp, self._bwd_channel)
+        what = f"{self.name} {'activation' if forward else 'gradient'}"
+        try:
+            packet = recv_packet(src, fp, self.group, channel, what)
+            number = check_number(packet.local["number"])
+            out = compressor.decompress(packet)
+            if _DIGEST in packet.local:
+                _check_digest(f"{what} {number}: {type(compressor).__name__} state", packet.local[_DIGEST],
+                              _digest_of(compressor, sending=False), src)
+        except _ReportedMismatch:
+            raise
+        except MismatchError as e:
+            reply, reply_fp = (self._bwd_channel, self._bwd_fp) if forward else (self._fwd_channel, self._fwd_fp)
+            raise self._told(e, reply, reply_fp) from None
+        return packet, number, out
 
     def _recv_forward(self, device):
-        packet = recv_packet(self.sender, self._fwd_fp, self.group, self._fwd_channel)
-        x = self.fwd.decompress(packet)
-        return (x if device is None else x.to(device)), self._kept(packet)
+        def count(theirs):
+            number = self._activations.take()
+            self._activations.check(f"{self.name} activation", {self.sender: theirs, self.receiver: number})
+            return number
 
-    def _send_backward(self, grad, kept):
+        packet, number, x = self._receive(True, count)
+        return (x if device is None else x.to(device)), number, self._kept(packet)
+
+    def _send_backward(self, grad, number, kept):
         if kept is not None:
             indices, d = kept
             grad = grad.reshape(indices.shape[0], d).gather(1, indices.long().to(grad.device))
         packet = self.bwd.compress(grad.contiguous())
         self.stats["bwd_wire_bytes"] = send_packet(packet, self.sender, self._bwd_fp, self.group,
-                                                   self._bwd_channel)
+                                                   self._bwd_channel, number, self._digest(self.bwd, number))
 
-    def _recv_backward(self, kept, shape, dtype):
-        packet = recv_packet(self.receiver, self._bwd_fp, self.group, self._bwd_channel)
-        grad = self.bwd.decompress(packet)
+    def _recv_backward(self, number, kept, shape, dtype):
+        def answers(theirs):
+            if theirs != number:
+                raise MismatchError(f"{self.name} gradient order (a backward skipped or added on one end, or run in "
+                                    "another order)", {self.receiver: f"sent the gradient of activation {theirs}",
+                                                       self.sender: f"expected the gradient of activation {number}"})
+            return number
+
+        _, _, grad = self._receive(False, answers)
         if kept is not None:
             indices, d = kept
             grad = topk_decompress(grad.to(torch.float32).contiguous(), indices, d)
