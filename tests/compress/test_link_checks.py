@@ -9,12 +9,30 @@ import torch
 import torch.distributed as dist
 
 from fastdist.compress import AQSGD, EF21, MemoryStore, Quantize, StageBoundary, TopK, recv, send
+from fastdist.compress.p2p import state_digest
 from fastdist.distributed import MismatchError, spawn
 from helpers import randn
 
 TIMEOUT = 120
 STEPS = 6
 FAULT_BEFORE = 3  # the receiver's state is damaged before this step
+
+
+def test_the_state_digest_changes_with_any_one_bit_and_not_with_layout_or_threads():
+    t = randn(33, 17)  # 2244 bytes: 280 words and a 4-byte tail
+    want = state_digest(t)
+    assert torch.equal(state_digest(t.t().contiguous().t()), want)  # the same values in another memory layout
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(state_digest(t), want)
+    finally:
+        torch.set_num_threads(threads)
+    raw = t.view(torch.uint8).reshape(-1)
+    for byte in range(raw.numel()):
+        flipped = raw.clone()
+        flipped[byte] ^= 1 << (byte % 8)
+        assert not torch.equal(state_digest(flipped.view(torch.float32)), want), byte
 
 
 def _lose_the_ef21_estimate(link):

@@ -123,7 +123,7 @@ def state_digest(t: torch.Tensor) -> torch.Tensor:
     total = words.sum() + raw[whole:].to(torch.int64).sum()
     stride = max(1, words.numel() // _DIGEST_SAMPLES)
     samples = words[::stride][:_DIGEST_SAMPLES]
-    count = torch.tensor([raw.numel()], dtype=torch.int64).to(raw.device)
+    count = torch.full((1,), raw.numel(), dtype=torch.int64, device=raw.device)  # a fill: no blocking copy
     return torch.cat([count, total.reshape(1), samples])
 
 
@@ -272,7 +272,8 @@ def _check_digest(name, theirs, mine, peer):
     mine = mine.to(theirs.device)
     if not torch.equal(theirs, mine):
         raise MismatchError(f"{name} (the ends' compressor states diverged: a state lost, reset or loaded on one "
-                            "end only)", {peer: f"digest {theirs.tolist()}", dist.get_rank(): f"digest {mine.tolist()}"})
+                            "end only)", {peer: f"digest {theirs.tolist()}",
+                                          dist.get_rank(): f"digest {mine.tolist()}"})
 
 
 def send(t: torch.Tensor, dst: int, compressor: Compressor, group: dist.ProcessGroup | None = None,
@@ -414,7 +415,8 @@ class StageBoundary:
 
     def state_dict(self) -> dict:
         """Both compressors' state and the activations counted (both ends must restore states of the same step)."""
-        return {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict(), "activations": self._activations.state_dict()}
+        return {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict(),
+                "activations": self._activations.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores what :meth:`state_dict` returned."""
