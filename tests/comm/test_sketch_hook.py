@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fastdist.comm.hooks import SketchState, sketch_hook
+from fastdist.comm.sketch import default_exact_timings
 from fastdist.distributed import spawn
 
 
@@ -40,7 +41,15 @@ def _train(hook_mode, steps=6, error_feedback=False, sparse=False, background=Fa
         losses.append(loss.item())
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"params": params, "losses": losses,
-            "state": None if state is None else (pickle.dumps(state), state.state_dict(), state.stats())}
+            "state": None if state is None else (pickle.dumps(state), state.state_dict(), state.stats()),
+            "exact_runs": None if state is None else {"state": _exact_runs(state.exact_timings),
+                                                      "group default": _exact_runs(default_exact_timings())}}
+
+
+def _exact_runs(timings):
+    """Runs of each exact collective recorded in an ExactTimings, over all its configurations."""
+    return {name: sum(rates.runs[name] for rates in timings.by_class.values())
+            for name in ("allreduce-union", "allgather-local")}
 
 
 def _sparse_embedding_variants():
@@ -108,6 +117,7 @@ def test_hook_state_counts_steps_per_bucket_pickles_without_its_group_and_round_
     assert {b["last_method"] for b in stats.values()} <= {"exact", "dense", "sketch"}
     restored = pickle.loads(blob)
     assert restored.process_group is None and restored.iter == 4
+    assert restored.exact_timings.by_class == {}  # this process's measurements: not saved with the state
     assert restored.state_dict() == sd
     fresh = SketchState()
     fresh.load_state_dict(sd)
@@ -130,3 +140,10 @@ def test_error_feedback_residuals_are_kept_per_bucket_and_survive_pickling():
     # every rank holds the same residual: they all decoded the same summed sketch
     other = results[1]["state"][1]["buckets"]
     assert all(torch.equal(other[i]["residual"], r) for i, r in residuals.items())
+
+
+def test_the_hook_times_its_exact_collectives_in_its_state_not_in_the_groups_default():
+    for out in spawn(_train, 2, "exact", 3, timeout=300):
+        runs = out["exact_runs"]
+        assert sum(runs["state"].values()) > 0, runs  # the sparse buckets went exact (the others dense)
+        assert runs["group default"] == {"allreduce-union": 0, "allgather-local": 0}, runs

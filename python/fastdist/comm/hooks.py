@@ -20,7 +20,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from fastdist.comm.sketch import _sketch_cols, sketch_allreduce
+from fastdist.comm.sketch import ExactTimings, sketch_allreduce, sketch_width
 from fastdist.distributed.fingerprint import fingerprint
 
 
@@ -40,22 +40,28 @@ class BucketState:
 class SketchState:
     """Configuration and per-bucket state of sketch_hook. Pickles without its process group.
 
-    process_group:     the group to reduce over (None: the default group).
-    ratio, rows, seed: sketch width as a fraction of the bucket's elements, sketch rows, base hash seed.
-    mode:              "auto" (default), "sketch" or "exact" — see sketch_allreduce.
-    density_threshold: in auto mode, a bucket whose union covers at least this fraction of its elements
-                       is all-reduced densely.
-    start_iter:        plain all-reduce for the first start_iter steps (dense warm-up, as PowerSGD does).
-    error_feedback:    keep a residual sketch per bucket (FetchSGD-style, see sketch_allreduce); the hash
-                       seed then stays fixed per bucket instead of changing every step.
-    exact_collective:  how the lossless path sums the union — see sketch_allreduce.
-    background:        reduce buckets on a thread and a process group of the state's own (see the module
-                       docstring); the group is created at the first hook call, a collective of every rank of the
-                       default group, so process_group must be the default group or span every rank.
+    Besides the buckets it holds `exact_timings`, the ExactTimings its sketch_allreduce calls decide the exact
+    collective with: measurements of this process, so neither saved nor pickled (a restored state measures afresh).
+
+    Args:
+        process_group: the group to reduce over (None: the default group).
+        ratio: sketch width as a fraction of the bucket's elements.
+        rows: sketch rows.
+        seed: base hash seed.
+        mode: "auto" (default), "sketch" or "exact" (see sketch_allreduce).
+        density_threshold: a bucket whose union covers at least this fraction of its units is all-reduced densely.
+        start_iter: plain all-reduce for the first start_iter steps (dense warm-up, as PowerSGD does).
+        error_feedback: keep a residual sketch per bucket (FetchSGD-style, see sketch_allreduce); the hash seed then
+            stays fixed per bucket instead of changing every step.
+        exact_collective: how the lossless path sums the union (see sketch_allreduce).
+        background: reduce buckets on a thread and a process group of the state's own (see the module docstring);
+            the group is created at the first hook call, a collective of every rank of the default group, so
+            process_group must be the default group or span every rank.
     """
 
-    def __init__(self, process_group=None, ratio=0.05, rows=3, seed=0, mode="auto", density_threshold=0.5,
-                 start_iter=0, error_feedback=False, exact_collective="auto", background=False):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.05, rows: int = 3,
+                 seed: int = 0, mode: str = "auto", density_threshold: float = 0.5, start_iter: int = 0,
+                 error_feedback: bool = False, exact_collective: str = "auto", background: bool = False) -> None:
         self.process_group = process_group
         self.ratio, self.rows, self.seed, self.mode = float(ratio), int(rows), int(seed), mode
         self.density_threshold, self.start_iter = float(density_threshold), int(start_iter)
@@ -64,28 +70,31 @@ class SketchState:
         self.background = bool(background)
         self.iter = 0
         self.buckets = {}
+        self.exact_timings = ExactTimings()
         self._worker = None
 
-    def bucket_state(self, index, buffer):
+    def bucket_state(self, index: int, buffer: torch.Tensor) -> BucketState:
+        """The state of bucket `index`, new when the bucket is new or DDP rebuilt it with another size or dtype."""
         state = self.buckets.get(index)
         if state is None or state.numel != buffer.numel() or state.dtype != str(buffer.dtype):
             state = self.buckets[index] = BucketState(buffer.numel(), str(buffer.dtype))
         return state
 
-    def seed_for(self, index, step):
+    def seed_for(self, index: int, step: int) -> int:
         """The hash seed of a bucket at a step, the same on every rank, in [0, 2^62): fixed per bucket with
         error feedback (the residual lives in one hash space), else new every step."""
         return fingerprint((self.seed, index, 0 if self.error_feedback else step)) & ((1 << 62) - 1)
 
-    def residual_for(self, bucket_state, buffer):
+    def residual_for(self, bucket_state: BucketState, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The bucket's error-feedback residual ([rows, sketch width], zeros at first), or None without feedback."""
         if not self.error_feedback:
             return None
         if bucket_state.residual is None:
-            cols = _sketch_cols(self.ratio, None, buffer.numel())
+            cols = sketch_width(buffer.numel(), self.ratio)
             bucket_state.residual = torch.zeros(self.rows, cols, dtype=torch.float32, device=buffer.device)
         return bucket_state.residual
 
-    def stats(self):
+    def stats(self) -> dict[int, dict]:
         """Per-bucket totals: calls, last method, wire bytes vs a dense all-reduce."""
         return {i: {k: v for k, v in dataclasses.asdict(s).items() if k != "residual"}
                 for i, s in sorted(self.buckets.items())}
@@ -93,11 +102,13 @@ class SketchState:
     _CONFIG = ("ratio", "rows", "seed", "mode", "density_threshold", "start_iter", "error_feedback",
                "exact_collective", "background", "iter")
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The configuration, the step count and every bucket's totals and residual."""
         buckets = {i: dict(s, residual=self.buckets[i].residual) for i, s in self.stats().items()}
         return {**{k: getattr(self, k) for k in self._CONFIG}, "buckets": buckets}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what state_dict() returned (a state saved before `background` existed loads as False)."""
         for key in self._CONFIG:
             setattr(self, key, state.get(key, False) if key == "background" else state[key])
         self.buckets = {int(i): BucketState(**b) for i, b in state["buckets"].items()}
@@ -108,10 +119,11 @@ class SketchState:
     def __setstate__(self, state):
         self.process_group = None
         self.buckets = {}
+        self.exact_timings = ExactTimings()
         self._worker = None
         self.load_state_dict(state)
 
-    def worker(self):
+    def worker(self) -> "_BackgroundReducer":
         """The background reducer, created at first use (see `background`)."""
         if self._worker is None:
             self._worker = _BackgroundReducer(self.process_group)
@@ -167,7 +179,8 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
         view, granularity = buffer, "element"
     kwargs = dict(ratio=state.ratio, rows=state.rows, seed=state.seed_for(index, step), granularity=granularity,
                   mode=state.mode, op="avg", dense_fraction=state.density_threshold,
-                  residual=state.residual_for(bucket_state, buffer), exact_collective=state.exact_collective)
+                  residual=state.residual_for(bucket_state, buffer), exact_collective=state.exact_collective,
+                  timings=state.exact_timings)
 
     def record(stats, result):
         bucket_state.calls += 1

@@ -23,32 +23,34 @@ import dataclasses
 import math
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from fastdist import ops
-from fastdist.comm.wire import ring_allreduce_bytes
+from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
 from fastdist.distributed.fingerprint import MismatchError, fingerprint
 
 MODES = ("sketch", "exact", "auto")
 GRANULARITIES = ("row", "element")
+EXACT_COLLECTIVES = ("auto", "allreduce-union", "allgather-local")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DEFAULT_RATIO = 0.05  # sketch width as a fraction of the tensor's values when neither ratio nor cols is given
 HEADER_BITMAP_BYTES = 8192  # bitmaps up to 65536 units ride in the header: one collective fewer per call
+HEADER_FIXED_BYTES = 32  # fingerprint, local support size (int64), the two exact collectives' rates (float64)
 # The lossless all-gather of own rows must send at most this fraction of the union all-reduce's bytes: it then
-# sums P blocks locally, which the ring all-reduce overlaps with its transfers (measured, 4 ranks at 1 Gbit/s:
-# at 0.67 of the bytes the gather is 1.2x faster; at 0.77, 10% slower).
+# sums P blocks locally, which the ring all-reduce overlaps with its transfers, so it needs a clear byte saving.
 GATHER_MAX_BYTES_FRACTION = 0.75
-# Bytes alone do not pick the faster exact collective: where the CPU rather than the link is the bottleneck the
-# gather's local sums cost more than the bytes it saves (2 ranks at 10 Gbit/s, 2% rows: 41 vs 27 ms). So each
-# rank times the exact collectives it runs, per group and tensor configuration (_ExactTimings); the header carries
-# the figures, and once both have a figure on every rank, every rank keeps the gather unless the slowest rank
-# predicts it EXACT_SWITCH_MARGIN times slower than the union all-reduce (the gather won wherever the link was the
-# bottleneck; where the CPU was, the all-reduce was 15-25% faster: 4 ranks at 10 Gbit/s, 2% rows), trying the other
-# collective again every EXACT_REPROBE_EVERY calls. The figures are kept per size class of the union (powers of two
-# of its ring bytes): per-byte costs measured at one size do not carry to one 16x larger (2 ranks at 10 Gbit/s: the
-# gather, timed faster at 0.9% union rows, was 1.4x slower at 16%). A call decides with the figures of the class of
-# the previous call's union, which every rank knows alike before the header, and records into its own union's class.
+# Bytes alone do not pick the faster exact collective: where the CPU rather than the link is the bottleneck, the
+# gather's local sums cost more than the bytes it saves. So each rank times the exact collectives it runs
+# (ExactTimings); the header carries the figures, and once both have a figure on every rank, every rank keeps the
+# gather (it wins wherever the link is the bottleneck) unless the slowest rank predicts it EXACT_SWITCH_MARGIN
+# times slower than the union all-reduce, trying the other collective again every EXACT_REPROBE_EVERY calls. The
+# figures are kept per size class of the union (powers of two of its ring bytes), because a per-byte cost measured
+# at one size does not carry to one 16x larger. A call decides with the figures of the class of the previous call's
+# union, which every rank knows alike before the header, and records into its own union's class.
 TIMED_COLLECTIVES = ("allreduce-union", "allgather-local")  # the order of the header's rates
 EXACT_RATE_SMOOTHING = 0.5  # weight of the newest measurement
 EXACT_SWITCH_MARGIN = 1.1
@@ -57,36 +59,9 @@ EXACT_REPROBE_EVERY = 32
 # calls at a new union size class until auto has timed both exact collectives there (the first decides with the
 # previous class's figures; then three runs of each, the first of each untimed)
 EXACT_EXPLORE_CALLS = 2 * (EXACT_COUNTED_RUNS + 1) + 1
-_exact_timings = {}  # ((group, world, shape, dtype, granularity), union size class) -> _ExactTimings
-_union_class = {}  # (group, world, shape, dtype, granularity) -> size class of its last exact call's union
 
 
-class _ExactTimings:
-    """This process's measured cost of each exact collective for one configuration: seconds per wire byte of the
-    payload collective plus the write-back, less the call's header time (a collective's latency, so that small
-    payloads are not charged it per byte), averaged exponentially. A collective's first run is not counted: it pays
-    one-time costs (connections, first-touch buffers) that would bias the choice for good."""
-
-    def __init__(self):
-        self.runs = dict.fromkeys(TIMED_COLLECTIVES, 0)
-        self.rate = dict.fromkeys(TIMED_COLLECTIVES, math.nan)
-        self.timed_choices = 0  # the same count on every rank: it follows the gathered header
-
-    def header(self):
-        return [self.rate[k] if self.runs[k] > EXACT_COUNTED_RUNS else math.nan for k in TIMED_COLLECTIVES]
-
-    def record(self, collective, seconds, header_seconds, nbytes):
-        self.runs[collective] += 1
-        if self.runs[collective] == 1 or not nbytes:
-            return
-        rate = max(seconds - header_seconds, 0.1 * seconds) / nbytes
-        before = self.rate[collective]
-        self.rate[collective] = rate if math.isnan(before) else \
-            (1 - EXACT_RATE_SMOOTHING) * before + EXACT_RATE_SMOOTHING * rate
-
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
+# --- what a call reports ----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class SketchStats:
@@ -108,33 +83,108 @@ class SketchStats:
                                   # once) or "timed" (see TIMED_COLLECTIVES); "" when the caller named one
 
     @property
-    def union_fraction(self):
+    def union_fraction(self) -> float:
+        """|U| / n: the share of the units some rank holds (0.0 for an empty tensor)."""
         return self.union_units / self.units if self.units else 0.0
 
 
 _last = None
 
 
-def last_stats():
+def last_stats() -> SketchStats | None:
     """The SketchStats of the last completed sketch_allreduce call on this process (None before any)."""
     return _last
 
 
-def _view_rows(t, granularity):
-    """(n, m) of the tensor's unit view."""
-    if granularity == "element" or t.dim() == 0:
-        return t.numel(), 1
-    n = t.shape[0]
-    return n, (t.numel() // n if n else 0)
+# --- what a process learns across calls: the exact collectives' measured costs ----------------------------------
+
+class CollectiveRates:
+    """This process's measured cost of each exact collective for one tensor configuration and union size class.
+
+    A cost is seconds per wire byte of the payload collective plus the write-back, less the call's header time (a
+    collective's latency, so that small payloads are not charged it per byte), averaged exponentially. A
+    collective's first run is not counted: it pays one-time costs (connections, first-touch buffers) that would bias
+    the choice for good.
+    """
+
+    def __init__(self) -> None:
+        self.runs = dict.fromkeys(TIMED_COLLECTIVES, 0)
+        self.rate = dict.fromkeys(TIMED_COLLECTIVES, math.nan)
+        self.timed_choices = 0  # the same count on every rank: it follows the gathered header
+
+    def header(self) -> list[float]:
+        """The rates this rank sends in the header, in TIMED_COLLECTIVES order; NaN where not yet measured."""
+        return [self.rate[k] if self.runs[k] > EXACT_COUNTED_RUNS else math.nan for k in TIMED_COLLECTIVES]
+
+    def record(self, collective: str, seconds: float, header_seconds: float, nbytes: int) -> None:
+        """Counts one run of `collective` that sent `nbytes` in `seconds` (header_seconds: the call's header)."""
+        self.runs[collective] += 1
+        if self.runs[collective] == 1 or not nbytes:
+            return
+        rate = max(seconds - header_seconds, 0.1 * seconds) / nbytes
+        before = self.rate[collective]
+        self.rate[collective] = rate if math.isnan(before) else \
+            (1 - EXACT_RATE_SMOOTHING) * before + EXACT_RATE_SMOOTHING * rate
 
 
-def _sketch_cols(ratio, cols, total):
+class ExactTimings:
+    """What exact_collective="auto" has measured on one process group: CollectiveRates per tensor configuration
+    and size class of the union. The caller owns it (a SketchState holds one); a plain call uses its group's
+    default_exact_timings. Measurements of this process: not saved with a state, measured afresh after a restore.
+    """
+
+    def __init__(self) -> None:
+        self.by_class: dict[tuple, CollectiveRates] = {}  # ((configuration), union size class) -> rates
+        self.last_class: dict[tuple, int] = {}  # configuration -> size class of its last exact call's union
+
+    def for_header(self, configuration: tuple) -> CollectiveRates:
+        """The rates a call sends and decides with: those of the previous exact call's union size class."""
+        return self.by_class.setdefault((configuration, self.last_class.get(configuration)), CollectiveRates())
+
+    def for_union(self, configuration: tuple, union_ring_bytes: int) -> CollectiveRates:
+        """The rates this exact call records into: its own union's size class, which the next call decides with."""
+        size_class = self.last_class[configuration] = union_ring_bytes.bit_length()
+        return self.by_class.setdefault((configuration, size_class), CollectiveRates())
+
+
+# ProcessGroup objects take weak references and c10d holds every group until destroy_process_group, so a group's
+# timings live exactly as long as the group, and a group created later never finds another's (as it could under
+# an id() key, which Python reuses). None (the default group) is keyed by dist.group.WORLD for the same reason:
+# a re-initialized default group is a new object.
+_default_timings: "weakref.WeakKeyDictionary[dist.ProcessGroup, ExactTimings]" = weakref.WeakKeyDictionary()
+_default_timings_lock = threading.Lock()
+
+
+def default_exact_timings(group: dist.ProcessGroup | None = None) -> ExactTimings:
+    """The ExactTimings that sketch_allreduce calls on `group` without a `timings` argument share.
+
+    Args:
+        group: the process group (None: the default group).
+
+    Returns:
+        The group's ExactTimings, created at first use and released with the group.
+    """
+    key = dist.group.WORLD if group is None else group
+    with _default_timings_lock:
+        return _default_timings.setdefault(key, ExactTimings())
+
+
+# --- arguments and this rank's view of the tensor ---------------------------------------------------------------
+
+def sketch_width(numel: int, ratio: float | None = None, cols: int | None = None) -> int:
+    """The number of columns c of a sketch of `numel` values: `cols` when given, else ceil(ratio * numel), at least 1.
+
+    Args:
+        numel: values of the sketched tensor.
+        ratio: sketch width as a fraction of numel (DEFAULT_RATIO when neither ratio nor cols is given).
+        cols: the width itself.
+
+    Returns:
+        c, as sketch_allreduce uses it (the residual of error feedback is [rows, c]).
+    """
     if cols is not None:
         return int(cols)
-    return max(1, math.ceil(ratio * total))
-
-
-EXACT_COLLECTIVES = ("auto", "allreduce-union", "allgather-local")
+    return max(1, math.ceil((DEFAULT_RATIO if ratio is None else ratio) * numel))
 
 
 def _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective):
@@ -167,20 +217,84 @@ def _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collecti
                          f"nn.Embedding(sparse=True) gradients), got sparse_dim {tensor.sparse_dim()}")
 
 
+def _check_residual(residual, rows, cols):
+    if residual is not None and (residual.dtype != torch.float32 or tuple(residual.shape) != (rows, cols)):
+        raise ValueError(f"sketch_allreduce: 'residual' must be float32 of shape {(rows, cols)}, got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+
+
 def _collective_device(tensor, group):
     if dist.get_backend(group) == "nccl":
         return tensor.device if tensor.is_cuda else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-HEADER_FIXED_BYTES = 32  # fingerprint, local support size (int64), the two exact collectives' rates (float64)
+class _LocalUnits:
+    """This rank's tensor as n units of m values (rows of dim 0, or elements): its support and its rows.
+
+    A dense tensor is reduced in place through `buf` (the tensor, or a contiguous copy written back at the end); a
+    row-sparse one is read from its rows as they are, nothing dense unless the union itself is dense (densify()).
+    """
+
+    def __init__(self, tensor, granularity):
+        self.tensor, self.granularity = tensor, granularity
+        self.sparse = tensor.is_sparse
+        if self.sparse:
+            self.coalesced = tensor.coalesce()
+            self.shape, self.dtype, self.device = tuple(tensor.shape), tensor.dtype, self.coalesced.device
+            self.n, self.m = self.shape[0], math.prod(self.shape[1:])
+            self.idx = self.coalesced.indices()[0]
+            self.rows = self.coalesced.values().reshape(self.idx.numel(), self.m)  # the support's rows
+            mask = torch.zeros(self.n, dtype=torch.bool, device=self.device)
+            mask[self.idx] = True
+            self.bits = ops.pack_bits(mask)
+            self.buf = self.rows2d = None
+        else:
+            self.buf = tensor.contiguous()
+            self.shape, self.dtype, self.device = tuple(self.buf.shape), self.buf.dtype, self.buf.device
+            if granularity == "element" or self.buf.dim() == 0:
+                self.n, self.m = self.buf.numel(), 1
+            else:
+                self.n = self.shape[0]
+                self.m = self.buf.numel() // self.n if self.n else 0
+            self.rows2d = self.buf.view(self.n, self.m) if self.n else self.buf.view(0, 0)
+            self.bits = ops.nonzero_bitmap(self.buf, granularity)
+            self.idx = ops.unpack_bits(self.bits, self.n).nonzero().flatten() if self.n \
+                else torch.zeros(0, dtype=torch.int64)
+        self.units = int(self.idx.numel())
+        self.esize = torch.empty(0, dtype=self.dtype).element_size()
+
+    def densify(self):
+        """Gives a sparse input the dense buffer a dense reduction sums (a dense input has it already)."""
+        if self.sparse:
+            self.buf = self.coalesced.to_dense()
+            self.rows2d = self.buf.view(self.n, self.m)
+
+    def write_back(self, union, union_rows):
+        """The call's result: a sparse tensor of U's reduced rows, or the tensor itself with them written in."""
+        if self.sparse:
+            return torch.sparse_coo_tensor(union.idx.view(1, -1), union_rows.view(union.units, *self.shape[1:]),
+                                           self.shape, is_coalesced=True)
+        if union_rows is not None:
+            self.rows2d.index_copy_(0, union.idx, union_rows)
+        if self.buf is not self.tensor:
+            self.tensor.copy_(self.buf)
+        return self.tensor
+
+
+# --- steps 1 and 2: the header and the union ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Header:
+    counts: list       # every rank's local support size
+    rates: list        # every rank's CollectiveRates.header() ([world][2], NaN: not measured)
+    bitmaps: object    # uint8 [world, ceil(n / 8)] of every rank's support, or None when they did not fit
 
 
 def _exchange_header(config, local_units, rates, local_bits, group, world, device):
     """All-gathers (fingerprint, local support size, this rank's seconds per byte of the TIMED_COLLECTIVES, NaN
     where not measured, local bitmap if it fits) in a buffer of fixed size; raises MismatchError on every rank on
-    disagreement. Returns the local sizes of all ranks, their rates ([world][2]) and their bitmaps as a uint8
-    [world, ceil(n / 8)] tensor, or None when the bitmaps did not fit."""
+    disagreement."""
     nbytes = local_bits.numel()
     inline = nbytes <= HEADER_BITMAP_BYTES
     mine = torch.zeros(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, dtype=torch.uint8)
@@ -201,41 +315,61 @@ def _exchange_header(config, local_units, rates, local_bits, group, world, devic
     all_rates = out[:, 16:HEADER_FIXED_BYTES].contiguous().view(torch.float64).tolist()
     bitmaps = out[:, HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes].contiguous().to(local_bits.device) \
         if inline else None
-    return head[:, 1].tolist(), all_rates, bitmaps
+    return _Header(head[:, 1].tolist(), all_rates, bitmaps)
+
+
+@dataclasses.dataclass
+class _Union:
+    """The union support U, the same on every rank, and how it was computed."""
+    bits: torch.Tensor   # packed
+    mask: torch.Tensor   # bool [n]
+    idx: torch.Tensor    # U's units, increasing
+    units: int           # |U|
+    bitmaps: object      # every rank's packed support ([world, bytes]), or None when not gathered
+    method: str          # "header", "allgather-or" or "allreduce-max"
+    wire_bytes: int      # what computing it sent beyond the header
+
+    def position(self):
+        """A unit's row in the compact union ([n], valid where mask is set)."""
+        return self.mask.cumsum(0) - 1
 
 
 def _union(local_bits, bitmaps, n, group, world, device):
-    """The packed union bitmap of all ranks, every rank's bitmap ([world, bytes], or None when not
-    gathered), how the union was computed, and the bytes that sent beyond the header."""
+    """The OR of every rank's bitmap: from the header's bitmaps, else by whichever collective sends fewer bytes."""
     if bitmaps is not None:
-        return ops.bitwise_or_reduce(bitmaps), bitmaps, "header", 0
-    nbytes = local_bits.numel()
-    gather_bytes = (world - 1) * nbytes
-    max_bytes = ring_allreduce_bytes(n, world)
-    if gather_bytes <= max_bytes:
-        gathered = torch.empty(world * nbytes, dtype=torch.uint8, device=device)
-        compat.all_gather_single(gathered, local_bits.to(device), group=group)
-        bitmaps = gathered.view(world, nbytes).to(local_bits.device)
-        return ops.bitwise_or_reduce(bitmaps), bitmaps, "allgather-or", gather_bytes
-    mask = ops.unpack_bits(local_bits, n).to(torch.uint8).to(device)
-    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
-    return ops.pack_bits(mask.to(local_bits.device).bool()), None, "allreduce-max", max_bytes
+        bits, method, nbytes = ops.bitwise_or_reduce(bitmaps), "header", 0
+    else:
+        gather_bytes = ring_allgather_bytes(local_bits.numel(), world)
+        max_bytes = ring_allreduce_bytes(n, world)
+        if gather_bytes <= max_bytes:
+            gathered = torch.empty(world * local_bits.numel(), dtype=torch.uint8, device=device)
+            compat.all_gather_single(gathered, local_bits.to(device), group=group)
+            bitmaps = gathered.view(world, local_bits.numel()).to(local_bits.device)
+            bits, method, nbytes = ops.bitwise_or_reduce(bitmaps), "allgather-or", gather_bytes
+        else:
+            mask = ops.unpack_bits(local_bits, n).to(torch.uint8).to(device)
+            dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+            bits, method, nbytes = ops.pack_bits(mask.to(local_bits.device).bool()), "allreduce-max", max_bytes
+    mask = ops.unpack_bits(bits, n)
+    idx = mask.nonzero().flatten()
+    return _Union(bits, mask, idx, int(idx.numel()), bitmaps, method, nbytes)
 
+
+# --- step 3: the method ----------------------------------------------------------------------------------------
 
 def _choose(mode, union_values, total_values, rows, cols, lossless_slack, dense_fraction, max_sketch_load):
     if union_values >= dense_fraction * total_values:
         return "dense"  # in every mode: a dense union sketches badly and sends no fewer bytes exactly
     if mode != "auto":
         return mode
-    # The error budget: a sketch narrower than the union's values decodes badly (relative error 0.8 at
-    # c = 0.5 |U| m, 2.1 at 0.1 |U| m on Zipf embedding gradients), so auto only considers sketches with
-    # c >= |U| m / max_sketch_load, and then only if they are cheaper than exact by lossless_slack.
+    # The error budget: a sketch narrower than the union's values decodes badly, so auto only considers sketches
+    # with c >= |U| m / max_sketch_load, and then only if they are cheaper than exact by lossless_slack.
     if union_values > max_sketch_load * cols or union_values <= lossless_slack * rows * cols:
         return "exact"
     return "sketch"
 
 
-def _exact_choice(timings, all_rates, gather_candidate, union_bytes, gather_bytes):
+def _exact_choice(rates, all_rates, gather_candidate, union_bytes, gather_bytes):
     """(exact collective, why) from every rank's measured seconds per byte ([world][2], NaN: not measured), the
     same on every rank. Until both are measured everywhere: the gather when it is a candidate, then the union
     all-reduce, so that both get a figure; then the gather unless the slowest rank predicts it EXACT_SWITCH_MARGIN
@@ -250,35 +384,188 @@ def _exact_choice(timings, all_rates, gather_candidate, union_bytes, gather_byte
     union_s, gather_s = (max(r[k] for r in all_rates) for k in range(len(TIMED_COLLECTIVES)))
     gather_stays = gather_s * gather_bytes <= EXACT_SWITCH_MARGIN * union_s * union_bytes
     faster, slower = TIMED_COLLECTIVES[::-1] if gather_stays else TIMED_COLLECTIVES
-    timings.timed_choices += 1
-    if timings.timed_choices % EXACT_REPROBE_EVERY == 0:
+    rates.timed_choices += 1
+    if rates.timed_choices % EXACT_REPROBE_EVERY == 0:
         return slower, "explore"
     return faster, "timed"
 
 
+# --- step 4: the reductions, each prepare -> payload collective -> finish --------------------------------------
+
+class _Reduction:
+    """One way to sum U's rows over the group. prepare() builds this rank's payload and returns the bytes its
+    collective sends; collective() issues it (its size is the same on every rank, so all skip an empty one
+    together); finish(), once it has completed, returns U's reduced rows ([|U|, m]), or None when it reduced the
+    dense buffer in place."""
+    method = ""
+    exact_collective = ""
+    error_feedback = False
+
+    def __init__(self, local, union, world, device, divisor):
+        self.local, self.union, self.world, self.device, self.divisor = local, union, world, device, divisor
+        self.payload = None
+
+    def prepare(self):
+        raise NotImplementedError
+
+    def collective(self, group, async_op):
+        """One SUM all-reduce of the payload."""
+        return dist.all_reduce(self.payload, group=group, async_op=async_op) if self.payload.numel() else None
+
+    def finish(self):
+        raise NotImplementedError
+
+    def _divided(self, t):  # divide, as DDP does: 1/world is inexact for most world sizes
+        return t.div_(self.divisor) if self.divisor != 1 else t
+
+
+class _DenseAllReduce(_Reduction):
+    """The whole tensor, as dist.all_reduce would: a union this dense sends no fewer bytes any other way."""
+    method = "dense"
+
+    def prepare(self):
+        self.local.densify()
+        buf = self.local.buf
+        self.payload = buf if self.device == buf.device else buf.to(self.device)
+        return ring_allreduce_bytes(self.payload.numel() * self.local.esize, self.world)
+
+    def finish(self):
+        local = self.local
+        if self.payload is not local.buf:
+            local.buf.copy_(self.payload)
+        self._divided(local.buf)
+        return local.rows2d.index_select(0, self.union.idx) if local.sparse else None
+
+
+class _UnionAllReduce(_Reduction):
+    """Lossless (OmniReduce-style): an all-reduce of U's rows, zeros where this rank holds none."""
+    method, exact_collective = "exact", "allreduce-union"
+
+    def prepare(self):
+        local, union = self.local, self.union
+        if local.sparse:
+            payload = torch.zeros(union.units, local.m, dtype=local.dtype, device=local.device)
+            payload.index_copy_(0, union.position()[local.idx], local.rows)
+            self.payload = payload.to(self.device)
+        else:
+            self.payload = local.rows2d.index_select(0, union.idx).to(self.device)
+        return ring_allreduce_bytes(self.payload.numel() * local.esize, self.world)
+
+    def finish(self):  # rows outside U are zero on every rank already: only the union's rows change
+        return self._divided(self.payload.to(self.local.device))
+
+
+class _GatherOwnRows(_Reduction):
+    """Lossless (AGsparse without indices: the gathered bitmaps are the indices): an all-gather of every rank's own
+    rows, padded to the largest support, summed in rank order identically on every rank."""
+    method, exact_collective = "exact", "allgather-local"
+
+    def __init__(self, local, union, world, device, divisor, counts):
+        super().__init__(local, union, world, device, divisor)
+        self.counts, self.max_local = counts, max(counts)
+
+    def prepare(self):
+        local = self.local
+        self.mine = torch.empty(self.max_local, local.m, dtype=local.dtype, device=local.device)
+        if local.sparse:
+            self.mine[:local.units] = local.rows
+        else:
+            torch.index_select(local.rows2d, 0, local.idx, out=self.mine[:local.units])
+        self.mine[local.units:].zero_()
+        self.gathered = torch.empty(self.world * self.max_local * local.m, dtype=local.dtype, device=self.device)
+        return ring_allgather_bytes(self.max_local * local.m * local.esize, self.world)
+
+    def collective(self, group, async_op):
+        if not self.gathered.numel():
+            return None
+        return compat.all_gather_single(self.gathered, self.mine.view(-1).to(self.device), group=group,
+                                        async_op=async_op)
+
+    def finish(self):
+        local, union = self.local, self.union
+        rows_of = self.gathered.view(self.world, self.max_local, local.m).to(local.device)
+        position = union.position()
+        total = torch.zeros(union.units, local.m, dtype=local.dtype, device=local.device)
+        for r in range(self.world):
+            own = ops.unpack_bits(union.bitmaps[r], local.n).nonzero().flatten()
+            total.index_add_(0, position[own], rows_of[r, :self.counts[r]])
+        return self._divided(total)
+
+
+class _SketchAllReduce(_Reduction):
+    """Lossy: an all-reduce of an r x c count-sketch, decoded at U's units only. With a residual (error feedback)
+    every rank decodes from S + R and keeps R <- S + R - sketch(decoded), the same R on every rank."""
+    method = "sketch"
+
+    def __init__(self, local, union, world, device, divisor, rows, cols, seed, residual):
+        super().__init__(local, union, world, device, divisor)
+        self.rows, self.cols, self.seed = rows, cols, seed
+        # only a sketch as wide as the union's values: narrower, decoding all of U is too noisy and R would diverge
+        self.error_feedback = residual is not None and union.units * local.m <= cols
+        self.residual = residual if self.error_feedback else None
+
+    def prepare(self):
+        local = self.local
+        if local.sparse:
+            table = ops.count_sketch_units(local.rows, local.idx, self.rows, self.cols, self.seed)
+        else:
+            support = local.bits if local.granularity == "row" else None
+            table = ops.count_sketch(local.buf, self.rows, self.cols, self.seed, support=support,
+                                     granularity=local.granularity)
+        self.payload = table.to(self.device)
+        return ring_allreduce_bytes(self.payload.numel() * 4, self.world)
+
+    def finish(self):  # decodes only U's rows: rows outside U are zero on every rank already
+        union = self.union
+        table = self.payload.to(self.local.device)
+        if self.error_feedback:
+            table = table + self.residual
+        est = ops.count_sketch_decode_units(table, union.idx, self.local.m, self.seed).to(self.local.dtype)
+        if self.error_feedback:  # re-sketch what the ranks apply, in the tensor's dtype: R keeps the rounding
+            self.residual.copy_(table - ops.count_sketch_units(est, union.idx, self.rows, self.cols, self.seed))
+        return self._divided(est)
+
+
+def _exact_reduction(common, asked, header, decided_with):
+    """The lossless reduction: the one the caller named, or auto's choice (_exact_choice). Returns it, how auto
+    chose ("" when the caller named it) and the union all-reduce's ring bytes (whose size class files the timing)."""
+    local, union, world = common[:3]
+    union_ring_bytes = ring_allreduce_bytes(union.units * local.m * local.esize, world)
+    exact_by = ""
+    if asked == "auto" or union.bitmaps is None:  # the gather needs every rank's bitmap
+        gather_bytes = ring_allgather_bytes(max(header.counts) * local.m * local.esize, world)
+        gather_candidate = union.bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
+        asked, exact_by = _exact_choice(decided_with, header.rates, gather_candidate, union_ring_bytes, gather_bytes)
+    reduction = _UnionAllReduce(*common) if asked == "allreduce-union" else _GatherOwnRows(*common, header.counts)
+    return reduction, exact_by, union_ring_bytes
+
+
 class _Pending:
     """Handle of an asynchronous sketch_allreduce. wait() (or the future's callback) runs the write-back
-    once, after the payload all-reduce has completed."""
+    once, after the payload collective has completed."""
 
     def __init__(self, work, complete):
         self._work, self._complete = work, complete
         self._lock = threading.Lock()
         self._done, self._result, self.stats = False, None, None
 
-    def wait(self):
+    def wait(self) -> bool:
+        """Blocks until the result is written back; returns True (as dist's Work.wait does)."""
         self.result()
         return True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
+        """Whether the write-back has run."""
         return self._done
 
-    def result(self):
+    def result(self) -> torch.Tensor:
+        """Waits for the payload collective, writes back once, and returns the call's result."""
         if self._work is not None and not self._done:
             self._work.wait()
         return self._finish()
 
     def _finish(self):
-        # Runs once, after the payload all-reduce completed. Never waits on the work itself: it is also
+        # Runs once, after the payload collective completed. Never waits on the work itself: it is also
         # called from the work's future callback, where waiting would deadlock.
         with self._lock:
             if not self._done:
@@ -286,7 +573,7 @@ class _Pending:
                 self._done = True
         return self._result
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future that resolves to the result once the reduction has been written back."""
         if self._work is None:
             fut = torch.futures.Future()
@@ -295,202 +582,105 @@ class _Pending:
         return self._work.get_future().then(lambda _: self._finish())
 
 
-def sketch_allreduce(tensor, *, ratio=None, cols=None, rows=3, seed=0, granularity="row", mode="sketch",
-                     op="sum", group=None, async_op=False, lossless_slack=2.0, dense_fraction=0.5,
-                     max_sketch_load=1.0, residual=None, exact_collective="auto"):
+def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: int | None = None, rows: int = 3,
+                     seed: int = 0, granularity: str = "row", mode: str = "sketch", op: str = "sum",
+                     group: dist.ProcessGroup | None = None, async_op: bool = False, lossless_slack: float = 2.0,
+                     dense_fraction: float = 0.5, max_sketch_load: float = 1.0, residual: torch.Tensor | None = None,
+                     exact_collective: str = "auto", timings: ExactTimings | None = None):
     """Sums `tensor` over the ranks of `group`, sending only its union support (exact) or a sketch of it.
 
-    tensor:      float32/float16/bfloat16/float64, dense (reduced in place, like dist.all_reduce) or a
-                 row-sparse torch.sparse_coo tensor, e.g. an nn.Embedding(sparse=True) gradient: reduced from its
-                 rows without a dense copy (unless the union is dense) and returned as a new coalesced sparse
-                 tensor whose rows are U; the values are exactly those of reducing its dense form.
-    ratio, cols: sketch width c = ceil(ratio * numel) or cols directly (default ratio 0.05); rows r (odd).
-    seed:        the hash seed; must be the same on every rank (checked).
-    granularity: "row" (support per row of dim 0: embedding gradients) or "element".
-    mode:        "sketch" (lossy, r*c values on the wire), "exact" (lossless union all-reduce),
-                 "auto" (per call from |U|: the sketch only if it is wide enough to decode well,
-                 c >= |U| m / max_sketch_load, and cheaper than exact by lossless_slack; else exact — on
-                 the workloads measured so far this means auto is lossless). In every mode a union covering
-                 >= dense_fraction of the units is reduced densely (set dense_fraction > 1 to never do so).
-                 Identical on every rank.
-    op:          "sum" or "avg".
-    async_op:    return a handle whose wait() completes the reduction (the payload all-reduce is asynchronous).
-    residual:    sketch-space error feedback (FetchSGD): a float32 [rows, cols] tensor, zeros at first, kept by
-                 the caller across calls with a fixed seed. Every rank holds the same summed sketch S, so
-                 every rank keeps the same residual: decode from S + R, then R <- S + R - sketch(decoded).
-                 Applied only when the sketch is at least as wide as the union's values (c >= |U| m): below
-                 that, decoding all of U is too noisy and re-sketching it makes R grow without bound
-                 (measured: cumulative error 1.4 at c = 0.85 |U| m vs 0.03 at c = |U| m after 64 calls).
-                 Calls that skip it, or end up exact or dense, leave R unchanged (see last_stats().error_feedback).
-    exact_collective: how "exact" sums the union: "allreduce-union", "allgather-local" (needs every rank's
-                 bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto": the gather
-                 only when it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes; then, once each
-                 has been timed (such calls gather 3 times, then all-reduce 3 times: a first run is not counted),
-                 the gather unless it is measured EXACT_SWITCH_MARGIN times slower on the slowest rank, per group,
-                 tensor shape and size class of the union (at most EXACT_EXPLORE_CALLS calls explore a new one),
-                 with the other re-timed every EXACT_REPROBE_EVERY calls
-                 (last_stats().exact_by says which rule chose).
-    Returns the result tensor (the input itself when dense), or a handle when async_op.
+    Args:
+        tensor: float32/float16/bfloat16/float64, dense (reduced in place, like dist.all_reduce) or a row-sparse
+            torch.sparse_coo tensor, e.g. an nn.Embedding(sparse=True) gradient: reduced from its rows without a
+            dense copy (unless the union is dense) and returned as a new coalesced sparse tensor whose rows are U;
+            the values are exactly those of reducing its dense form.
+        ratio: sketch width c = ceil(ratio * numel) (DEFAULT_RATIO when cols is not given either).
+        cols: sketch width c directly.
+        rows: sketch rows r (odd).
+        seed: the hash seed; must be the same on every rank (checked).
+        granularity: "row" (support per row of dim 0: embedding gradients) or "element".
+        mode: "sketch" (lossy, r*c values on the wire), "exact" (lossless union all-reduce), "auto" (per call from
+            |U|: the sketch only if it is wide enough to decode well, c >= |U| m / max_sketch_load, and cheaper
+            than exact by lossless_slack; else exact: on the workloads measured so far auto is lossless). In every
+            mode a union covering >= dense_fraction of the units is reduced densely (dense_fraction > 1: never).
+            Identical on every rank.
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+        async_op: return a handle whose wait() completes the reduction (the payload collective is asynchronous).
+        lossless_slack: see mode.
+        dense_fraction: see mode.
+        max_sketch_load: see mode.
+        residual: sketch-space error feedback (FetchSGD): a float32 [rows, cols] tensor, zeros at first, kept by
+            the caller across calls with a fixed seed. Every rank holds the same summed sketch S, so every rank
+            keeps the same residual: decode from S + R, then R <- S + R - sketch(decoded). Applied only when the
+            sketch is at least as wide as the union's values (c >= |U| m): narrower, decoding all of U is too
+            noisy and re-sketching it makes R grow without bound. Calls that skip it, or end up exact or dense,
+            leave R unchanged (see last_stats().error_feedback).
+        exact_collective: how "exact" sums the union: "allreduce-union", "allgather-local" (needs every rank's
+            bitmap: always at row granularity up to HEADER_BITMAP_BYTES * 8 rows), or "auto": the gather only when
+            it sends at most GATHER_MAX_BYTES_FRACTION of the all-reduce's bytes; then, once each has been timed
+            (such calls gather 3 times, then all-reduce 3 times: a first run is not counted), the gather unless it
+            is measured EXACT_SWITCH_MARGIN times slower on the slowest rank, per group, tensor shape and size
+            class of the union (at most EXACT_EXPLORE_CALLS calls explore a new one), with the other re-timed every
+            EXACT_REPROBE_EVERY calls (last_stats().exact_by says which rule chose).
+        timings: where "auto" keeps those timings across calls (None: default_exact_timings(group)).
+
+    Returns:
+        The result tensor (the input itself when dense), or, with async_op, a handle with wait(), result(),
+        get_future() and, once completed, stats.
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any communication.
+        MismatchError: on every rank, when the ranks disagree on shape, dtype, granularity, rows, cols, seed, mode
+            or op.
     """
     _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective)
-    if ratio is None and cols is None:
-        ratio = 0.05
-    rows = int(rows)
     start = time.perf_counter()
-    world = dist.get_world_size(group)
-    sparse_input = tensor.is_sparse
-    if sparse_input:  # its rows as they are: nothing dense unless the union itself is dense
-        sp = tensor.coalesce()
-        shape, dtype, dev = tuple(sp.shape), sp.dtype, sp.device
-        n, m = shape[0], math.prod(shape[1:])
-        local_idx = sp.indices()[0]
-        local_rows = sp.values().reshape(local_idx.numel(), m)
-        mask = torch.zeros(n, dtype=torch.bool, device=dev)
-        mask[local_idx] = True
-        local_bits = ops.pack_bits(mask)
-    else:
-        work_buf = tensor.contiguous()
-        shape, dtype, dev = tuple(work_buf.shape), work_buf.dtype, work_buf.device
-        n, m = _view_rows(work_buf, granularity)
-        rows2d = work_buf.view(n, m) if n else work_buf.view(0, 0)
-        local_bits = ops.nonzero_bitmap(work_buf, granularity)
-    c = _sketch_cols(ratio, cols, n * m)
-    device = _collective_device(tensor, group)
-    config = (shape, str(dtype), granularity, rows, c, int(seed), mode, op, residual is not None, exact_collective)
-    if residual is not None and (residual.dtype != torch.float32 or tuple(residual.shape) != (rows, c)):
-        raise ValueError(f"sketch_allreduce: 'residual' must be float32 of shape {(rows, c)}, got "
-                         f"{residual.dtype} {tuple(residual.shape)}")
+    rows, seed = int(rows), int(seed)
+    local = _LocalUnits(tensor, granularity)
+    n, m = local.n, local.m
+    c = sketch_width(n * m, ratio, cols)
+    _check_residual(residual, rows, c)
+    world, device = dist.get_world_size(group), _collective_device(tensor, group)
+    timings = default_exact_timings(group) if timings is None else timings
+    timed_config = (world, local.shape, str(local.dtype), granularity)
 
-    if not sparse_input:
-        local_idx = ops.unpack_bits(local_bits, n).nonzero().flatten() if n else torch.zeros(0, dtype=torch.int64)
-    local_units = int(local_idx.numel())
-    rate_key = (id(group) if group is not None else None, world, shape, str(dtype), granularity)
-    timings = _exact_timings.setdefault((rate_key, _union_class.get(rate_key)), _ExactTimings())
+    config = (local.shape, str(local.dtype), granularity, rows, c, seed, mode, op, residual is not None,
+              exact_collective)
+    decided_with = timings.for_header(timed_config)
     header_start = time.perf_counter()
-    counts, all_rates, bitmaps = _exchange_header(config, local_units, timings.header(), local_bits, group, world,
-                                                  device)
+    header = _exchange_header(config, local.units, decided_with.header(), local.bits, group, world, device)
     header_seconds = time.perf_counter() - header_start
-    header_bytes = (HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES) * (world - 1)
-    union_bits, bitmaps, union_method, union_bytes = _union(local_bits, bitmaps, n, group, world, device)
-    union_mask = ops.unpack_bits(union_bits, n)
-    union_idx = union_mask.nonzero().flatten()
-    union_units = int(union_idx.numel())
-    esize = torch.empty(0, dtype=dtype).element_size()
-    method = _choose(mode, union_units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
-    use_ef = residual is not None and method == "sketch" and union_units * m <= c
-    # Lossless: all-reduce the union's rows, or all-gather every rank's own rows padded to the largest
-    # support: the gather only when it sends clearly fewer bytes (it needs every rank's bitmap: its row indices),
-    # and once both have been timed, whichever is faster (see TIMED_COLLECTIVES).
-    max_local = max(counts)
-    gather_bytes = (world - 1) * max_local * m * esize
+    union = _union(local.bits, header.bitmaps, n, group, world, device)
+
+    method = _choose(mode, union.units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
+    common = (local, union, world, device, world if op == "avg" else 1)
     exact_by, filed = "", None  # filed: where this call's exact timing goes (its own union's size class)
-    if method != "exact":
-        exact_collective = ""
+    if method == "exact":
+        reduction, exact_by, union_ring_bytes = _exact_reduction(common, exact_collective, header, decided_with)
+        filed = timings.for_union(timed_config, union_ring_bytes)
+    elif method == "sketch":
+        reduction = _SketchAllReduce(*common, rows, c, seed, residual)
     else:
-        union_ring_bytes = ring_allreduce_bytes(union_units * m * esize, world)
-        if exact_collective == "auto" or bitmaps is None:
-            gather_candidate = bitmaps is not None and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes
-            exact_collective, exact_by = _exact_choice(timings, all_rates, gather_candidate, union_ring_bytes,
-                                                       gather_bytes)
-        _union_class[rate_key] = union_ring_bytes.bit_length()
-        filed = _exact_timings.setdefault((rate_key, _union_class[rate_key]), _ExactTimings())
+        reduction = _DenseAllReduce(*common)
 
-    def union_position():  # a unit's row in the compact union
-        return union_mask.cumsum(0) - 1
-
-    divisor = world if op == "avg" else 1  # divide, as DDP does: 1/world is inexact for most world sizes
-    if method == "dense":
-        if sparse_input:
-            work_buf = sp.to_dense()
-            rows2d = work_buf.view(n, m)
-        payload = work_buf if device == work_buf.device else work_buf.to(device)
-        payload_bytes = ring_allreduce_bytes(payload.numel() * esize, world)
-
-        def finish():
-            if payload is not work_buf:
-                work_buf.copy_(payload)
-            if divisor != 1:
-                work_buf.div_(divisor)
-            return rows2d.index_select(0, union_idx) if sparse_input else None
-    elif exact_collective == "allreduce-union":
-        if sparse_input:
-            payload = torch.zeros(union_units, m, dtype=dtype, device=dev)
-            payload.index_copy_(0, union_position()[local_idx], local_rows)
-            payload = payload.to(device)
-        else:
-            payload = rows2d.index_select(0, union_idx).to(device)
-        payload_bytes = ring_allreduce_bytes(payload.numel() * esize, world)
-
-        def finish():  # rows outside U are zero on every rank already: only the union's rows change
-            reduced = payload.to(dev)
-            return reduced.div_(divisor) if divisor != 1 else reduced
-    elif exact_collective == "allgather-local":
-        mine = torch.empty(max_local, m, dtype=dtype, device=dev)
-        if sparse_input:
-            mine[:local_units] = local_rows
-        else:
-            torch.index_select(rows2d, 0, local_idx, out=mine[:local_units])
-        mine[local_units:].zero_()
-        gathered = torch.empty(world * max_local * m, dtype=dtype, device=device)
-        payload_bytes = gather_bytes
-
-        def finish():  # the same sum, in rank order, on every rank
-            rows_of = gathered.view(world, max_local, m).to(dev)
-            position = union_position()
-            total = torch.zeros(union_units, m, dtype=dtype, device=dev)
-            for r in range(world):
-                own = ops.unpack_bits(bitmaps[r], n).nonzero().flatten()
-                total.index_add_(0, position[own], rows_of[r, :counts[r]])
-            return total.div_(divisor) if divisor != 1 else total
-    else:
-        if sparse_input:
-            table = ops.count_sketch_units(local_rows, local_idx, rows, c, seed)
-        else:
-            support = local_bits if granularity == "row" else None
-            table = ops.count_sketch(work_buf, rows, c, seed, support=support, granularity=granularity)
-        payload = table.to(device)
-        payload_bytes = ring_allreduce_bytes(payload.numel() * 4, world)
-
-        def finish():  # decodes only U's rows: rows outside U are zero on every rank already
-            table = payload.to(dev)
-            if use_ef:
-                table = table + residual
-            est = ops.count_sketch_decode_units(table, union_idx, m, seed).to(dtype)
-            if use_ef:  # re-sketch what the ranks apply, in the tensor's dtype: the residual keeps the rounding too
-                residual.copy_(table - ops.count_sketch_units(est, union_idx, rows, c, seed))
-            return est.div_(divisor) if divisor != 1 else est
+    payload_bytes = reduction.prepare()
+    issued = time.perf_counter()
+    handle = reduction.collective(group, async_op)
 
     def complete():
         global _last
-        union_rows = finish()  # the reduced rows of U ([|U|, m]), or None when written in place
-        if sparse_input:
-            result = torch.sparse_coo_tensor(union_idx.view(1, -1), union_rows.view(union_units, *shape[1:]), shape,
-                                             is_coalesced=True)
-        else:
-            if union_rows is not None:
-                rows2d.index_copy_(0, union_idx, union_rows)
-            if work_buf is not tensor:
-                tensor.copy_(work_buf)
-            result = tensor
+        result = local.write_back(union, reduction.finish())
         if filed is not None:  # from issuing the payload to here (a late wait() counts too)
-            filed.record(exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
-        stats = SketchStats(
-            method=method, mode=mode, units=n, unit_size=m, local_units=local_units, union_units=union_units,
-            union_method=union_method, sketch_shape=(rows, c),
-            wire_bytes=header_bytes + union_bytes + payload_bytes,
-            dense_wire_bytes=ring_allreduce_bytes(n * m * esize, world), seconds=time.perf_counter() - start,
-            error_feedback=use_ef, exact_collective=exact_collective, exact_by=exact_by)
-        _last = stats
-        return result, stats
+            filed.record(reduction.exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
+        header_bytes = (HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES) * (world - 1)
+        _last = SketchStats(
+            method=reduction.method, mode=mode, units=n, unit_size=m, local_units=local.units,
+            union_units=union.units, union_method=union.method, sketch_shape=(rows, c),
+            wire_bytes=header_bytes + union.wire_bytes + payload_bytes,
+            dense_wire_bytes=ring_allreduce_bytes(n * m * local.esize, world), seconds=time.perf_counter() - start,
+            error_feedback=reduction.error_feedback,
+            exact_collective=reduction.exact_collective, exact_by=exact_by)
+        return result, _last
 
-    # the payload's size is the same on every rank (|U| * m, P * max_local * m, r * c or n * m): all skip an
-    # empty one together
-    issued = time.perf_counter()
-    if exact_collective == "allgather-local":
-        handle = compat.all_gather_single(gathered, mine.view(-1).to(device), group=group, async_op=async_op) \
-            if gathered.numel() else None
-    else:
-        handle = dist.all_reduce(payload, group=group, async_op=async_op) if payload.numel() else None
-    if async_op:
-        return _Pending(handle, complete)
-    return complete()[0]
+    return _Pending(handle, complete) if async_op else complete()[0]
