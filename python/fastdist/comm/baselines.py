@@ -32,6 +32,7 @@ Indices travel as int32 when the tensor has fewer than 2^31 elements (rows), int
 import dataclasses
 import math
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ class BaselineStats:
 _last = None
 
 
-def last_baseline_stats():
+def last_baseline_stats() -> BaselineStats | None:
     """The BaselineStats of the last baseline call on this process (None before any)."""
     return _last
 
@@ -119,15 +120,17 @@ class _Contiguous:
         return False
 
 
-_checked = set()
+# group -> the (name, configuration) pairs checked on it; keyed by the group object, weakly, so that a group
+# created later (possibly at a freed group's address) is checked afresh
+_checked: "weakref.WeakKeyDictionary[dist.ProcessGroup, set]" = weakref.WeakKeyDictionary()
 
 
 def _check_config_once(name, config, group):
     """Cross-rank agreement on what sizes the all-gathers (a mismatch would hang or mis-slice), once per config."""
-    key = (name, id(group) if group is not None else None, config)
-    if key not in _checked:
+    checked = _checked.setdefault(dist.group.WORLD if group is None else group, set())
+    if (name, config) not in checked:
         check_same(f"{name} configuration (shape, dtype, granularity/k, op)", config, group=group)
-        _checked.add(key)
+        checked.add((name, config))
 
 
 def _index_dtype(n):
@@ -136,8 +139,17 @@ def _index_dtype(n):
 
 # --- dense and cast-to-16-bit ------------------------------------------------------------------------
 
-def dense_allreduce(tensor, *, op="sum", group=None):
-    """dist.all_reduce of the whole tensor (SUM, then divided by the world size for op="avg")."""
+def dense_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """dist.all_reduce of the whole tensor (SUM, then divided by the world size for op="avg").
+
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the reduction.
+    """
     _check_tensor("dense_allreduce", tensor, op)
     start, world = time.perf_counter(), dist.get_world_size(group)
     _device(tensor, group)
@@ -167,11 +179,19 @@ def _cast_allreduce(name, dtype, hook, tensor, op, group):
     return tensor
 
 
-def fp16_allreduce(tensor, *, op="sum", group=None):
+def fp16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch's fp16_compress_hook on a raw tensor: float16 on the wire, result cast back to the tensor's dtype.
 
     Values beyond float16's range (65504) overflow to inf, as with the hook; op="avg" pre-divides by the
     world size (the hook itself), which makes overflow less likely.
+
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the reduction.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         fp16_compress_hook,
@@ -179,8 +199,17 @@ def fp16_allreduce(tensor, *, op="sum", group=None):
     return _cast_allreduce("fp16_allreduce", torch.float16, fp16_compress_hook, tensor, op, group)
 
 
-def bf16_allreduce(tensor, *, op="sum", group=None):
-    """torch's bf16_compress_hook on a raw tensor: bfloat16 on the wire (float32's range, 8-bit mantissa)."""
+def bf16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """torch's bf16_compress_hook on a raw tensor: bfloat16 on the wire (float32's range, 8-bit mantissa).
+
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the reduction.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         bf16_compress_hook,
     )
@@ -199,15 +228,27 @@ def _gather_lists(idx, vals, group, world):
     return g_idx.view(world, length), g_val.view((world, length) + tuple(vals.shape[1:]))
 
 
-def agsparse_allreduce(tensor, granularity="row", *, op="sum", group=None):
+def agsparse_allreduce(tensor: torch.Tensor, granularity: str = "row", *, op: str = "sum",
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """AGsparse: lossless all-gather of every rank's non-zero (index, value) list, then a local scatter-add.
 
-    granularity: "row" (a unit is a row of dim 0 with all its values: embedding gradients) or "element".
     Steps: all-gather the local non-zero counts (one int64 per rank), all-gather the indices (padded to
     the largest count), all-gather the values (same padding), then add every rank's first count[r]
     entries into the zeroed tensor, rank 0 first. A row is non-zero if any of its values is non-zero
     (NaN counts as non-zero, so it propagates as in a dense all-reduce).
     Wire bytes: (P-1) x [8 + L x (index bytes + m x value bytes)], L = the largest count.
+
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        granularity: "row" (a unit is a row of dim 0 with all its values: embedding gradients) or "element".
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the reduction.
+
+    Raises:
+        MismatchError: on every rank, when the ranks disagree on shape, dtype or granularity (checked once).
     """
     _check_tensor("agsparse_allreduce", tensor, op)
     if granularity not in ("row", "element"):
@@ -253,8 +294,17 @@ def agsparse_allreduce(tensor, granularity="row", *, op="sum", group=None):
     return tensor
 
 
-def topk_k(numel, ratio=None, k=None):
-    """k for topk_allgather: given directly, or ceil(ratio x numel), at least 1, at most numel."""
+def topk_k(numel: int, ratio: float | None = None, k: int | None = None) -> int:
+    """k for topk_allgather: given directly, or ceil(ratio x numel), at least 1, at most numel.
+
+    Args:
+        numel: elements of the tensor.
+        ratio: the kept fraction, in (0, 1].
+        k: the kept count (exactly one of ratio and k).
+
+    Returns:
+        k, clamped to numel.
+    """
     if (ratio is None) == (k is None):
         raise ValueError("topk_allgather: give exactly one of ratio or k")
     if k is None:
@@ -267,12 +317,22 @@ def topk_k(numel, ratio=None, k=None):
     return min(k, numel)
 
 
-def topk_allgather(tensor, ratio=None, *, k=None, op="sum", group=None):
+def topk_allgather(tensor: torch.Tensor, ratio: float | None = None, *, k: int | None = None, op: str = "sum",
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """GRACE-style TopK: each rank's k largest-magnitude elements, all-gathered as (index, value), summed.
 
-    k = ceil(ratio x numel) or given; the same on every rank (checked once per configuration). Everything
-    outside the k kept elements of every rank is dropped (no error feedback here: the caller keeps
+    Everything outside the k kept elements of every rank is dropped (no error feedback here: the caller keeps
     residuals if it wants them). Wire bytes: (P-1) x k x (index bytes + value bytes).
+
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        ratio: k = ceil(ratio x numel) (see topk_k).
+        k: k itself; the same on every rank (checked once per configuration).
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the sum of every rank's kept elements.
     """
     _check_tensor("topk_allgather", tensor, op)
     numel = tensor.numel()
@@ -293,13 +353,23 @@ def topk_allgather(tensor, ratio=None, *, k=None, op="sum", group=None):
         if op == "avg":
             buf.div_(world)
     idx_bytes = torch.empty((), dtype=_index_dtype(numel)).element_size()
-    _record("topk", tensor, world, start, wire_bytes=ring_allgather_bytes(k * (idx_bytes + tensor.element_size()), world),
-            local_nnz=k, detail={"k": k})
+    wire = ring_allgather_bytes(k * (idx_bytes + tensor.element_size()), world)
+    _record("topk", tensor, world, start, wire_bytes=wire, local_nnz=k, detail={"k": k})
     return tensor
 
 
-def topk_for_wire_budget(wire_bytes, world, numel, value_bytes=4):
-    """The k whose topk_allgather sends at most `wire_bytes` per rank (at least 1)."""
+def topk_for_wire_budget(wire_bytes: int, world: int, numel: int, value_bytes: int = 4) -> int:
+    """The k whose topk_allgather sends at most `wire_bytes` per rank (at least 1).
+
+    Args:
+        wire_bytes: the budget per rank.
+        world: ranks.
+        numel: elements of the tensor (k is at most numel; it also sets the index width).
+        value_bytes: bytes per value on the wire.
+
+    Returns:
+        k in [1, numel] (numel for a single rank, which sends nothing).
+    """
     idx_bytes = torch.empty((), dtype=_index_dtype(numel)).element_size()
     if world < 2:
         return numel
@@ -335,12 +405,23 @@ class _OneTensorBucket:
         self._flat.copy_(buffer)
 
 
-def make_powersgd_state(group=None, *, rank=4, start_iter=2, error_feedback=True, warm_start=True,
-                        min_compression_rate=2, seed=0):
+def make_powersgd_state(group: dist.ProcessGroup | None = None, *, rank: int = 4, start_iter: int = 2,
+                        error_feedback: bool = True, warm_start: bool = True, min_compression_rate: float = 2,
+                        seed: int = 0):
     """A torch PowerSGDState for powersgd_allreduce: rank-`rank` approximation, error feedback and warm start on.
 
-    The first `start_iter` calls are plain all-reduces (torch requires start_iter > 1 with error feedback
-    or warm start, because DDP rebuilds its buckets after the first iteration).
+    Args:
+        group: the process group (None: the default group).
+        rank: the approximation's rank r.
+        start_iter: the first start_iter calls are plain all-reduces (torch requires start_iter > 1 with error
+            feedback or warm start, because DDP rebuilds its buckets after the first iteration).
+        error_feedback: keep the compression error and add it to the next call's input.
+        warm_start: start each call's power iteration from the previous call's Q.
+        min_compression_rate: tensors that would compress less than this are all-reduced plainly.
+        seed: seed of the initial random Q.
+
+    Returns:
+        A torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
     return PowerSGDState(process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter,
@@ -366,14 +447,22 @@ def _powersgd_plan(state, shape, esize, world):
         (p_elems, q_elems)
 
 
-def powersgd_allreduce(state, tensor, *, op="sum", bucket_index=0):
+def powersgd_allreduce(state, tensor: torch.Tensor, *, op: str = "sum", bucket_index: int = 0) -> torch.Tensor:
     """torch's powerSGD_hook on `tensor` (viewed as rows of dim 0 x everything else), in place.
 
-    state: from make_powersgd_state (a torch PowerSGDState; its process_group is the group). Keep one
-    state per tensor you reduce, or give each tensor its own bucket_index: error feedback and warm start
-    are stored per bucket index. The hook all-reduces P (n x r) and then Q (m x r); it averages, and
-    op="sum" multiplies its result by the world size. Before state.start_powerSGD_iter calls it is a plain
-    all-reduce (stats method "powersgd-warmup").
+    The hook all-reduces P (n x r) and then Q (m x r); it averages, and op="sum" multiplies its result by the
+    world size. Before state.start_powerSGD_iter calls it is a plain all-reduce (stats method "powersgd-warmup").
+
+    Args:
+        state: from make_powersgd_state (a torch PowerSGDState; its process_group is the group). Keep one state per
+            tensor you reduce, or give each tensor its own bucket_index: error feedback and warm start are stored
+            per bucket index.
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        op: "sum" or "avg".
+        bucket_index: the bucket index the hook files this tensor's error feedback and warm start under.
+
+    Returns:
+        `tensor`, holding the (approximate) reduction.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
     _check_tensor("powersgd_allreduce", tensor, op)
