@@ -13,6 +13,7 @@ import torch.distributed as dist
 from fastdist.comm import baselines as bl
 from fastdist.testing import synthetic
 from fastdist.distributed import MismatchError, spawn
+from helpers import assert_close
 
 VOCAB, DIM = 96, 12
 TOPK_K = 37
@@ -21,6 +22,7 @@ POWERSGD_RANK, POWERSGD_START_ITER, POWERSGD_CALLS = 4, 2, 14
 LOW_RANK_SHAPE = (64, 48)
 ZIPF_SPEC = dict(rows=256, dim=8, density=0.1)
 INDEX_BYTES, VALUE_BYTES, COUNT_BYTES = 4, 4, 8  # int32 indices (fewer than 2^31 units), float32 values, int64 counts
+EXACT = dict(rtol=0, atol=0)
 
 
 def _int_grad(rank, nnz_rows, seed=0):
@@ -74,10 +76,6 @@ def _low_rank_grad(rank):
 
 def _rel(x, ref):
     return float((x - ref).norm() / ref.norm())
-
-
-def _assert_equal(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
 
 
 def _reduced(fn, make, *args, **kwargs):
@@ -157,7 +155,7 @@ def test_dense_and_agsparse_equal_the_exact_sum_with_uneven_and_zero_nnz_ranks(r
     for rank, out in enumerate(results):
         assert out["agsparse_returns_its_input"] is True, rank
         for name, want in expected.items():
-            _assert_equal(out[name][0], want, f"rank {rank}, {name}")
+            assert_close(out[name][0], want, f"rank {rank}, {name}", **EXACT)
 
 
 def test_agsparse_sends_lists_padded_to_the_largest_count(results):
@@ -189,11 +187,11 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes_of_each_rank(results):
     exact = _ref(_distinct_grad, world)
     for rank, out in enumerate(results):
         x, s = out["topk"]
-        _assert_equal(x, _ref(lambda r: _topk_local(_distinct_grad(r), TOPK_K), world), f"rank {rank}, topk")
+        assert_close(x, _ref(lambda r: _topk_local(_distinct_grad(r), TOPK_K), world), f"rank {rank}, topk", **EXACT)
         assert (s.local_nnz, s.wire_bytes) == (TOPK_K, (world - 1) * TOPK_K * (INDEX_BYTES + VALUE_BYTES))
         assert 0 < _rel(x, exact) < 1  # lossy
         assert out["topk_ratio"][1].local_nnz == math.ceil(TOPK_RATIO * VOCAB * DIM)
-        _assert_equal(out["topk_full"][0], _ref(_uneven_grad, world), f"rank {rank}, k = numel")  # lossless
+        assert_close(out["topk_full"][0], _ref(_uneven_grad, world), f"rank {rank}, k = numel", **EXACT)  # lossless
 
 
 def test_16bit_casts_are_within_their_rounding_error(results):
@@ -278,9 +276,10 @@ def test_synthetic_gradients_have_the_asked_density_zipf_overlap_and_an_exact_su
     assert [r.numel() for r in rows] == [spec.local_rows] * 4
     assert spec.local_rows == round(spec.density * spec.rows)
     g, r0 = synthetic.zipf_embedding_grad(spec, 0)
-    _assert_equal(r0, rows[0], "rows of rank 0's gradient")
-    _assert_equal((g != 0).any(1).nonzero().flatten(), r0, "non-zero rows of rank 0's gradient")
-    _assert_equal(synthetic.zipf_embedding_grad(spec, 0)[0], g, "a second draw")  # seeded per (seed, rank, step)
+    assert_close(r0, rows[0], "rows of rank 0's gradient", **EXACT)
+    assert_close((g != 0).any(1).nonzero().flatten(), r0, "non-zero rows of rank 0's gradient", **EXACT)
+    # seeded per (seed, rank, step)
+    assert_close(synthetic.zipf_embedding_grad(spec, 0)[0], g, "a second draw", **EXACT)
     assert not torch.equal(synthetic.zipf_rows(spec, 0, step=1), r0)
     union = synthetic.union_rows(spec, 4)
     # frequent tokens are shared: fewer union rows than 4 disjoint sets, more than one set
@@ -288,5 +287,5 @@ def test_synthetic_gradients_have_the_asked_density_zipf_overlap_and_an_exact_su
     # and more overlap than independent uniform rows would give (expected 1 - (1 - d)^4 of the rows)
     assert union.numel() < 0.95 * (1 - (1 - spec.density) ** 4) * spec.rows
     total = synthetic.exact_sum(spec, 4)
-    _assert_equal(total, sum(synthetic.zipf_embedding_grad(spec, r)[0] for r in range(4)), "exact_sum")
-    _assert_equal((total != 0).any(1).nonzero().flatten(), union, "non-zero rows of exact_sum")
+    assert_close(total, sum(synthetic.zipf_embedding_grad(spec, r)[0] for r in range(4)), "exact_sum", **EXACT)
+    assert_close((total != 0).any(1).nonzero().flatten(), union, "non-zero rows of exact_sum", **EXACT)

@@ -14,11 +14,13 @@ from fastdist.comm import last_stats, sketch_allreduce
 from fastdist.comm import sketch
 from fastdist.comm.sketch import HEADER_BITMAP_BYTES, ExactTimings, default_exact_timings
 from fastdist.distributed import MismatchError, spawn
+from helpers import assert_close
 
 SKETCH_RATIOS = (0.02, 0.1, 0.5)
 EF_CALLS = 12
 EF_WIDTHS = (1.0, 0.5)  # sketch width as a fraction of the union's values: error feedback applies from 1.0 up
 NAN_ROW, NAN_COL, NAN_RANK = 3, 2, 1
+EXACT = dict(rtol=0, atol=0)
 
 
 def _embedding_grad(rank, vocab=512, dim=16, density=0.05, integer=True, seed=0):
@@ -47,10 +49,6 @@ def _dense_sum(t):
 
 def _rel(x, ref):
     return float((x - ref).norm() / ref.norm())
-
-
-def _assert_equal(actual, expected, what, equal_nan=False):
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=equal_nan, msg=lambda m: f"{what}: {m}")
 
 
 def _modes_against_dense():
@@ -126,7 +124,7 @@ def _modes_against_dense():
 def test_each_mode_reduces_like_a_dense_all_reduce_on_every_rank(world_size):
     exact = _exact_sum(world_size)
     for rank, out in enumerate(spawn(_modes_against_dense, world_size, timeout=240)):
-        _assert_equal(out["exact"], exact, f"rank {rank}, exact")
+        assert_close(out["exact"], exact, f"rank {rank}, exact", **EXACT)
         s = out["exact_stats"]
         assert s.method == "exact" and 0 < s.union_units < s.units, s
         assert s.wire_bytes < s.dense_wire_bytes, s
@@ -136,28 +134,28 @@ def test_each_mode_reduces_like_a_dense_all_reduce_on_every_rank(world_size):
         assert errors[0] > errors[1] > errors[2] > 0, errors  # lossy, and better as the sketch widens
         outside_union = float_ref.abs().sum(1) == 0
         for ratio, x in out["by_ratio"].items():
-            _assert_equal(x[outside_union], torch.zeros_like(x[outside_union]), f"ratio {ratio}, outside U")
+            assert_close(x[outside_union], torch.zeros_like(x[outside_union]), f"ratio {ratio}, outside U", **EXACT)
         torch.testing.assert_close(out["avg"], exact / world_size)
-        _assert_equal(out["noncontig"], exact.t(), f"rank {rank}, element granularity, non-contiguous")
+        assert_close(out["noncontig"], exact.t(), f"rank {rank}, element granularity, non-contiguous", **EXACT)
         future_value, x, completed = out["async"]
-        _assert_equal(future_value, exact, "the future's value")
-        _assert_equal(x, exact, "the tensor after the future")
+        assert_close(future_value, exact, "the future's value", **EXACT)
+        assert_close(x, exact, "the tensor after the future", **EXACT)
         assert completed
         sparse = out["sparse"]
         assert (sparse.is_sparse, sparse.sparse_dim()) == (True, 1)
-        _assert_equal(sparse.to_dense(), exact, "sparse input")
+        assert_close(sparse.to_dense(), exact, "sparse input", **EXACT)
         with_nan = exact.clone()
         with_nan[NAN_ROW, NAN_COL] = float("nan")
-        _assert_equal(out["nan"], with_nan, "NaN on one rank", equal_nan=True)
+        assert_close(out["nan"], with_nan, "NaN on one rank", equal_nan=True, **EXACT)
         empty, zeros, union_units = out["zeros"]
-        _assert_equal(empty, torch.zeros(0, 4), "empty")
-        _assert_equal(zeros, torch.zeros(64, 4), "all zeros")
+        assert_close(empty, torch.zeros(0, 4), "empty", **EXACT)
+        assert_close(zeros, torch.zeros(64, 4), "all zeros", **EXACT)
         assert union_units == 0
         applied, totals = out["ef_applied"], out["ef_totals"]
         assert applied == {(1.0, False): False, (1.0, True): True, (0.5, False): False, (0.5, True): False}
         errors = {k: _rel(total, EF_CALLS * float_ref) for k, total in totals.items()}
         assert errors[1.0, True] < 0.6 * errors[1.0, False], errors
-        _assert_equal(totals[0.5, True], totals[0.5, False], "a sketch too narrow for error feedback")
+        assert_close(totals[0.5, True], totals[0.5, False], "a sketch too narrow for error feedback", **EXACT)
 
 
 def _disjoint_rows(rank, units=16, vocab=1024, dim=8):
@@ -210,12 +208,12 @@ def test_lossless_mode_gathers_own_rows_when_supports_are_disjoint_and_reduces_t
             total = sum(make(r) for r in range(world))
             for op, want in (("sum", total), ("avg", total / world)):
                 y, chosen, union_method = out[overlap, op]
-                _assert_equal(y, want, f"rank {rank}, {overlap}, {op}")
+                assert_close(y, want, f"rank {rank}, {overlap}, {op}", **EXACT)
                 assert (chosen, union_method) == (collective[overlap], "header"), (rank, overlap, op)
-                _assert_equal(y, outs[0][overlap, op][0], f"rank {rank} against rank 0, {overlap}, {op}")
+                assert_close(y, outs[0][overlap, op][0], f"rank {rank} against rank 0, {overlap}, {op}", **EXACT)
         # a support bitmap too large for the header is exchanged by a collective of its own
         y, union_method = out["large"]
-        _assert_equal(y, sum(_large_support(r) for r in range(world)), f"rank {rank}, large support")
+        assert_close(y, sum(_large_support(r) for r in range(world)), f"rank {rank}, large support", **EXACT)
         assert union_method in ("allgather-or", "allreduce-max")
 
 
@@ -254,7 +252,7 @@ def test_auto_exact_collective_times_both_then_every_rank_takes_the_one_fastest_
         choices = [step[:2] for step in out]
         assert choices == [step[:2] for step in outs[0]]  # every rank chose alike
         for i, (_, _, y) in enumerate(out):
-            _assert_equal(y, total, f"rank {rank}, call {i}")  # and every result is exact
+            assert_close(y, total, f"rank {rank}, call {i}", **EXACT)  # and every result is exact
         assert choices[:2 * runs] == [("allgather-local", "bytes")] * runs + [("allreduce-union", "explore")] * runs
         both_timed, gather_slow, union_slow, reprobe = choices[2 * runs:]
         assert both_timed[1] == "timed"
@@ -286,7 +284,7 @@ def test_auto_exact_collective_times_each_size_class_of_the_union_apart():
     runs = sketch.EXACT_COUNTED_RUNS + 1
     for rank, out in enumerate(outs):
         for i, (_, _, units, x) in enumerate(out):
-            _assert_equal(x, sum(_disjoint_rows(r, units) for r in range(world)), f"rank {rank}, call {i}")
+            assert_close(x, sum(_disjoint_rows(r, units) for r in range(world)), f"rank {rank}, call {i}", **EXACT)
         choices = [step[:2] for step in out]
         assert choices == [step[:2] for step in outs[0]]
         small, large, back = choices[:2 * runs + 1], choices[2 * runs + 1:4 * runs + 2], choices[4 * runs + 2:]
@@ -387,11 +385,11 @@ def test_sparse_coo_gradients_reduce_to_exactly_what_their_dense_form_reduces_to
         for name, kw in SPARSE_CASES.items():
             got, dense, method = out[name]
             assert (got.is_sparse, got.is_coalesced(), got.shape) == (True, True, dense.shape), name
-            _assert_equal(got.to_dense(), dense, f"rank {rank}, {name}")
+            assert_close(got.to_dense(), dense, f"rank {rank}, {name}", **EXACT)
             assert method == ("dense" if kw.get("dense_fraction") == 0.0 else kw["mode"]), name
         got, dense, r_sparse, r_dense, error_feedback = out["ef"]
-        _assert_equal(got.to_dense(), dense, f"rank {rank}, error feedback: result")
-        _assert_equal(r_sparse, r_dense, f"rank {rank}, error feedback: residual")
+        assert_close(got.to_dense(), dense, f"rank {rank}, error feedback: result", **EXACT)
+        assert_close(r_sparse, r_dense, f"rank {rank}, error feedback: residual", **EXACT)
         assert error_feedback
 
 

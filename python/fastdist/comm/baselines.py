@@ -185,13 +185,7 @@ def fp16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.Process
     Values beyond float16's range (65504) overflow to inf, as with the hook; op="avg" pre-divides by the
     world size (the hook itself), which makes overflow less likely.
 
-    Args:
-        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
-        op: "sum" or "avg".
-        group: the process group (None: the default group).
-
-    Returns:
-        `tensor`, holding the reduction.
+    Arguments and result as dense_allreduce's.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         fp16_compress_hook,
@@ -202,13 +196,7 @@ def fp16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.Process
 def bf16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch's bf16_compress_hook on a raw tensor: bfloat16 on the wire (float32's range, 8-bit mantissa).
 
-    Args:
-        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
-        op: "sum" or "avg".
-        group: the process group (None: the default group).
-
-    Returns:
-        `tensor`, holding the reduction.
+    Arguments and result as dense_allreduce's.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         bf16_compress_hook,
