@@ -673,7 +673,7 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
         result = local.write_back(union, reduction.finish())
         if filed is not None:  # from issuing the payload to here (a late wait() counts too)
             filed.record(reduction.exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
-        header_bytes = (HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES) * (world - 1)
+        header_bytes = ring_allgather_bytes(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, world)
         _last = SketchStats(
             method=reduction.method, mode=mode, units=n, unit_size=m, local_units=local.units,
             union_units=union.units, union_method=union.method, sketch_shape=(rows, c),
