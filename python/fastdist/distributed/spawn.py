@@ -12,6 +12,7 @@ whole process group, so processes the rank started go with it.
 """
 import dataclasses
 import datetime
+import gc
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -92,11 +93,15 @@ def _rank_main(job: _Job, rank: int, parent_pid: int, conn: mp.connection.Connec
         timeout = {} if job.pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=job.pg_timeout_s)}
         dist.init_process_group(job.backend, init_method="env://", rank=rank, world_size=job.world_size, **timeout)
         result = job.fn(*job.args)
-        if dist.is_initialized():  # fn may have destroyed it itself, as torchrun scripts end
-            dist.destroy_process_group()
         # Plain pickle, not torch's fd-sharing reductions: those would hand the parent tensors whose
         # storage lives in this process, which is about to exit.
         report = pickle.dumps(("ok", result, time.time()))
+        del result
+        # Objects in reference cycles that hold collectives' state (DDP, PowerSGD hook state) must be
+        # freed while the group exists: collected later on a gloo thread, they abort the process.
+        gc.collect()
+        if dist.is_initialized():  # fn may have destroyed it itself, as torchrun scripts end
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
         try:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), time.time())))
