@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fastdist.bench import results
+from fastdist.bench import report, results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH, DOCS = os.path.join(ROOT, "bench"), os.path.join(ROOT, "docs")
@@ -119,15 +119,15 @@ def test_a_file_of_an_unknown_suite_fails_the_check_unless_listed_as_not_a_suite
 
 
 def test_a_column_keeps_one_format_whatever_the_magnitude():
-    columns = [results.col("time (ms)", "t", results.fixed(1)), results.col("error", "e", results.scientific(2))]
-    table = results.markdown_table(columns, [{"t": 101.94, "e": 0.012}, {"t": 82.59, "e": 1.7e-4}, {"t": 3.0, "e": 0}])
+    columns = [report.col("time (ms)", "t", report.fixed(1)), report.col("error", "e", report.scientific(2))]
+    table = report.markdown_table(columns, [{"t": 101.94, "e": 0.012}, {"t": 82.59, "e": 1.7e-4}, {"t": 3.0, "e": 0}])
     assert table.splitlines()[2:] == ["| 101.9 | 1.20e-02 |", "| 82.6 | 1.70e-04 |", "| 3.0 | 0 |"]
 
 
 def test_a_column_missing_from_every_row_is_left_out_and_a_missing_value_is_a_dash():
-    columns = [results.col("method", "m"), results.col("tx (B)", "tx", results.integer),
-               results.col("note", "note")]
-    table = results.markdown_table(columns, [{"m": "dense", "tx": 10}, {"m": "auto", "tx": None}])
+    columns = [report.col("method", "m"), report.col("tx (B)", "tx", report.integer),
+               report.col("note", "note")]
+    table = report.markdown_table(columns, [{"m": "dense", "tx": 10}, {"m": "auto", "tx": None}])
     assert table.splitlines() == ["| method | tx (B) |", "|---|---:|", "| dense | 10 |", "| auto | - |"]
 
 
@@ -208,7 +208,7 @@ def test_a_kernels_recording_of_every_family_gets_one_table_per_family():
     recording = {"suite": "kernels", "env": ENV, "copy_gbps": 26.2,
                  "rows": [row("pack_bits", "bitpack", "65536 bits"), row("topk_compress", "topk", "256x65536 k=6554"),
                           row("topk_decompress", "topk", "256x65536 k=6554")]}
-    parts = results.RENDERERS["kernels"](recording)
+    parts = results.tables_of(recording)
     assert [p.name for p in parts] == ["bitpack", "topk"]
     assert parts[1].table.splitlines()[2:] == [
         "| topk_compress | 256x65536 k=6554 | 1.00 | 100.0 | 10.49 | 40.0 | 1.049 | 10.0x |",

@@ -66,7 +66,7 @@ def test_cli_sweep_prints_the_environment_and_table_and_writes_json_with_raw_sam
     proc = _bench("collectives", "--ranks", "2", "--max-size", "16K", "--min-time", "0.02",
                   "--json", str(out), "--plot", str(png))
     assert "# network" in proc.stdout and "loopback" in proc.stdout
-    assert "busbw(GB/s)" in proc.stdout and "all correct" in proc.stdout
+    assert "busbw (GB/s)" in proc.stdout and "all correct" in proc.stdout
     result = json.loads(out.read_text())
     assert result["env"]["ranks"] == 2 and result["env"]["backend"] == "gloo"
     names = {r["collective"] for r in result["rows"]}

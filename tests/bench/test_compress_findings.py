@@ -42,4 +42,4 @@ def test_a_tiny_run_fills_both_inference_columns(capsys):
         assert 0 <= r["compressed"] and 0 <= r["uncompressed"] and not r["diverged"]
     none = [r for r in rows if r["row"] == "none"]
     assert all(r["compressed"] == r["uncompressed"] for r in none)  # nothing to compress
-    assert "uncompressed inf." in capsys.readouterr().out
+    assert "uncompressed inference" in capsys.readouterr().out

@@ -17,7 +17,7 @@ def test_pipeline_run_has_every_method_and_each_compresses_its_boundaries(tmp_pa
            "--seq", "64", "--hidden", "16", "--steps", "5", "--warmup", "2", "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "loopback" in proc.stdout and "step(ms)" in proc.stdout
+    assert "loopback" in proc.stdout and "step (ms)" in proc.stdout
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == set(compress.METHODS)

@@ -43,7 +43,7 @@ def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
            "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "PROJECTION from the calibrated cost model (not measured" in proc.stdout
+    assert "Projection from the calibrated cost model (not measured)" in proc.stdout
     assert "# network" in proc.stdout
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
@@ -61,5 +61,5 @@ def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
     assert rows["prophet"]["tokens_max_over_mean"] <= 1.10 < rows["dropless"]["tokens_max_over_mean"]
     assert rows["prophet"]["predicted_ms"] < rows["dropless"]["predicted_ms"]
     assert all(0 <= r["model_error_of_medians"] for r in rows.values())
-    assert "# cost model   mean error" in proc.stdout
+    assert "# cost model: mean error" in proc.stdout
     assert png.stat().st_size > 0

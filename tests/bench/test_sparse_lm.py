@@ -121,9 +121,8 @@ def test_embed_dim_option_reaches_the_config_and_the_printed_model_and_defaults_
     with pytest.raises(SystemExit):
         parser.parse_args(["--embed-dim", "0"])
     assert "--embed-dim: '0' is below 1" in capsys.readouterr().err
-    calib = {name: {"union_rows": 10, "union_fraction": 0.01, "local_rows": 5} for name in ("embed", "out")}
-    setup = sparse_lm.format_setup({"config": wide, "calibration": calib})
-    assert "Embedding(32768, 1024) + LSTM(1024 -> 32) + output embedding (32768, 33)" in setup
+    caption = sparse_lm.tables({"config": wide, "methods": []})[0].caption
+    assert "Embedding(32768, 1024) + LSTM(1024 -> 32) + output embedding (32768, 33)" in caption
 
 
 def test_row_sparse_adagrad_update_equals_the_dense_update():
@@ -168,7 +167,10 @@ def test_summary_marks_the_pareto_front_and_checks_the_target_on_all_bytes_and_o
     all_bytes, sparse_bytes = (n for n in result["notes"] if n.startswith("target"))
     assert "met by sketch-0.2x" in all_bytes and "0.5x" not in all_bytes and "0.1x" not in all_bytes  # 45/80 > 50%
     assert "met by sketch-0.2x, sketch-0.5x" in sparse_bytes and "0.1x" not in sparse_bytes  # 0.1x: 10% worse loss
-    names = [line.split()[0] for line in sparse_lm.format_pareto(result).splitlines()[2:]]
+    parser = argparse.ArgumentParser()
+    sparse_lm.add_arguments(parser)
+    result["config"] = sparse_lm.make_config(parser.parse_args([]))
+    names = [line.split()[0] for line in sparse_lm.tables(result)[1].text().splitlines()[2:-len(result["notes"])]]
     assert names == ["sketch-0.1x", "sketch-0.2x", "sketch-0.5x", "omnireduce", "agsparse", "fp16", "dense"]
 
 
@@ -180,7 +182,7 @@ def test_short_run_lossless_reducers_train_exactly_like_dense_and_every_reducer_
            "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for text in ("# network", "final loss", "wire bytes vs final loss", "omnireduce", "sketch-1x+ef",
+    for text in ("# network", "final loss", "Wire bytes against final loss", "omnireduce", "sketch-1x+ef",
                  "best lossless sparse baseline"):
         assert text in proc.stdout
     result = json.loads(out.read_text())

@@ -41,7 +41,7 @@ def test_cli_run_has_every_method_and_density_exact_lossless_lossy_sketches_and_
            "--densities", "2,10", "--reps", "5", "--warmup", "1", "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "# network" in proc.stdout and "loopback" in proc.stdout and "rel.err" in proc.stdout
+    assert "# network" in proc.stdout and "loopback" in proc.stdout and "rel. error" in proc.stdout
     assert "lossless methods (dense, agsparse, omnireduce) exact: yes" in proc.stdout
     assert "sparse: 100%" in proc.stderr  # the progress bar's last line
     result = json.loads(out.read_text())

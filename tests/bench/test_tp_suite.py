@@ -39,7 +39,7 @@ def test_cli_run_times_every_chunk_count_and_block_variant_and_predicts_each_op_
            str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "loopback" in proc.stdout and "model err" in proc.stdout
+    assert "loopback" in proc.stdout and "model error (%)" in proc.stdout
     result = json.loads(out.read_text())
     assert result["env"]["ranks"] == 2 and png.stat().st_size > 0
     op_run = next(r for r in result["runs"] if r["part"] == "op")

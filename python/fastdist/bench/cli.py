@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdist-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--netsim-cleanup", action="store_true",
-                        help="remove every simulated-cluster namespace (fdsim-*) and exit")
+                        help="remove the simulated-cluster namespaces (fdsim-*) whose owner process is gone, and exit")
     parser.add_argument("--json", metavar="PATH", help="write results with raw samples to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG plot to PATH (tour: one per suite)")
     sub = parser.add_subparsers(dest="suite", metavar="SUITE")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.bench.report import col, fixed, integer
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, parse_size, progress, rank_device,
                                      together)
@@ -191,21 +192,21 @@ def run(args: argparse.Namespace) -> dict | None:
     if launch.result is None:
         return None
     rows = launch.result
-    env = report.launch_environment(launch)
-    print(format_rows(rows))
+    result = {"suite": "collectives", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
+              "config": config, "rows": rows}
+    print(report.text_parts(tables(result)))
     wrong = sum(r["wrong"] for r in rows)
     print(f"# checked every result of every iteration: {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
-    return {"suite": "collectives", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows}
+    return result
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The result rows as the suite's text table."""
-    headers = ["collective", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
-               "wire B/rank", "tx B/rank", "#wrong"]
-    table = [[r["collective"], r["size"], r["count"], r["dtype"], r["time_us"], r["algbw"], r["busbw"],
-              int(r["wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), r["wrong"]]
-             for r in rows]
-    return report.format_table(headers, table, {"time(us)": ".1f", "algbw(GB/s)": ".3f", "busbw(GB/s)": ".3f"})
+def tables(result: dict) -> list[report.Part]:
+    """The suite's table of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    columns = [col("collective", "collective"), col("size (B)", "size", integer), col("count", "count", integer),
+               col("dtype", "dtype"), col("time (us)", "time_us", fixed(1)), col("algbw (GB/s)", "algbw", fixed(4)),
+               col("busbw (GB/s)", "busbw", fixed(4)), col("wire (B/rank)", "wire_bytes", integer),
+               col("tx (B/rank)", "tx_bytes", integer), col("wrong", "wrong", integer)]
+    return [report.Part("collectives", columns, result["rows"])]
 
 
 def plot(result: dict, path: str) -> None:

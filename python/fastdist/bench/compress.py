@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.report import col, fixed, integer, times
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.toolkit import all_sum, at_least, comma_list, interleave, progress, together
 
@@ -193,25 +194,23 @@ def run(args: argparse.Namespace) -> dict | None:
                        backend="gloo")
     if launch.result is None:
         return None
-    rows = launch.result
-    env = report.launch_environment(launch)
-    print(f"# pipeline     {launch.world} stages (one per rank), activation [{config['batch']}, {config['seq']}, "
-          f"{config['hidden']}] float32 = {report.human_bytes(rows[0]['dense_bytes'])} per boundary, MLP expand "
-          f"{config['expand']}; median of "
-          f"{config['steps']} steps after {config['warmup']} warm-up")
-    print(format_rows(rows))
-    return {"suite": "compress", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows}
+    result = {"suite": "compress", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
+              "config": config, "rows": launch.result}
+    print(report.text_parts(tables(result)))
+    return result
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The result rows as the suite's text table."""
-    headers = ["method", "step(ms)", "speed-up", "link(ms,model)", "fwd B/boundary", "bwd B/boundary",
-               "tx B/boundary", "fwd ratio"]
-    table = [[r["method"], r["time_ms"], report.times_text(r["speedup"]),
-              "-" if r["link_ms_model"] is None else r["link_ms_model"],
-              int(r["fwd_wire_bytes"]), int(r["bwd_wire_bytes"]), "-" if r["tx_bytes"] is None else int(r["tx_bytes"]),
-              f"{r['dense_bytes'] / max(r['fwd_wire_bytes'], 1):.1f}x"] for r in rows]
-    return report.format_table(headers, table)
+def tables(result: dict) -> list[report.Part]:
+    """The suite's table of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    c = result["config"]
+    caption = (f"{result['env'].get('ranks')} stages (one rank each), activation [{c['batch']}, {c['seq']}, "
+               f"{c['hidden']}] float32 per boundary; median of {c['steps']} steps after {c['warmup']} warm-up.")
+    columns = [col("method", "method"), col("step (ms)", "time_ms", fixed(1)), col("vs none", "speedup", times(2)),
+               col("link, model (ms)", "link_ms_model", fixed(1)),
+               col("fwd (B/boundary)", "fwd_wire_bytes", integer), col("bwd (B/boundary)", "bwd_wire_bytes", integer),
+               col("tx (B/boundary)", "tx_bytes", integer),
+               col("fwd ratio", lambda r: r["dense_bytes"] / max(r["fwd_wire_bytes"], 1), times(1))]
+    return [report.Part("pipeline", columns, result["rows"], caption)]
 
 
 def plot(result: dict, path: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.report import col, fixed
 from fastdist.bench.toolkit import at_least, comma_list, progress
 from fastdist.bench.corpus import ZipfMarkovCorpus, generator
 from fastdist.bench.models import StagedCNN, TransformerLM
@@ -184,18 +185,26 @@ def run(args: argparse.Namespace) -> dict | None:
                 results.append({"task": task, "row": row, **r, "seconds": time.monotonic() - start})
                 bar.step(f"{task} {row}")
     print(report.format_environment(env))
-    print(f"# {config['epochs']} epochs, {config['train']} training samples, seed {config['seed']}; cnn: test accuracy "
-          "(higher is better), gpt: held-out cross-entropy in nats (lower is better)")
-    print(format_rows(results))
-    return {"suite": "compress-findings", "env": env, "config": config, "rows": results}
+    result = {"suite": "compress-findings", "env": env, "config": config, "rows": results}
+    print(report.text_parts(tables(result)))
+    return result
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The result rows as the suite's text table."""
-    headers = ["task", "row", "compressed inf.", "uncompressed inf.", "train loss", "time(s)"]
-    table = [[r["task"], r["row"], r["compressed"], r["uncompressed"], r["train_loss_last_epoch"], r["seconds"]]
-             for r in rows]
-    return report.format_table(headers, table, {"time(s)": ".1f"})
+def tables(result: dict) -> list[report.Part]:
+    """One table per task of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    c = result["config"]
+    parts = []
+    for task in c["tasks"]:
+        metric = "test accuracy" if task == "cnn" else "held-out loss (nats)"
+        caption = (f"{task}: {c['epochs']} epochs, {c['train']} training samples, seed {c['seed']}; "
+                   f"{'higher' if task == 'cnn' else 'lower'} is better.")
+        columns = [col("row", "row"), col(f"{metric}, compressed inference", "compressed", fixed(3)),
+                   col(f"{metric}, uncompressed inference", "uncompressed", fixed(3)),
+                   col("train loss, last epoch", "train_loss_last_epoch", fixed(3)),
+                   col("diverged", lambda r: report.yes_no(r["diverged"]), numeric=False),
+                   col("time (s)", "seconds", fixed(1))]
+        parts.append(report.Part(task, columns, [r for r in result["rows"] if r["task"] == task], caption))
+    return parts
 
 
 def plot(result: dict, path: str) -> None:

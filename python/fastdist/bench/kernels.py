@@ -46,6 +46,7 @@ from torch import Tensor
 
 import fastdist
 from fastdist.bench import report
+from fastdist.bench.report import MIB, col, fixed, scaled, times
 from fastdist.bench.toolkit import comma_list, parse_size, progress, shape_type
 from fastdist.ops import (bias_epilogue, bitwise_or_reduce, count_sketch, count_sketch_decode,
                           count_sketch_decode_units, dequantize, moe_layout, nonzero_bitmap, pack_bits, quantize,
@@ -485,35 +486,40 @@ def _run(device, ops, chosen, repeats, warmup):
     print(report.format_environment(env))
     print(f"# copy bandwidth {copy_gbps:.1f} GB/s (dst.copy_(src), {report.human_bytes(COPY_BYTES)}, read + write; "
           "median of all rounds, each op's % of copy is against the copy timed in its own rounds)")
-    print(format_rows(rows))
+    result = {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
+              "copy_bytes": COPY_BYTES, "rows": rows}
+    print(report.text_parts(tables(result)))
     if device == "cpu":
         print("# note: every call returns a new tensor; large CPU outputs (tens of MiB) come back from the\n"
               "# allocator as fresh pages, so those rows include first-touch page faults that the copy reference\n"
               "# (into an existing tensor) does not pay; count_sketch takes its tables from a pool of freed ones\n"
               "# (csrc/ops/sketch.cpp). THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU allocations) helps.")
-    return {"suite": "kernels", "env": env, "copy_gbps": copy_gbps, "copy_samples_s": copy_samples,
-            "copy_bytes": COPY_BYTES, "rows": rows}
+    return result
 
 
-HEADERS = ["op", "input", "moved (MiB)", "time (us)", "GB/s", "% of copy", "torch (us)", "torch GB/s", "vs torch (x)"]
-FORMATS = {"moved (MiB)": ".3f", "time (us)": ".1f", "GB/s": ".2f", "% of copy": ".1f", "torch (us)": ".1f",
-           "torch GB/s": ".2f", "vs torch (x)": ".2f"}
+TIMING_COLUMNS = [col("time (us)", lambda r: 1e6 * r["median_s"], fixed(1)), col("GB/s", "gbps", fixed(2)),
+                  col("of copy (%)", "pct_copy", fixed(1)), col("torch (GB/s)", "torch_gbps", fixed(3)),
+                  col("vs torch", "speedup", times(1))]
+"""The timing columns of every kernels table (recordings of older row layouts share them)."""
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The rows as a table with one number format per column."""
-    table = [[r["op"], r["case"], r["bytes"] / 2**20, r["median_s"] * 1e6, r["gbps"], r["pct_copy"],
-              r["torch_median_s"] * 1e6, r["torch_gbps"], r["speedup"]] for r in rows]
-    return report.format_table(HEADERS, table, formats=FORMATS, align=["l", "l"] + ["r"] * (len(HEADERS) - 2))
+def copy_caption(result: dict) -> str:
+    """The copy bandwidth every table of `result` is measured against."""
+    return f"Copy bandwidth (median over the run): {result['copy_gbps']:.1f} GB/s."
+
+
+def tables(result: dict) -> list[report.Part]:
+    """One table per op family of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    columns = [col("op", "op"), col("input", "case"), col("moved (MiB)", "bytes", scaled(MIB, 2))] + TIMING_COLUMNS
+    rows = result["rows"]
+    return [report.Part(f, columns, [r for r in rows if r["family"] == f], copy_caption(result))
+            for f in dict.fromkeys(r["family"] for r in rows)]
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(10, 1.5 + 0.28 * len(rows)))
+    plt, fig, ax = report.subplots(figsize=(10, 1.5 + 0.28 * len(rows)))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     family_color = {family: colors[i % len(colors)] for i, family in enumerate(FAMILIES)}
     pos = range(len(rows))[::-1]
@@ -529,6 +535,4 @@ def plot(result: dict, path: str) -> None:
                  f"{env['date']}", fontsize=9)
     ax.grid(True, axis="x", which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)

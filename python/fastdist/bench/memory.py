@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.report import KIB, MIB, col, fixed, integer, percent
 from fastdist.bench.models import ResidualCNN, ResNet50, TransformerLM
 from fastdist.bench.toolkit import at_least, comma_list, progress, time_fn, up_to
 
@@ -315,12 +316,10 @@ def run(args: argparse.Namespace) -> dict | None:
                 bar.step(f"round {round_ + 1} {model} {name}")
     rows = [_merge_rounds(runs[(model, name)]) for model in models for name, _, _ in configs]
     _derive(rows)
-    print(_table(rows))
-    targets = _targets(rows)
-    for line in targets["lines"]:
-        print(line)
-    return {"suite": "memory", "env": env, "config": vars(args) | {"configs": [c[0] for c in configs]},
-            "rows": rows, "targets": targets}
+    result = {"suite": "memory", "env": env, "config": vars(args) | {"configs": [c[0] for c in configs]},
+              "rows": rows, "targets": _targets(rows)}
+    print(report.text_parts(tables(result)))
+    return result
 
 
 def _merge_rounds(results):
@@ -347,29 +346,39 @@ def _derive(rows):
         r["hidden_fraction"] = p["hidden_fraction"] if p and p["copy_seconds"] > 0 else None
 
 
-def _table(rows):
-    headers = ["model", "config", "batch", "samples/s", "step(ms)", "overhead(%)", "act. peak(MiB)", "saved(%)",
-               "swapped(MiB)", "copy(ms)", "exposed(ms)", "hidden(%)", "plan"]
-    def pct(x):
-        return float("nan") if x is None else 100 * x
-
-    out = []
-    for r in rows:
-        p, steps = r.get("prefetcher") or {}, max(1, len(r["samples_ms"]) // len(r["rounds"]))
-        out.append([r["model"], r["config"], r["batch"], r["samples_per_s"], r["step_ms"], pct(r["overhead"]),
-                    r["activation_peak_bytes"] / 2**20, pct(r["memory_saved"]),
-                    p.get("bytes_swapped", 0) / 2**20 / steps, 1e3 * p.get("copy_seconds", 0.0) / steps,
-                    1e3 * p.get("exposed_wait_seconds", 0.0) / steps, pct(r["hidden_fraction"]),
-                    _plan_text(r.get("plan"))])
-    return ("# per step: swapped MiB, copy ms and exposed ms are per timed step\n"
-            + report.format_table(headers, out))
+def _per_step(r, value):
+    return value / max(1, len(r["samples_ms"]) // len(r["rounds"]))
 
 
-def _plan_text(plan):
+def _plan(r):
+    plan = r.get("plan")
     if not plan:
-        return "-"
-    counts = {a: sum(1 for v in plan["actions"].values() if v == a) for a in ("keep", "swap", "recompute")}
-    return f"k{counts['keep']}/s{counts['swap']}/r{counts['recompute']}" + ("" if plan["fits"] else " (no fit)")
+        return None
+    n = {a: sum(1 for v in plan["actions"].values() if v == a) for a in ("keep", "swap", "recompute")}
+    return f"{n['keep']}/{n['swap']}/{n['recompute']}" + ("" if plan["fits"] else " (no fit)")
+
+
+def _prefetcher(key, scale):
+    return lambda r: _per_step(r, scale * r["prefetcher"][key]) if r.get("prefetcher") else None
+
+
+def tables(result: dict) -> list[report.Part]:
+    """The suite's table of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    c = result["config"]
+    caption = (f"{c['threads']} torch thread per run, {c['rounds']} rounds x {c['steps']} timed steps, policy "
+               f"{c['policy']}, min_bytes {c['min_bytes'] // KIB} KiB, prefetch depth {c['depth']}; swapped and copy "
+               "figures per timed step.")
+    columns = [col("model", "model"), col("config", "config"), col("batch", "batch", integer),
+               col("step (ms)", "step_ms", fixed(0)), col("overhead (%)", "overhead", percent(1, signed=True)),
+               col("activation peak (MiB)", lambda r: r["activation_peak_bytes"] / MIB, fixed(1)),
+               col("saved (%)", "memory_saved", percent(1, signed=True)),
+               col("swapped (MiB/step)", _prefetcher("bytes_swapped", 1 / MIB), fixed(0)),
+               col("copy (ms/step)", _prefetcher("copy_seconds", 1e3), fixed(1)),
+               col("exposed (ms/step)", _prefetcher("exposed_wait_seconds", 1e3), fixed(2)),
+               col("copy hidden (%)", "hidden_fraction", percent(1)),
+               col("plan keep/swap/recompute", _plan, numeric=False)]
+    notes = [line.lstrip("# ") for line in (result.get("targets") or {}).get("lines", [])]
+    return [report.Part("memory", columns, result["rows"], caption, notes)]
 
 
 def _targets(rows):
@@ -420,8 +429,8 @@ def plot(result: dict, path: str) -> None:
             r = next((r for r in rows if r["model"] == model and r["config"] == name), None)
             if r is None:
                 continue
-            ax.scatter(r["activation_peak_bytes"] / 2**20, r["step_ms"], color=cmap(i % 10), s=60, label=name)
-            ax.annotate(name, (r["activation_peak_bytes"] / 2**20, r["step_ms"]), fontsize=7,
+            ax.scatter(r["activation_peak_bytes"] / MIB, r["step_ms"], color=cmap(i % 10), s=60, label=name)
+            ax.annotate(name, (r["activation_peak_bytes"] / MIB, r["step_ms"]), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")
         ax.set_xlabel("activation peak (MiB, VmHWM over the step minus RSS before)")
         ax.set_ylabel("step time (ms, median)")

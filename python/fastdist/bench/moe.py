@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.bench.report import col, fixed, integer, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.toolkit import all_max, at_least, comma_list, interleave, progress, rank_device, together
 
@@ -237,35 +238,57 @@ def run(args: argparse.Namespace) -> dict | None:
     rows = [_summarise(samples[m], m) for m in config["methods"]]
     report.set_speedups(rows, "dropless", "speedup_vs_dropless")
     env = report.launch_environment(launch)
-    print(f"# layer        d_model {config['d_model']}, d_ff {config['d_ff']}, {launch.result['num_experts']} experts "
-          f"({config['experts_per_rank']}/rank), top-{config['k']}, {config['tokens']} tokens/rank, Zipf "
-          f"{config['zipf']} drifting every {config['drift_every']} steps; median of {config['steps']} steps after "
-          f"{config['warmup']} warm-up")
-    headers = ["method", "fwd+bwd(ms)", "speed-up", "tok max/mean", "a2a max/mean", "std before/after", "dropped",
-               "replicas", "predicted(ms)", "err(medians)", "err(per step)"]
-    table = [[r["method"], r["time_ms"], report.times_text(r["speedup_vs_dropless"]),
-              f"{r['tokens_max_over_mean']:.2f}", f"{r['a2a_max_over_mean']:.2f}",
-              f"{r['std_before']:.0f}/{r['std_after']:.0f}", r["dropped"], r["replicas"], r["predicted_ms"],
-              f"{100 * r['model_error_of_medians']:.0f}%", f"{100 * r['model_error']:.0f}%"] for r in rows]
-    print(report.format_table(headers, table))
-    cm = launch.result["cost_model"]
-    sharing = (f"ranks share cores: hosts {list(cm['rank_hosts'])}, {list(cm['host_slots'])} running at once per "
-               f"host; the model shares them" if cm["rank_hosts"] else "a core (or device) per rank")
-    print(f"# cost model   mean error {100 * statistics.mean(r['model_error_of_medians'] for r in rows):.1f}% over the "
-          f"{len(rows)} configurations (median predicted vs median measured), "
-          f"{100 * statistics.mean(r['model_error'] for r in rows):.1f}% per step; compute: {sharing}")
-    proj = projection(launch.result["cost_model"], config)
-    print("# PROJECTION from the calibrated cost model (not measured; Zipf popularity over a random expert order): "
-          "predicted layer fwd+bwd, tokens max/mean")
-    print(report.format_table(
-        ["ranks", "experts", "dropless(ms)", "shadow(ms)", "prophet(ms)", "prophet vs dropless", "prophet vs shadow",
-         "tok max/mean dropless -> prophet"],
-        [[p["ranks"], p["experts"], p["predicted_ms"]["dropless"], p["predicted_ms"]["shadow"],
-          p["predicted_ms"]["prophet"], f"{p['prophet_vs_dropless']:.2f}x", f"{p['prophet_vs_shadow']:.2f}x",
-          f"{p['tokens_max_over_mean']['dropless']:.2f} -> {p['tokens_max_over_mean']['prophet']:.2f}"]
-         for p in proj]))
-    return {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
-            "cost_model": launch.result["cost_model"], "projection": proj}
+    cost_model = launch.result["cost_model"]
+    result = {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
+              "cost_model": cost_model, "projection": projection(cost_model, config)}
+    print(report.text_parts(tables(result)))
+    print("# cost model compute: " + (f"ranks share cores: hosts {list(cost_model['rank_hosts'])}, "
+                                      f"{list(cost_model['host_slots'])} running at once per host"
+                                      if cost_model["rank_hosts"] else "a core (or device) per rank"))
+    return result
+
+
+PROJECTED = ("dropless", "shadow", "prophet")
+"""The methods the cost model's projection compares."""
+
+
+def tables(result: dict) -> list[report.Part]:
+    """The layer's table and the cost model's projection of `result` (its JSON payload), printed by `run` and
+    shown in the docs."""
+    c, rows = result["config"], result["rows"]
+    ranks = result["env"].get("ranks")
+    caption = (f"d_model {c['d_model']}, d_ff {c['d_ff']}, {c['experts_per_rank'] * ranks} experts "
+               f"({c['experts_per_rank']}/rank), top-{c['k']}, {c['tokens']} tokens/rank, Zipf {c['zipf']} drifting "
+               f"every {c['drift_every']} steps; median of {c['steps']} steps after {c['warmup']} warm-up.")
+    columns = [col("method", "method"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+               col("vs dropless", "speedup_vs_dropless", times(2)),
+               col("tokens/rank max/mean", "tokens_max_over_mean", fixed(2)),
+               col("a2a bytes max/mean", "a2a_max_over_mean", fixed(2)),
+               col("std tokens/rank before", "std_before", fixed(0)), col("after", "std_after", fixed(0)),
+               col("dropped", "dropped", integer), col("replicas", "replicas", integer),
+               col("predicted (ms)", "predicted_ms", fixed(1)),
+               col("model error, medians (%)", "model_error_of_medians", percent(1)),
+               col("model error, per step (%)", "model_error", percent(1))]
+    notes = [f"cost model: mean error {100 * statistics.mean(r['model_error_of_medians'] for r in rows):.1f}% over "
+             f"the {len(rows)} methods (median predicted vs median measured), "
+             f"{100 * statistics.mean(r['model_error'] for r in rows):.1f}% per step."]
+    layout = result.get("layout")  # recordings from before moe_layout moved to the kernels suite
+    if layout:
+        notes.append(f"moe_layout, {layout['assignments']} assignments, {layout['threads']} threads "
+                     f"({layout['device']}): fastdist {layout['fastdist']['median_ms']:.2f} ms, torch sort/bincount "
+                     f"{layout['torch']['median_ms']:.2f} ms ({layout['speedup']:.1f}x).")
+    parts = [report.Part("layer", columns, rows, caption, notes)]
+    if result.get("projection"):
+        proj = [col("ranks", "ranks", integer), col("experts", "experts", integer)]
+        proj += [col(f"{m} (ms)", lambda r, m=m: r["predicted_ms"][m], fixed(1)) for m in PROJECTED]
+        proj += [col("prophet vs dropless", "prophet_vs_dropless", times(2)),
+                 col("prophet vs shadow", "prophet_vs_shadow", times(2)),
+                 col("tokens max/mean, dropless", lambda r: r["tokens_max_over_mean"]["dropless"], fixed(2)),
+                 col("tokens max/mean, prophet", lambda r: r["tokens_max_over_mean"]["prophet"], fixed(2))]
+        parts.append(report.Part("projection", proj, result["projection"],
+                                 "Projection from the calibrated cost model (not measured): Zipf popularity over a "
+                                 "random expert order."))
+    return parts
 
 
 def plot(result: dict, path: str) -> None:
@@ -281,7 +304,7 @@ def plot(result: dict, path: str) -> None:
     ax_b.set_ylabel("tokens per rank, max / mean")
     ax_b.set_title("balance")
     proj = result["projection"]
-    for name in ("dropless", "shadow", "prophet"):
+    for name in PROJECTED:
         ax_p.plot([p["ranks"] for p in proj], [p["predicted_ms"][name] for p in proj], marker="o", label=name)
     ax_p.set_xscale("log", base=2)
     ax_p.set_xlabel("ranks")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -9,12 +10,135 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 import fastdist
+
+Row = dict[str, Any]
+
+
+# ---- cell formats: one per column, so a column never mixes 101.9 with 82.590 ----
+
+def fixed(digits: int) -> Callable[[Any], str]:
+    """A number with `digits` decimals."""
+    return lambda v: f"{v:.{digits}f}"
+
+
+def times(digits: int = 2) -> Callable[[Any], str]:
+    """A ratio written as a factor: 1.38x."""
+    return lambda v: f"{v:.{digits}f}x"
+
+
+def percent(digits: int = 1, signed: bool = False) -> Callable[[Any], str]:
+    """A fraction written as a percentage: 0.0123 -> 1.2 (the header carries the %)."""
+    sign = "+" if signed else ""
+    return lambda v: f"{100 * v:{sign}.{digits}f}"
+
+
+def scaled(divisor: float, digits: int) -> Callable[[Any], str]:
+    """A number divided by `divisor` (a unit change: bytes -> MiB), with `digits` decimals."""
+    return lambda v: f"{v / divisor:.{digits}f}"
+
+
+def scientific(digits: int = 2) -> Callable[[Any], str]:
+    """A number in scientific notation, zero written as 0."""
+    return lambda v: "0" if v == 0 else f"{v:.{digits}e}"
+
+
+def integer(v: Any) -> str:
+    """A count."""
+    return str(int(v))
+
+
+def text(v: Any) -> str:
+    """Any value as it reads."""
+    return str(v)
+
+
+KIB, MIB = 2 ** 10, 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One table column: its header (with the unit), how a row gives its value, and the value's format.
+
+    A value of None is written as ``-``; a column whose values are all None is left out (older recordings
+    lack some fields).
+    """
+
+    header: str
+    value: Callable[[Row], Any]
+    fmt: Callable[[Any], str] = text
+    numeric: bool = True
+
+
+def col(header: str, key: str | Callable[[Row], Any], fmt: Callable[[Any], str] = text,
+        numeric: bool | None = None) -> Column:
+    """A column reading `key` from each row (a field name, or a function of the row)."""
+    value = key if callable(key) else (lambda r, k=key: r.get(k))
+    return Column(header, value, fmt, numeric if numeric is not None else fmt not in (text,))
+
+
+def _cells(columns: Sequence[Column], rows: Iterable[Row]) -> tuple[list[Column], list[list[str]]]:
+    values = [[c.value(r) for c in columns] for r in rows]
+    keep = [i for i, c in enumerate(columns) if any(v[i] is not None for v in values)]
+    return [columns[i] for i in keep], [["-" if v[i] is None else columns[i].fmt(v[i]) for i in keep] for v in values]
+
+
+def markdown_table(columns: Sequence[Column], rows: Iterable[Row]) -> str:
+    """A Markdown table: numbers right-aligned, text left-aligned."""
+    kept, cells = _cells(columns, rows)
+    rule = "|" + "|".join("---:" if c.numeric else "---" for c in kept) + "|"
+    lines = ["| " + " | ".join(line) + " |" for line in [[c.header for c in kept]] + cells]
+    return "\n".join([lines[0], rule] + lines[1:])
+
+
+def text_table(columns: Sequence[Column], rows: Iterable[Row]) -> str:
+    """The same table as `markdown_table`, as fixed-width text for the terminal."""
+    kept, cells = _cells(columns, rows)
+    return format_table([c.header for c in kept], cells, align=["r" if c.numeric else "l" for c in kept])
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One named table of a suite's result: an optional caption, the columns and rows, optional notes under it.
+
+    A suite prints its parts as text (`text_parts`); the docs show them as Markdown (fastdist.bench.results).
+    """
+
+    name: str
+    columns: Sequence[Column]
+    rows: Sequence[Row]
+    caption: str = ""
+    notes: Sequence[str] = ()
+
+    @property
+    def table(self) -> str:
+        """The table in Markdown."""
+        return markdown_table(self.columns, self.rows)
+
+    def markdown(self) -> str:
+        """Caption, table and notes (as a list) in Markdown."""
+        out = [self.caption, self.table, "\n".join(f"- {n}" for n in self.notes)]
+        return "\n\n".join(s for s in out if s)
+
+    def text(self) -> str:
+        """Caption and notes as '# ' lines around the text table."""
+        return "\n".join([f"# {self.caption}"] * bool(self.caption) + [text_table(self.columns, self.rows)]
+                         + [f"# {n}" for n in self.notes])
+
+
+def text_parts(parts: Iterable[Part]) -> str:
+    """A suite's tables as text, a blank line between two."""
+    return "\n\n".join(p.text() for p in parts)
+
+
+def yes_no(flag: Any) -> str:
+    """A flag as 'yes' or 'no'."""
+    return "yes" if flag else "no"
 
 
 @contextlib.contextmanager
@@ -127,11 +251,6 @@ def set_speedups(rows: list[dict], baseline: str, key: str = "speedup", time: st
     base = next((r for r in rows if r["method"] == baseline), None)
     for r in rows:
         r[key] = base[time] / r[time] if base else None
-
-
-def times_text(x: float | None) -> str:
-    """A ratio as '1.25x'; '-' for None."""
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def human_bytes(n: float) -> str:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.bench.report import MIB, col, fixed, percent, scaled, scientific, times
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, rank_device, shape_type,
                                      together, up_to)
@@ -238,18 +239,13 @@ def run(args: argparse.Namespace) -> dict | None:
     if launch.result is None:
         return None
     rows, gradients = launch.result
-    env = report.launch_environment(launch)
-    nbytes = gradients[0]["bytes"]
-    print(f"# gradient     {config['rows']} x {config['dim']} float32 ({report.human_bytes(nbytes)}), "
-          f"Zipf({config['zipf']}) rows, seed {config['seed']}; sketch {config['sketch_rows']} rows x "
-          f"{config['sketch_size']:g} x union values in all; powersgd rank {config['powersgd_rank']}; "
-          f"median of {config['reps']} after {config['warmup']} warm-up")
-    print(format_rows(rows))
+    result = {"suite": "sparse", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
+              "config": config, "gradients": gradients, "rows": rows}
+    print(report.text_parts(tables(result)))
     bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
            if r["method"] in LOSSLESS and r["rel_error"] != 0]
     print("# lossless methods (dense, agsparse, omnireduce) exact: " + ("yes" if not bad else f"NO: {bad}"))
-    return {"suite": "sparse", "env": env, "link_gbps": launch.link_gbps, "config": config, "gradients": gradients,
-            "rows": rows}
+    return result
 
 
 def _note(r):
@@ -257,23 +253,28 @@ def _note(r):
     if r["method"] == "auto":
         notes.append("chose " + ", ".join(r["ran"]))
         if r.get("explore_ms") is not None:
-            notes.append(f"after exploring ({r['explore_ms']:.3g} ms median)")
-    if r["sketch_shape"]:
-        notes.append(f"{r['sketch_shape'][0]}x{r['sketch_shape'][1]}")
-    if r["topk_k"]:
+            notes.append(f"explored {r['explore_ms']:.0f} ms")
+    if r.get("sketch_shape"):
+        notes.append("x".join(map(str, r["sketch_shape"])))
+    if r.get("topk_k"):
         notes.append(f"k={r['topk_k']}")
     return ", ".join(notes)
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The result rows as the suite's text table."""
-    headers = ["method", "density loc/union", "time(ms)", "speed-up", "wire B/rank", "tx B/rank", "rel.err",
-               "eff.algbw(GB/s)", "note"]
-    table = [[r["method"], f"{r['density'] * 100:g}% / {r['density_union'] * 100:.2f}%", r["time_ms"],
-              report.times_text(r["speedup"]), int(r["wire_bytes"]),
-              "-" if r["tx_bytes"] is None else int(r["tx_bytes"]), float(r["rel_error"]), r["algbw"], _note(r)]
-             for r in rows]
-    return report.format_table(headers, table, {"rel.err": ".2e", "eff.algbw(GB/s)": ".3f"})
+def tables(result: dict) -> list[report.Part]:
+    """The suite's table of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    c = result["config"]
+    size = c.get("sketch_size", c.get("sketch_ratio"))  # recordings before --sketch-size have a per-row ratio
+    sizing = (f"{c['sketch_rows']} rows holding {size} x the union's values in all" if "sketch_size" in c
+              else f"{c['sketch_rows']} rows of {size} x the union's values each")
+    caption = (f"Gradient {c['rows']} x {c['dim']} float32, Zipf({c['zipf']}) rows, seed {c['seed']}; sketch "
+               f"{sizing}; PowerSGD rank {c['powersgd_rank']}; median of {c['reps']} after {c['warmup']} warm-up.")
+    columns = [col("method", "method"), col("rows, local (%)", "density", percent(1)),
+               col("union (%)", "density_union", percent(2)), col("time (ms)", "time_ms", fixed(1)),
+               col("vs dense", "speedup", times(2)), col("wire (MiB/rank)", "wire_bytes", scaled(MIB, 2)),
+               col("tx (MiB/rank)", "tx_bytes", scaled(MIB, 2)), col("rel. error", "rel_error", scientific(2)),
+               col("eff. algbw (GB/s)", "algbw", fixed(3)), col("note", _note, numeric=False)]
+    return [report.Part("sparse", columns, result["rows"], caption)]
 
 
 def plot(result: dict, path: str) -> None:

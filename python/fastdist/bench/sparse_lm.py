@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
+from fastdist.bench.report import KIB, col, fixed, percent, scaled, times
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
 from fastdist.bench.corpus import ZipfMarkovCorpus
 from fastdist.bench.models import NegativeSampler, SparseLM, make_data, step_batch
@@ -457,12 +458,10 @@ def run(args: argparse.Namespace) -> dict | None:
     result = {"suite": "sparse-lm", "env": env, "config": config, "calibration": out["calibration"],
               "methods": out["methods"], "local_rows": out["local_rows"]}
     summarize(result)
-    print(format_setup(result))
-    print(format_methods(result))
-    print()
-    print(format_pareto(result))
-    for line in result["notes"]:
-        print(f"# {line}")
+    for name, cal in out["calibration"].items():
+        print(f"# union {name:<7} {cal['union_rows']:.0f} rows of {config['vocab']} "
+              f"({100 * cal['union_fraction']:.2f}%), {cal['local_rows']:.0f} per rank")
+    print(report.text_parts(tables(result)))
     return result
 
 
@@ -534,60 +533,39 @@ def _embed_dim(config):
     return config.get("embed_dim", config["dim"])  # runs recorded before --embed-dim have none
 
 
-def format_setup(result: dict) -> str:
-    """The model, data and union-size lines of the header."""
-    c, cal = result["config"], result["calibration"]
-    embed_dim = _embed_dim(c)
-    lstm = f"LSTM({c['dim']})" if embed_dim == c["dim"] else f"LSTM({embed_dim} -> {c['dim']})"
-    model = (f"# model         Embedding({c['vocab']}, {embed_dim}) + {lstm} + output embedding "
-             f"({c['vocab']}, {c['dim'] + 1}); sampled softmax, {c['negatives']} negatives; Adagrad lr {c['lr']}, "
-             + ("row-sparse" if c["sparse_update"] else "dense") + " update")
-    data = (f"# data          Zipf({c['exponent']}) Markov corpus, {c['batch']} x {c['seq']} tokens per rank per "
-            f"step, {c['steps']} steps, seed {c['seed']}; loss = full softmax on {c['eval_batch']} x {c['seq']} "
-            "held-out tokens")
-    lines = [model, data]
-    for name in ("embed", "out"):
-        lines.append(f"# union {name:<7} {cal[name]['union_rows']:.0f} rows of {c['vocab']} "
-                     f"({100 * cal[name]['union_fraction']:.2f}%), {cal[name]['local_rows']:.0f} per rank")
-    return "\n".join(lines)
+def _reduced_as(r):
+    counts = r.get("chosen_counts") or {}
+    return "; ".join(f"{m}: " + ", ".join(f"{how} x{n}" for how, n in c.items()) for m, c in counts.items()) or None
 
 
-def format_methods(result: dict) -> str:
-    """The per-method table: final loss, step time, wire bytes, how each matrix was reduced."""
-    has_tx = any(m["median_tx_bytes"] is not None for m in result["methods"])
-    headers = ["method", "final loss", "vs dense", "step(ms)", "speed-up", "wire B/rank/step"] + \
-              (["tx B/rank/step"] if has_tx else []) + ["lossless", "reduced as"]
-    rows = []
-    for m in result["methods"]:
-        how = "; ".join(f"{k}: " + "/".join(sorted(p)) for k, p in sorted(m["chosen_counts"].items())) or "-"
-        row = [m["method"], m["final_loss"], _pct(m["loss_vs_dense"]), m["median_step_s"] * 1e3,
-               report.times_text(m["speedup_vs_dense"]), int(m["median_wire_bytes"])]
-        if has_tx:
-            row.append("-" if m["median_tx_bytes"] is None else int(m["median_tx_bytes"]))
-        row += ["yes" if m["lossless"] else "no", how]
-        rows.append(row)
-    return report.format_table(headers, rows)
-
-
-def format_pareto(result: dict) -> str:
-    """The methods ordered by wire bytes, with the Pareto front of bytes against final loss marked."""
-    headers = ["method", "wire B/rank/step", "vs best lossless sparse", "V-row matrices", "vs best lossless sparse",
-               "final loss", "vs dense", "lossless", "pareto"]
-    rows = []
-    for m in sorted(result["methods"], key=lambda m: (m["median_wire_bytes"], m["final_loss"])):
-        rows.append([m["method"], report.human_bytes(m["median_wire_bytes"]),
-                     _pct(m.get("bytes_vs_best_lossless_sparse"), signed=False),
-                     report.human_bytes(m["median_sparse_wire_bytes"]),
-                     _pct(m.get("sparse_bytes_vs_best_lossless_sparse"), signed=False), m["final_loss"],
-                     _pct(m["loss_vs_dense"]), "yes" if m["lossless"] else "no", "*" if m["pareto"] else ""])
-    return "wire bytes vs final loss (Pareto front marked *; V-row matrices: the two embeddings' bytes alone)\n" + \
-        report.format_table(headers, rows)
-
-
-def _pct(x, signed=True):
-    if x is None:
-        return "-"
-    return f"{100 * x:+.2f}%" if signed else f"{100 * x:.1f}%"
+def tables(result: dict) -> list[report.Part]:
+    """The per-method table and the methods by wire bytes (Pareto front of bytes against final loss marked) of
+    `result` (its JSON payload), printed by `run` and shown in the docs."""
+    c = result["config"]
+    embed = _embed_dim(c)
+    caption = (f"Embedding({c['vocab']}, {embed}) + LSTM({embed} -> {c['dim']}) + output embedding "
+               f"({c['vocab']}, {c['dim'] + 1}), sampled softmax ({c['negatives']} negatives), {c['optimizer']} "
+               f"lr {c['lr']}; {c['batch']} x {c['seq']} tokens per rank and step, {c['steps']} steps, "
+               f"seed {c['seed']}.")
+    lossless = col("lossless", lambda r: report.yes_no(r["lossless"]), numeric=False)
+    wire = col("wire (KiB/rank/step)", "median_wire_bytes", scaled(KIB, 1))
+    vs_dense = col("vs dense (%)", "loss_vs_dense", percent(2, signed=True))
+    methods = [col("method", "method"), col("final loss", "final_loss", fixed(3)), vs_dense,
+               col("step (ms)", lambda r: 1e3 * r["median_step_s"], fixed(1)),
+               col("vs dense", "speedup_vs_dense", times(2)), wire,
+               col("tx (KiB/rank/step)", "median_tx_bytes", scaled(KIB, 1)), lossless,
+               col("reduced as (steps)", _reduced_as, numeric=False)]
+    pareto = [col("method", "method"), wire,
+              col("of best lossless sparse (%)", "bytes_vs_best_lossless_sparse", percent(1)),
+              col("V-row matrices (KiB/rank/step)", "median_sparse_wire_bytes", scaled(KIB, 1)),
+              col("of best lossless sparse (%)", "sparse_bytes_vs_best_lossless_sparse", percent(1)),
+              col("final loss", "final_loss", fixed(3)), vs_dense, lossless,
+              col("Pareto", lambda r: "*" if r["pareto"] else "", numeric=False)]
+    by_bytes = sorted(result["methods"], key=lambda r: r["median_wire_bytes"])
+    return [report.Part("methods", methods, result["methods"], caption),
+            report.Part("pareto", pareto, by_bytes,
+                        "Wire bytes against final loss, by bytes (V-row matrices: the two embeddings' bytes alone).",
+                        result.get("notes", ()))]
 
 
 def plot(result: dict, path: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from fastdist import netsim
 from fastdist.bench import report
+from fastdist.bench.report import col, fixed, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, shape_type, time_fn,
                                      together, up_to)
@@ -304,39 +306,53 @@ def run(args: argparse.Namespace) -> dict | None:
     print(report.format_environment(env))
     print(f"# ranks pinned to one core each, 1 torch thread; medians of {args.op_reps} (row op) and {args.reps} "
           f"(block) interleaved repetitions")
+    result = {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "reps": args.reps,
+              "op_reps": args.op_reps, "runs": runs}
     for r in runs:
-        print(f"\n## {r['part']}, {r['label']}: {r['network']}")
         if r["op_rows"]:
-            print(f"# {r['cost_model_repr']}")
-            print(f"# op GEMM {r['gemm_ms']:.2f} ms, all-reduce {r['allreduce_ms']:.2f} ms (cost model)")
-            print(format_op_rows(r["op_rows"]))
-            gemm = {g["k"]: g["time_ms"] for g in r["gemm_rows"]}
-            print(f"# the GEMMs alone (no collective): k=1 {gemm[1]:.2f} ms, k=8 {gemm[8]:.2f} ms "
-                  f"(chunking alone: {gemm[1] / gemm[8]:.2f}x)")
-        if r["block_rows"]:
-            print(format_block_rows(r["block_rows"]))
-    return {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "reps": args.reps,
-            "op_reps": args.op_reps, "runs": runs}
+            print(f"# {r['label']}: {r['cost_model_repr']}; op GEMM {r['gemm_ms']:.2f} ms, all-reduce "
+                  f"{r['allreduce_ms']:.2f} ms (cost model)")
+    print(report.text_parts(tables(result)))
+    return result
 
 
-def format_op_rows(rows: list[dict]) -> str:
-    """The row-parallel op's table: time per chunk count against k = 1 and the cost model."""
-    base = next(r for r in rows if r["k"] == "1")["time_ms"]
-    table = [[f"k={r['k']}" + (f" ({r['chunks']})" if r["k"] == "auto" else ""), r["time_ms"],
-              report.times_text(base / r["time_ms"]), r["predicted_ms"],
-              f"{(r['predicted_ms'] / r['time_ms'] - 1) * 100:+.0f}%"]
-             for r in rows]
-    return report.format_table(["row op", "time(ms)", "vs k=1", "predicted(ms)", "model err"], table)
+def _network_rate(net: str) -> str:
+    m = re.search(r"([\d.]+ [MG]bit/s)", net or "")
+    return m.group(1) if m else (net or "-")
 
 
-def format_block_rows(rows: list[dict]) -> str:
-    """The GPT block's table: each variant's time against Megatron-style (with or without recompute)."""
-    by = {r["variant"]: r["time_ms"] for r in rows}
-    table = []
-    for r in rows:
-        base = by["megatron+recompute" if r["variant"].endswith("+recompute") else "megatron"]
-        table.append([r["variant"], r["time_ms"], report.times_text(base / r["time_ms"])])
-    return report.format_table(["GPT block fwd+bwd", "time(ms)", "vs megatron"], table)
+def tables(result: dict) -> list[report.Part]:
+    """The row op's and the GPT block's table per network of `result` (its JSON payload), printed by `run` and
+    shown in the docs."""
+    parts = []
+    for run in result["runs"]:
+        where = f"{run['label']}, {_network_rate(run['network'])}"
+        if run.get("op_rows"):
+            base = run["op_rows"][0]["time_ms"]
+            columns = [col("chunks k", lambda r: f"{r['k']} ({r['chunks']})" if r["k"] == "auto" else r["k"],
+                           numeric=False),
+                       col("time (ms)", "time_ms", fixed(1)),
+                       col("vs k=1", lambda r, base=base: base / r["time_ms"], times(2)),
+                       col("predicted (ms)", "predicted_ms", fixed(1)),
+                       col("model error (%)", lambda r: r["predicted_ms"] / r["time_ms"] - 1, percent(0, signed=True))]
+            gemm = ", ".join(f"k={g['k']} {g['time_ms']:.1f} ms" for g in run.get("gemm_rows") or [])
+            shape = "x".join(map(str, result["op_shape"]))
+            parts.append(report.Part(f"op-{run['net']}", columns, run["op_rows"],
+                                     f"Row-parallel op {shape}, {where}; median of {result['op_reps']}.",
+                                     [f"the GEMMs alone (no collective): {gemm}"] if gemm else []))
+        if run.get("block_rows"):
+            by_variant = {r["variant"]: r["time_ms"] for r in run["block_rows"]}
+
+            def vs_megatron(r: dict, by_variant: dict = by_variant) -> float:
+                return by_variant["megatron+recompute" if "+" in r["variant"] else "megatron"] / r["time_ms"]
+
+            columns = [col("GPT block", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+                       col("vs Megatron", vs_megatron, times(2))]
+            shape = ", ".join(f"{k} {v}" for k, v in zip(("hidden", "heads", "seq", "batch"), result["block"]))
+            parts.append(report.Part(f"block-{run['net']}", columns, run["block_rows"],
+                                     f"GPT block ({shape}), {where}; median of {result['reps']}; +recompute rows "
+                                     "against Megatron with checkpointing."))
+    return parts
 
 
 def plot(result: dict, path: str) -> None:
