@@ -247,6 +247,22 @@ def test_single_process_layer_in_bfloat16_agrees_with_float32():
     torch.testing.assert_close(out.float(), reference(x.detach().float()), rtol=2e-2, atol=2e-2)
 
 
+def test_single_process_layer_under_cpu_bfloat16_autocast_returns_bfloat16_like_the_linears_around_it():
+    torch.manual_seed(0)
+    layer = MoELayer(D, F_DIM, E, k=K, balance="none", dropless=True)
+    linear = torch.nn.Linear(D, D)
+    x = torch.randn(40, D)
+    x[:, 0] = 1.0
+    x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        beside = linear(x)
+    assert out.dtype == beside.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad.dtype == layer.w1.grad.dtype == torch.float32  # the weights stay float32, as autocast's do
+    torch.testing.assert_close(out.float(), layer(x.detach()), rtol=2e-2, atol=2e-2)
+
+
 def _calibrated():
     from fastdist.moe import calibrate
     return dict(vars(calibrate(None, d_model=32, d_ff=64, tokens=256, num_experts=4, k=2, reps=3)))

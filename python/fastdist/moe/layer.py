@@ -459,16 +459,21 @@ class MoELayer(nn.Module):
         """The replicas this step uses."""
         return self.planner.plan
 
-    @torch.compiler.disable
     def prefetch_replicas(self) -> None:
         """Starts sending this step's replica parameters now, so that they travel while earlier work runs.
 
         Call it after the optimizer step and before the layer's input is ready (e.g. at the start of the block, so
         the transfer overlaps the attention); forward() starts the transfer itself when nobody did. Every rank of
-        the group must call it for the same steps (it issues point-to-point messages on the replica group).
+        the group must call it for the same steps (it issues point-to-point messages on the replica group). Under
+        torch.compile it breaks the graph only where the layer can replicate (balance other than "none").
         """
+        if self.world > 1 and self.balance != "none":
+            self._prefetch()
+
+    @torch.compiler.disable
+    def _prefetch(self):
         self._check_bound()
-        if self.world > 1 and self.plan.replicas and self._prefetched is None:
+        if self.plan.replicas and self._prefetched is None:
             self._prefetched = _ReplicaTraffic(self, self.plan)
 
     def _check_bound(self):
@@ -601,7 +606,7 @@ class MoELayer(nn.Module):
         owned = (self.w1, self.b1, self.w2, self.b2)
         if traffic is not None:
             owned = _OwnedExperts.apply(traffic, *owned)
-        owned_params = [tuple(p[i] for p in owned) for i in range(self.experts_per_rank)]
+        owned_params = list(zip(*(p.unbind(0) for p in owned)))  # one backward node per weight, not per expert
         y_by_expert = self._experts(by_expert, route.owned_sizes, owned_params)
         if route.local_experts:
             replica_flat = _ReplicaParams.apply(traffic, self.b2)
