@@ -1,6 +1,7 @@
 """MoELayer's ranks disagreeing never hang, abort or pair the wrong calls: a different dtype on one rank, a cost
 model on one rank only, or a call one rank skips each raise MismatchError on every rank; the layer pickles without
 its process group and works again once attached."""
+import copy
 import pickle
 
 import pytest
@@ -91,16 +92,18 @@ def _pickled_and_attached():
         unattached = str(err)
     twin.attach()
     x = tokens(rank, 3)
+    copied = copy.deepcopy(layer)  # a copy in this process shares the process groups: no attach
     return {"unattached": unattached, "state": {n: t for n, t in twin.state_dict().items() if n != "_extra_state"},
             "planner": twin.planner.state_dict(), "original_planner": layer.planner.state_dict(),
-            "twin_out": twin(x).detach(), "original_out": layer(x).detach(),
+            "twin_out": twin(x).detach(), "copy_out": copied(x).detach(), "original_out": layer(x).detach(),
             "original_state": {n: t for n, t in layer.state_dict().items() if n != "_extra_state"}}
 
 
-def test_the_layer_pickles_without_its_process_group_and_computes_again_once_attached():
+def test_the_layer_pickles_without_its_process_group_and_computes_again_once_attached_and_deep_copies():
     for result in spawn(_pickled_and_attached, 2, backend="gloo", timeout=60, threads_per_rank=1):
         assert result["unattached"] is not None and "layer.attach(group)" in result["unattached"]
         assert result["planner"] == result["original_planner"] and result["planner"]["steps"] == 2
         for name, value in result["original_state"].items():
             torch.testing.assert_close(result["state"][name], value, rtol=0, atol=0)
         torch.testing.assert_close(result["twin_out"], result["original_out"], rtol=0, atol=0)
+        torch.testing.assert_close(result["copy_out"], result["original_out"], rtol=0, atol=0)

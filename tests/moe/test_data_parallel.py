@@ -21,12 +21,12 @@ OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.5),
               "adam": lambda params: torch.optim.Adam(params, lr=1e-2)}
 
 
-def moe_gpt(balance):
+def moe_gpt(balance, group=None):
     """A GPT (fastdist.bench.models.TransformerLM) whose FFNs are replaced by MoE layers, as a user would do it."""
     torch.manual_seed(0)
     model = TransformerLM(VOCAB, DIM, HEADS, LAYERS, seq=SEQ)
     for block in model.blocks:
-        block.mlp = moe.MoELayer(DIM, 2 * DIM, EXPERTS, k=2, dropless=True, balance=balance)
+        block.mlp = moe.MoELayer(DIM, 2 * DIM, EXPERTS, k=2, dropless=True, balance=balance, group=group)
     return model.double()  # float64: the comparison sees the gradients' scale, not summation order
 
 
@@ -53,35 +53,54 @@ def is_expert(name):
     return name.rsplit(".", 1)[-1] in ("w1", "b1", "w2", "b2")
 
 
-def _train_half(state, balance, optimizers):
+def _train_share(state, balance, optimizers, ep_size):
+    """Trains on this rank's share of every global batch; experts spread over groups of `ep_size` ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    per = EXPERTS // world
-    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    groups = [dist.new_group(list(range(g, g + ep_size))) for g in range(0, world, ep_size)]
+    group = groups[rank // ep_size] if ep_size < world else None
+    ep_rank, per = rank % ep_size, EXPERTS // ep_size
+    share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     results = {}
     for optimizer in optimizers:
-        model = moe_gpt(balance)  # each rank builds its own experts; the single-process weights replace them
-        model.load_state_dict({n: t[rank * per:(rank + 1) * per] if is_expert(n) else t for n, t in state.items()})
-        results[optimizer] = train(moe.data_parallel(model), optimizer, half)
+        model = moe_gpt(balance, group)  # each rank builds its own experts; the single-process weights replace them
+        model.load_state_dict({n: t[ep_rank * per:(ep_rank + 1) * per] if is_expert(n) else t
+                               for n, t in state.items()})
+        results[optimizer] = train(moe.data_parallel(model), optimizer, share)
     return results
+
+
+def assert_trained_alike(ranks, state, balance, ep_size):
+    """Every rank's parameters equal one process's after training on the whole batches, for every optimizer."""
+    for optimizer in ranks[0]:
+        single = moe_gpt(balance)  # no process group here: one process holds every expert
+        single.load_state_dict(state)
+        want = train(single, optimizer, slice(None))
+        for name, expected in want.items():
+            for r in range(len(ranks)):
+                if is_expert(name):  # each rank holds its group's contiguous share of the experts
+                    group_first = r - r % ep_size
+                    got = torch.cat([ranks[g][optimizer][name] for g in range(group_first, group_first + ep_size)])
+                else:
+                    got = ranks[r][optimizer][name]
+                torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9, msg=f"{optimizer} {name} rank {r}")
 
 
 @pytest.mark.parametrize("balance", ["none", "replicate_topk"])
 def test_two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(balance):
-    reference = moe_gpt(balance)  # no process group here: one process holds every expert
-    state = reference.state_dict()
-    ranks = spawn(_train_half, 2, state, balance, list(OPTIMIZERS), backend="gloo", timeout=180, threads_per_rank=1)
-    for optimizer in OPTIMIZERS:
-        single = moe_gpt(balance)
-        single.load_state_dict(state)
-        want = train(single, optimizer, slice(None))
-        for name, expected in want.items():
-            if is_expert(name):  # each rank holds its contiguous share of the experts
-                got = torch.cat([ranks[r][optimizer][name] for r in range(2)])
-                torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9, msg=f"{optimizer} {name}")
-            else:
-                for r in range(2):
-                    torch.testing.assert_close(ranks[r][optimizer][name], expected, rtol=1e-7, atol=1e-9,
-                                               msg=f"{optimizer} {name} on rank {r}")
+    state = moe_gpt(balance).state_dict()
+    ranks = spawn(_train_share, 2, state, balance, list(OPTIMIZERS), 2, backend="gloo", timeout=180,
+                  threads_per_rank=1)
+    assert_trained_alike(ranks, state, balance, ep_size=2)
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_groups_of_two_ranks_train_like_one_process():
+    # 4 ranks = 2 data-parallel copies of a 2-rank expert-parallel group: each expert's gradient is summed over its
+    # two holders before the average
+    state = moe_gpt("replicate_topk").state_dict()
+    ranks = spawn(_train_share, 4, state, "replicate_topk", ["adam"], 2, backend="gloo", timeout=240,
+                  threads_per_rank=1)
+    assert_trained_alike(ranks, state, "replicate_topk", ep_size=2)
 
 
 def test_expert_and_non_expert_parameters_split_the_model():
