@@ -223,6 +223,24 @@ def test_mismatched_configuration_raises_on_every_rank():
             assert m is not None and "'MoELayer configuration' differs across ranks" in m and f"'{field}'" in m
 
 
+def _measured_steps():
+    layer = MoELayer(D, F_DIM, E, k=K, balance="prophet", cost_model=COST, dropless=True)
+    for step in range(4):
+        x, grad_out = inputs(2, dist.get_rank(), step)
+        (layer(x) * grad_out).sum().backward()
+    with torch.no_grad():
+        layer(inputs(2, dist.get_rank(), 4)[0])  # an evaluation step: nothing measured for it
+    layer(inputs(2, dist.get_rank(), 5)[0])
+    return layer.planner.measured
+
+
+def test_every_rank_checks_its_planner_against_the_same_measured_step_times():
+    first, second = spawn(_measured_steps, 2, backend="gloo", timeout=60, threads_per_rank=1)
+    assert first == second  # the slowest rank's time everywhere: the planners stay in step
+    assert [step for step, _, _ in first] == [1, 2, 3, 4]  # steps 0-3 trained; the evaluation step was not timed
+    assert all(ratio > 0 for _, _, ratio in first)
+
+
 def test_single_process_layer_runs_without_a_process_group():
     torch.manual_seed(0)
     layer = MoELayer(D, F_DIM, E, k=K, balance="prophet", cost_model=COST)

@@ -231,3 +231,67 @@ def test_prophet_predicts_no_worse_than_shadowing_or_replicating_the_top_experts
         shadow = COMPUTE_BOUND.time(counts, plan_shadow(counts, COMPUTE_BOUND, max_replicas_per_rank=2))[0]
         topk = COMPUTE_BOUND.time(counts, plan_replicate_topk(counts, 2))[0]
         assert prophet <= shadow * (1 + 1e-12) and prophet <= topk * (1 + 1e-12), (seed, prophet, shadow, topk)
+
+
+class FixedGain:
+    """A cost model that predicts `seconds` for a plan without replicas and `seconds * (1 - gain)` for any with."""
+
+    def __init__(self, gain, seconds=1.0):
+        self.gain, self.seconds = gain, seconds
+
+    def time(self, counts, plan):
+        return (self.seconds * (1 - self.gain) if plan.replicas else self.seconds), {}
+
+
+def run_planner(planner, counts, steps, measured):
+    """The plans `planner` gives a layer for `steps` steps, each step's measured seconds = measured(plan, step)
+    reaching the planner at the next step's forward, before it plans, as in MoELayer."""
+    ran = []
+    for step in range(steps):
+        if ran:
+            planner.observe(measured(ran[-1], step - 1))
+        ran.append(planner.plan)
+        planner.update(counts)
+    return ran
+
+
+def test_replicas_are_declined_when_their_predicted_gain_is_within_the_models_measured_error():
+    counts = zipf_counts(4, 16, seed=6)
+    exact = run_planner(Planner("prophet", FixedGain(0.06)), counts, 20, lambda plan, step: 0.94 if plan.replicas
+                        else 1.0)
+    assert all(plan.replicas for plan in exact[1:])  # a 6% gain, predicted without error: taken from step 1 on
+    noisy = run_planner(Planner("prophet", FixedGain(0.06)), counts, 20,
+                        lambda plan, step: (0.94 if plan.replicas else 1.0) * (1.1 if step % 2 else 0.9))
+    assert not any(plan.replicas for plan in noisy[4:])  # the model errs by 10%: a 6% gain is not one
+
+
+def test_replicas_slower_than_predicted_fall_back_to_none_and_cost_at_most_three_percent_over_none():
+    counts = zipf_counts(4, 16, seed=6)
+    planner = Planner("prophet", FixedGain(0.2), recheck_steps=64)  # predicts replicas 20% faster
+
+    def measured(plan, step):  # they are 10% slower on this machine
+        return 1.1 if plan.replicas else 1.0
+
+    ran = run_planner(planner, counts, 300, measured)
+    first = next(i for i, plan in enumerate(ran) if plan.replicas)
+    assert not ran[first + 2].replicas  # measured once, then dropped
+    probes = [i for i, plan in enumerate(ran) if plan.replicas]
+    assert len(probes) <= 2 * (300 // 64 + 1)  # tried again only once the measurement is old
+    assert sum(measured(plan, i) for i, plan in enumerate(ran)) <= 1.03 * 300
+
+
+def test_replicas_stay_when_the_machine_is_uniformly_slower_than_its_calibration():
+    counts = zipf_counts(4, 16, seed=6)
+    ran = run_planner(Planner("prophet", FixedGain(0.2)), counts, 50,
+                      lambda plan, step: 1.5 * (0.8 if plan.replicas else 1.0))  # everything 1.5x, replicas still 20%
+    assert all(plan.replicas for plan in ran[1:])
+
+
+def test_planner_measurements_round_trip_through_state_dict():
+    counts = zipf_counts(4, 16, seed=6)
+    planner = Planner("prophet", FixedGain(0.2))
+    run_planner(planner, counts, 5, lambda plan, step: 1.1 if plan.replicas else 1.0)
+    twin = Planner("prophet", FixedGain(0.2))
+    twin.load_state_dict(pickle.loads(pickle.dumps(planner.state_dict())))
+    assert twin.measured == planner.measured and twin.last_plan == planner.last_plan
+    assert twin.update(counts) == planner.update(counts)

@@ -6,11 +6,12 @@ One forward, on every rank of `group` (R ranks, E experts, rank r owns experts [
    group, asynchronous), so they travel while the gate, the layout and the dispatch all-to-all run.
 2. Gate: fp32 softmax top-k (fastdist.ops.moe_route); layout: stable counting sort by expert with capacity or
    dropless (moe_layout); token rows copied into expert order (moe_permute).
-3. One all-gather of the per-expert kept and total counts and a header (2 E + 7 int64 per rank, the only host
+3. One all-gather of the per-expert kept and total counts and a header (2 E + 8 int64 per rank, the only host
    sync): it gives every rank the count matrix, hence the all-to-all split sizes and the next plan, identically
    everywhere, and checks that every rank runs the same call of the same layer (layer index and per-layer call
    number), in the same dtypes, with the same cost model and this step's plan; a mismatch raises MismatchError on
-   every rank before any size-dependent collective runs.
+   every rank before any size-dependent collective runs. It also carries each rank's measured time of the previous
+   step, so that every planner checks its model against the same (slowest) time.
 4. Rows for experts this rank holds a replica of stay here; the rest go to their owners in one variable-size
    all_to_all_single (autograd backward swaps the splits). Ranks with no tokens still take part.
 5. Owned experts compute first (their inputs have arrived), then the replica parameters are waited for and the
@@ -51,23 +52,44 @@ __all__ = ["MoELayer"]
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
 
+@dataclasses.dataclass
+class _StepClock:
+    """One step's time in the layer: its exchange's forward, and its backward from the combine's all-to-all to the
+    dispatch's (the layer's backward, waits for other ranks included)."""
+    forward_s: float = 0.0
+    backward_start: float | None = None
+    backward_end: float | None = None
+
+    def seconds(self) -> float:
+        """Forward + backward seconds, or 0 while the backward has not run."""
+        if self.backward_start is None or self.backward_end is None:
+            return 0.0
+        return self.forward_s + self.backward_end - self.backward_start
+
+
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits; backward sends the gradients back with the splits swapped."""
+    """all_to_all_single with variable splits; backward sends the gradients back with the splits swapped, and marks
+    the start or the end of the layer's backward on the step's clock."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, x, out_splits, in_splits, group, clock, marks_backward_start):
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
+        ctx.clock, ctx.marks_backward_start = clock, marks_backward_start
         out = x.new_empty((sum(out_splits), x.shape[1]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.clock is not None and ctx.marks_backward_start:
+            ctx.clock.backward_start = time.perf_counter()
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), grad.shape[1]))
         dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        if ctx.clock is not None and not ctx.marks_backward_start:
+            ctx.clock.backward_end = time.perf_counter()
+        return grad_in, None, None, None, None, None
 
 
 class _ReplicaTraffic:
@@ -84,6 +106,7 @@ class _ReplicaTraffic:
         self.sends = []
         self.grad_recvs = []         # backward: (local expert index, handle, buffer)
         self.owned_grads = None      # backward, under data parallelism: this step's (w1, b1, w2, b2) gradients
+        self.clock = None            # the step's _StepClock: the owned experts' backward may end the layer's
         self.finish_queued = False
         rank = layer.rank
         for e, holder in plan.replicas:
@@ -180,6 +203,8 @@ class _OwnedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gw1, gb1, gw2, gb2):
         traffic = ctx.traffic
+        if traffic.clock is not None:  # the layer's backward ends here unless its input needs a gradient
+            traffic.clock.backward_end = time.perf_counter()
         traffic.post_grad_receives()
         traffic.finish_at_end_of_backward()
         if traffic.layer._averaging is not None:
@@ -332,6 +357,7 @@ class MoELayer(nn.Module):
         self._stats = {}
         self._prefetched = None
         self._calls = 0             # forwards so far: each one's number travels in its header
+        self._clock = None          # the last forward's _StepClock
         self._averaging = None      # set by fastdist.moe.data_parallel
 
     # ---- the process group: bound at construction or by attach(), never pickled ----
@@ -395,7 +421,7 @@ class MoELayer(nn.Module):
         state = super().__getstate__()
         # Process groups and in-flight messages belong to this process; aux_loss to this step's graph.
         state.update(group=None, replica_group=None, _prefetched=None, _averaging=None, aux_loss=None,
-                     _unbound=self.distributed)
+                     _clock=None, _unbound=self.distributed)
         return state
 
     def __deepcopy__(self, memo: dict) -> "MoELayer":
@@ -567,12 +593,17 @@ class MoELayer(nn.Module):
         plan = self.plan if self.world > 1 else Plan()
         self.prefetch_replicas()
         traffic, self._prefetched = self._prefetched, None
-        if traffic is None and self.world > 1 and self._averaging is not None:
-            traffic = _ReplicaTraffic(self, plan)  # no message: it carries the gradients' end-of-backward step
+        if traffic is None and self.world > 1:
+            traffic = _ReplicaTraffic(self, plan)  # no message: it carries the backward's clock and gradient step
+        previous, self._clock = self._clock, _StepClock() if self.world > 1 and torch.is_grad_enabled() else None
+        clock = self._clock
+        if traffic is not None:
+            traffic.clock = clock
         kept = offsets[1:] - offsets[:-1]
         # The count matrix [R, E] of kept (and all) assignments and every rank's header: one all-gather, the
-        # layer's host sync, and the check that every rank runs the same call alike, at no extra collective.
-        header = self._header(x) + [fingerprint(plan)]
+        # layer's host sync, and the check that every rank runs the same call alike, at no extra collective. The
+        # header ends with the previous step's time in microseconds, for the planner's check of its model.
+        header = self._header(x) + [fingerprint(plan), round(previous.seconds() * 1e6) if previous else 0]
         mine = torch.cat([kept, counts, torch.tensor(header, dtype=torch.int64, device=counts.device)]).to(x.device)
         if self.world > 1:
             gathered = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=x.device)
@@ -586,7 +617,12 @@ class MoELayer(nn.Module):
         kept_counts = gathered[:, :self.num_experts]
         all_counts = gathered[:, self.num_experts:2 * self.num_experts]
         # Next step's plan is computed on a CPU thread while this step's all-to-alls and experts run.
-        planning = _planner_thread().submit(self.planner.update, kept_counts) if self.world > 1 else None
+        if self.world > 1:
+            measured = gathered[:, -1]  # the slowest rank's time, when every rank measured the step
+            planning = _planner_thread().submit(self._plan_next, kept_counts,
+                                                float(measured.max()) / 1e6 if measured.min() > 0 else 0.0)
+        else:
+            planning = None
 
         route = self._dispatch_plan(kept_counts, plan, x.device)
         rows = moe_permute(x, row_of_slot, route.kept_rows)
@@ -596,7 +632,7 @@ class MoELayer(nn.Module):
         else:
             send_rows, local_rows = rows, rows[:0]
         if self.world > 1:
-            received = _AllToAll.apply(send_rows, route.recv_splits, route.send_splits, self.group)
+            received = _AllToAll.apply(send_rows, route.recv_splits, route.send_splits, self.group, clock, False)
         else:
             received = send_rows
         by_expert = received.index_select(0, route.to_expert_major)
@@ -616,7 +652,7 @@ class MoELayer(nn.Module):
             traffic.replica_params()  # no replica here; completes this rank's parameter sends
         y_received = torch.empty_like(y_by_expert).index_copy(0, route.to_expert_major, y_by_expert) \
             if y_by_expert.shape[0] else y_by_expert
-        y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group) \
+        y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group, clock, True) \
             if self.world > 1 else y_received
         if route.local_experts:
             y_rows = y_sent.new_empty(rows.shape).index_copy(0, torch.cat([route.send_index, route.local_index]),
@@ -624,10 +660,17 @@ class MoELayer(nn.Module):
         else:
             y_rows = y_sent
         out = moe_unpermute(y_rows, row_of_slot, topk_weight.to(y_rows.dtype))
-        self._record(kept_counts, all_counts, plan, time.perf_counter() - start, route.send_splits, route.recv_splits)
+        forward_s = time.perf_counter() - start
+        if clock is not None:
+            clock.forward_s = forward_s
+        self._record(kept_counts, all_counts, plan, forward_s, route.send_splits, route.recv_splits)
         if planning is not None:
             planning.result()  # the next forward's all-gather checks that every rank planned alike
         return out
+
+    def _plan_next(self, kept_counts, previous_seconds):
+        self.planner.observe(previous_seconds)
+        return self.planner.update(kept_counts)
 
     def _dispatch_plan(self, kept_counts, plan, device):
         """Where this rank's rows go and where the received rows come from, from the count matrix and the plan.

@@ -306,21 +306,31 @@ def plan_replicate_topk(counts: np.ndarray, max_replicas_per_rank: int = 2) -> P
 
 
 class Planner:
-    """Chooses the plan for the next step from this step's counts, with hysteresis; keeps its history.
+    """Chooses the plan for the next step from this step's counts; checks its model against measured steps.
 
     A new plan replaces the current one only when it is predicted (on the same counts) to be at least
-    ``replan_gain`` faster. Pure and deterministic: equal inputs give equal plans on every rank.
+    ``replan_gain`` faster, and a plan with replicas is used only when it beats the plan without any by more than
+    the model's measured error: the predicted gain, net of the replicas' transfers, must exceed what the model is
+    observed to get wrong. Each step's measured time (:meth:`observe`) corrects the predictions of its kind of plan
+    (with replicas, or without) by the measured/predicted ratio of recent steps of that kind, so a machine slower or
+    busier than at calibration, or replicas costing more than modelled, move the choice back to no replicas; a
+    kind's measurements older than ``recheck_steps`` are forgotten, so replicas are tried again after that many
+    steps. Pure and deterministic: equal inputs (counts and measured times, which the layer takes as the slowest
+    rank's) give equal plans on every rank.
 
     Args:
         strategy: ``"prophet"``, ``"shadow"``, ``"replicate_topk"`` or ``"none"``.
         cost: the cost model (None until calibrated; "replicate_topk" and "none" do not need it).
         max_replicas_per_rank, budget, stop_alpha: as for :func:`plan_prophet`.
         plan_interval: reconsider the plan every this many steps.
-        replan_gain: the predicted gain a new plan needs, as a fraction.
+        replan_gain: the predicted gain a new plan needs, as a fraction; also the model's error until measured.
+        recheck_steps: how long a measurement counts, in steps.
+        window: the measurements per kind of plan that correct and judge the model.
     """
 
     def __init__(self, strategy: str, cost: CostModel | None, max_replicas_per_rank: int = 2, plan_interval: int = 1,
-                 replan_gain: float = 0.03, budget: int | None = None, stop_alpha: float = 0.05):
+                 replan_gain: float = 0.03, budget: int | None = None, stop_alpha: float = 0.05,
+                 recheck_steps: int = 64, window: int = 16):
         if strategy not in ("prophet", "shadow", "replicate_topk", "none"):
             raise ValueError(f"fastdist: balance must be 'prophet', 'shadow', 'replicate_topk' or 'none', "
                              f"got {strategy!r}")
@@ -333,10 +343,14 @@ class Planner:
         self.replan_gain = replan_gain
         self.budget = budget
         self.stop_alpha = stop_alpha
+        self.recheck_steps = recheck_steps
+        self.window = window
         self.plan = Plan()
         self.steps = 0
         self.replans = 0
         self.last_counts = None
+        self.last_plan = Plan()     # the plan the step of last_counts ran
+        self.measured = []          # [step, 1 with replicas / 0 without, measured / predicted seconds]
 
     def propose(self, counts: np.ndarray) -> Plan:
         """The strategy's plan for ``counts``, before hysteresis."""
@@ -348,26 +362,76 @@ class Planner:
             return plan_shadow(counts, self.cost, self.max_replicas_per_rank)
         return plan_replicate_topk(counts, self.max_replicas_per_rank)
 
+    def observe(self, seconds: float) -> None:
+        """Records the measured seconds of the step that :meth:`update` saw last (its counts and plan).
+
+        Args:
+            seconds: the layer's forward + backward time of that step (> 0; other values are ignored).
+        """
+        if self.cost is None or self.last_counts is None or not seconds > 0:
+            return
+        predicted = self.cost.time(self.last_counts, self.last_plan)[0]
+        if predicted > 0:
+            kind = int(bool(self.last_plan.replicas))
+            self.measured.append([self.steps, kind, seconds / predicted])
+            if sum(m[1] == kind for m in self.measured) > self.window:  # keep a window of each kind
+                self.measured.remove(next(m for m in self.measured if m[1] == kind))
+
+    def _ratios(self, replicated):
+        recent = [ratio for step, kind, ratio in self.measured
+                  if kind == replicated and self.steps - step < self.recheck_steps]
+        return recent[-self.window:]
+
+    def correction(self, plan: Plan) -> float:
+        """Measured over predicted seconds of recent steps of ``plan``'s kind (with replicas or without), the median;
+        a kind not measured lately takes the other kind's, and 1 when neither was."""
+        ratios = self._ratios(bool(plan.replicas)) or self._ratios(not plan.replicas)
+        return float(np.median(ratios)) if ratios else 1.0
+
+    def model_error(self) -> float:
+        """The model's relative error left after :meth:`correction`: the mean deviation of recent measured/predicted
+        ratios from their kind's median; ``replan_gain`` until three steps are measured."""
+        deviations = []
+        for replicated in (False, True):
+            ratios = self._ratios(replicated)
+            if ratios:
+                middle = float(np.median(ratios))
+                deviations += [abs(r / middle - 1.0) for r in ratios]
+        return float(np.mean(deviations)) if len(deviations) >= 3 else self.replan_gain
+
+    def predicted(self, counts: np.ndarray, plan: Plan) -> float:
+        """The model's seconds for ``plan`` on ``counts``, corrected by the measured steps of its kind."""
+        return self.cost.time(counts, plan)[0] * self.correction(plan)
+
     def update(self, counts: np.ndarray) -> Plan:
         """Records this step's counts; every plan_interval steps reconsiders the plan. Returns the plan to use next."""
         counts = np.asarray(counts, dtype=np.int64)
         self.last_counts = counts.copy()
+        self.last_plan = self.plan
         self.steps += 1
         if self.steps % self.plan_interval:
             return self.plan
         proposal = self.propose(counts)
-        if proposal != self.plan and (self.strategy == "replicate_topk" or self._clearly_better(counts, proposal)):
+        if self.strategy not in ("replicate_topk", "none"):
+            if not (proposal != self.plan and self._clearly_better(counts, proposal, self.plan, self.replan_gain)):
+                proposal = self.plan
+            # Replicas only where they beat no replicas by more than the model is seen to err.
+            margin = max(self.replan_gain, self.model_error())
+            if proposal.replicas and not self._clearly_better(counts, proposal, Plan(), margin):
+                proposal = Plan()
+        if proposal != self.plan:
             self.plan = proposal
             self.replans += 1
         return self.plan
 
-    def _clearly_better(self, counts, proposal):
-        return self.cost.time(counts, proposal)[0] < (1 - self.replan_gain) * self.cost.time(counts, self.plan)[0]
+    def _clearly_better(self, counts, proposal, current, gain):
+        return self.predicted(counts, proposal) < (1 - gain) * self.predicted(counts, current)
 
     def state_dict(self) -> dict:
-        """The plan, step counters and last counts, as plain data."""
+        """The plan, step counters, last counts and measured steps, as plain data."""
         return {"plan": [list(p) for p in self.plan.replicas], "steps": self.steps, "replans": self.replans,
                 "last_counts": None if self.last_counts is None else self.last_counts.tolist(),
+                "last_plan": [list(p) for p in self.last_plan.replicas], "measured": [list(m) for m in self.measured],
                 "strategy": self.strategy}
 
     def load_state_dict(self, state: dict) -> None:
@@ -383,3 +447,5 @@ class Planner:
         self.steps = state["steps"]
         self.replans = state["replans"]
         self.last_counts = None if state["last_counts"] is None else np.asarray(state["last_counts"], dtype=np.int64)
+        self.last_plan = Plan(tuple(sorted(tuple(p) for p in state.get("last_plan", []))))
+        self.measured = [list(m) for m in state.get("measured", [])]
