@@ -215,6 +215,11 @@ def _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collecti
     if tensor.is_sparse and tensor.sparse_dim() != 1:
         raise ValueError(f"sketch_allreduce: sparse tensors must be row-sparse (sparse_dim 1, like "
                          f"nn.Embedding(sparse=True) gradients), got sparse_dim {tensor.sparse_dim()}")
+    if tensor.is_sparse and tensor._nnz() > 0:  # torch checks none of this unless its invariant checks are on
+        low, high = (int(v) for v in torch.aminmax(tensor._indices()[0]))
+        if low < 0 or high >= tensor.shape[0]:
+            raise ValueError(f"sketch_allreduce: the sparse tensor's row indices must be in [0, {tensor.shape[0]}), "
+                             f"got values in [{low}, {high}]")
 
 
 def _check_residual(residual, rows, cols):
