@@ -19,7 +19,6 @@ model then shares the host between them (fastdist.moe.planner.shared_makespan).
 import dataclasses
 import json
 import os
-import platform
 import socket
 import tempfile
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fastdist.distributed.fingerprint import fingerprint
+from fastdist.distributed.hardware import hardware_key
 from fastdist.distributed.timing import time_fn
 from fastdist.moe.planner import CostModel
 
@@ -112,31 +112,6 @@ def _layer_overhead(x, num_experts, k, reps, sync, generator):
     return _typical_time(step, reps)
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware_key(device: torch.device, world: int, backend: str | None) -> str:
-    """This rank's hardware as a calibration file keys it: the device (CPU model and the cores this process may use,
-    or the GPU's name), torch's threads, the ranks (and how many share this host), the backend and torch's version.
-
-    Args:
-        device: where the layer computes.
-        world: the ranks of the group.
-        backend: the process group's backend (None: one process).
-    """
-    what = f"cuda {torch.cuda.get_device_name(device)}" if device.type == "cuda" else \
-        f"cpu {_cpu_model()} x{len(os.sched_getaffinity(0))}"
-    local = os.environ.get("LOCAL_WORLD_SIZE", "?") if world > 1 else "1"
-    return (f"{what}, {torch.get_num_threads()} threads, {world} ranks ({local} on this host), {backend or 'none'}, "
-            f"torch {torch.__version__}")
 
 
 def _load_cached(path, key):

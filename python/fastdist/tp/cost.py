@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastdist.distributed.hardware import hardware_key
 from fastdist.distributed.timing import all_max, time_ranks
 from fastdist.tp.chunks import chunk_bounds
 from fastdist.tp.comm import collective_device
@@ -407,7 +408,6 @@ def calibration_key(group: dist.ProcessGroup | None, shapes: tuple[tuple[int, in
         group: the tensor-parallel process group (None: the default group).
         shapes, sizes, dtype: as for :meth:`CostModel.calibrate` (``sizes`` resolved).
     """
-    from fastdist.moe.calibrate import hardware_key  # the one hardware key of the package's calibration files
 
     hardware = hardware_key(collective_device(group), dist.get_world_size(group), dist.get_backend(group))
     return f"{hardware} | shapes {[list(s) for s in shapes]} | sizes {list(sizes)} | {dtype}"
