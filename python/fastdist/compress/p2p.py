@@ -23,9 +23,11 @@ its own before it returns anything. The end that finds a mismatch raises and sen
 which raises there at its next receive on the link (an end blocked in a send the raising end will never match sees
 the connection close instead).
 """
+import datetime
 import math
 import pickle
 import struct
+import time
 
 import torch
 import torch.distributed as dist
@@ -157,6 +159,7 @@ def _exact_sizes(device):
     return device.type != "cpu"  # NCCL matches a receive's size exactly; gloo takes any message that fits
 
 
+MISMATCH_SEND_WAIT_S = 5.0  # how long a rank that raised waits for its mismatch frame to leave (see _told)
 _MISMATCH = "mismatch"  # the kind of the frame that tells the other end of a link it raised MismatchError
 _DIGEST = "state_digest"  # the frame tensor that carries the sender's state digest
 
@@ -404,7 +407,7 @@ class StageBoundary:
         self._fwd_fp, self._bwd_fp = fingerprint(self.fwd.config()), fingerprint(self.bwd.config())
         self._fwd_channel, self._bwd_channel = Channel(), Channel()
         self._activations = CallCounter()  # sent (sender end) or received (receiver end)
-        self._mismatch_sends = []  # mismatch frames in flight to the other end (kept alive, never waited for)
+        self._mismatch_sends = []  # mismatch frames in flight to the other end (kept alive; see _told)
         self.stats = {}
 
     def __getstate__(self) -> dict:
@@ -469,10 +472,20 @@ class StageBoundary:
         return _digest_of(compressor, sending=True)
 
     def _told(self, error, channel, fp):
-        """Sends the other end a mismatch frame carrying ``error`` on ``channel``, without waiting (it may be
-        blocked elsewhere, or gone), and returns ``error`` to raise."""
+        """Sends the other end a mismatch frame carrying ``error`` on ``channel`` and returns ``error`` to raise.
+
+        Waits at most MISMATCH_SEND_WAIT_S for the frame to go out: the other end may be blocked elsewhere, or gone,
+        but when it is waiting on this channel, a process that raised and exited before the frame left would leave
+        it with "connection closed" instead of the MismatchError."""
         packet = Packet(_MISMATCH, (), torch.float32, {}, {"name": error.name, "values_by_rank": error.values_by_rank})
+        first = len(self._mismatch_sends)
         send_packet(packet, self.peer, fp, self.group, channel, in_flight=self._mismatch_sends)
+        deadline = time.monotonic() + MISMATCH_SEND_WAIT_S
+        for _, handle in self._mismatch_sends[first:]:
+            try:
+                handle.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:  # not taken in time, or the other end is gone: raise the error anyway
+                break
         return error
 
     def _send_forward(self, x, sample_ids):
