@@ -37,6 +37,9 @@ inline void check_layout(const at::Tensor& topk_idx, int64_t num_experts, int64_
   TORCH_CHECK(num_ranks >= 1 && num_experts % num_ranks == 0, "fastdist: 'num_ranks' must be >= 1 and divide "
               "num_experts = ", num_experts, ", got ", num_ranks);
   TORCH_CHECK(capacity >= -1, "fastdist: 'capacity' must be >= 0, or -1 for dropless, got ", capacity);
+  check_allocatable({num_experts}, at::kLong, "the output 'counts'");
+  check_allocatable({num_experts + 1}, at::kLong, "the output 'offsets'");
+  check_allocatable({topk_idx.size(1), num_experts}, at::kLong, "the layout's histogram (choices x experts)");
 }
 
 // row_of_slot [T, k] int64 and optional weight [T, k] of x's dtype, on x's device.
@@ -65,6 +68,7 @@ inline void check_permute(const at::Tensor& x, const at::Tensor& row_of_slot, in
   FD_CHECK_DIM(x, 2);
   FD_CHECK_NONNEGATIVE(num_rows);
   check_slots(x, "x", row_of_slot, weight, x.size(0));
+  check_allocatable({num_rows, x.size(1)}, x.scalar_type(), "the output");
 }
 
 // moe_unpermute(y [N, d], row_of_slot [T, k], weight?)
@@ -74,6 +78,7 @@ inline void check_unpermute(const at::Tensor& y, const at::Tensor& row_of_slot,
   FD_CHECK_DIM(y, 2);
   FD_CHECK_DIM(row_of_slot, 2);
   check_slots(y, "y", row_of_slot, weight, row_of_slot.size(0));
+  check_allocatable({row_of_slot.size(0), y.size(1)}, y.scalar_type(), "the output");
 }
 
 // moe_route's outputs for logits [T, E]: probs float32 [T, E], lse float32 [T], topk_idx int64 [T, k], topk_weight

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastdist.ops import bias_epilogue, bias_epilogue_backward
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["none", "gelu_tanh", "gelu_erf"]
@@ -226,6 +226,9 @@ BAD_INPUTS = {
                    r"'grad' must have the dtype of 'x' \(torch.float32\), got torch.float16"),
     "backward_activation": (lambda d: bias_epilogue_backward(_x(d), _x(d), None, "tanh"),
                             "'activation' must be \"none\", \"gelu_tanh\" or \"gelu_erf\", got \"tanh\""),
+    "output_past_int64": (lambda d: bias_epilogue(huge([0, 2**62, 4], device=d)),
+                          r"the output would have shape \[0, 4611686018427387904, 4\] of torch.float32: its strides "
+                          r"or its size in bytes pass int64"),
 }
 
 

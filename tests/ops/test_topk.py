@@ -13,7 +13,7 @@ from fastdist.ops import (
 )
 from fastdist.ops.topk import topk_k
 from hypothesis import given, settings
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 
 def oracle_topk(x, k):
@@ -295,6 +295,19 @@ BAD_INPUTS = {
                          r"'k' must be in \[0, d\] with d = 9, got 10"),
     "to_bitmap_float_indices": (lambda d: topk_indices_to_bitmap(torch.zeros(1, 2, device=d), 9),
                                 "'indices' must have dtype torch.int32, got torch.float32"),
+    "decompress_output_past_int64": (lambda d: topk_decompress(torch.ones(2**40, 0, device=d),
+                                                               torch.zeros(2**40, 0, dtype=torch.int32, device=d),
+                                                               2**31 - 1),
+                                     r"the output would have shape \[1099511627776, 2147483647\] of torch.float32: "
+                                     r"its strides or its size in bytes pass int64"),
+    "to_bitmap_output_past_int64": (lambda d: topk_indices_to_bitmap(torch.zeros(2**40, 0, dtype=torch.int32,
+                                                                                 device=d), 2**31 - 1),
+                                    r"the output would have shape \[1099511627776, 268435456\] of torch.uint8"),
+    "from_bitmap_output_past_int64": (lambda d: topk_bitmap_to_indices(huge([2**61, 1], torch.uint8, d), 8, 8),
+                                      r"the output would have shape \[2305843009213693952, 8\] of torch.int32"),
+    "compress_float32_copy_past_int64": (lambda d: topk_compress(huge([2**61, 2], torch.bfloat16, d), 1),
+                                         r"the float32 copy of 'x' would have shape \[2305843009213693952, 2\] of "
+                                         r"torch.float32"),
 }
 
 

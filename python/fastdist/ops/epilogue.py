@@ -14,7 +14,8 @@ bit-identical for any thread count) and CUDA kernels; fake kernels for ``torch.c
 """
 import torch
 
-from fastdist.ops._checks import FLOATING_DTYPES, check_dim_at_least, check_dtype_in, check_same_device
+from fastdist.ops._checks import (FLOATING_DTYPES, check_allocatable, check_dim_at_least, check_dtype_in,
+                                  check_same_device)
 
 __all__ = ["ACTIVATIONS", "bias_epilogue", "bias_epilogue_backward"]
 
@@ -55,6 +56,7 @@ def bias_epilogue_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tens
 def _check_x_and_bias(x, bias):
     check_dtype_in("x", x, FLOATING_DTYPES)
     check_dim_at_least("x", x, 1)
+    check_allocatable(x.shape, x.dtype, "the output")
     if bias is not None:
         _check_like_x(bias, "bias", x)
         cols = x.shape[-1]

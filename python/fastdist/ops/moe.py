@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from fastdist.ops._checks import check_dim, check_dtype, check_dtype_in, check_nonnegative
+from fastdist.ops._checks import check_allocatable, check_dim, check_dtype, check_dtype_in, check_nonnegative
 
 __all__ = ["MAX_K", "capacity_for", "moe_layout", "moe_permute", "moe_route", "moe_unpermute"]
 
@@ -149,6 +149,9 @@ def _moe_layout_fake(topk_idx, num_experts, num_ranks, capacity):
                            f"got {num_ranks}")
     if capacity < -1:
         raise RuntimeError(f"fastdist: 'capacity' must be >= 0, or -1 for dropless, got {capacity}")
+    check_allocatable((num_experts,), torch.int64, "the output 'counts'")
+    check_allocatable((num_experts + 1,), torch.int64, "the output 'offsets'")
+    check_allocatable((topk_idx.shape[1], num_experts), torch.int64, "the layout's histogram (choices x experts)")
     tokens, k = topk_idx.shape
     new = topk_idx.new_empty
     return (new((num_experts,)), new((num_experts + 1,)), new((num_ranks,)), new((tokens * k,)), new((tokens, k)),
@@ -161,6 +164,7 @@ def _moe_permute_fake(x, row_of_slot, num_rows, weight):
     check_dim("x", x, 2)
     check_nonnegative("num_rows", num_rows)
     _check_slots(x, "x", row_of_slot, weight, x.shape[0])
+    check_allocatable((num_rows, x.shape[1]), x.dtype, "the output")
     return x.new_empty((num_rows, x.shape[1]))
 
 
@@ -170,6 +174,7 @@ def _moe_unpermute_fake(y, row_of_slot, weight):
     check_dim("y", y, 2)
     check_dim("row_of_slot", row_of_slot, 2)
     _check_slots(y, "y", row_of_slot, weight, row_of_slot.shape[0])
+    check_allocatable((row_of_slot.shape[0], y.shape[1]), y.dtype, "the output")
     return y.new_empty((row_of_slot.shape[0], y.shape[1]))
 
 

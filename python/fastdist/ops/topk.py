@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_dim, check_dtype, check_dtype_in, check_last_dim,
-                                  check_same_device, packed_bytes)
+from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_allocatable, check_dim, check_dtype, check_dtype_in,
+                                  check_last_dim, check_same_device, packed_bytes)
 
 __all__ = ["topk_bitmap_to_indices", "topk_compress", "topk_decompress", "topk_indices_to_bitmap", "topk_k"]
 
@@ -115,6 +115,7 @@ def _topk_compress_fake(x, k):
     torch._check(d <= _MAX_D, lambda: "fastdist: 'x' rows must have at most 2^31 - 1 values (indices are int32), "
                                       f"got shape {list(x.shape)}")
     torch._check(1 <= k <= d, lambda: f"fastdist: 'k' must be in [1, d] with d = {d} (the row length), got {k}")
+    check_allocatable(x.shape, torch.float32, "the float32 copy of 'x'")
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.int32)
 
 
@@ -131,6 +132,7 @@ def _topk_decompress_fake(values, indices, d):
     _check_d(d)
     torch._check(values.shape[1] <= d, lambda: f"fastdist: 'values' must have at most d = {d} columns, got shape "
                                                f"{list(values.shape)}")
+    check_allocatable((values.shape[0], d), torch.float32, "the output")
     return values.new_empty((values.shape[0], d))
 
 
@@ -141,6 +143,7 @@ def _topk_indices_to_bitmap_fake(indices, d):
     _check_d(d)
     torch._check(indices.shape[1] <= d, lambda: f"fastdist: 'indices' must have at most d = {d} columns, got shape "
                                                 f"{list(indices.shape)}")
+    check_allocatable((indices.shape[0], packed_bytes(d)), torch.uint8, "the output")
     return indices.new_empty((indices.shape[0], packed_bytes(d)), dtype=torch.uint8)
 
 
@@ -152,6 +155,7 @@ def _topk_bitmap_to_indices_fake(bitmap, d, k):
     check_last_dim("bitmap", bitmap, packed_bytes(d), f"ceil(d / 8) for d = {d}")
     if not 0 <= k <= d:
         raise RuntimeError(f"fastdist: 'k' must be in [0, d] with d = {d}, got {k}")
+    check_allocatable((bitmap.shape[0], k), torch.int32, "the output")
     return bitmap.new_empty((bitmap.shape[0], k), dtype=torch.int32)
 
 
