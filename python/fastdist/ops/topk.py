@@ -4,7 +4,8 @@ Selection (csrc/kernels/topk.h): each value's key is the order-preserving intege
 bits with the sign cleared; row ``r`` keeps the ``k`` values with the largest keys, found by radix select (histograms
 of the key's bits 20..30, then 10..19 and 0..9 of the bucket that holds the k-th key), not a sort. Among equal
 magnitudes the lower index wins, so the result is a function of the input alone (``+0.0`` and ``-0.0`` tie). NaN
-ranks above ``+-inf``, which ranks above every finite magnitude, as in ``torch.topk``: a NaN is always kept.
+ranks above ``+-inf``, which ranks above every finite magnitude, as in ``torch.topk``: a NaN is always kept. Every
+NaN has the same key, so NaNs tie too (the lower index wins), whatever their sign and payload.
 
 Output order: ascending index within each row. So ``values[r]`` lists the kept values in their order in ``x[r]``,
 and a bitmap of the kept positions plus ``values`` is a complete encoding (:func:`topk_indices_to_bitmap` /
