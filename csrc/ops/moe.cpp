@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
                               const std::optional<at::Tensor>& weight) {
   check_permute(x, row_of_slot, num_rows, weight);
-  check_rows_in_range(row_of_slot, num_rows);
+  check_rows_of_slot(row_of_slot, num_rows, /*distinct=*/true);
   const at::Tensor src = x.contiguous();
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
@@ -101,7 +101,7 @@ at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot
 at::Tensor moe_unpermute_cpu_op(const at::Tensor& y, const at::Tensor& row_of_slot,
                                 const std::optional<at::Tensor>& weight) {
   check_unpermute(y, row_of_slot, weight);
-  check_rows_in_range(row_of_slot, y.size(0));
+  check_rows_of_slot(row_of_slot, y.size(0), /*distinct=*/false);
   const at::Tensor src = y.contiguous();
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();

@@ -352,6 +352,23 @@ def test_bad_inputs_raise_a_clear_error(call, message):
         call()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_permute_rejects_a_row_named_by_two_slots(device):
+    x = torch.randn(3, 2, device=device)
+    for rows, twice in (([[0, 2], [1, -1], [2, -1]], 2), ([[1], [1], [0]], 1), ([[0, 0], [-1, -1], [-1, 1]], 0)):
+        with pytest.raises(RuntimeError, match=rf"'row_of_slot' must name each row at most once \(moe_permute writes "
+                                               rf"a row from one slot\), got row {twice} more than once"):
+            moe_permute(x, torch.tensor(rows, device=device), 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpermute_gathers_a_row_named_by_two_slots_for_both(device):
+    y = torch.randn(3, 4, device=device)
+    rows = torch.tensor([[2, 2], [0, -1]], device=device)
+    out = moe_unpermute(y, rows, torch.tensor([[1.0, 0.5], [2.0, 3.0]], device=device))
+    torch.testing.assert_close(out.cpu(), torch.stack([1.5 * y[2], 2.0 * y[0]]).cpu())
+
+
 SIZES_PAST_INT64 = {
     "layout_histogram": (lambda d: moe_layout(torch.empty(0, 2**62, dtype=torch.int64, device=d), 4, 1, -1),
                          r"the layout's histogram \(choices x experts\) would have shape \[4611686018427387904, 4\] "

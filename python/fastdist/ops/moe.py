@@ -88,6 +88,11 @@ def moe_permute(x: torch.Tensor, row_of_slot: torch.Tensor, num_rows: int,
 
     Returns:
         ``[num_rows, d]`` of x's dtype. Differentiable in ``x`` and ``weight``.
+
+    Raises:
+        RuntimeError: bad dtypes, shapes or devices; ``num_rows < 0``; an entry of ``row_of_slot`` outside
+            ``[-1, num_rows)`` or a row named twice (both depend on the data: checked on CPU and CUDA, with one
+            synchronization on CUDA, but not on fake tensors under ``torch.compile``).
     """
     return torch.ops.fastdist.moe_permute.default(x, row_of_slot, num_rows, weight)
 
