@@ -134,7 +134,8 @@ def _moe_route_fake(logits, k):
     check_dtype_in("logits", logits, _LOGIT_DTYPES)
     check_dim("logits", logits, 2)
     tokens, experts = logits.shape
-    torch._check(experts >= 1, lambda: "fastdist: 'logits' must have at least 1 expert (column)")
+    torch._check(experts >= 1, lambda: "fastdist: 'logits' must have at least 1 expert (column), got shape "
+                                       f"{list(logits.shape)}")
     if not 1 <= k <= MAX_K:
         raise RuntimeError(f"fastdist: 'k' must be in [1, min({MAX_K}, num_experts = {experts})], got {k}")
     torch._check(k <= experts, lambda: f"fastdist: 'k' must be in [1, min({MAX_K}, num_experts = {experts})], got {k}")
