@@ -389,7 +389,7 @@ int64_t topk_decompress_cpu(const float* values, const int32_t* indices, int64_t
   int64_t bad = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict row = out + r * d;
-    std::memset(row, 0, d * sizeof(float));
+    if (d > 0) std::memset(row, 0, d * sizeof(float));  // d == 0: out may have no storage (memset of nullptr)
     const int32_t* idx = indices + r * k;
     const float* val = values + r * k;
     for (int64_t j = 0; j < k; ++j) {
@@ -412,7 +412,7 @@ int64_t topk_indices_to_bitmap_cpu(const int32_t* indices, int64_t rows, int64_t
   int64_t bad_rows = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     uint8_t* row = bitmap + r * bytes;
-    std::memset(row, 0, bytes);
+    if (bytes > 0) std::memset(row, 0, bytes);  // d == 0: the bitmap may have no storage (memset of nullptr)
     const int32_t* idx = indices + r * k;
     int64_t previous = -1;
     for (int64_t j = 0; j < k; ++j) {
