@@ -15,8 +15,9 @@
 namespace fastdist {
 
 // Bytes that hold `bits` bits packed eight to a byte, ceil(bits / 8): a packed mask row of that many elements, and
-// every other bitmap and bit stream of the kernels (count-sketch supports, TopK bitmaps, quantized codes).
-FASTDIST_HOST_DEVICE inline constexpr int64_t packed_bytes(int64_t bits) { return (bits + 7) / 8; }
+// every other bitmap and bit stream of the kernels (count-sketch supports, TopK bitmaps, quantized codes). Written
+// so that it cannot overflow for any bits >= 0 ((bits + 7) / 8 would near 2^63).
+FASTDIST_HOST_DEVICE inline constexpr int64_t packed_bytes(int64_t bits) { return bits / 8 + (bits % 8 != 0); }
 
 // ---- CPU: single-threaded over a sub-range, so the caller can run disjoint ranges in parallel. ----
 //

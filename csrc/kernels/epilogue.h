@@ -49,9 +49,11 @@ FASTDIST_HOST_DEVICE inline float epilogue_erff(float x) {
 }
 
 // exp(x) for x <= 0 (all GeLU needs): x = n ln2 + r, |r| <= ln2 / 2, 2^n by building the exponent
-// bits, e^r by its degree-7 Taylor polynomial (relative error < 2e-7). Inputs below -87 give 2^-126-ish, not 0.
-FASTDIST_HOST_DEVICE inline float epilogue_exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+// bits, e^r by its degree-7 Taylor polynomial (relative error < 2e-7). Below -87 (results under 2^-125) it
+// flushes to 0, so that a huge factor times it stays 0; NaN gives 0 too (GeLU's NaN comes through u itself).
+FASTDIST_HOST_DEVICE inline float epilogue_exp_nonpositive(float x_in) {
+  const bool underflows = !(x_in >= -87.0f);  // NaN included
+  const float x = underflows ? -87.0f : (x_in > 0.0f ? 0.0f : x_in);
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float n = (x * 1.44269504088896341f + shifter) - shifter;
   const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
@@ -64,7 +66,7 @@ FASTDIST_HOST_DEVICE inline float epilogue_exp_nonpositive(float x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const uint32_t scale = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  return p * float_from_bits(scale);
+  return underflows ? 0.0f : p * float_from_bits(scale);
 }
 
 // ---- the activation and its derivative, in float32 and float64 ----
@@ -78,13 +80,25 @@ constexpr double kEpilogueGeluCubic = 0.044715;
 // 2 / (1 + e) otherwise, and 1 - tanh(z)^2 = 4 e / (1 + e)^2. Unlike 1 + t with t = tanh(z) rounded, these keep
 // their relative accuracy where tanh saturates, so the value and the derivative of GeLU for very negative u (where
 // both are tiny) are as accurate as elsewhere.
+// Saturation: z is taken at u clamped to [-kEpilogueGeluTanhClamp, kEpilogueGeluTanhClamp], so that u^3 cannot
+// overflow; at the clamp |z| > 3e10, where tanh z is exactly +-1 (e exactly 0) in float32 and float64 alike, so GeLU
+// is u or -0 and its derivative 1 or 0 past it, as the exact function rounds. Infinities and NaN give torch's results:
+// gelu(-inf) is NaN (0.5 u (1 + tanh z) is -inf * 0) and so is the derivative at +-inf.
+constexpr double kEpilogueGeluTanhClamp = 1e4;
+
+template <typename T>
+FASTDIST_HOST_DEVICE inline T epilogue_gelu_tanh_clamp(T u) {
+  const T limit = static_cast<T>(kEpilogueGeluTanhClamp);
+  return u < -limit ? -limit : (u > limit ? limit : u);  // NaN stays NaN
+}
+
 FASTDIST_HOST_DEVICE inline float epilogue_gelu_tanh_inner(float u) {
   return static_cast<float>(kEpilogueSqrt2OverPi) * (u + static_cast<float>(kEpilogueGeluCubic) * u * u * u);
 }
 
 FASTDIST_HOST_DEVICE inline float epilogue_act(float u, EpilogueActivation act) {
   if (act == EpilogueActivation::kGeluTanh) {
-    const float z = epilogue_gelu_tanh_inner(u);
+    const float z = epilogue_gelu_tanh_inner(epilogue_gelu_tanh_clamp(u));
     const float e = epilogue_exp_nonpositive(z < 0.0f ? 2.0f * z : -2.0f * z);
     return u * (z < 0.0f ? e : 1.0f) / (1.0f + e);  // 0.5 u (1 + tanh z)
   }
@@ -98,12 +112,13 @@ FASTDIST_HOST_DEVICE inline float epilogue_act_grad(float u, EpilogueActivation 
   if (act == EpilogueActivation::kGeluTanh) {
     const float k = static_cast<float>(kEpilogueSqrt2OverPi);
     const float a = static_cast<float>(kEpilogueGeluCubic);
-    const float z = epilogue_gelu_tanh_inner(u);
+    const float v = epilogue_gelu_tanh_clamp(u);
+    const float z = epilogue_gelu_tanh_inner(v);
     const float e = epilogue_exp_nonpositive(z < 0.0f ? 2.0f * z : -2.0f * z);
     const float inv = 1.0f / (1.0f + e);
     const float half_one_plus_t = (z < 0.0f ? e : 1.0f) * inv;
     const float one_minus_t2 = 4.0f * e * inv * inv;
-    return half_one_plus_t + 0.5f * u * one_minus_t2 * k * (1.0f + 3.0f * a * u * u);
+    return half_one_plus_t + 0.5f * u * one_minus_t2 * k * (1.0f + 3.0f * a * v * v);
   }
   if (act == EpilogueActivation::kGeluErf) {
     const float cdf = 0.5f * (1.0f + epilogue_erff(u * static_cast<float>(kEpilogueInvSqrt2)));
@@ -114,7 +129,8 @@ FASTDIST_HOST_DEVICE inline float epilogue_act_grad(float u, EpilogueActivation 
 
 FASTDIST_HOST_DEVICE inline double epilogue_act(double u, EpilogueActivation act) {
   if (act == EpilogueActivation::kGeluTanh) {
-    return 0.5 * u * (1.0 + tanh(kEpilogueSqrt2OverPi * (u + kEpilogueGeluCubic * u * u * u)));
+    const double v = epilogue_gelu_tanh_clamp(u);
+    return 0.5 * u * (1.0 + tanh(kEpilogueSqrt2OverPi * (v + kEpilogueGeluCubic * v * v * v)));
   }
   if (act == EpilogueActivation::kGeluErf) return 0.5 * u * (1.0 + erf(u * kEpilogueInvSqrt2));
   return u;
@@ -122,8 +138,9 @@ FASTDIST_HOST_DEVICE inline double epilogue_act(double u, EpilogueActivation act
 
 FASTDIST_HOST_DEVICE inline double epilogue_act_grad(double u, EpilogueActivation act) {
   if (act == EpilogueActivation::kGeluTanh) {
-    const double t = tanh(kEpilogueSqrt2OverPi * (u + kEpilogueGeluCubic * u * u * u));
-    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * kEpilogueSqrt2OverPi * (1.0 + 3.0 * kEpilogueGeluCubic * u * u);
+    const double v = epilogue_gelu_tanh_clamp(u);
+    const double t = tanh(kEpilogueSqrt2OverPi * (v + kEpilogueGeluCubic * v * v * v));
+    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * kEpilogueSqrt2OverPi * (1.0 + 3.0 * kEpilogueGeluCubic * v * v);
   }
   if (act == EpilogueActivation::kGeluErf) {
     return 0.5 * (1.0 + erf(u * kEpilogueInvSqrt2)) + u * kEpilogueInvSqrt2Pi * exp(-0.5 * u * u);

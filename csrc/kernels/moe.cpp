@@ -198,6 +198,7 @@ void moe_layout_scatter_cpu(const int64_t* topk_idx, int64_t k, int64_t num_expe
 
 void moe_permute_cpu(const void* x, StorageType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                      const void* weight, void* out, int64_t t_begin, int64_t t_end) {
+  if (d == 0 || k == 0) return;  // nothing to copy, however many tokens an empty tensor claims
   dispatch_storage(type, [&](auto format) {
     permute_rows<decltype(format)>(x, d, k, row_of_slot, weight, out, t_begin, t_end);
   });
@@ -205,6 +206,7 @@ void moe_permute_cpu(const void* x, StorageType type, int64_t d, int64_t k, cons
 
 void moe_unpermute_cpu(const void* y, StorageType type, int64_t d, int64_t k, const int64_t* row_of_slot,
                        const void* weight, void* out, int64_t t_begin, int64_t t_end) {
+  if (d == 0) return;  // no values to write, however many tokens an empty tensor claims
   dispatch_storage(type, [&](auto format) {
     unpermute_rows<decltype(format)>(y, d, k, row_of_slot, weight, out, t_begin, t_end);
   });

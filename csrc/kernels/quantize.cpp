@@ -32,13 +32,13 @@ void codes_of_segment(const float* __restrict x, int64_t i0, int64_t i1, QuantSc
     for (int64_t t = 0; t < len; ++t) {
       const float v = (x[i0 + t] - offset) * inv + centre;
       float q = (v + kRoundMagic) - kRoundMagic;
-      q = std::min(std::max(q, qmin), qmax);
+      q = std::min(std::max(qmin, q), qmax);  // qmin first: a NaN (of a group the caller refuses) becomes qmin
       codes[t] = static_cast<uint8_t>(static_cast<int32_t>(q));
     }
   } else {
     for (int64_t t = 0; t < len; ++t) {
       const float v = (x[i0 + t] - offset) * inv + centre + quant_uniform(seed, static_cast<uint64_t>(i0 + t));
-      const float q = std::min(std::max(v, qmin), qmax);  // >= 0, so truncation is floor
+      const float q = std::min(std::max(qmin, v), qmax);  // >= 0, so truncation is floor; NaN becomes qmin
       codes[t] = static_cast<uint8_t>(static_cast<int32_t>(q));
     }
   }

@@ -28,7 +28,7 @@ namespace {
 inline uint32_t magnitude_key(const float* x, int64_t i) {
   uint32_t u;
   std::memcpy(&u, x + i, sizeof u);
-  return u & kTopkMagnitudeMask;
+  return topk_key(u);
 }
 
 // The bucket holding the `need`-th largest element (1-based) of a histogram scanned from the top, and how many of
@@ -145,11 +145,13 @@ bool has_avx2() {
 __attribute__((target("avx2,popcnt"))) int64_t collect_avx2(const float* x, int64_t d, uint32_t lo, uint32_t hi,
                                                              uint32_t* keys, int64_t* n_above) {
   const __m256i magnitude = _mm256_set1_epi32(static_cast<int>(kTopkMagnitudeMask));
+  const __m256i nan_key = _mm256_set1_epi32(static_cast<int>(kTopkNanKey));
   const __m256i below_lo = _mm256_set1_epi32(static_cast<int>(lo) - 1);
   const __m256i top = _mm256_set1_epi32(static_cast<int>(hi));
   int64_t n = 0, above = 0, i = 0;
   for (; i + 8 <= d; i += 8) {
-    const __m256i key = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), magnitude);
+    const __m256i key = _mm256_min_epu32(
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), magnitude), nan_key);
     const __m256i b = _mm256_srli_epi32(key, kTopkPass1Shift);
     const __m256i higher = _mm256_cmpgt_epi32(b, top);
     const __m256i hit = _mm256_andnot_si256(higher, _mm256_cmpgt_epi32(b, below_lo));
@@ -201,12 +203,13 @@ void guess_bucket_range(const float* x, int64_t d, int64_t k, uint32_t* lo, uint
 __attribute__((target("avx2,popcnt"))) void emit_avx2(const float* x, int64_t d, int64_t k, uint32_t threshold,
                                                       int64_t ties, float* values, int32_t* indices) {
   const __m256i magnitude = _mm256_set1_epi32(static_cast<int>(kTopkMagnitudeMask));
+  const __m256i nan_key = _mm256_set1_epi32(static_cast<int>(kTopkNanKey));
   const __m256i t = _mm256_set1_epi32(static_cast<int>(threshold));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   int64_t j = 0, i = 0;
   for (; i + 8 <= d && j + 8 <= k; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256i key = _mm256_and_si256(_mm256_castps_si256(v), magnitude);
+    const __m256i key = _mm256_min_epu32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), nan_key);
     const unsigned above = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, t))));
     const unsigned equal = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(key, t))));
     if (equal) {
@@ -382,10 +385,11 @@ void topk_compress_cpu(const float* x, int64_t rows, int64_t d, int64_t k, float
 int64_t topk_decompress_cpu(const float* values, const int32_t* indices, int64_t rows, int64_t k, int64_t d,
                             float* out, int64_t row_begin, int64_t row_end) {
   (void)rows;
+  if (d == 0 && k == 0) return 0;  // nothing to write, however many rows an empty tensor claims
   int64_t bad = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict row = out + r * d;
-    std::memset(row, 0, d * sizeof(float));
+    if (d > 0) std::memset(row, 0, d * sizeof(float));  // d == 0: out may have no storage (memset of nullptr)
     const int32_t* idx = indices + r * k;
     const float* val = values + r * k;
     for (int64_t j = 0; j < k; ++j) {
@@ -404,10 +408,11 @@ int64_t topk_indices_to_bitmap_cpu(const int32_t* indices, int64_t rows, int64_t
                                    int64_t row_begin, int64_t row_end) {
   (void)rows;
   const int64_t bytes = packed_bytes(d);
+  if (bytes == 0 && k == 0) return 0;  // nothing to write, however many rows an empty tensor claims
   int64_t bad_rows = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     uint8_t* row = bitmap + r * bytes;
-    std::memset(row, 0, bytes);
+    if (bytes > 0) std::memset(row, 0, bytes);  // d == 0: the bitmap may have no storage (memset of nullptr)
     const int32_t* idx = indices + r * k;
     int64_t previous = -1;
     for (int64_t j = 0; j < k; ++j) {
@@ -427,6 +432,7 @@ int64_t topk_bitmap_to_indices_cpu(const uint8_t* bitmap, int64_t rows, int64_t 
                                    int64_t row_begin, int64_t row_end) {
   (void)rows;
   const int64_t bytes = packed_bytes(d);
+  if (bytes == 0 && k == 0) return 0;  // every row has its k = 0 bits, however many rows an empty tensor claims
   int64_t bad_rows = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* row = bitmap + r * bytes;

@@ -22,7 +22,7 @@ constexpr int kItems = 4;             // values per thread per tile of the last 
 constexpr int kTile = kThreads * kItems;
 using BlockScan = cub::BlockScan<uint32_t, kThreads>;
 
-__device__ __forceinline__ uint32_t magnitude_key(float v) { return __float_as_uint(v) & kTopkMagnitudeMask; }
+__device__ __forceinline__ uint32_t magnitude_key(float v) { return topk_key(__float_as_uint(v)); }
 
 // The bucket of `hist` (shared, `buckets` a multiple of kThreads) holding the need-th largest element, and how many
 // of that bucket's elements are needed once every larger bucket is taken. Block-wide; every thread gets the answer.

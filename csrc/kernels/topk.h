@@ -2,10 +2,11 @@
 //
 // Selection. x is `rows` rows of `d` float32 values. Each value's key is the order-preserving integer image of
 // its magnitude: key(v) = bits(v) & 0x7FFFFFFF (clearing the sign bit; for non-negative IEEE floats the unsigned
-// bit pattern orders like the value). Row r keeps the k values with the largest keys; among equal keys the lower
-// index wins, so the result is a function of the input alone. NaN keys (0x7FC00000 and up) sort above +-inf,
-// which sorts above every finite magnitude: a NaN is always kept (torch.topk treats NaN as largest too).
-// -0.0 and +0.0 have the same key.
+// bit pattern orders like the value), except that every NaN has the one key 0x7F800001, just above +-inf's
+// (0x7F800000), which sorts above every finite magnitude: a NaN is always kept (torch.topk treats NaN as largest
+// too), and NaNs tie with each other whatever their sign and payload. Row r keeps the k values with the largest
+// keys; among equal keys the lower index wins, so the result is a function of the input alone. -0.0 and +0.0 have
+// the same key.
 //
 // The k-th largest key T is found by radix select, not a sort: a histogram of the key's top 11 bits (bits 20..30)
 // picks the bucket holding the k-th key; the values of that bucket are gathered into a small candidate list, whose
@@ -24,6 +25,13 @@
 namespace fastdist {
 
 constexpr uint32_t kTopkMagnitudeMask = 0x7FFFFFFFu;
+constexpr uint32_t kTopkNanKey = 0x7F800001u;  // every NaN's key: the smallest NaN magnitude
+
+// The selection key of a float32 value, from its bits (see the top of this file).
+FASTDIST_HOST_DEVICE inline uint32_t topk_key(uint32_t bits) {
+  const uint32_t magnitude = bits & kTopkMagnitudeMask;
+  return magnitude > kTopkNanKey ? kTopkNanKey : magnitude;
+}
 // The radix passes: bits [20, 31), [10, 20), [0, 10) of the 31-bit key.
 constexpr int kTopkPass1Shift = 20;
 constexpr int kTopkPass1Buckets = 1 << 11;

@@ -17,7 +17,7 @@ at::Tensor pack_bits_cpu_op(const at::Tensor& mask) {
   at::Tensor out = at::empty(layout.out_shape, src.options().dtype(at::kByte));
   const uint8_t* in = bytes_of(src);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, out.numel(), grain_for(kPackedByteTraffic), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, out.numel(), grain_for({kPackedByteTraffic}), [&](int64_t begin, int64_t end) {
     fastdist::pack_bits_cpu(in, layout.rows, layout.n, dst, begin, end);
   });
   return out;
@@ -29,7 +29,7 @@ at::Tensor unpack_bits_cpu_op(const at::Tensor& packed, int64_t n) {
   at::Tensor out = at::empty(layout.out_shape, src.options().dtype(at::kBool));
   const uint8_t* in = bytes_of(src);
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
-  at::parallel_for(0, src.numel(), grain_for(kPackedByteTraffic), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, src.numel(), grain_for({kPackedByteTraffic}), [&](int64_t begin, int64_t end) {
     fastdist::unpack_bits_cpu(in, layout.rows, layout.n, dst, begin, end);
   });
   return out;
@@ -42,8 +42,8 @@ at::Tensor bitwise_or_reduce_cpu_op(const at::Tensor& packed) {
   at::Tensor out = at::empty({bytes}, src.options());
   const uint8_t* in = bytes_of(src);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  // A column moves one byte of every bitmap and its result.
-  at::parallel_for(0, bytes, grain_for(bitmaps + 1), [&](int64_t begin, int64_t end) {
+  // A column moves one byte of every bitmap (and one of the result).
+  at::parallel_for(0, bytes, grain_for({bitmaps}), [&](int64_t begin, int64_t end) {
     fastdist::bitwise_or_reduce_cpu(in, bitmaps, bytes, dst, begin, end);
   });
   return out;

@@ -33,6 +33,7 @@ inline RowLayout check_pack_bits(const at::Tensor& mask) {
   std::vector<int64_t> shape = mask.sizes().vec();
   const int64_t n = shape.back();
   shape.back() = packed_bytes(n);
+  check_allocatable(shape, at::kByte, "the output");
   return {leading_rows(mask), n, shape};
 }
 
@@ -44,6 +45,7 @@ inline RowLayout check_unpack_bits(const at::Tensor& packed, int64_t n) {
   FD_CHECK_LAST_DIM(packed, packed_bytes(n), "ceil(n / 8) for n = " + std::to_string(n));
   std::vector<int64_t> shape = packed.sizes().vec();
   shape.back() = n;
+  check_allocatable(shape, at::kBool, "the output");
   return {leading_rows(packed), n, shape};
 }
 

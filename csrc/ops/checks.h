@@ -72,6 +72,42 @@ inline StorageType storage_type_of(const at::Tensor& t, const char* name,
 
 inline void check_seed(int64_t seed) { TORCH_CHECK(seed >= 0, "fastdist: 'seed' must be in [0, 2^63), got ", seed); }
 
+// ---- sizes: every product of sizes that the glue or the kernels form is checked here first, so that none wraps ----
+
+// *product = a * b; false when it does not fit in int64 (the one overflow-safe multiply of the checks).
+inline bool mul_fits(int64_t a, int64_t b, int64_t* product) { return !__builtin_mul_overflow(a, b, product); }
+
+// a * b, where `what` names the two factors ("'n' * 'm'"); a product past int64 raises an error that states both.
+inline int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
+  int64_t product = 0;
+  TORCH_CHECK(mul_fits(a, b, &product), "fastdist: ", what, " = ", a, " * ", b, " does not fit in int64");
+  return product;
+}
+
+// The product of `sizes` (part of a tensor's shape, named by `what`); past int64 it raises an error that states them.
+inline int64_t checked_product(at::IntArrayRef sizes, const std::string& what) {
+  if (std::find(sizes.begin(), sizes.end(), int64_t{0}) != sizes.end()) return 0;
+  int64_t product = 1;
+  bool fits = true;
+  for (const int64_t size : sizes) fits = fits && mul_fits(product, size, &product);
+  TORCH_CHECK(fits, "fastdist: ", what, " ", sizes, " multiply past int64");
+  return product;
+}
+
+// A tensor of `sizes` and `dtype` that the op is about to make (`what` names it): as torch requires, its strides
+// (the products of the sizes after each, zeros counted as ones) and its size in bytes must fit in int64. Checked
+// before the allocation, so that the error states the shape where torch would say "Stride calculation overflowed".
+inline void check_allocatable(at::IntArrayRef sizes, at::ScalarType dtype, const std::string& what) {
+  bool fits = true;
+  int64_t stride = 1;  // the first dimension's, the largest
+  for (size_t i = 1; i < sizes.size(); ++i) fits = fits && mul_fits(stride, std::max<int64_t>(sizes[i], 1), &stride);
+  const bool empty = std::find(sizes.begin(), sizes.end(), int64_t{0}) != sizes.end();
+  int64_t bytes = empty ? 0 : static_cast<int64_t>(c10::elementSize(dtype));
+  for (const int64_t size : sizes) fits = fits && mul_fits(bytes, size, &bytes);
+  TORCH_CHECK(fits, "fastdist: ", what, " would have shape ", sizes, " of ", dtype_name(dtype),
+              ": its strides or its size in bytes pass int64");
+}
+
 }  // namespace fastdist
 
 #define FD_CHECK_DTYPE(t, dt)                                                                     \

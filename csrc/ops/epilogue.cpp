@@ -23,8 +23,8 @@ at::Tensor bias_epilogue_cpu_op(const at::Tensor& x, const std::optional<at::Ten
   const void* bias_data = data_or_null(b);
   const void* residual_data = data_or_null(res);
   void* dst = out.data_ptr();
-  const int64_t row_bytes = shape.cols * src.element_size() * (res.defined() ? 3 : 2);
-  at::parallel_for(0, shape.rows, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+  const int64_t arrays = res.defined() ? 3 : 2;
+  at::parallel_for(0, shape.rows, grain_for({arrays, shape.cols, src.element_size()}), [&](int64_t begin, int64_t end) {
     fastdist::bias_epilogue_cpu(in, bias_data, residual_data, dst, type, act, shape.rows, shape.cols, begin, end);
   });
   return out;
@@ -43,7 +43,7 @@ at::Tensor bias_epilogue_backward_cpu_op(const at::Tensor& grad, const at::Tenso
   const void* in = src.const_data_ptr();
   const void* bias_data = data_or_null(b);
   void* dst = grad_x.data_ptr();
-  at::parallel_for(0, shape.rows, grain_for(3 * shape.cols * src.element_size()), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, shape.rows, grain_for({3, shape.cols, src.element_size()}), [&](int64_t begin, int64_t end) {
     fastdist::bias_epilogue_backward_cpu(grad_data, in, bias_data, dst, type, act, shape.rows, shape.cols, begin, end);
   });
   return grad_x;

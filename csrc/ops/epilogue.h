@@ -37,6 +37,7 @@ inline void check_like_x(const at::Tensor& t, const char* name, const at::Tensor
 inline RowShape check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   check_dtype_in(x, "x", kFloatingDtypes);
   FD_CHECK_DIM_AT_LEAST(x, 1);
+  check_allocatable(x.sizes(), x.scalar_type(), "the output");
   const int64_t cols = x.size(-1);
   const RowShape shape{cols == 0 ? 0 : x.numel() / cols, cols};
   if (bias.has_value()) {

@@ -25,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_cpu_op(cons
   RouteOutputs out(src, k);
   const StorageType type = storage_type_of(src, "logits", kLogitDtypes);
   std::atomic<int64_t> bad_rows{0};
-  at::parallel_for(0, tokens, grain_for(experts * (8 + 4 * k)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_for({experts, 8 + 4 * k}), [&](int64_t begin, int64_t end) {
     bad_rows += fastdist::moe_route_cpu(src.const_data_ptr(), type, experts, k, out.probs.data_ptr<float>(),
                                         out.lse.data_ptr<float>(), out.topk_idx.data_ptr<int64_t>(),
                                         out.topk_weight.data_ptr<float>(), begin, end);
@@ -43,9 +43,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t k = idx.size(1);
   const int64_t n = tokens * k;
   LayoutOutputs out(idx, num_experts, num_ranks);
+  if (n == 0) {  // no assignments: every count is zero (and no histogram of the k choices is needed)
+    out.counts.zero_();
+    out.offsets.zero_();
+    out.rank_counts.zero_();
+    return out.as_tuple();
+  }
   // Chunks of consecutive tokens; how many changes nothing in the result (moe.h), only the parallelism.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kLayoutChunk));
-  std::vector<int64_t> hist(static_cast<size_t>(chunks * k * num_experts), 0);
+  std::vector<int64_t> hist(
+      static_cast<size_t>(checked_mul(chunks, k * num_experts, "layout chunks * histogram entries")), 0);
   std::vector<int64_t> dropped_offsets(static_cast<size_t>(num_experts));
   const int64_t* in = idx.const_data_ptr<int64_t>();
   auto chunk_begin = [&](int64_t c) { return c * tokens / chunks; };
@@ -76,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot, int64_t num_rows,
                               const std::optional<at::Tensor>& weight) {
   check_permute(x, row_of_slot, num_rows, weight);
-  check_rows_in_range(row_of_slot, num_rows);
+  check_rows_of_slot(row_of_slot, num_rows, /*distinct=*/true);
   const at::Tensor src = x.contiguous();
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
@@ -84,7 +91,7 @@ at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot
   const int64_t k = rows.size(1);
   at::Tensor out = at::zeros({num_rows, d}, src.options());
   const StorageType type = storage_type_of(src, "x", kRowDtypes);
-  at::parallel_for(0, src.size(0), grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, src.size(0), grain_for({2, k, d, src.element_size()}), [&](int64_t begin, int64_t end) {
     fastdist::moe_permute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
                               w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);
   });
@@ -94,7 +101,7 @@ at::Tensor moe_permute_cpu_op(const at::Tensor& x, const at::Tensor& row_of_slot
 at::Tensor moe_unpermute_cpu_op(const at::Tensor& y, const at::Tensor& row_of_slot,
                                 const std::optional<at::Tensor>& weight) {
   check_unpermute(y, row_of_slot, weight);
-  check_rows_in_range(row_of_slot, y.size(0));
+  check_rows_of_slot(row_of_slot, y.size(0), /*distinct=*/false);
   const at::Tensor src = y.contiguous();
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
@@ -103,7 +110,7 @@ at::Tensor moe_unpermute_cpu_op(const at::Tensor& y, const at::Tensor& row_of_sl
   const int64_t k = rows.size(1);
   at::Tensor out = at::empty({tokens, d}, src.options());
   const StorageType type = storage_type_of(src, "y", kRowDtypes);
-  at::parallel_for(0, tokens, grain_for(2 * k * d * src.element_size()), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_for({2, k, d, src.element_size()}), [&](int64_t begin, int64_t end) {
     fastdist::moe_unpermute_cpu(src.const_data_ptr(), type, d, k, rows.const_data_ptr<int64_t>(),
                                 w.defined() ? w.const_data_ptr() : nullptr, out.data_ptr(), begin, end);
   });

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "kernels/moe.h"
 #include "ops/checks.h"
@@ -37,6 +38,9 @@ inline void check_layout(const at::Tensor& topk_idx, int64_t num_experts, int64_
   TORCH_CHECK(num_ranks >= 1 && num_experts % num_ranks == 0, "fastdist: 'num_ranks' must be >= 1 and divide "
               "num_experts = ", num_experts, ", got ", num_ranks);
   TORCH_CHECK(capacity >= -1, "fastdist: 'capacity' must be >= 0, or -1 for dropless, got ", capacity);
+  check_allocatable({num_experts}, at::kLong, "the output 'counts'");
+  check_allocatable({num_experts + 1}, at::kLong, "the output 'offsets'");
+  check_allocatable({topk_idx.size(1), num_experts}, at::kLong, "the layout's histogram (choices x experts)");
 }
 
 // row_of_slot [T, k] int64 and optional weight [T, k] of x's dtype, on x's device.
@@ -65,6 +69,7 @@ inline void check_permute(const at::Tensor& x, const at::Tensor& row_of_slot, in
   FD_CHECK_DIM(x, 2);
   FD_CHECK_NONNEGATIVE(num_rows);
   check_slots(x, "x", row_of_slot, weight, x.size(0));
+  check_allocatable({num_rows, x.size(1)}, x.scalar_type(), "the output");
 }
 
 // moe_unpermute(y [N, d], row_of_slot [T, k], weight?)
@@ -74,6 +79,7 @@ inline void check_unpermute(const at::Tensor& y, const at::Tensor& row_of_slot,
   FD_CHECK_DIM(y, 2);
   FD_CHECK_DIM(row_of_slot, 2);
   check_slots(y, "y", row_of_slot, weight, row_of_slot.size(0));
+  check_allocatable({row_of_slot.size(0), y.size(1)}, y.scalar_type(), "the output");
 }
 
 // moe_route's outputs for logits [T, E]: probs float32 [T, E], lse float32 [T], topk_idx int64 [T, k], topk_weight
@@ -115,14 +121,26 @@ struct LayoutOutputs {
   }
 };
 
-// Rows named by row_of_slot must be in [-1, num_rows) (one pass; CPU glue only, the CUDA glue syncs for it).
-inline void check_rows_in_range(const at::Tensor& row_of_slot, int64_t num_rows) {
+// Rows named by row_of_slot must be in [-1, num_rows), and where `distinct` (moe_permute, which writes each row from
+// one slot) name each row at most once. The data decide, so the fake kernels cannot check this; here it costs a pass
+// (and a sort of the slots for `distinct`), and on CUDA one device-to-host copy of the results, a synchronization.
+inline void check_rows_of_slot(const at::Tensor& row_of_slot, int64_t num_rows, bool distinct) {
   if (row_of_slot.numel() == 0) return;
-  const auto [lo, hi] = at::aminmax(row_of_slot);
-  const int64_t min_row = lo.item<int64_t>();
-  const int64_t max_row = hi.item<int64_t>();
-  TORCH_CHECK(min_row >= -1 && max_row < num_rows, "fastdist: 'row_of_slot' entries must be in [-1, ", num_rows,
-              ") (-1: dropped), got values in [", min_row, ", ", max_row, "]");
+  const at::Tensor flat = row_of_slot.flatten();
+  const auto [lo, hi] = at::aminmax(flat);
+  std::vector<at::Tensor> found{lo, hi};
+  if (distinct && flat.numel() >= 2) {
+    // Sorted, a row named twice is a kept entry equal to its predecessor: the smallest such row (num_rows if none).
+    const at::Tensor sorted = std::get<0>(flat.sort());
+    const at::Tensor next = sorted.slice(0, 1), previous = sorted.slice(0, 0, -1);
+    found.push_back(at::where((next == previous) & (next >= 0), next, num_rows).amin());
+  }
+  const at::Tensor values = at::stack(found).cpu();
+  const int64_t* value = values.const_data_ptr<int64_t>();
+  TORCH_CHECK(value[0] >= -1 && value[1] < num_rows, "fastdist: 'row_of_slot' entries must be in [-1, ", num_rows,
+              ") (-1: dropped), got values in [", value[0], ", ", value[1], "]");
+  TORCH_CHECK(values.numel() < 3 || value[2] == num_rows, "fastdist: 'row_of_slot' must name each row at most once "
+              "(moe_permute writes a row from one slot), got row ", value[2], " more than once");
 }
 
 }  // namespace fastdist::moe

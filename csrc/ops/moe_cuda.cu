@@ -1,8 +1,8 @@
 // CUDA kernels of the torch.ops.fastdist MoE routing ops (schemas in moe.cpp). Work runs on the current stream of
 // the input's device. Two checks need the data on the host and therefore one device sync each: expert ids in range
-// (moe_layout) and rows in range (moe_permute / moe_unpermute). The MoE layer syncs once per layer anyway for the
-// all-to-all split sizes. NaN or infinite logits are not checked on CUDA (a row with no softmax gets distinct valid
-// experts, otherwise unspecified).
+// (moe_layout) and rows in range (moe_permute / moe_unpermute; for moe_permute also each named once, in the same
+// sync). The MoE layer syncs once per layer anyway for the all-to-all split sizes. NaN or infinite logits are not
+// checked on CUDA (a row with no softmax gets distinct valid experts, otherwise unspecified).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -56,7 +56,7 @@ at::Tensor moe_permute_cuda_op(const at::Tensor& x, const at::Tensor& row_of_slo
                                const std::optional<at::Tensor>& weight) {
   check_permute(x, row_of_slot, num_rows, weight);
   const c10::cuda::CUDAGuard guard(x.device());
-  check_rows_in_range(row_of_slot, num_rows);
+  check_rows_of_slot(row_of_slot, num_rows, /*distinct=*/true);
   const at::Tensor src = x.contiguous();
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
@@ -72,7 +72,7 @@ at::Tensor moe_unpermute_cuda_op(const at::Tensor& y, const at::Tensor& row_of_s
                                  const std::optional<at::Tensor>& weight) {
   check_unpermute(y, row_of_slot, weight);
   const c10::cuda::CUDAGuard guard(y.device());
-  check_rows_in_range(row_of_slot, y.size(0));
+  check_rows_of_slot(row_of_slot, y.size(0), /*distinct=*/false);
   const at::Tensor src = y.contiguous();
   const at::Tensor rows = row_of_slot.contiguous();
   const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();

@@ -26,12 +26,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu_op(const at::Tensor&
   float* scales = buffers.scales.data_ptr<float>();
   float* zeros = buffers.zeros.data_ptr<float>();
   std::atomic<int64_t> bad_groups{0};
-  at::parallel_for(0, buffers.groups(), grain_for(group_size * 4), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, buffers.groups(), grain_for({group_size, 4}), [&](int64_t begin, int64_t end) {
     bad_groups += fastdist::quantize_stats_cpu(in, group_size, bit_width, kind, scales, zeros, begin, end);
   });
   check_finite_groups(bad_groups.load(), buffers.groups());
   uint8_t* packed = buffers.packed.data_ptr<uint8_t>();
-  at::parallel_for(0, buffers.packed.numel(), grain_for(4 * 8 / bit_width), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, buffers.packed.numel(), grain_for({4 * 8 / bit_width}), [&](int64_t begin, int64_t end) {
     fastdist::quantize_pack_cpu(in, n, group_size, bit_width, kind, scales, zeros, stochastic,
                                 static_cast<uint64_t>(seed), packed, begin, end);
   });
@@ -48,7 +48,7 @@ at::Tensor dequantize_cpu_op(const at::Tensor& packed, const at::Tensor& scales,
   const float* scale_values = group_scales.const_data_ptr<float>();
   const float* zero_values = group_zeros.const_data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n, grain_for(4), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_for({4}), [&](int64_t begin, int64_t end) {
     fastdist::dequantize_cpu(in, n, group_size, static_cast<int>(bits), kind, scale_values, zero_values, dst, begin,
                              end);
   });

@@ -38,6 +38,8 @@ inline QuantScheme check_quantize(const at::Tensor& x, int64_t bits, const std::
   const QuantScheme parsed = scheme_of(scheme);
   check_group(x.numel(), group_size);
   check_seed(seed);
+  check_allocatable({x.numel()}, at::kFloat, "the float32 copy of 'x'");
+  checked_mul(x.numel(), bits, "the number of values * 'bits'");  // the codes' bit offsets
   return parsed;
 }
 
@@ -47,7 +49,9 @@ inline QuantScheme check_dequantize(const at::Tensor& packed, const at::Tensor& 
   check_bits(bits);
   const QuantScheme parsed = scheme_of(scheme);
   for (const int64_t size : shape) TORCH_CHECK(size >= 0, "fastdist: 'shape' must not be negative, got ", shape);
+  check_allocatable(shape, at::kFloat, "the output");
   const int64_t n = c10::multiply_integers(shape);
+  checked_mul(n, bits, "the number of values * 'bits'");
   check_group(n, group_size);
   FD_CHECK_DTYPE(packed, at::kByte);
   FD_CHECK_DTYPE(scales, at::kFloat);

@@ -106,7 +106,7 @@ at::Tensor nonzero_bitmap_cpu_op(const at::Tensor& x, c10::string_view granulari
   const void* in = src.const_data_ptr();
   const int elem_bytes = static_cast<int>(src.element_size());
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, out.numel(), grain_for(8 * shape.m * elem_bytes), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, out.numel(), grain_for({8, shape.m, elem_bytes}), [&](int64_t begin, int64_t end) {
     fastdist::nonzero_bitmap_cpu(in, elem_bytes, shape.n, shape.m, dst, begin, end);
   });
   return out;
@@ -140,7 +140,7 @@ at::Tensor count_sketch_decode_cpu_op(const at::Tensor& table, const at::Tensor&
   const uint8_t* sup_bytes = support_bytes(sup);
   float* dst = out.data_ptr<float>();
   // Work items are units; each writes its m outputs (reading rows table values each where supported).
-  const int64_t grain = grain_for(shape.m * static_cast<int64_t>(sizeof(float)));
+  const int64_t grain = grain_for({shape.m, sizeof(float)});
   at::parallel_for(0, shape.n, grain, [&](int64_t begin, int64_t end) {
     fastdist::count_sketch_decode_cpu(table_values, sup_bytes, shape.n, shape.m, hash, dst, begin, end);
   });
@@ -174,7 +174,7 @@ at::Tensor count_sketch_decode_units_cpu_op(const at::Tensor& table, const at::T
   const float* table_values = tab.const_data_ptr<float>();
   const int64_t* unit_ids = idx.const_data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, k, grain_for(m * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, k, grain_for({m, sizeof(float)}), [&](int64_t begin, int64_t end) {
     fastdist::count_sketch_decode_units_cpu(table_values, unit_ids, m, hash, dst, begin, end);
   });
   return out;
@@ -191,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> sketch_hash_cpu_op(const at::Tensor& idx, int
   const int64_t* in = src.const_data_ptr<int64_t>();
   int64_t* bucket_out = bucket.data_ptr<int64_t>();
   int8_t* sign_out = sign.data_ptr<int8_t>();
-  at::parallel_for(0, len, grain_for(rows * 64), [&](int64_t begin, int64_t end) {  // ~64 bytes' worth per hash
+  at::parallel_for(0, len, grain_for({rows, 64}), [&](int64_t begin, int64_t end) {  // ~64 bytes' worth per hash
     fastdist::sketch_hash_cpu(in, len, m, hash, bucket_out, sign_out, begin, end);
   });
   return {bucket, sign};

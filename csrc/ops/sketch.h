@@ -3,9 +3,7 @@
 // (python/fastdist/ops/sketch.py) repeat them with the same wording.
 #pragma once
 #include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
 
-#include <limits>
 #include <string>
 
 #include "kernels/sketch.h"
@@ -26,12 +24,12 @@ inline bool is_row_granularity(const std::string& granularity) {
 }
 
 // Row granularity: n = x.shape[0], m = the product of the other dimensions; element granularity: n = numel, m = 1
-// (a 0-d tensor is one element).
-inline UnitShape units_of(const at::Tensor& x, const std::string& granularity) {
+// (a 0-d tensor is one element). `name` is x's argument name.
+inline UnitShape units_of(const at::Tensor& x, const std::string& granularity, const std::string& name = "x") {
   if (is_row_granularity(granularity)) {
-    TORCH_CHECK(x.dim() >= 1, "fastdist: 'x' must have at least 1 dimension(s) for granularity \"row\", got shape ",
-                x.sizes());
-    return {x.size(0), c10::multiply_integers(x.sizes().begin() + 1, x.sizes().end())};
+    TORCH_CHECK(x.dim() >= 1, "fastdist: '", name, "' must have at least 1 dimension(s) for granularity \"row\", got "
+                "shape ", x.sizes());
+    return {x.size(0), checked_product(x.sizes().slice(1), "the sizes of '" + name + "' after the first")};
   }
   return {x.numel(), 1};
 }
@@ -75,19 +73,23 @@ inline UnitShape check_count_sketch(const at::Tensor& x, int64_t rows, int64_t c
   return shape;
 }
 
-// count_sketch_decode(table, support, n, m, seed) -> float32 [n, m]
-inline UnitShape check_count_sketch_decode(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
-                                           int64_t seed) {
+// table: float32 [rows, cols] within the sketch's limits.
+inline void check_table(const at::Tensor& table) {
   FD_CHECK_DTYPE(table, at::kFloat);
   FD_CHECK_DIM(table, 2);
   TORCH_CHECK(table.size(0) >= 1 && table.size(0) <= kSketchMaxRows, "fastdist: 'table' must have 1 to ",
               kSketchMaxRows, " rows, got shape ", table.sizes());
   TORCH_CHECK(table.size(1) >= 1 && table.size(1) <= kSketchMaxCols, "fastdist: 'table' must have 1 to ",
               kSketchMaxCols, " columns, got shape ", table.sizes());
+}
+
+// count_sketch_decode(table, support, n, m, seed) -> float32 [n, m]
+inline UnitShape check_count_sketch_decode(const at::Tensor& table, const at::Tensor& support, int64_t n, int64_t m,
+                                           int64_t seed) {
+  check_table(table);
   FD_CHECK_NONNEGATIVE(n);
   FD_CHECK_NONNEGATIVE(m);
-  TORCH_CHECK(m == 0 || n <= std::numeric_limits<int64_t>::max() / m,
-              "fastdist: 'n' * 'm' must fit in int64, got n = ", n, ", m = ", m);
+  check_allocatable({n, m}, at::kFloat, "the output");
   check_seed(seed);
   const UnitShape shape{n, m};
   check_support(support, table, "table", shape, "units");
@@ -108,19 +110,20 @@ inline UnitShape check_count_sketch_units(const at::Tensor& values, const at::Te
               units.device(), " and ", values.device());
   TORCH_CHECK(units.size(0) == values.size(0), "fastdist: 'units' must have one entry per row of 'values' (",
               values.size(0), "), got shape ", units.sizes());
-  return units_of(values, "row");
+  return units_of(values, "row", "values");
 }
 
 // count_sketch_decode_units(table, units, m, seed) -> float32 [k, m]; returns k
 inline int64_t check_count_sketch_decode_units(const at::Tensor& table, const at::Tensor& units, int64_t m,
                                                int64_t seed) {
-  check_count_sketch_decode(table, at::empty({0}, table.options().dtype(at::kByte)), 0, m, seed);
+  check_table(table);
+  FD_CHECK_NONNEGATIVE(m);
+  check_seed(seed);
   FD_CHECK_DTYPE(units, at::kLong);
   FD_CHECK_DIM(units, 1);
   TORCH_CHECK(units.device() == table.device(), "fastdist: 'units' and 'table' must be on the same device, got ",
               units.device(), " and ", table.device());
-  TORCH_CHECK(m == 0 || units.size(0) <= std::numeric_limits<int64_t>::max() / m,
-              "fastdist: 'units' length * 'm' must fit in int64, got ", units.size(0), " * ", m);
+  check_allocatable({units.size(0), m}, at::kFloat, "the output");
   return units.size(0);
 }
 
@@ -132,6 +135,7 @@ inline void check_sketch_hash(const at::Tensor& idx, int64_t rows, int64_t cols,
   check_cols(cols);
   check_seed(seed);
   TORCH_CHECK(m >= 1, "fastdist: 'm' must be >= 1, got ", m);
+  check_allocatable({rows, idx.numel()}, at::kLong, "the output 'bucket'");
 }
 
 inline SketchHash hash_for(int64_t seed, int64_t rows, int64_t cols) {

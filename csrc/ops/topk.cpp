@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> topk_compress_cpu_op(const at::Tensor& x, int
     select_long_row(in, d, k, kept_values, kept_indices,
                     std::min<int64_t>(4 * at::get_num_threads(), d / (kLongRow / 16)));
   } else {
-    at::parallel_for(0, rows, grain_for(3 * d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_for({3, d, sizeof(float)}), [&](int64_t begin, int64_t end) {
       const int64_t scratch_words = (fastdist::topk_cpu_scratch_bytes(d) + 7) / 8;  // 8-byte aligned
       const std::unique_ptr<uint64_t[]> scratch(new uint64_t[scratch_words]);
       fastdist::topk_compress_cpu(in, rows, d, k, kept_values, kept_indices, begin, end, scratch.get());
@@ -96,7 +96,7 @@ at::Tensor topk_decompress_cpu_op(const at::Tensor& values, const at::Tensor& in
   const int32_t* kept_indices = idx.const_data_ptr<int32_t>();
   float* dst = out.data_ptr<float>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, rows, grain_for(d * static_cast<int64_t>(sizeof(float))), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for({d, sizeof(float)}), [&](int64_t begin, int64_t end) {
     bad += fastdist::topk_decompress_cpu(kept_values, kept_indices, rows, k, d, dst, begin, end);
   });
   TORCH_CHECK(bad.load() == 0, "fastdist: 'indices' must be in [0, d) with d = ", d, ", got ", bad.load(),
@@ -112,7 +112,7 @@ at::Tensor topk_indices_to_bitmap_cpu_op(const at::Tensor& indices, int64_t d) {
   const int32_t* kept_indices = idx.const_data_ptr<int32_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, rows, grain_for(4 * k + d / 8), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for({4 * k + d / 8}), [&](int64_t begin, int64_t end) {
     bad += fastdist::topk_indices_to_bitmap_cpu(kept_indices, rows, k, d, dst, begin, end);
   });
   TORCH_CHECK(bad.load() == 0, "fastdist: 'indices' must be strictly ascending within [0, d) in every row, with d = ",
@@ -128,7 +128,7 @@ at::Tensor topk_bitmap_to_indices_cpu_op(const at::Tensor& bitmap, int64_t d, in
   const uint8_t* bits = bm.const_data_ptr<uint8_t>();
   int32_t* dst = out.data_ptr<int32_t>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, rows, grain_for(4 * k + d / 8), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for({4 * k + d / 8}), [&](int64_t begin, int64_t end) {
     bad += fastdist::topk_bitmap_to_indices_cpu(bits, rows, k, d, dst, begin, end);
   });
   TORCH_CHECK(bad.load() == 0, "fastdist: 'bitmap' must have exactly k = ", k, " bits set among the first d = ", d,

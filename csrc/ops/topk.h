@@ -26,6 +26,7 @@ inline void check_topk_compress(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.size(1) <= std::numeric_limits<int32_t>::max(),
               "fastdist: 'x' rows must have at most 2^31 - 1 values (indices are int32), got shape ", x.sizes());
   check_k(k, x.size(1));
+  check_allocatable(x.sizes(), at::kFloat, "the float32 copy of 'x'");
 }
 
 // topk_decompress(values [B, k], indices [B, k] int32, d) -> [B, d] values.dtype
@@ -40,6 +41,7 @@ inline void check_topk_decompress(const at::Tensor& values, const at::Tensor& in
   check_d(d);
   TORCH_CHECK(values.size(1) <= d, "fastdist: 'values' must have at most d = ", d, " columns, got shape ",
               values.sizes());
+  check_allocatable({values.size(0), d}, at::kFloat, "the output");
 }
 
 // topk_indices_to_bitmap(indices [B, k] int32, d) -> uint8 [B, ceil(d / 8)]
@@ -49,6 +51,7 @@ inline void check_indices_to_bitmap(const at::Tensor& indices, int64_t d) {
   check_d(d);
   TORCH_CHECK(indices.size(1) <= d, "fastdist: 'indices' must have at most d = ", d, " columns, got shape ",
               indices.sizes());
+  check_allocatable({indices.size(0), packed_bytes(d)}, at::kByte, "the output");
 }
 
 // topk_bitmap_to_indices(bitmap uint8 [B, ceil(d / 8)], d, k) -> int32 [B, k]
@@ -58,6 +61,7 @@ inline void check_bitmap_to_indices(const at::Tensor& bitmap, int64_t d, int64_t
   check_d(d);
   FD_CHECK_LAST_DIM(bitmap, packed_bytes(d), "ceil(d / 8) for d = " + std::to_string(d));
   TORCH_CHECK(k >= 0 && k <= d, "fastdist: 'k' must be in [0, d] with d = ", d, ", got ", k);
+  check_allocatable({bitmap.size(0), k}, at::kInt, "the output");
 }
 
 }  // namespace fastdist::topk

@@ -11,8 +11,15 @@
 namespace fastdist::topk {
 namespace {
 
+// The row kernels launch one block per row: a grid holds at most 2^31 - 1 of them.
+void check_rows_fit_a_grid(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.size(0) <= std::numeric_limits<int32_t>::max(), "fastdist: '", name,
+              "' must have at most 2^31 - 1 rows on CUDA (one block per row), got shape ", t.sizes());
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_compress_cuda_op(const at::Tensor& x, int64_t k) {
   check_topk_compress(x, k);
+  check_rows_fit_a_grid(x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor src = x.to(at::kFloat).contiguous();
   const int64_t rows = src.size(0), d = src.size(1);
@@ -47,6 +54,7 @@ at::Tensor topk_indices_to_bitmap_cuda_op(const at::Tensor& indices, int64_t d) 
 
 at::Tensor topk_bitmap_to_indices_cuda_op(const at::Tensor& bitmap, int64_t d, int64_t k) {
   check_bitmap_to_indices(bitmap, d, k);
+  check_rows_fit_a_grid(bitmap, "bitmap");
   const c10::cuda::CUDAGuard guard(bitmap.device());
   const at::Tensor bm = bitmap.contiguous();
   at::Tensor out = at::empty({bm.size(0), k}, bm.options().dtype(at::kInt));

@@ -15,10 +15,11 @@
 
 namespace {
 
+// The magnitude's bits; every NaN the one key just above infinity's.
 uint32_t key_of(float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
-  return u & 0x7FFFFFFFu;
+  return std::isnan(v) ? 0x7F800001u : u & 0x7FFFFFFFu;
 }
 
 std::vector<int32_t> reference_row(const float* x, int64_t d, int64_t k) {
@@ -150,6 +151,26 @@ TEST(Topk, nan_ranks_above_infinity_which_ranks_above_every_finite_value) {
   EXPECT_TRUE(three.values[0] == -inf && std::isnan(three.values[1]) && three.values[2] == inf);
   EXPECT_EQ(select_top(row, 4).indices, (std::vector<int32_t>{1, 2, 3, 5}));  // then the largest finite magnitude
   EXPECT_EQ(select_top(row, 1).indices, (std::vector<int32_t>{3}));           // NaN alone
+}
+
+TEST(Topk, nans_tie_whatever_their_payload_and_sign_so_the_lower_index_wins) {
+  // Payloads growing along the row, signs alternating, quiet and signalling: by payload the last would win.
+  const uint32_t nan_bits[] = {0x7F800001u, 0xFFC00000u, 0x7FC00001u, 0xFFFFFFFFu};
+  for (const int64_t d : {int64_t{6}, int64_t{40}, int64_t{9000}}) {  // the scalar, eight-lane and sampled paths
+    std::vector<float> row(d);
+    for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(i % 7) - 3.0f;
+    std::vector<int32_t> at;
+    for (int n = 0; n < 4; ++n) {
+      at.push_back(static_cast<int32_t>((n + 1) * d / 5));
+      uint32_t bits = nan_bits[n];
+      std::memcpy(&row[at.back()], &bits, sizeof bits);
+    }
+    for (const int64_t k : {1, 2, 3}) {
+      const Selection top = select_top(row, k);
+      EXPECT_EQ(top.indices, std::vector<int32_t>(at.begin(), at.begin() + k)) << "d " << d << " k " << k;
+      EXPECT_EQ(top.indices, reference_row(row.data(), d, k));
+    }
+  }
 }
 
 TEST(Topk, a_long_row_selected_in_chunks_equals_the_whole_row_selection) {

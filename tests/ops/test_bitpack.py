@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from fastdist.ops import bitwise_or_reduce, pack_bits, unpack_bits
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 65_537, 1_000_003]
 
@@ -228,6 +228,14 @@ BAD_INPUTS = {
                      r"'packed' must have 2 dimension\(s\), got shape \[2, 3, 4\]"),
     "or_reduce_int64": (lambda d: bitwise_or_reduce(torch.zeros(2, 3, dtype=torch.int64, device=d)),
                         "'packed' must have dtype torch.uint8, got torch.int64"),
+    "unpack_n_near_int64": (lambda d: unpack_bits(torch.zeros(1, dtype=torch.uint8, device=d), 2**63 - 1),
+                            r"'packed' must have last dimension 1152921504606846976 \(ceil\(n / 8\) for "
+                            r"n = 9223372036854775807\), got shape \[1\]"),
+    "unpack_output_past_int64": (lambda d: unpack_bits(huge([2**61, 1], torch.uint8, d), 8),
+                                 r"the output would have shape \[2305843009213693952, 8\] of torch.bool: its strides "
+                                 r"or its size in bytes pass int64"),
+    "pack_output_past_int64": (lambda d: pack_bits(huge([0, 2**62, 16], torch.bool, d)),
+                               r"the output would have shape \[0, 4611686018427387904, 2\] of torch.uint8"),
 }
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastdist.ops import bias_epilogue, bias_epilogue_backward
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["none", "gelu_tanh", "gelu_erf"]
@@ -87,6 +87,34 @@ def test_float32_gelu_is_within_a_few_ulp_of_exact_over_a_wide_range(activation)
     want = torch_act(u.double(), activation)
     err = (got - want).abs()
     assert (err <= 1e-6 * want.abs().clamp(min=1.0) + 1e-6 * u.double().abs() * 1e-1).all(), err.max()
+
+
+EXTREMES = [float("-inf"), -3.4e38, -1e38, -1e20, -1e19, -1e13, -1e6, -1e4, -100.0, -11.0, -10.0, -5.0, -1e-30, 0.0,
+            1e-30, 5.0, 100.0, 1e4, 1e6, 1e13, 1e20, 1e38, 3.4e38, float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu_erf"])
+def test_gelu_and_its_gradient_saturate_like_torch_at_extreme_inputs(device, dtype, activation):
+    # torch's own float64 GeLU of the same (dtype-rounded) values, which overflows nowhere in this range: ours may
+    # not overflow either (0.044715 u^3 and u^2 do in float32), and infinities and NaN give what torch gives.
+    x = torch.tensor(EXTREMES).to(dtype)
+    u = x.double().requires_grad_()
+    torch_act(u, activation).backward(torch.ones_like(u))
+    got = bias_epilogue(x.reshape(1, -1).to(device), activation=activation).cpu().flatten()
+    grad = bias_epilogue_backward(torch.ones_like(x).reshape(1, -1).to(device), x.reshape(1, -1).to(device),
+                                  activation=activation).cpu().flatten()
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got.double(), torch_act(u.detach(), activation).to(dtype).double(), atol=atol, rtol=rtol,
+                               equal_nan=True)
+    torch.testing.assert_close(grad.double(), u.grad.to(dtype).double(), atol=atol, rtol=rtol, equal_nan=True)
+
+
+def test_float64_gelu_tanh_saturates_where_its_cube_would_overflow():
+    x = torch.tensor([[-1e300, -1e160, -1e103, 1e103, 1e160, 1e300]], dtype=torch.float64)
+    assert bias_epilogue(x, activation="gelu_tanh").tolist() == [[-0.0, -0.0, -0.0, 1e103, 1e160, 1e300]]
+    assert bias_epilogue_backward(torch.ones_like(x), x, activation="gelu_tanh").tolist() == [[0, 0, 0, 1, 1, 1]]
 
 
 def test_epilogue_propagates_nan():
@@ -226,6 +254,9 @@ BAD_INPUTS = {
                    r"'grad' must have the dtype of 'x' \(torch.float32\), got torch.float16"),
     "backward_activation": (lambda d: bias_epilogue_backward(_x(d), _x(d), None, "tanh"),
                             "'activation' must be \"none\", \"gelu_tanh\" or \"gelu_erf\", got \"tanh\""),
+    "output_past_int64": (lambda d: bias_epilogue(huge([0, 2**62, 4], device=d)),
+                          r"the output would have shape \[0, 4611686018427387904, 4\] of torch.float32: its strides "
+                          r"or its size in bytes pass int64"),
 }
 
 

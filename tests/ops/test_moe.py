@@ -4,7 +4,7 @@ import pytest
 import torch
 from fastdist.ops import moe_layout, moe_permute, moe_route, moe_unpermute
 from fastdist.ops.moe import capacity_for
-from op_testing import DEVICES
+from op_testing import DEVICES, bad_input_tests, huge
 
 # ---- oracles ----
 
@@ -350,3 +350,43 @@ def test_opcheck(device):
 def test_bad_inputs_raise_a_clear_error(call, message):
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_permute_rejects_a_row_named_by_two_slots(device):
+    x = torch.randn(3, 2, device=device)
+    for rows, twice in (([[0, 2], [1, -1], [2, -1]], 2), ([[1], [1], [0]], 1), ([[0, 0], [-1, -1], [-1, 1]], 0)):
+        with pytest.raises(RuntimeError, match=rf"'row_of_slot' must name each row at most once \(moe_permute writes "
+                                               rf"a row from one slot\), got row {twice} more than once"):
+            moe_permute(x, torch.tensor(rows, device=device), 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpermute_gathers_a_row_named_by_two_slots_for_both(device):
+    y = torch.randn(3, 4, device=device)
+    rows = torch.tensor([[2, 2], [0, -1]], device=device)
+    out = moe_unpermute(y, rows, torch.tensor([[1.0, 0.5], [2.0, 3.0]], device=device))
+    torch.testing.assert_close(out.cpu(), torch.stack([1.5 * y[2], 2.0 * y[0]]).cpu())
+
+
+SIZES_PAST_INT64 = {
+    "layout_histogram": (lambda d: moe_layout(torch.empty(0, 2**62, dtype=torch.int64, device=d), 4, 1, -1),
+                         r"the layout's histogram \(choices x experts\) would have shape \[4611686018427387904, 4\] "
+                         r"of torch.int64: its strides or its size in bytes pass int64"),
+    "layout_counts": (lambda d: moe_layout(torch.zeros(3, 2, dtype=torch.int64, device=d), 2**62),
+                      r"the output 'counts' would have shape \[4611686018427387904\] of torch.int64"),
+    "layout_offsets": (lambda d: moe_layout(torch.zeros(3, 2, dtype=torch.int64, device=d), 2**60 - 1),
+                       r"the output 'offsets' would have shape \[1152921504606846976\] of torch.int64"),
+    "permute_output": (lambda d: moe_permute(torch.empty(0, 2**62, device=d),
+                                             torch.empty(0, 1, dtype=torch.int64, device=d), 2),
+                       r"the output would have shape \[2, 4611686018427387904\] of torch.float32"),
+    "unpermute_output": (lambda d: moe_unpermute(torch.empty(0, 2**62, device=d),
+                                                 torch.full((2, 1), -1, dtype=torch.int64, device=d)),
+                         r"the output would have shape \[2, 4611686018427387904\] of torch.float32"),
+    "permute_output_bytes": (lambda d: moe_permute(huge([1, 2**61], torch.bfloat16, d),
+                                                   torch.zeros(1, 1, dtype=torch.int64, device=d), 2),
+                             r"the output would have shape \[2, 2305843009213693952\] of torch.bfloat16"),
+}
+
+test_sizes_past_int64_raise_a_clear_error, test_fake_kernels_reject_sizes_past_int64_like_the_real_ones = \
+    bad_input_tests(SIZES_PAST_INT64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastdist.ops import dequantize, quantize
 from hypothesis import given, settings
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 BITS = [1, 2, 4, 8]
 SCHEMES = ["minmax", "absmax"]
@@ -230,6 +230,18 @@ BAD_INPUTS = {
     "dequant_bits": (lambda d: dequantize(*_q(d), 5, "minmax", 8, [4, 8]), "'bits' must be 1, 2, 4 or 8, got 5"),
     "dequant_negative_shape": (lambda d: dequantize(*_q(d), 4, "minmax", 8, [-4, 8]),
                                r"'shape' must not be negative"),
+    "dequant_shape_past_int64": (lambda d: dequantize(*_q(d), 8, "minmax", 1, [2**62, 4]),
+                                 r"the output would have shape \[4611686018427387904, 4\] of torch.float32: its "
+                                 r"strides or its size in bytes pass int64"),
+    "dequant_bit_offsets_past_int64": (lambda d: dequantize(*_q(d), 8, "minmax", 1, [2**60]),
+                                       r"the number of values \* 'bits' = 1152921504606846976 \* 8 does not fit in "
+                                       r"int64"),
+    "quantize_bit_offsets_past_int64": (lambda d: quantize(huge([2**60], device=d), 8, "minmax", 1),
+                                        r"the number of values \* 'bits' = 1152921504606846976 \* 8 does not fit in "
+                                        r"int64"),
+    "quantize_float32_copy_past_int64": (lambda d: quantize(huge([2**61], torch.bfloat16, d), 8, "minmax", 1),
+                                         r"the float32 copy of 'x' would have shape \[2305843009213693952\] of "
+                                         r"torch.float32"),
 }
 
 

@@ -15,7 +15,7 @@ from fastdist.ops import (
     pack_bits,
     sketch_hash,
 )
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -783,7 +783,11 @@ BAD_INPUTS = {
     "decode_negative_m": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d), _sup(d), 20, -3, 0),
                           "'m' must be >= 0, got -3"),
     "decode_n_times_m_overflows": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d), _sup(d), 20, 2**62, 0),
-                                   r"'n' \* 'm' must fit in int64, got n = 20, m = 4611686018427387904"),
+                                   r"the output would have shape \[20, 4611686018427387904\] of torch.float32: its "
+                                   r"strides or its size in bytes pass int64"),
+    "decode_output_bytes_past_int64": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d),
+                                                                     huge([2**58], torch.uint8, d), 2**61, 1, 0),
+                                       r"the output would have shape \[2305843009213693952, 1\] of torch.float32"),
     "decode_support_length": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d), _sup(d, 4), 20, 3, 0),
                               r"'support' must have shape \[3\] \(ceil\(n / 8\) for n = 20 units\), got shape \[4\]"),
     "decode_bool_support": (lambda d: count_sketch_decode(torch.zeros(3, 8, device=d),
@@ -825,6 +829,18 @@ BAD_INPUTS = {
                        r"'cols' must be in \[1, 2147483647\], got 0"),
     "hash_zero_m": (lambda d: sketch_hash(torch.zeros(3, dtype=torch.int64, device=d), 3, 8, 0, 0),
                     "'m' must be >= 1, got 0"),
+    "hash_output_past_int64": (lambda d: sketch_hash(huge([2**61], torch.int64, d), 15, 8, 0),
+                               r"the output 'bucket' would have shape \[15, 2305843009213693952\] of torch.int64"),
+    "decode_units_output_past_int64": (lambda d: count_sketch_decode_units(torch.zeros(3, 8, device=d),
+                                                                           torch.zeros(4, dtype=torch.int64, device=d),
+                                                                           2**62, 0),
+                                       r"the output would have shape \[4, 4611686018427387904\] of torch.float32"),
+    "row_units_past_int64": (lambda d: count_sketch(huge([0, 2**62, 4], device=d), 3, 8, 0),
+                             r"the sizes of 'x' after the first \[4611686018427387904, 4\] multiply past int64"),
+    "units_sketch_row_past_int64": (lambda d: count_sketch_units(huge([0, 2**62, 4], device=d),
+                                                                 torch.zeros(0, dtype=torch.int64, device=d), 3, 8, 0),
+                                    r"the sizes of 'values' after the first \[4611686018427387904, 4\] multiply past "
+                                    r"int64"),
 }
 
 

@@ -13,15 +13,16 @@ from fastdist.ops import (
 )
 from fastdist.ops.topk import topk_k
 from hypothesis import given, settings
-from op_testing import DEVICES, bad_input_tests
+from op_testing import DEVICES, bad_input_tests, huge
 
 
 def oracle_topk(x, k):
     """The definition, independently: sort positions by (-magnitude key, index), keep k, sort by index.
 
-    The key is the float32 bit pattern with the sign cleared (NaN above inf above finite), compared as integers."""
+    The key is the float32 bit pattern with the sign cleared, compared as integers, every NaN with the same key just
+    above inf's (NaN above inf above finite; NaNs tie)."""
     x32 = x.detach().cpu().float()
-    keys = (x32.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)
+    keys = (x32.view(torch.int32) & 0x7FFFFFFF).to(torch.int64).clamp(max=0x7F800001)
     order = np.lexsort((np.broadcast_to(np.arange(x32.shape[1]), x32.shape), -keys.numpy()), axis=1)
     kept = np.sort(order[:, :k], axis=1)
     idx = torch.from_numpy(kept.astype(np.int32))
@@ -93,6 +94,43 @@ def test_nan_ranks_above_inf_which_ranks_above_finite_values():
     assert indices.tolist() == [[1, 3, 5]]
     _, indices = topk_compress(x, 4)
     assert indices.tolist() == [[1, 3, 4, 5]]
+
+
+def nans_with_payloads_increasing_by_index(d, positions, seed=0):
+    """float32 [1, d] of Gaussian values with NaNs at `positions`: signalling and quiet, either sign, their magnitude
+    bits increasing along the row, so that ordering NaNs by payload would keep the last ones first."""
+    x = gaussian((1, d), seed=seed)
+    bits = x.view(torch.int32)
+    for n, p in enumerate(positions):
+        magnitude = 0x7F800001 + n * ((0x7FFFFFFF - 0x7F800001) // (len(positions) - 1))
+        bits[0, p] = magnitude - (2**31 if n % 2 else 0)  # odd ones with the sign bit set
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [6, 40, 9000, 70_000])
+def test_tied_nans_are_kept_by_index_whatever_their_payload_and_sign(device, d):
+    # rows of 9000+ values take the sampled path of the CPU kernel, 40 the eight-lane one, 6 the scalar one
+    positions = sorted(torch.randperm(d, generator=torch.Generator().manual_seed(d))[:5].tolist())
+    x = nans_with_payloads_increasing_by_index(d, positions)
+    for k in (1, 3, 5):
+        values, indices = topk_compress(x.to(device), k)
+        assert indices.tolist() == [positions[:k]]
+        assert torch.equal(values.cpu().view(torch.int32), x[:, positions[:k]].view(torch.int32))  # payloads kept
+    _, indices = topk_compress(x.to(device), 6)  # past the NaNs: the largest finite magnitude
+    assert indices[0].tolist() == sorted(positions + [int(x.nan_to_num(0).abs().argmax())])
+
+
+def test_tied_nans_in_a_long_row_split_between_threads_are_kept_by_index():
+    positions = list(range(1000, 3 << 20, 1 << 18))
+    x = nans_with_payloads_increasing_by_index(3 << 20, positions, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _, indices = topk_compress(x, 4)
+    finally:
+        torch.set_num_threads(before)
+    assert indices.tolist() == [positions[:4]]
 
 
 def test_non_contiguous_input_gives_the_result_of_its_contiguous_copy():
@@ -295,6 +333,19 @@ BAD_INPUTS = {
                          r"'k' must be in \[0, d\] with d = 9, got 10"),
     "to_bitmap_float_indices": (lambda d: topk_indices_to_bitmap(torch.zeros(1, 2, device=d), 9),
                                 "'indices' must have dtype torch.int32, got torch.float32"),
+    "decompress_output_past_int64": (lambda d: topk_decompress(torch.ones(2**40, 0, device=d),
+                                                               torch.zeros(2**40, 0, dtype=torch.int32, device=d),
+                                                               2**31 - 1),
+                                     r"the output would have shape \[1099511627776, 2147483647\] of torch.float32: "
+                                     r"its strides or its size in bytes pass int64"),
+    "to_bitmap_output_past_int64": (lambda d: topk_indices_to_bitmap(torch.zeros(2**40, 0, dtype=torch.int32,
+                                                                                 device=d), 2**31 - 1),
+                                    r"the output would have shape \[1099511627776, 268435456\] of torch.uint8"),
+    "from_bitmap_output_past_int64": (lambda d: topk_bitmap_to_indices(huge([2**61, 1], torch.uint8, d), 8, 8),
+                                      r"the output would have shape \[2305843009213693952, 8\] of torch.int32"),
+    "compress_float32_copy_past_int64": (lambda d: topk_compress(huge([2**61, 2], torch.bfloat16, d), 1),
+                                         r"the float32 copy of 'x' would have shape \[2305843009213693952, 2\] of "
+                                         r"torch.float32"),
 }
 
 

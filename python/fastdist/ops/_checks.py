@@ -3,9 +3,12 @@
 A fake kernel rejects what its C++ kernel rejects, with the same message, so that a bad input fails alike on real and
 on fake tensors (``torch.compile``). Checks of a size that may be symbolic go through ``torch._check``.
 """
+import math
 from collections.abc import Sequence
 
 import torch
+
+INT64_MAX = 2**63 - 1
 
 # The dtypes the kernels store, in the order the messages list them.
 FLOATING_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -77,3 +80,30 @@ def check_seed(seed: int) -> int:
     if not 0 <= seed < 2**63:
         raise RuntimeError(f"fastdist: 'seed' must be in [0, 2^63), got {seed}")
     return seed
+
+
+# ---- sizes: every product of sizes that the glue or the kernels form is checked first, so that none wraps ----
+
+def checked_mul(a: int, b: int, what: str) -> int:
+    """``a * b``, where ``what`` names the two factors (``"'n' * 'm'"``); past int64 it raises an error stating both."""
+    product = a * b
+    torch._check(product <= INT64_MAX, lambda: f"fastdist: {what} = {a} * {b} does not fit in int64")
+    return product
+
+
+def checked_product(sizes: Sequence[int], what: str) -> int:
+    """The product of ``sizes`` (part of a tensor's shape, named by ``what``); past int64 it raises an error that
+    states them."""
+    product = math.prod(sizes)
+    torch._check(product <= INT64_MAX, lambda: f"fastdist: {what} {list(sizes)} multiply past int64")
+    return product
+
+
+def check_allocatable(sizes: Sequence[int], dtype: torch.dtype, what: str) -> None:
+    """A tensor of ``sizes`` and ``dtype`` that the op is about to make (``what`` names it): as torch requires, its
+    strides (the products of the sizes after each, zeros counted as ones) and its size in bytes must fit in int64."""
+    stride = math.prod(max(size, 1) for size in sizes[1:])
+    nbytes = math.prod(sizes) * dtype.itemsize
+    torch._check(stride <= INT64_MAX and nbytes <= INT64_MAX,
+                 lambda: f"fastdist: {what} would have shape {list(sizes)} of {dtype}: its strides or its size in "
+                         "bytes pass int64")

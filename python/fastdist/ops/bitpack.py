@@ -10,8 +10,8 @@ The ops are ``torch.ops.fastdist.{pack_bits, unpack_bits, bitwise_or_reduce}`` w
 """
 import torch
 
-from fastdist.ops._checks import (check_dim, check_dim_at_least, check_dtype, check_last_dim, check_nonnegative,
-                                  packed_bytes)
+from fastdist.ops._checks import (check_allocatable, check_dim, check_dim_at_least, check_dtype, check_last_dim,
+                                  check_nonnegative, packed_bytes)
 
 __all__ = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]
 
@@ -71,7 +71,9 @@ def bitwise_or_reduce(packed: torch.Tensor) -> torch.Tensor:
 def _pack_bits_fake(mask):
     check_dtype("mask", mask, torch.bool)
     check_dim_at_least("mask", mask, 1)
-    return mask.new_empty((*mask.shape[:-1], packed_bytes(mask.shape[-1])), dtype=torch.uint8)
+    shape = (*mask.shape[:-1], packed_bytes(mask.shape[-1]))
+    check_allocatable(shape, torch.uint8, "the output")
+    return mask.new_empty(shape, dtype=torch.uint8)
 
 
 @torch.library.register_fake("fastdist::unpack_bits")
@@ -80,7 +82,9 @@ def _unpack_bits_fake(packed, n):
     check_dim_at_least("packed", packed, 1)
     check_nonnegative("n", n)
     check_last_dim("packed", packed, packed_bytes(n), f"ceil(n / 8) for n = {n}")
-    return packed.new_empty((*packed.shape[:-1], n), dtype=torch.bool)
+    shape = (*packed.shape[:-1], n)
+    check_allocatable(shape, torch.bool, "the output")
+    return packed.new_empty(shape, dtype=torch.bool)
 
 
 @torch.library.register_fake("fastdist::bitwise_or_reduce")

@@ -8,13 +8,15 @@ approximation, torch's ``gelu(approximate="tanh")``) and ``"gelu_erf"`` (the exa
 
 float16 and bfloat16 are computed in float32 and rounded once; float32 uses vectorizable approximations (a rational
 erf within 5e-7, a polynomial exp within 2e-7 relative, GeLU tanh written through exp(-2|z|) so it stays
-relatively accurate where tanh saturates); float64 uses the C library. CPU (parallel over rows,
-bit-identical for any thread count) and CUDA kernels; fake kernels for ``torch.compile``; autograd through
-``torch.ops.fastdist.bias_epilogue_backward`` (``grad * act'(x + bias)``).
+relatively accurate where tanh saturates); float64 uses the C library. At any input GeLU saturates as the exact
+function rounds (u or -0, derivative 1 or 0, whatever overflow u^3 or u^2 would have), and +-inf and NaN give what
+torch gives. CPU (parallel over rows, bit-identical for any thread count) and CUDA kernels; fake kernels for
+``torch.compile``; autograd through ``torch.ops.fastdist.bias_epilogue_backward`` (``grad * act'(x + bias)``).
 """
 import torch
 
-from fastdist.ops._checks import FLOATING_DTYPES, check_dim_at_least, check_dtype_in, check_same_device
+from fastdist.ops._checks import (FLOATING_DTYPES, check_allocatable, check_dim_at_least, check_dtype_in,
+                                  check_same_device)
 
 __all__ = ["ACTIVATIONS", "bias_epilogue", "bias_epilogue_backward"]
 
@@ -55,6 +57,7 @@ def bias_epilogue_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tens
 def _check_x_and_bias(x, bias):
     check_dtype_in("x", x, FLOATING_DTYPES)
     check_dim_at_least("x", x, 1)
+    check_allocatable(x.shape, x.dtype, "the output")
     if bias is not None:
         _check_like_x(bias, "bias", x)
         cols = x.shape[-1]

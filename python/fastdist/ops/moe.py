@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from fastdist.ops._checks import check_dim, check_dtype, check_dtype_in, check_nonnegative
+from fastdist.ops._checks import check_allocatable, check_dim, check_dtype, check_dtype_in, check_nonnegative
 
 __all__ = ["MAX_K", "capacity_for", "moe_layout", "moe_permute", "moe_route", "moe_unpermute"]
 
@@ -88,6 +88,11 @@ def moe_permute(x: torch.Tensor, row_of_slot: torch.Tensor, num_rows: int,
 
     Returns:
         ``[num_rows, d]`` of x's dtype. Differentiable in ``x`` and ``weight``.
+
+    Raises:
+        RuntimeError: bad dtypes, shapes or devices; ``num_rows < 0``; an entry of ``row_of_slot`` outside
+            ``[-1, num_rows)`` or a row named twice (both depend on the data: checked on CPU and CUDA, with one
+            synchronization on CUDA, but not on fake tensors under ``torch.compile``).
     """
     return torch.ops.fastdist.moe_permute.default(x, row_of_slot, num_rows, weight)
 
@@ -129,7 +134,8 @@ def _moe_route_fake(logits, k):
     check_dtype_in("logits", logits, _LOGIT_DTYPES)
     check_dim("logits", logits, 2)
     tokens, experts = logits.shape
-    torch._check(experts >= 1, lambda: "fastdist: 'logits' must have at least 1 expert (column)")
+    torch._check(experts >= 1, lambda: "fastdist: 'logits' must have at least 1 expert (column), got shape "
+                                       f"{list(logits.shape)}")
     if not 1 <= k <= MAX_K:
         raise RuntimeError(f"fastdist: 'k' must be in [1, min({MAX_K}, num_experts = {experts})], got {k}")
     torch._check(k <= experts, lambda: f"fastdist: 'k' must be in [1, min({MAX_K}, num_experts = {experts})], got {k}")
@@ -149,6 +155,9 @@ def _moe_layout_fake(topk_idx, num_experts, num_ranks, capacity):
                            f"got {num_ranks}")
     if capacity < -1:
         raise RuntimeError(f"fastdist: 'capacity' must be >= 0, or -1 for dropless, got {capacity}")
+    check_allocatable((num_experts,), torch.int64, "the output 'counts'")
+    check_allocatable((num_experts + 1,), torch.int64, "the output 'offsets'")
+    check_allocatable((topk_idx.shape[1], num_experts), torch.int64, "the layout's histogram (choices x experts)")
     tokens, k = topk_idx.shape
     new = topk_idx.new_empty
     return (new((num_experts,)), new((num_experts + 1,)), new((num_ranks,)), new((tokens * k,)), new((tokens, k)),
@@ -161,6 +170,7 @@ def _moe_permute_fake(x, row_of_slot, num_rows, weight):
     check_dim("x", x, 2)
     check_nonnegative("num_rows", num_rows)
     _check_slots(x, "x", row_of_slot, weight, x.shape[0])
+    check_allocatable((num_rows, x.shape[1]), x.dtype, "the output")
     return x.new_empty((num_rows, x.shape[1]))
 
 
@@ -170,6 +180,7 @@ def _moe_unpermute_fake(y, row_of_slot, weight):
     check_dim("y", y, 2)
     check_dim("row_of_slot", row_of_slot, 2)
     _check_slots(y, "y", row_of_slot, weight, row_of_slot.shape[0])
+    check_allocatable((row_of_slot.shape[0], y.shape[1]), y.dtype, "the output")
     return y.new_empty((row_of_slot.shape[0], y.shape[1]))
 
 

@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_dtype, check_dtype_in, check_same_device, check_seed,
-                                  packed_bytes)
+from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_allocatable, check_dtype, check_dtype_in,
+                                  check_same_device, check_seed, checked_mul, packed_bytes)
 
 __all__ = ["BITS", "SCHEMES", "dequantize", "quantize"]
 
@@ -92,6 +92,8 @@ def _quantize_fake(x, bits, scheme, group_size, stochastic, seed):
     n = x.numel()
     _check_group(n, group_size)
     check_seed(seed)
+    check_allocatable((n,), torch.float32, "the float32 copy of 'x'")
+    checked_mul(n, bits, "the number of values * 'bits'")
     groups = n // group_size
     return (x.new_empty((packed_bytes(n * bits),), dtype=torch.uint8), x.new_empty((groups,), dtype=torch.float32),
             x.new_empty((groups,), dtype=torch.float32))
@@ -102,7 +104,9 @@ def _dequantize_fake(packed, scales, zeros, bits, scheme, group_size, shape):
     _check_bits_scheme(bits, scheme)
     if any(s < 0 for s in shape):
         raise RuntimeError(f"fastdist: 'shape' must not be negative, got {list(shape)}")
+    check_allocatable(shape, torch.float32, "the output")
     n = math.prod(shape)
+    checked_mul(n, bits, "the number of values * 'bits'")
     _check_group(n, group_size)
     check_dtype("packed", packed, torch.uint8)
     check_dtype("scales", scales, torch.float32)

@@ -31,12 +31,12 @@ count, bit for bit. On CUDA, count_sketch accumulates with atomic adds: the same
 they match the CPU's to rounding (at most ``(k - 1) * 2**-24 * sum |x|`` for a bucket of ``k`` values) and may
 vary run to run in the last bits. Hashes, supports and decoding are exact on both.
 """
-import math
 
 import torch
 
-from fastdist.ops._checks import (FLOATING_DTYPES, check_dim, check_dim_at_least, check_dtype, check_dtype_in,
-                                  check_nonnegative, check_same_device, check_seed, packed_bytes)
+from fastdist.ops._checks import (FLOATING_DTYPES, check_allocatable, check_dim, check_dim_at_least, check_dtype,
+                                  check_dtype_in, check_nonnegative, check_same_device, check_seed, checked_product,
+                                  packed_bytes)
 
 __all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "count_sketch_decode_units",
            "count_sketch_units", "nonzero_bitmap", "sketch_hash"]
@@ -192,13 +192,13 @@ def _check_granularity(granularity):
         raise RuntimeError(f"fastdist: 'granularity' must be \"element\" or \"row\", got \"{granularity}\"")
 
 
-def _units(x, granularity):
+def _units(x, granularity, name="x"):
     _check_granularity(granularity)
     if granularity == "row":
         if x.dim() < 1:
-            raise RuntimeError("fastdist: 'x' must have at least 1 dimension(s) for granularity \"row\", "
+            raise RuntimeError(f"fastdist: '{name}' must have at least 1 dimension(s) for granularity \"row\", "
                                f"got shape {list(x.shape)}")
-        return x.shape[0], math.prod(x.shape[1:])
+        return x.shape[0], checked_product(x.shape[1:], f"the sizes of '{name}' after the first")
     return x.numel(), 1
 
 
@@ -256,8 +256,7 @@ def _count_sketch_decode_fake(table, support, n, m, seed):
     _check_table(table)
     check_nonnegative("n", n)
     check_nonnegative("m", m)
-    if m and n > (2**63 - 1) // m:
-        raise RuntimeError(f"fastdist: 'n' * 'm' must fit in int64, got n = {n}, m = {m}")
+    check_allocatable((n, m), torch.float32, "the output")
     check_seed(seed)
     _check_support(support, table, "table", n, "units")
     return table.new_empty((n, m))
@@ -272,6 +271,7 @@ def _count_sketch_units_fake(values, units, rows, cols, seed):
     torch._check(units.shape[0] == values.shape[0],
                  lambda: f"fastdist: 'units' must have one entry per row of 'values' ({values.shape[0]}), got shape "
                          f"{list(units.shape)}")
+    _units(values, "row", "values")
     return values.new_empty((rows, cols), dtype=torch.float32)
 
 
@@ -281,6 +281,7 @@ def _count_sketch_decode_units_fake(table, units, m, seed):
     check_nonnegative("m", m)
     check_seed(seed)
     _check_units(units, "table", table)
+    check_allocatable((units.shape[0], m), torch.float32, "the output")
     return table.new_empty((units.shape[0], m))
 
 
@@ -291,4 +292,5 @@ def _sketch_hash_fake(idx, rows, cols, seed, m=1):
     _check_rows_cols_seed(rows, cols, seed)
     if m < 1:
         raise RuntimeError(f"fastdist: 'm' must be >= 1, got {m}")
+    check_allocatable((rows, idx.shape[0]), torch.int64, "the output 'bucket'")
     return idx.new_empty((rows, idx.shape[0])), idx.new_empty((rows, idx.shape[0]), dtype=torch.int8)

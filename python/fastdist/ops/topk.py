@@ -4,7 +4,8 @@ Selection (csrc/kernels/topk.h): each value's key is the order-preserving intege
 bits with the sign cleared; row ``r`` keeps the ``k`` values with the largest keys, found by radix select (histograms
 of the key's bits 20..30, then 10..19 and 0..9 of the bucket that holds the k-th key), not a sort. Among equal
 magnitudes the lower index wins, so the result is a function of the input alone (``+0.0`` and ``-0.0`` tie). NaN
-ranks above ``+-inf``, which ranks above every finite magnitude, as in ``torch.topk``: a NaN is always kept.
+ranks above ``+-inf``, which ranks above every finite magnitude, as in ``torch.topk``: a NaN is always kept. Every
+NaN has the same key, so NaNs tie too (the lower index wins), whatever their sign and payload.
 
 Output order: ascending index within each row. So ``values[r]`` lists the kept values in their order in ``x[r]``,
 and a bitmap of the kept positions plus ``values`` is a complete encoding (:func:`topk_indices_to_bitmap` /
@@ -22,8 +23,8 @@ import math
 
 import torch
 
-from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_dim, check_dtype, check_dtype_in, check_last_dim,
-                                  check_same_device, packed_bytes)
+from fastdist.ops._checks import (FLOAT32_OR_16BIT_DTYPES, check_allocatable, check_dim, check_dtype, check_dtype_in,
+                                  check_last_dim, check_same_device, packed_bytes)
 
 __all__ = ["topk_bitmap_to_indices", "topk_compress", "topk_decompress", "topk_indices_to_bitmap", "topk_k"]
 
@@ -115,6 +116,7 @@ def _topk_compress_fake(x, k):
     torch._check(d <= _MAX_D, lambda: "fastdist: 'x' rows must have at most 2^31 - 1 values (indices are int32), "
                                       f"got shape {list(x.shape)}")
     torch._check(1 <= k <= d, lambda: f"fastdist: 'k' must be in [1, d] with d = {d} (the row length), got {k}")
+    check_allocatable(x.shape, torch.float32, "the float32 copy of 'x'")
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.int32)
 
 
@@ -131,6 +133,7 @@ def _topk_decompress_fake(values, indices, d):
     _check_d(d)
     torch._check(values.shape[1] <= d, lambda: f"fastdist: 'values' must have at most d = {d} columns, got shape "
                                                f"{list(values.shape)}")
+    check_allocatable((values.shape[0], d), torch.float32, "the output")
     return values.new_empty((values.shape[0], d))
 
 
@@ -141,6 +144,7 @@ def _topk_indices_to_bitmap_fake(indices, d):
     _check_d(d)
     torch._check(indices.shape[1] <= d, lambda: f"fastdist: 'indices' must have at most d = {d} columns, got shape "
                                                 f"{list(indices.shape)}")
+    check_allocatable((indices.shape[0], packed_bytes(d)), torch.uint8, "the output")
     return indices.new_empty((indices.shape[0], packed_bytes(d)), dtype=torch.uint8)
 
 
@@ -152,6 +156,7 @@ def _topk_bitmap_to_indices_fake(bitmap, d, k):
     check_last_dim("bitmap", bitmap, packed_bytes(d), f"ceil(d / 8) for d = {d}")
     if not 0 <= k <= d:
         raise RuntimeError(f"fastdist: 'k' must be in [0, d] with d = {d}, got {k}")
+    check_allocatable((bitmap.shape[0], k), torch.int32, "the output")
     return bitmap.new_empty((bitmap.shape[0], k), dtype=torch.int32)
 
 
