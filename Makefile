@@ -15,9 +15,10 @@ SANITIZE_DIR := build/sanitize
 
 .PHONY: bench test kernel-check sanitize-check cuda-glue-check env clean docs
 
-$(VENV)/.deps: requirements-dev.txt
+$(VENV)/.deps: requirements-dev.txt requirements-nodeps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
