@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/sparse_embedding_lm.py --steps 20
     torchrun --nproc-per-node 4 examples/sparse_embedding_lm.py --mode sketch --ratio 0.002 --error-feedback
 
-The model (from fastdist.bench.models) has two 32768-row matrices -- the input embedding and the output
+The model (from fastdist.testing.models) has two 32768-row matrices -- the input embedding and the output
 embedding of a sampled softmax -- whose gradients are non-zero only in the rows a step touches (about 1-4 %).
 A plain DDP all-reduce sends both matrices whole every step. `sketch_hook` sends only what is needed:
 
@@ -15,13 +15,13 @@ A plain DDP all-reduce sends both matrices whole every step. `sketch_hook` sends
 Everything else is an ordinary DDP training loop. Two things matter for the hook:
   - `bucket_cap_mb` small, so that each big matrix sits alone in its DDP bucket: the hook then works per
     row (one bit per row in the support bitmap) instead of per element;
-  - the data: each rank draws its own shard of a synthetic Zipf corpus (fastdist.bench.corpus).
+  - the data: each rank draws its own shard of a synthetic Zipf corpus (fastdist.testing.corpus).
 """
 import argparse
 
 import torch
 import torch.distributed as dist
-from fastdist.bench.models import SparseLM, make_data, step_batch
+from fastdist.testing.models import SparseLM, make_data, step_batch
 from fastdist.comm.hooks import SketchState, sketch_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from fastdist.bench import cli, memory, models
+from fastdist.bench import cli, memory
+from fastdist.testing import models
 
 
 def parse(argv):

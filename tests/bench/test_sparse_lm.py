@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from fastdist.bench import models, sparse_lm
-from fastdist.bench.corpus import ZipfMarkovCorpus
+from fastdist.bench import sparse_lm
+from fastdist.testing import models
+from fastdist.testing.corpus import ZipfMarkovCorpus
 from fastdist.distributed import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

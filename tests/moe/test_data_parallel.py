@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fastdist import moe
-from fastdist.bench.models import TransformerLM
+from fastdist.testing.models import TransformerLM
 from fastdist.distributed import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +22,7 @@ OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.5),
 
 
 def moe_gpt(balance, group=None):
-    """A GPT (fastdist.bench.models.TransformerLM) whose FFNs are replaced by MoE layers, as a user would do it."""
+    """A GPT (fastdist.testing.models.TransformerLM) whose FFNs are replaced by MoE layers, as a user would do it."""
     torch.manual_seed(0)
     model = TransformerLM(VOCAB, DIM, HEADS, LAYERS, seq=SEQ)
     for block in model.blocks:

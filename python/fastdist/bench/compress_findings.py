@@ -4,7 +4,7 @@
     classes: bars at four angles, box, disc, cross, ring, at random positions and sizes, with noise; fixed train
     and test splits), a Boundary after each of the 3 stages; metric: test accuracy.
 (b) gpt: a 4-block GPT (dim 32, 2 heads, 32 tokens) on the project's Zipf-Markov corpus (vocab 256,
-    fastdist.bench.corpus; a fixed set of training sequences so that AQ-SGD sees every sample once per epoch), a
+    fastdist.testing.corpus; a fixed set of training sequences so that AQ-SGD sees every sample once per epoch), a
     Boundary after each of the first 3 blocks; metric: held-out cross-entropy (nats per token).
 
 Rows (activation compressor / gradient rule): none; TopK 5/10/30/50% (gradient masked with the forward's kept
@@ -27,8 +27,8 @@ from torch import nn
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed
 from fastdist.bench.toolkit import at_least, comma_list, progress
-from fastdist.bench.corpus import ZipfMarkovCorpus, generator
-from fastdist.bench.models import StagedCNN, TransformerLM
+from fastdist.testing.corpus import ZipfMarkovCorpus, generator
+from fastdist.testing.models import StagedCNN, TransformerLM
 from fastdist.compress import AQSGD, Boundary, ErrorFeedback, MemoryStore, Quantize, TopK, batch
 
 ROWS = ["none", "topk5", "topk10", "topk30", "topk50", "quant2", "quant4", "quant8", "quant2-act", "quant2-grad",

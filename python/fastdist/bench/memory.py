@@ -43,7 +43,7 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.report import KIB, MIB, col, fixed, integer, percent
-from fastdist.bench.models import ResidualCNN, ResNet50, TransformerLM
+from fastdist.testing.models import ResidualCNN, ResNet50, TransformerLM
 from fastdist.bench.toolkit import at_least, comma_list, progress, time_fn, up_to
 
 CONFIGS = ["none", "checkpoint", "save_on_cpu", "swap", "fastdist"]

@@ -58,8 +58,8 @@ import torch.distributed as dist
 from fastdist.bench import report
 from fastdist.bench.report import KIB, col, fixed, percent, scaled, times
 from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.corpus import ZipfMarkovCorpus
-from fastdist.bench.models import NegativeSampler, SparseLM, make_data, step_batch
+from fastdist.testing.corpus import ZipfMarkovCorpus
+from fastdist.testing.models import NegativeSampler, SparseLM, make_data, step_batch
 from fastdist.bench.toolkit import at_least, comma_list, progress, together, up_to
 from fastdist.comm.baselines import ring_allreduce_bytes
 

@@ -1,1 +1,3 @@
-"""Data for tests and benchmarks, not for training: synthetic embedding gradients (`synthetic`)."""
+"""Models and data for tests, examples and benchmarks, not library API for training: the reference models users'
+models are compared with (`models`), a synthetic language (`corpus`) and synthetic embedding gradients
+(`synthetic`). No files, no downloads: everything is generated from seeds."""

@@ -1,4 +1,4 @@
-"""The models the benchmark suites and the examples share.
+"""The models the benchmark suites, the tests and the examples share.
 
 - `Block`, `TransformerLM`: a pre-norm transformer; the `memory` suite's encoder stack and `compress-findings`'
   GPT (learned positions, causal mask, compressed stage boundaries between blocks) are both a TransformerLM.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdist.bench.corpus import ZipfMarkovCorpus, generator
+from fastdist.testing.corpus import ZipfMarkovCorpus, generator
 
 # ---- transformers ----
 
