@@ -1,0 +1,481 @@
+"""Sharded embedding tables served by AlltoAll: the lookup exchange and the drop-in ``ShardedEmbedding``.
+
+A table's rows live on their owners only: row sharding splits them in contiguous ranges over the group (the first
+``num_embeddings % W`` ranks hold one row more), table sharding keeps the whole table on one rank. A lookup:
+
+1. every rank uniques its batch's ids (``torch.unique``: sorted, with the inverse that expands them again);
+2. the unique ids are grouped by owner with ``fastdist.ops.moe_layout`` (a stable counting sort of slots by
+   "expert" = owner rank; its per-rank counts are the send splits);
+3. one ``all_to_all_single`` of a small header per pair of ranks (count, call number, configuration fingerprint,
+   refusal code) gives the receive splits and checks the call on every rank at once; then the ids go to the owners;
+4. each owner reads its rows (``F.embedding`` on the shard, so its gradient is what ``nn.Embedding`` would give,
+   sparse or dense, padding row excluded) and the vectors come back by the reverse ``all_to_all_single``;
+5. ``moe_unpermute`` puts them back in unique-id order and ``F.embedding``/``F.embedding_bag`` expands them to
+   the batch (bags: sum, mean, per-sample weights, padding excluded, as ``nn.EmbeddingBag``).
+
+Backward runs the same path reversed: the expand sums the gradient rows of each unique id locally, the reverse
+AlltoAll carries one row per unique id to its owner, and the owner's ``F.embedding`` backward adds the rows that
+several ranks sent. Several tables of one width share each exchange (``lookup`` takes a list), so a model with
+many tables makes three AlltoAlls per width per step, not three per table.
+
+Every rank must make the same lookups in the same order and backpropagate through each (as with DDP): the
+AlltoAlls are collectives. A rank whose input is refused (ids out of range, negative, of a float dtype, a bad
+offsets tensor) says so in the header, and every rank raises in that same call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastdist.distributed import CallCounter, check_same, fingerprint, global_ranks
+from fastdist.moe.layer import _AllToAll
+from fastdist.ops.moe import moe_layout, moe_unpermute
+
+__all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "row_ranges"]
+
+_MODES = (None, "sum", "mean")
+_ID_DTYPES = (torch.int64, torch.int32)
+_HEADER = 4  # per destination: count, call number, configuration fingerprint, refusal code
+
+
+class EmbeddingInputError(ValueError):
+    """A rank's lookup input was refused; raised on every rank of the exchange, naming the ranks and why."""
+
+
+def row_ranges(num_embeddings: int, world: int) -> list[tuple[int, int]]:
+    """The contiguous ``[start, end)`` row range of each of ``world`` ranks; the first ``num_embeddings % world``
+    ranks hold one row more."""
+    base, extra = divmod(num_embeddings, world)
+    out, start = [], 0
+    for r in range(world):
+        end = start + base + (r < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _group_world(group):
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookup:
+    """One table's part of an exchange: its batch's flat ids, and bag arguments when it is a bag."""
+    ids: torch.Tensor
+    offsets: torch.Tensor | None = None
+    per_sample_weights: torch.Tensor | None = None
+
+
+class ShardedEmbedding(nn.Module):
+    """A drop-in for ``nn.Embedding`` (``mode=None``) and ``nn.EmbeddingBag`` (``mode="sum"|"mean"``) whose rows
+    are sharded over a process group and served by AlltoAll.
+
+    ``weight`` is this rank's shard (``[rows owned, embedding_dim]``); ``row_start`` is its first row. Any
+    element-wise torch optimizer on it (SGD, Adam, Adagrad with dense gradients; SGD, Adagrad, SparseAdam with
+    ``sparse=True``) trains exactly as on the unsharded table, since each row's update depends on that row only;
+    the row-wise optimizers of ``fastdist.embedding.optim`` do the same on sparse gradients. Create the optimizer
+    after the module (its parameter is the shard).
+
+    ``state_dict()`` holds the full table under ``weight`` (gathered: a collective, call it on every rank), which a
+    plain ``nn.Embedding`` loads; ``load_state_dict`` of a full table re-shards it, whatever world size saved it.
+    Inside :func:`fastdist.embedding.sharded_state_dict` it holds the local shard instead (``weight`` plus
+    ``row_start`` and ``num_embeddings``), no collective.
+
+    Args:
+        num_embeddings: rows of the full table, ``>= 1``.
+        embedding_dim: the row width, ``>= 1``.
+        group: the process group the table is sharded over (None: the default group, or no sharding when
+            torch.distributed is not initialized).
+        sharding: ``"row"`` (contiguous row ranges over the group) or ``"table"`` (the whole table on rank
+            ``owner``).
+        padding_idx: as ``nn.Embedding``: the row is zero at init, gets no gradient and, in bags, is left out.
+        mode: None (``nn.Embedding``), ``"sum"`` or ``"mean"`` (``nn.EmbeddingBag``).
+        sparse: as ``nn.Embedding``: the shard's gradient is a sparse COO tensor (rows looked up only).
+        owner: the group rank holding the table under ``sharding="table"``.
+        dtype: the weights' floating dtype.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: dist.ProcessGroup | None = None,
+                 sharding: str = "row", padding_idx: int | None = None, mode: str | None = None,
+                 sparse: bool = False, owner: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if not isinstance(num_embeddings, int) or num_embeddings < 1:
+            raise ValueError(f"fastdist: ShardedEmbedding 'num_embeddings' must be an int >= 1, got {num_embeddings!r}")
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"fastdist: ShardedEmbedding 'embedding_dim' must be an int >= 1, got {embedding_dim!r}")
+        if sharding not in ("row", "table"):
+            raise ValueError(f"fastdist: ShardedEmbedding 'sharding' must be 'row' or 'table', got {sharding!r}")
+        if mode not in _MODES:
+            raise ValueError(f"fastdist: ShardedEmbedding 'mode' must be None, 'sum' or 'mean', got {mode!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"fastdist: ShardedEmbedding 'padding_idx' must be in [-{num_embeddings}, "
+                                 f"{num_embeddings}), got {padding_idx}")
+            padding_idx %= num_embeddings
+        if not dtype.is_floating_point:
+            raise ValueError(f"fastdist: ShardedEmbedding 'dtype' must be a floating dtype, got {dtype}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sharding, self.padding_idx, self.mode, self.sparse = sharding, padding_idx, mode, sparse
+        self.group = group
+        self.rank, self.world = _group_world(group)
+        if not 0 <= owner < self.world:
+            raise ValueError(f"fastdist: ShardedEmbedding 'owner' must be a rank of the group [0, {self.world}), "
+                             f"got {owner}")
+        self.owner = owner
+        if sharding == "row":
+            self.ranges = row_ranges(num_embeddings, self.world)
+        else:
+            self.ranges = [(0, num_embeddings) if r == owner else (num_embeddings, num_embeddings)
+                           for r in range(self.world)]
+        self.row_start, row_end = self.ranges[self.rank]
+        self.weight = nn.Parameter(torch.empty(row_end - self.row_start, embedding_dim, dtype=dtype))
+        self.calls = CallCounter()
+        self._checked = False
+        self.reset_parameters()
+
+    # ---- construction ----
+
+    def reset_parameters(self) -> None:
+        """N(0, 1) rows (each rank draws its own shard from the global generator), the padding row zeroed."""
+        with torch.no_grad():
+            self.weight.normal_()
+            self._zero_padding_row()
+
+    def _zero_padding_row(self):
+        if self.padding_idx is not None and self.owns(self.padding_idx):
+            self.weight[self.padding_idx - self.row_start].zero_()
+
+    @classmethod
+    def from_embedding(cls, module: nn.Embedding | nn.EmbeddingBag, *, group: dist.ProcessGroup | None = None,
+                       sharding: str = "row", owner: int = 0) -> "ShardedEmbedding":
+        """The sharded twin of a plain embedding module: same rows (each rank keeps its own), padding, mode and
+        sparsity. Every rank must pass an equal table (the usual case: the same model built from the same seed).
+
+        Raises:
+            ValueError: options ``nn.Embedding`` has and the sharded table does not (``max_norm``,
+                ``scale_grad_by_freq``, ``mode="max"``, ``include_last_offset``), or a weight that is not finite.
+        """
+        mode = None
+        if isinstance(module, nn.EmbeddingBag):
+            if module.mode == "max" or module.include_last_offset:
+                raise ValueError("fastdist: ShardedEmbedding does not support EmbeddingBag(mode='max') or "
+                                 "include_last_offset=True")
+            mode = module.mode
+        if module.max_norm is not None or module.scale_grad_by_freq:
+            raise ValueError("fastdist: ShardedEmbedding does not support max_norm or scale_grad_by_freq")
+        out = cls(module.num_embeddings, module.embedding_dim, group=group, sharding=sharding,
+                  padding_idx=module.padding_idx, mode=mode, sparse=module.sparse, owner=owner,
+                  dtype=module.weight.dtype)
+        out.to(module.weight.device)
+        out._load_full(module.weight.detach())
+        return out
+
+    # ---- layout ----
+
+    def owns(self, row: int) -> bool:
+        """Whether this rank holds ``row``."""
+        return self.row_start <= row < self.row_start + self.weight.shape[0]
+
+    def owner_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The group rank owning each of ``ids`` (int64, in range)."""
+        if self.sharding == "table":
+            return torch.full_like(ids, self.owner)
+        ends = torch.tensor([end for _, end in self.ranges[:-1]], dtype=ids.dtype, device=ids.device)
+        return torch.bucketize(ids, ends, right=True)
+
+    def config(self) -> dict:
+        """What every rank must agree on, checked on first use and carried (fingerprinted) by every exchange."""
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "sharding": self.sharding, "owner": self.owner if self.sharding == "table" else 0,
+                "mode": self.mode, "padding_idx": self.padding_idx, "sparse": self.sparse,
+                "dtype": self.weight.dtype, "world": self.world}
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding!r}, mode={self.mode!r}, "
+                f"padding_idx={self.padding_idx}, rows [{self.row_start}, {self.row_start + self.weight.shape[0]}) "
+                f"on rank {self.rank} of {self.world}")
+
+    # ---- forward ----
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``nn.Embedding``'s forward (``mode=None``) or ``nn.EmbeddingBag``'s (1-D ``input`` with ``offsets``, or
+        2-D ``input`` of fixed-size bags; ``per_sample_weights`` with ``mode="sum"``).
+
+        Raises:
+            EmbeddingInputError: on every rank, when any rank's input was refused.
+            MismatchError: on every rank, when the ranks' tables are configured differently.
+        """
+        return lookup([self], [(input, offsets, per_sample_weights)], self.group)[0]
+
+    # ---- state ----
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if _SHARDED_STATE[0]:
+            destination[prefix + "weight"] = self.weight if keep_vars else self.weight.detach()
+            destination[prefix + "row_start"] = torch.tensor(self.row_start)
+            destination[prefix + "num_embeddings"] = torch.tensor(self.num_embeddings)
+        else:
+            destination[prefix + "weight"] = self.full_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        weight = state_dict[key]
+        start_key, rows_key = prefix + "row_start", prefix + "num_embeddings"
+        if start_key in state_dict:  # a shard
+            start, total = int(state_dict[start_key]), int(state_dict[rows_key])
+            if (start, total) != (self.row_start, self.num_embeddings) or weight.shape != self.weight.shape:
+                error_msgs.append(f"fastdist: {key}: a shard of rows [{start}, {start + weight.shape[0]}) of "
+                                  f"{total} does not fit this rank's rows [{self.row_start}, "
+                                  f"{self.row_start + self.weight.shape[0]}) of {self.num_embeddings}; load "
+                                  "the full table to re-shard")
+                return
+            self._check_finite(weight, key)
+            with torch.no_grad():
+                self.weight.copy_(weight)
+            return
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(f"fastdist: {key}: expected the full table of shape "
+                              f"{[self.num_embeddings, self.embedding_dim]}, got {list(weight.shape)}")
+            return
+        self._load_full(weight)
+
+    def _check_finite(self, weight, what):
+        bad = ~torch.isfinite(weight).all(-1)
+        if bad.any():
+            rows = bad.nonzero().flatten()[:5].tolist()
+            raise ValueError(f"fastdist: ShardedEmbedding refuses {what} with NaN or infinite values (rows {rows}"
+                             f"{'...' if int(bad.sum()) > 5 else ''})")
+
+    def _load_full(self, weight: torch.Tensor) -> None:
+        rows = weight[self.row_start:self.row_start + self.weight.shape[0]]
+        self._check_finite(rows, "a weight")
+        with torch.no_grad():
+            self.weight.copy_(rows)
+
+    def full_weight(self) -> torch.Tensor:
+        """The full table on every rank (an all-gather of the shards: every rank must call it)."""
+        if self.world == 1:
+            return self.weight.detach().clone()
+        most = max(end - start for start, end in self.ranges)
+        padded = self.weight.new_zeros((most, self.embedding_dim))
+        padded[:self.weight.shape[0]] = self.weight.detach()
+        gathered = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return torch.cat([g[:end - start] for g, (start, end) in zip(gathered, self.ranges)])
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["group"] = None  # a process group does not pickle; rebind with attach()
+        return state
+
+    def attach(self, group: dist.ProcessGroup | None = None) -> None:
+        """Binds an unpickled table to ``group``, which must have the rank and size it was built for."""
+        rank, world = _group_world(group)
+        if (rank, world) != (self.rank, self.world):
+            raise ValueError(f"fastdist: ShardedEmbedding was built for rank {self.rank} of {self.world}, "
+                             f"the group has rank {rank} of {world}")
+        self.group = group
+
+
+_SHARDED_STATE = [False]
+
+
+class sharded_state_dict:  # noqa: N801  (a context manager used like a function)
+    """Inside ``with sharded_state_dict():``, every ShardedEmbedding's ``state_dict()`` holds its local shard
+    (``weight``, ``row_start``, ``num_embeddings``) instead of the gathered full table; ``load_state_dict`` takes
+    either form at any time."""
+
+    def __enter__(self):
+        self._previous = _SHARDED_STATE[0]
+        _SHARDED_STATE[0] = True
+        return self
+
+    def __exit__(self, *exc):
+        _SHARDED_STATE[0] = self._previous
+
+
+# ---- the exchange ----
+
+def _refusal(module, ids, offsets, psw):
+    """Why this rank's input for ``module`` cannot be looked up (None when it can), checked before any exchange
+    so that every rank learns of it in the same call."""
+    if not isinstance(ids, torch.Tensor):
+        return f"input must be a tensor of ids, got {type(ids).__name__}"
+    if ids.dtype not in _ID_DTYPES:
+        return f"ids must be int64 or int32, got {ids.dtype}"
+    if ids.device != module.weight.device:
+        return f"ids are on {ids.device}, the table on {module.weight.device}"
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0:
+            return f"ids must be >= 0, got {low}"
+        if high >= module.num_embeddings:
+            return f"ids must be < num_embeddings = {module.num_embeddings}, got {high}"
+    if module.mode is None:
+        if offsets is not None or psw is not None:
+            return "offsets and per_sample_weights are for bags (mode='sum' or 'mean')"
+        return None
+    if ids.dim() == 2:
+        if offsets is not None:
+            return "offsets must be None when the input is 2-D (fixed-size bags)"
+    elif ids.dim() == 1:
+        if offsets is None:
+            return "a 1-D input needs offsets"
+        if offsets.dim() != 1 or offsets.dtype not in _ID_DTYPES:
+            return f"offsets must be a 1-D int64/int32 tensor, got {offsets.dim()}-D {offsets.dtype}"
+        if offsets.numel() and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any())
+                                or int(offsets[-1]) > ids.numel()):
+            return "offsets must start at 0, not decrease, and not pass the input's length"
+    else:
+        return f"a bag input must be 1-D (with offsets) or 2-D, got {ids.dim()}-D"
+    if psw is not None:
+        if module.mode != "sum":
+            return "per_sample_weights need mode='sum'"
+        if psw.shape != ids.shape or psw.dtype != module.weight.dtype:
+            return (f"per_sample_weights must have the input's shape {list(ids.shape)} and the table's dtype "
+                    f"{module.weight.dtype}, got {list(psw.shape)} {psw.dtype}")
+    return None
+
+
+def _raise_refusals(mine, group, world, refused_ranks):
+    """Every rank raises EmbeddingInputError naming each refusing rank and its reason (one object all-gather, on
+    this error path only)."""
+    reasons = [None] * world
+    dist.all_gather_object(reasons, mine, group=group)
+    ranks = global_ranks(group)
+    shown = "; ".join(f"rank {ranks[r]}: {reasons[r]}" for r in refused_ranks)
+    raise EmbeddingInputError(f"fastdist: ShardedEmbedding refused a lookup ({shown})")
+
+
+def _configs(modules):
+    """The configurations one exchange checks: one table's fields, or {table name: fields}."""
+    if len(modules) == 1:
+        return modules[0].config()
+    return {getattr(m, "table_name", None) or str(i): m.config() for i, m in enumerate(modules)}
+
+
+def _check_header(modules, headers, group, world, my_refusal):
+    """Compares what every rank sent with this call: call numbers, table configurations, refusals."""
+    numbers, prints, codes = headers[:, 1].tolist(), headers[:, 2].tolist(), headers[:, 3].tolist()
+    if len(set(prints)) > 1:
+        # Name the differing fields: the same check_same every rank makes on first use.
+        check_same("ShardedEmbedding config", _configs(modules), group)
+        raise RuntimeError("fastdist: ShardedEmbedding: the ranks looked up different tables in one call")
+    modules[0].calls.check("ShardedEmbedding lookup", dict(zip(global_ranks(group), numbers)))
+    refused = [r for r, c in enumerate(codes) if c]
+    if refused:
+        _raise_refusals(my_refusal, group, world, refused)
+
+
+def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> list:
+    """Looks up several tables of one width in one exchange (three AlltoAlls in all).
+
+    Args:
+        modules: tables sharded over ``group``, all of one ``embedding_dim`` and dtype.
+        inputs: per table ``(ids, offsets, per_sample_weights)`` as its forward takes them.
+        group: their process group.
+
+    Returns:
+        Per table, what its forward returns.
+    """
+    world = modules[0].world
+    device = modules[0].weight.device
+    refusal = None
+    for m, (ids, offsets, psw) in zip(modules, inputs):
+        why = _refusal(m, ids, offsets, psw)
+        if why is not None:
+            refusal = f"table {m.num_embeddings}x{m.embedding_dim}: {why}"
+            break
+    if world > 1 and not all(m._checked for m in modules):
+        check_same("ShardedEmbedding config", _configs(modules), group)
+        for m in modules:
+            m._checked = True
+    if refusal is not None and world == 1:
+        raise EmbeddingInputError(f"fastdist: ShardedEmbedding refused a lookup ({refusal})")
+
+    # Unique ids per table, in one id space: table i's ids are offset by the rows of the tables before it.
+    uniques, inverses, owners, gid_parts, base = [], [], [], [], 0
+    for m, (ids, _, _) in zip(modules, inputs):
+        if refusal is None:
+            u, inv = torch.unique(ids.to(torch.int64), sorted=True, return_inverse=True)
+        else:  # this rank sends nothing and raises with the others after the header
+            u = inv = torch.zeros(0, dtype=torch.int64, device=device)
+        uniques.append(u)
+        gid_parts.append(u + base)
+        inverses.append(inv)
+        owners.append(m.owner_of(u))
+        base += m.num_embeddings
+    gids, owner = torch.cat(gid_parts), torch.cat(owners)
+    _, _, send_counts, permutation, row_of_slot, _, _ = moe_layout(owner.unsqueeze(1), world, world, -1)
+    send_ids = gids.index_select(0, permutation)
+    number = modules[0].calls.take()
+    if world > 1:
+        config_print = fingerprint(_configs(modules))
+        header = torch.tensor([[0, number, config_print, int(refusal is not None)]] * world, dtype=torch.int64)
+        header[:, 0] = send_counts.cpu()
+        received = torch.empty_like(header)
+        dist.all_to_all_single(received, header, group=group)
+        _check_header(modules, received, group, world, refusal)
+        send_splits, recv_splits = send_counts.tolist(), received[:, 0].tolist()
+        recv_ids = send_ids.new_empty(sum(recv_splits))
+        dist.all_to_all_single(recv_ids, send_ids, recv_splits, send_splits, group=group)
+    else:
+        send_splits = recv_splits = [send_ids.numel()]
+        recv_ids = send_ids
+    rows = _owner_rows(modules, recv_ids)
+    if world > 1:
+        rows = _AllToAll.apply(rows, send_splits, recv_splits, group, None, False)
+    by_unique = moe_unpermute(rows, row_of_slot.to(rows.device))
+    out, start = [], 0
+    for m, u, inv, (ids, offsets, psw) in zip(modules, uniques, inverses, inputs):
+        mine = by_unique[start:start + u.numel()]
+        start += u.numel()
+        out.append(_expand(m, mine, u, inv, ids, offsets, psw))
+    return out
+
+
+def _owner_rows(modules, recv_ids):
+    """The rows the owners read for the ids they received (in received order), through ``F.embedding`` on each
+    table's shard so that the shard's gradient is ``nn.Embedding``'s (sparse or dense, padding row left out)."""
+    base, pieces, positions = 0, [], []
+    for m in modules:
+        lo, hi = base + m.row_start, base + m.row_start + m.weight.shape[0]
+        base += m.num_embeddings
+        if len(modules) == 1:
+            where, local = None, recv_ids - lo
+        else:
+            where = ((recv_ids >= lo) & (recv_ids < hi)).nonzero().flatten()
+            local = recv_ids.index_select(0, where) - lo
+        pad = m.padding_idx - m.row_start if m.padding_idx is not None and m.owns(m.padding_idx) else None
+        pieces.append(F.embedding(local, m.weight, padding_idx=pad, sparse=m.sparse))
+        positions.append(where)
+    if len(modules) == 1:
+        return pieces[0]
+    rows = pieces[0].new_zeros((recv_ids.numel(), modules[0].embedding_dim))
+    return rows.index_copy(0, torch.cat(positions), torch.cat(pieces))
+
+
+def _expand(module, rows, unique, inverse, ids, offsets, psw):
+    """The batch's output from its unique rows: ``nn.Embedding``'s or ``nn.EmbeddingBag``'s semantics on the
+    small table of unique rows (the padding id, if looked up, keeps its role)."""
+    pad = None
+    if module.padding_idx is not None and unique.numel():
+        at = int(torch.searchsorted(unique, module.padding_idx))
+        if at < unique.numel() and int(unique[at]) == module.padding_idx:
+            pad = at
+    if module.mode is None:
+        return F.embedding(inverse.reshape(ids.shape), rows, padding_idx=pad)
+    return F.embedding_bag(inverse.reshape(ids.shape), rows, offsets, mode=module.mode,
+                           per_sample_weights=psw, padding_idx=pad)

@@ -1,0 +1,93 @@
+"""Rank functions of the embedding tests (spawned; each returns what the test body compares)."""
+import gc
+
+import torch
+import torch.distributed as dist
+from fastdist.distributed import MismatchError
+from fastdist.embedding import EmbeddingInputError, ShardedEmbedding
+
+DIM = 6
+
+
+def batch(case: dict, rank: int, step: int = 0):
+    """(ids, offsets, per_sample_weights, upstream gradient) of `rank` for `case`: a different batch per rank."""
+    g = torch.Generator().manual_seed(1000 * step + 17 * rank + case["seed"])
+    count = case["sizes"][rank] if "sizes" in case else 5 + 3 * rank
+    ids = torch.randint(0, case["rows"], (count,), generator=g)
+    if case.get("pad") is not None and count:
+        ids[0] = case["pad"]
+    offsets = psw = None
+    if case.get("mode"):
+        cuts = torch.randint(0, count + 1, (3,), generator=g).sort().values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts])
+        if case.get("psw"):
+            psw = torch.rand(count, generator=g)
+        bags = offsets.numel()
+    else:
+        ids = ids.reshape(-1, 1) if count else ids
+        bags = count
+    upstream = torch.randn(bags, DIM, generator=g)
+    return ids, offsets, psw, upstream
+
+
+def reference_table(case: dict) -> torch.nn.Module:
+    """The unsharded module the sharded one must equal, from the case's seed."""
+    torch.manual_seed(case["seed"])
+    if case.get("mode"):
+        return torch.nn.EmbeddingBag(case["rows"], DIM, mode=case["mode"], padding_idx=case.get("pad"),
+                                     sparse=case.get("sparse", False))
+    return torch.nn.Embedding(case["rows"], DIM, padding_idx=case.get("pad"), sparse=case.get("sparse", False))
+
+
+def lookups(cases: list) -> list:
+    """Per case: this rank's output, its shard's gradient (dense), and its row range."""
+    rank = dist.get_rank()
+    out = []
+    for case in cases:
+        table = ShardedEmbedding.from_embedding(reference_table(case))
+        ids, offsets, psw, upstream = batch(case, rank)
+        y = table(ids, offsets, psw) if case.get("mode") else table(ids)
+        (y.reshape(-1, DIM) * upstream).sum().backward()
+        grad = table.weight.grad
+        out.append({"y": y.detach(), "grad": grad.to_dense() if grad.is_sparse else grad,
+                    "sparse_grad": bool(grad.is_sparse), "start": table.row_start})
+    return out
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except (EmbeddingInputError, MismatchError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def refusals() -> dict:
+    """Each bad input on rank 1 only: what every rank raised. The group stays usable after each."""
+    rank = dist.get_rank()
+    table = ShardedEmbedding(11, DIM)
+    good = torch.tensor([0, 5, 10])
+    bad = {"out of range": torch.tensor([3, 11]), "negative": torch.tensor([-1, 2]),
+           "float ids": torch.tensor([1.0, 2.0])}
+    out = {name: _error_of(lambda ids=ids: table(ids if rank == 1 else good)) for name, ids in bad.items()}
+    out["after"] = table(good).shape  # the group still works
+    bags = ShardedEmbedding(11, DIM, mode="sum")
+    out["bad offsets"] = _error_of(lambda: bags(good, torch.tensor([1]) if rank == 1 else torch.tensor([0])))
+    dim = DIM + (rank == 1)
+    out["config"] = _error_of(lambda: ShardedEmbedding(11, dim)(good))
+    rows = 11 + (rank == 1)
+    out["config rows"] = _error_of(lambda: ShardedEmbedding(rows, DIM)(good))
+    return out
+
+
+def empty_batch_on_one_rank() -> dict:
+    """Rank 1 looks nothing up, in a plain and a bag table, forward and backward; the others do."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    table, bags = ShardedEmbedding(9, DIM), ShardedEmbedding(9, DIM, mode="mean")
+    ids = torch.tensor([1, 4, 8]) if rank != 1 else torch.zeros(0, dtype=torch.int64)
+    y = table(ids)
+    b = bags(ids, torch.tensor([0]))
+    (y.sum() + b.sum()).backward()
+    gc.collect()
+    return {"y": y.shape, "b": b.detach(), "grad": table.weight.grad.clone(), "start": table.row_start}

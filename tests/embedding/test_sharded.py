@@ -1,0 +1,116 @@
+"""ShardedEmbedding equals an unsharded nn.Embedding / nn.EmbeddingBag: outputs on every rank's own batch and the
+gradient of the whole table, on 2 and 4 ranks with uneven row counts; bad input on one rank raises on every rank in
+the same call; an empty batch on one rank works."""
+import pytest
+import torch
+from fastdist.distributed import spawn
+from fastdist.embedding import EmbeddingInputError, ShardedEmbedding
+from helpers import assert_close
+
+import ranks
+
+CASES = [
+    {"seed": 1, "rows": 13},                                              # 13 rows: uneven over 2 and 4 ranks
+    {"seed": 2, "rows": 13, "pad": 3, "sparse": True},
+    {"seed": 3, "rows": 10, "mode": "sum", "psw": True, "pad": 7},
+    {"seed": 4, "rows": 7, "mode": "mean", "sparse": True, "pad": 0},
+    {"seed": 5, "rows": 3},                                               # fewer rows than 4 ranks
+]
+
+
+def reference(case, world):
+    """Single process: the unsharded module on each rank's batch, one backward of the summed loss."""
+    table = ranks.reference_table(case)
+    outputs, loss = [], 0
+    for rank in range(world):
+        ids, offsets, psw, upstream = ranks.batch(case, rank)
+        y = table(ids, offsets, psw) if case.get("mode") else table(ids)
+        outputs.append(y.detach())
+        loss = loss + (y.reshape(-1, ranks.DIM) * upstream).sum()
+    loss.backward()
+    grad = table.weight.grad
+    return outputs, grad.to_dense() if grad.is_sparse else grad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_outputs_and_gradients_equal_unsharded_embedding(world):
+    results = spawn(ranks.lookups, world, CASES, backend="gloo", timeout=120)
+    for c, case in enumerate(CASES):
+        outputs, grad = reference(case, world)
+        shards = []
+        for rank, per_case in enumerate(results):
+            got = per_case[c]
+            assert_close(got["y"], outputs[rank], f"case {c} rank {rank} output", rtol=1e-6, atol=1e-6)
+            assert got["sparse_grad"] == case.get("sparse", False)
+            shards.append((got["start"], got["grad"]))
+        full = torch.cat([g for _, g in sorted(shards, key=lambda s: s[0])])
+        assert_close(full, grad, f"case {c} table gradient", rtol=1e-6, atol=1e-6)
+        if case.get("pad") is not None:
+            assert torch.count_nonzero(full[case["pad"]]) == 0
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank_naming_it():
+    results = spawn(ranks.refusals, 2, backend="gloo", timeout=120)
+    for rank, out in enumerate(results):
+        for name, needle in [("out of range", "ids must be < num_embeddings = 11, got 11"),
+                             ("negative", "ids must be >= 0, got -1"), ("float ids", "int64 or int32"),
+                             ("bad offsets", "offsets must start at 0")]:
+            kind, message = out[name]
+            assert kind == "EmbeddingInputError" and "rank 1:" in message and needle in message, (rank, name)
+            assert "rank 0:" not in message
+        assert out["after"] == torch.Size([3, ranks.DIM])
+        kind, message = out["config"]
+        assert kind == "MismatchError" and "embedding_dim" in message and "dtype" not in message
+        kind, message = out["config rows"]
+        assert kind == "MismatchError" and "num_embeddings" in message
+
+
+def test_empty_batch_on_one_rank_does_not_hang():
+    results = spawn(ranks.empty_batch_on_one_rank, 2, backend="gloo", timeout=60)
+    assert results[1]["y"] == torch.Size([0, ranks.DIM])
+    torch.manual_seed(0)
+    full = torch.cat([r["grad"] for r in sorted(results, key=lambda r: r["start"])])
+    want = torch.zeros(9, ranks.DIM)
+    want[[1, 4, 8]] = 1.0
+    assert_close(full, want, "gradient of the table")
+    assert_close(results[1]["b"], torch.zeros(1, ranks.DIM), "an empty mean bag is zero")
+
+
+def test_single_process_without_a_group_is_an_embedding():
+    ref = torch.nn.EmbeddingBag(20, 4, mode="mean", padding_idx=5)
+    table = ShardedEmbedding.from_embedding(ref)
+    ids = torch.tensor([[5, 1, 1], [19, 5, 0]])
+    assert_close(table(ids), ref(ids), "2-D bags")
+    with pytest.raises(EmbeddingInputError, match="ids must be < num_embeddings = 20, got 20"):
+        table(torch.tensor([[20]]))
+
+
+def test_non_finite_weights_are_refused_on_load():
+    ref = torch.nn.Embedding(8, 4)
+    with torch.no_grad():
+        ref.weight[6, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or infinite values \(rows \[6\]"):
+        ShardedEmbedding.from_embedding(ref)
+    table = ShardedEmbedding(8, 4)
+    with pytest.raises(ValueError, match="NaN"):
+        table.load_state_dict(ref.state_dict())
+
+
+def test_nan_gradient_propagates_as_in_nn_embedding():
+    ref = torch.nn.Embedding(8, 4)
+    table = ShardedEmbedding.from_embedding(ref)
+    ids = torch.tensor([1, 3, 3])
+    upstream = torch.ones(3, 4)
+    upstream[1, 2] = float("nan")
+    (ref(ids) * upstream).sum().backward()
+    (table(ids) * upstream).sum().backward()
+    assert_close(table.weight.grad, ref.weight.grad, "gradient with a NaN", equal_nan=True)
+    assert torch.isnan(table.weight.grad[3, 2])
+
+
+def test_state_dict_is_the_full_table_a_plain_embedding_loads():
+    table = ShardedEmbedding(12, 3, padding_idx=2)
+    plain = torch.nn.Embedding(12, 3, padding_idx=2)
+    plain.load_state_dict(table.state_dict())
+    assert_close(plain.weight, table.weight, "loaded table")
+    assert torch.count_nonzero(plain.weight[2]) == 0
