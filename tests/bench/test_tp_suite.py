@@ -32,24 +32,33 @@ def test_balanced_rates_are_positive_and_scale_with_the_bytes_moved():
     assert rate * compute_s == pytest.approx(8 * 4 * ring_share * batch * seq * hidden * 4)
 
 
-def test_cli_run_times_every_chunk_count_and_block_variant_and_predicts_each_op_time(tmp_path):
+def test_cli_run_times_every_variant_beside_torch_dtensor_tp_after_checking_outputs_against_unsharded(tmp_path):
     out, png = tmp_path / "tp.json", tmp_path / "tp.png"
     cmd = [sys.executable, "-m", "fastdist.bench", "tp", "--net", "loopback", "--op-shape", "64,64,32",
-           "--block", "32,2,8,2", "--reps", "2", "--op-reps", "2", "--warmup", "0", "--json", str(out), "--plot",
-           str(png)]
+           "--block", "32,2,8,2", "--mlp", "16,32,64", "--reps", "2", "--op-reps", "2", "--warmup", "0",
+           "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "loopback" in proc.stdout and "model error (%)" in proc.stdout
+    assert "loopback" in proc.stdout and "model error (%)" in proc.stdout and "vs DTensor" in proc.stdout
+    assert "unwaited collective" not in proc.stderr  # DTensor's results are waited for inside the timed call
     result = json.loads(out.read_text())
     assert result["env"]["ranks"] == 2 and png.stat().st_size > 0
-    op_run = next(r for r in result["runs"] if r["part"] == "op")
-    block_run = next(r for r in result["runs"] if r["part"] == "block")
-    assert [r["k"] for r in op_run["op_rows"]] == ["1", "2", "4", "8", "auto"]
-    for r in op_run["op_rows"]:
-        assert len(r["samples_ms"]) == 2 and r["time_ms"] > 0 and r["predicted_ms"] > 0
-    assert op_run["op_rows"][-1]["chunks"] in (1, 2, 4, 8)
-    assert [r["variant"] for r in block_run["block_rows"]] == tp.BLOCK_VARIANTS
-    assert all(r["time_ms"] > 0 and len(r["samples_ms"]) == 2 for r in block_run["block_rows"])
+    runs = {r["part"]: r for r in result["runs"]}
+    assert list(runs) == tp.PARTS
+    op_rows = runs["op"]["op_rows"]
+    assert [r["k"] for r in op_rows] == ["1", "2", "4", "8", "auto", tp.OP_PEER]
+    for r in op_rows:
+        assert len(r["samples_ms"]) == 2 and r["time_ms"] > 0
+    assert all(r["predicted_ms"] > 0 for r in op_rows[:-1]) and op_rows[-1]["predicted_ms"] is None
+    assert op_rows[4]["chunks"] in (1, 2, 4, 8)
+    assert [r["variant"] for r in runs["mlp"]["mlp_rows"]] == tp.MLP_VARIANTS
+    assert [r["variant"] for r in runs["block"]["block_rows"]] == tp.BLOCK_VARIANTS
+    assert "dtensor" in tp.MLP_VARIANTS and {"dtensor", "dtensor+recompute"} <= set(tp.BLOCK_VARIANTS)
+    for r in runs["mlp"]["mlp_rows"] + runs["block"]["block_rows"]:
+        assert r["time_ms"] > 0 and len(r["samples_ms"]) == 2
+    # Every variant, DTensor's included, computed the unsharded module's output (and input gradient) first.
+    for r in op_rows + runs["mlp"]["mlp_rows"] + runs["block"]["block_rows"]:
+        assert 0 <= r["max_error"] <= tp.CHECK_TOLERANCE
 
 
 def test_gemm_check_times_one_gemm_and_its_2_4_8_chunk_splits():

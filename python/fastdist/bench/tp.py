@@ -18,14 +18,26 @@ on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the
               (OverlappedTransformerBlock: two sub-batches, one collective in flight), each without and with
               recompute (Megatron and chunked: torch.utils.checkpoint of the block; Oases: its own recompute,
               which keeps the reduced outputs).
+  MLP         forward + backward of a column -> row MLP (--mlp tokens,hidden,ffn; GeLU): Megatron-style (k = 1)
+              and chunked (auto) fastdist linears.
 
-Speed-ups are against k = 1 (op) and the Megatron-style block with the same recompute setting. Without root
-(no simulated cluster) it runs on loopback and says so.
+The peer a user would pick instead runs in the same interleaving on the same weights and inputs: torch's DTensor
+tensor parallelism (init_device_mesh over the run's gloo group, parallelize_module with ColwiseParallel /
+RowwiseParallel): the row op as one RowwiseParallel linear, the MLP and the block (plain GPTBlock, its qkv and fc1
+column-wise, proj and fc2 row-wise; with recompute: torch.utils.checkpoint of it). Before timing, every variant's
+output (and, for the MLP and block, its input gradient) is checked against the unsharded module on the same
+input; a variant off by more than CHECK_TOLERANCE (relative to the reference's largest value) stops the run.
+
+Speed-ups are against k = 1 (op) and the Megatron-style MLP and block with the same recompute setting; "vs
+DTensor" is DTensor's time over the variant's. Without root (no simulated cluster) it runs on loopback and says
+so.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
+import os
 import random
 import re
 import statistics
@@ -45,7 +57,14 @@ from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, p
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
-BLOCK_VARIANTS = ["megatron", "chunked", "oases", "megatron+recompute", "chunked+recompute", "oases+recompute"]
+OP_PEER = "dtensor"
+"""The row op's DTensor row: a RowwiseParallel linear, timed beside the k values."""
+MLP_VARIANTS = ["megatron", "chunked", "dtensor"]
+BLOCK_VARIANTS = ["megatron", "chunked", "oases", "dtensor", "megatron+recompute", "chunked+recompute",
+                  "oases+recompute", "dtensor+recompute"]
+PARTS = ["op", "mlp", "block"]
+CHECK_TOLERANCE = 1e-4
+"""Largest |variant - unsharded| over the unsharded result's largest |value| that a variant may show (float32)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,11 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="row op M,K,N (full K; default 2048,2048,1024)")
     p.add_argument("--block", type=shape_type(4), default="768,12,128,8",
                    help="GPT block hidden,heads,seq,batch (default 768,12,128,8)")
+    p.add_argument("--mlp", type=shape_type(3), default="1024,512,2048",
+                   help="column -> row MLP tokens,hidden,ffn (default 1024,512,2048)")
+    p.add_argument("--parts", type=comma_list(choices=PARTS), default=",".join(PARTS),
+                   help="which parts to run, a comma list of " + ",".join(PARTS) + " (default all)")
     p.add_argument("--reps", type=at_least(1), default=15, help="timed repetitions per block variant, >= 5 for a claim")
     p.add_argument("--op-reps", type=at_least(1), default=45,
                    help="timed repetitions per row-op variant (cheap, and its k = 1 vs auto comparison is a few %%)")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions of every variant first")
-    p.add_argument("--skip-block", action="store_true", help="only the row-parallel op")
+    p.add_argument("--skip-block", action="store_true", help="leave the GPT block out of --parts")
     p.add_argument("--gemm-check", type=shape_type(3), metavar="M,K,N", default=None,
                    help="only measure what splitting one GEMM into 2, 4, 8 row chunks costs on this process's "
                         "device (CUDA: bf16, events, L2 flushed; CPU: fp32), e.g. 8192,8192,8192")
@@ -88,7 +111,51 @@ def _interleaved(variants, reps, warmup, bar, label):
     return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
 
 
-def _op_variants(config, model):
+def _dtensor_mesh():
+    """A one-dimensional CPU device mesh over the run's (default, gloo) process group, for torch's DTensor TP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _dtensor(module, plan, mesh):
+    """`module` made tensor-parallel by torch's parallelize_module: `plan` maps submodule paths (or "" for the
+    module itself) to "colwise" / "rowwise"."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if "" in plan:
+        return parallelize_module(module, mesh, styles[plan[""]]())
+    return parallelize_module(module, mesh, {path: styles[kind]() for path, kind in plan.items()})
+
+
+def _ready(t):
+    """`t` once every collective that produces it is complete: DTensor's collectives are functional ones whose
+    result (an AsyncCollectiveTensor) is waited for only where it is read, so a timed call must read it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def _relative_error(got, want):
+    return float((got.detach() - want.detach()).abs().max() / want.detach().abs().max().clamp_min(1e-30))
+
+
+def _check_against(reference, outputs):
+    """{name: largest relative error over the ranks} of each variant's tensors against the reference's (the same
+    tuple of tensors: output, then input gradient); raises on every rank when one is off by more than
+    CHECK_TOLERANCE."""
+    names = list(outputs)
+    mine = [max(_relative_error(g, w) for g, w in zip(outputs[n], reference)) for n in names]
+    errors = dict(zip(names, all_max(mine)))
+    bad = {n: e for n, e in errors.items() if not e <= CHECK_TOLERANCE}
+    if bad:
+        raise RuntimeError("fastdist-bench tp: outputs differ from the unsharded module's by more than "
+                           f"{CHECK_TOLERANCE:g} (relative): " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
+    return errors
+
+
+def _op_variants(config, model, mesh):
     from fastdist.tp import RowParallelLinear, chunk_bounds
 
     m, k_full, n = config["op_shape"]
@@ -96,12 +163,13 @@ def _op_variants(config, model):
     full = torch.nn.Linear(k_full, n)
     layers = {k: RowParallelLinear.from_linear(full, None, overlap_chunks=k,
                                                cost_model=model if k == "auto" else None) for k in OP_KS}
-    x = torch.randn(m, layers[1].in_per_rank)
+    x = torch.randn(m, layers[1].in_per_rank)  # the same on every rank: the full input is it repeated t times
+    peer = _dtensor(copy.deepcopy(full), {"": "rowwise"}, mesh)
 
     def forward_of(layer):
         def call():
             with torch.no_grad():
-                layer(x)
+                return _ready(layer(x))
         return call
 
     out = torch.empty(m, n)
@@ -115,15 +183,69 @@ def _op_variants(config, model):
         return call
 
     variants = {f"k={k}": forward_of(layer) for k, layer in layers.items()}
+    variants[OP_PEER] = forward_of(peer)
+    with torch.no_grad():
+        reference = (full(x.repeat(1, dist.get_world_size())),)
+    errors = _check_against(reference, {name: (call(),) for name, call in variants.items()})
     variants.update({f"gemm k={k}": gemm_only(k) for k in GEMM_ONLY_KS})
-    return variants, layers["auto"].chunks_for(m)
+    return variants, layers["auto"].chunks_for(m), errors
 
 
-def _block_variants(config, model):
-    import copy
-
+def _step(module, x, checkpointed=False):
+    """One training step of `module` on `x` (fresh gradients); returns (output, input gradient)."""
     from torch.utils.checkpoint import checkpoint
 
+    def call():
+        module.zero_grad(set_to_none=True)
+        xs = x.detach().requires_grad_()
+        y = checkpoint(module, xs, use_reentrant=False) if checkpointed else module(xs)
+        y.sum().backward()
+        return y, _ready(xs.grad)
+    return call
+
+
+class _MLP(torch.nn.Module):
+    """fc1, GeLU (tanh), fc2: the MLP of a GPT block, as a user writes it."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(hidden, ffn)
+        self.fc2 = torch.nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x), approximate="tanh"))
+
+
+class _FastdistMLP(torch.nn.Module):
+    """`_MLP` as fastdist's column -> row linears (the GeLU fused into the column layer's epilogue)."""
+
+    def __init__(self, mlp, chunks, model):
+        super().__init__()
+        from fastdist.tp import ColumnParallelLinear, RowParallelLinear
+
+        cost = model if chunks == "auto" else None
+        self.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, None, activation="gelu_tanh", overlap_chunks=chunks,
+                                                    cost_model=cost)
+        self.fc2 = RowParallelLinear.from_linear(mlp.fc2, None, input_is_parallel=True, overlap_chunks=chunks,
+                                                 cost_model=cost)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def _mlp_variants(config, model, mesh):
+    tokens, hidden, ffn = config["mlp"]
+    torch.manual_seed(2)
+    ref = _MLP(hidden, ffn)
+    x = torch.randn(tokens, hidden)
+    modules = {"megatron": _FastdistMLP(ref, 1, model), "chunked": _FastdistMLP(ref, "auto", model),
+               "dtensor": _dtensor(copy.deepcopy(ref), {"fc1": "colwise", "fc2": "rowwise"}, mesh)}
+    variants = {name: _step(modules[name], x) for name in MLP_VARIANTS}
+    errors = _check_against(_step(ref, x)(), {name: call() for name, call in variants.items()})
+    return variants, errors
+
+
+def _block_variants(config, model, mesh):
     from fastdist.tp import GPTBlock, OverlappedTransformerBlock, parallelize
 
     hidden, heads, seq, batch = config["block"]
@@ -134,17 +256,35 @@ def _block_variants(config, model):
     chunked = parallelize(copy.deepcopy(ref), None, overlap_chunks="auto", cost_model=model)
     oases = OverlappedTransformerBlock.from_block(ref, None, recompute=False)
     oases_recompute = OverlappedTransformerBlock.from_block(ref, None, recompute=True)
+    # GPTBlock's qkv output is head-major, so DTensor's contiguous column shard holds whole heads, and its attention
+    # takes the head count from the width it is given.
+    peer = _dtensor(copy.deepcopy(ref), {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise",
+                                         "mlp.fc2": "rowwise"}, mesh)
+    variants = {"megatron": _step(megatron, x), "chunked": _step(chunked, x), "oases": _step(oases, x),
+                "dtensor": _step(peer, x), "megatron+recompute": _step(megatron, x, True),
+                "chunked+recompute": _step(chunked, x, True), "oases+recompute": _step(oases_recompute, x),
+                "dtensor+recompute": _step(peer, x, True)}
+    errors = _check_against(_step(ref, x)(), {name: call() for name, call in variants.items()})
+    return variants, errors
 
-    def step(block, checkpointed):
-        def call():
-            xs = x.detach().requires_grad_()
-            y = checkpoint(block, xs, use_reentrant=False) if checkpointed else block(xs)
-            y.sum().backward()
-        return call
 
-    return {"megatron": step(megatron, False), "chunked": step(chunked, False), "oases": step(oases, False),
-            "megatron+recompute": step(megatron, True), "chunked+recompute": step(chunked, True),
-            "oases+recompute": step(oases_recompute, False)}
+def _part_shape(config):
+    """The (M, K / t, N) row-parallel GEMM the part's cost model is calibrated on: the row op's, the MLP's fc2 or
+    the block's fc2."""
+    world = dist.get_world_size()
+    if config["part"] == "mlp":
+        tokens, hidden, ffn = config["mlp"]
+        return tokens, ffn // world, hidden
+    if config["part"] == "block":
+        hidden, _, seq, batch = config["block"]
+        return batch * seq, 4 * hidden // world, hidden
+    m, k_full, n = config["op_shape"]
+    return m, k_full // world, n
+
+
+def _rows(samples, names, key, errors):
+    return [{key: name, "samples_ms": [s * 1e3 for s in samples[name]], "time_ms": statistics.median(samples[name]) * 1e3,
+             "max_error": errors[name]} for name in names]
 
 
 def bench_rank(config: dict) -> Any:
@@ -153,36 +293,40 @@ def bench_rank(config: dict) -> Any:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     core = pin_to_core(rank)
-    m, k_full, n = config["op_shape"]
-    k_local = k_full // world
-    model = CostModel.calibrate(None, shapes=((m, k_local, n),), reps=5)
-    per_rep = len(OP_KS) + len(GEMM_ONLY_KS) if config["part"] == "op" else len(BLOCK_VARIANTS)
-    reps = config["op_reps"] if config["part"] == "op" else config["reps"]
-    steps = (config["warmup"] + reps) * per_rep
-    bar = progress(steps, f"tp {config['part']} {config['label']}", enabled=rank == 0)
-    op_rows, block_rows, gemm_rows = [], [], []
-    if config["part"] == "op":
-        variants, auto_k = _op_variants(config, model)
-        op_samples = _interleaved(variants, reps, config["warmup"], bar, "op")
+    part = config["part"]
+    shape = _part_shape(config)
+    model = CostModel.calibrate(None, shapes=(shape,), reps=5)
+    mesh = _dtensor_mesh()
+    reps = config["op_reps"] if part == "op" else config["reps"]
+    op_rows, mlp_rows, block_rows, gemm_rows = [], [], [], []
+    if part == "op":
+        variants, auto_k, errors = _op_variants(config, model, mesh)
+    elif part == "mlp":
+        variants, errors = _mlp_variants(config, model, mesh)
+    else:
+        variants, errors = _block_variants(config, model, mesh)
+    bar = progress((config["warmup"] + reps) * len(variants), f"tp {part} {config['label']}", enabled=rank == 0)
+    samples = _interleaved(variants, reps, config["warmup"], bar, part)
+    if part == "op":
+        m, k_local, n = shape
         for k in OP_KS:
             kk = auto_k if k == "auto" else k
-            op_rows.append({"k": str(k), "chunks": kk, "samples_ms": [s * 1e3 for s in op_samples[f"k={k}"]],
-                            "time_ms": statistics.median(op_samples[f"k={k}"]) * 1e3,
-                            "predicted_ms": model.predict(TPOp("row", m, k_local, n, world), kk) * 1e3})
-        gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in op_samples[f"gemm k={k}"]],
-                      "time_ms": statistics.median(op_samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
+            op_rows.append({"k": str(k), "chunks": kk, "samples_ms": [s * 1e3 for s in samples[f"k={k}"]],
+                            "time_ms": statistics.median(samples[f"k={k}"]) * 1e3,
+                            "predicted_ms": model.predict(TPOp("row", m, k_local, n, world), kk) * 1e3,
+                            "max_error": errors[f"k={k}"]})
+        op_rows += [{**r, "chunks": None, "predicted_ms": None} for r in _rows(samples, [OP_PEER], "k", errors)]
+        gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in samples[f"gemm k={k}"]],
+                      "time_ms": statistics.median(samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
+    elif part == "mlp":
+        mlp_rows = _rows(samples, MLP_VARIANTS, "variant", errors)
     else:
-        block_samples = _interleaved(_block_variants(config, model), reps, config["warmup"], bar,
-                                     "block")
-        for name in BLOCK_VARIANTS:
-            block_rows.append({"variant": name, "samples_ms": [s * 1e3 for s in block_samples[name]],
-                               "time_ms": statistics.median(block_samples[name]) * 1e3})
-    lone_gemm = model.gemm_time(m, k_local, n)
-    lone_comm = model.allreduce_time(m * n * 4, world)
-    result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "block_rows": block_rows, "core": core,
-              "cost_model": model.state_dict(),
-              "cost_model_repr": repr(model), "gemm_ms": lone_gemm * 1e3, "allreduce_ms": lone_comm * 1e3,
-              "calibration": model.samples}
+        block_rows = _rows(samples, BLOCK_VARIANTS, "variant", errors)
+    m, k_local, n = shape
+    result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "mlp_rows": mlp_rows, "block_rows": block_rows,
+              "core": core, "calibration_shape": list(shape), "cost_model": model.state_dict(),
+              "cost_model_repr": repr(model), "gemm_ms": model.gemm_time(m, k_local, n) * 1e3,
+              "allreduce_ms": model.allreduce_time(m * n * 4, world) * 1e3, "calibration": model.samples}
     return result if rank == 0 else None
 
 
@@ -210,6 +354,20 @@ def block_balanced_rate(block: Sequence[int], world: int) -> tuple[float, float]
     with report.torch_threads(1):
         compute_s = time_fn(lambda: ref(x.requires_grad_()).sum().backward(), reps=3, warmup=2).median / world
     wire = 4 * 2 * (world - 1) / world * batch * seq * hidden * 4
+    return 8 * wire / compute_s, compute_s
+
+
+def mlp_balanced_rate(mlp: Sequence[int], world: int) -> tuple[float, float]:
+    """(bit/s, compute s): the rate at which an MLP step's 2 all-reduces of [tokens, hidden] float32 (fc2's output,
+    fc1's input gradient) take as long as its compute, the single-process MLP's forward + backward on one core
+    over t."""
+    tokens, hidden, ffn = mlp
+    torch.manual_seed(0)
+    ref = _MLP(hidden, ffn)
+    x = torch.randn(tokens, hidden)
+    with report.torch_threads(1):
+        compute_s = time_fn(lambda: ref(x.requires_grad_()).sum().backward(), reps=3, warmup=2).median / world
+    wire = 2 * 2 * (world - 1) / world * tokens * hidden * 4
     return 8 * wire / compute_s, compute_s
 
 
@@ -268,16 +426,22 @@ def run(args: argparse.Namespace) -> dict | None:
         print(report.format_table(["chunks", "time(ms)", "vs one GEMM"],
                                   [[r["k"], r["time_ms"], f"{r['overhead_pct']:+.1f}%"] for r in result["rows"]]))
         return {"suite": "tp", "gemm_check": result, "runs": []}
-    op_shape, block, world = args.op_shape, args.block, args.ranks
-    if op_shape[1] % world or block[1] % world or block[0] % block[1] or block[3] < 2:
-        raise SystemExit("fastdist-bench tp: K, heads must divide by --ranks; hidden by heads; block batch >= 2")
-    parts = ["op"] + ([] if args.skip_block else ["block"])
+    op_shape, block, mlp, world = args.op_shape, args.block, args.mlp, args.ranks
+    if op_shape[1] % world or block[1] % world or block[0] % block[1] or block[3] < 2 or mlp[2] % world:
+        raise SystemExit("fastdist-bench tp: K, heads and the MLP's ffn must divide by --ranks; hidden by heads; "
+                         "block batch >= 2")
+    parts = [p for p in PARTS if p in args.parts and not (p == "block" and args.skip_block)]
     plan = []  # (part, label, net)
     if args.net == "auto":
         op_rate, gemm_s = op_balanced_rate(op_shape, world)
         print(f"# op balanced rate {netsim.format_rate(op_rate)}: the all-reduce of the {op_shape[0]}x{op_shape[2]} "
               f"float32 output takes as long as its GEMM ({gemm_s * 1e3:.2f} ms on one core)")
         rates = {"op": op_rate}
+        if "mlp" in parts:
+            mlp_rate, compute_s = mlp_balanced_rate(mlp, world)
+            print(f"# MLP balanced rate {netsim.format_rate(mlp_rate)}: 2 all-reduces of the MLP's activation take "
+                  f"as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per rank on one core)")
+            rates["mlp"] = mlp_rate
         if "block" in parts:
             block_rate, compute_s = block_balanced_rate(block, world)
             print(f"# block balanced rate {netsim.format_rate(block_rate)}: 4 all-reduces of the block's activation "
@@ -291,7 +455,7 @@ def run(args: argparse.Namespace) -> dict | None:
     runs = []
     env = None
     for part, label, net in plan:
-        config = {"op_shape": op_shape, "block": block, "reps": args.reps, "op_reps": args.op_reps,
+        config = {"op_shape": op_shape, "block": block, "mlp": mlp, "reps": args.reps, "op_reps": args.op_reps,
                   "warmup": args.warmup, "part": part,
                   "label": label}
         launch = run_ranks(bench_rank, config, ranks=world, net=net, delay=args.delay, timeout=args.timeout,
@@ -301,12 +465,12 @@ def run(args: argparse.Namespace) -> dict | None:
         env = env or report.environment(backend=launch.backend, device="cpu", ranks=launch.world,
                                         network=launch.network)
         runs.append({"part": part, "label": label, "net": net, "network": launch.network,
-                     "link_gbps": launch.link_gbps, **launch.result})
+                     "link_gbps": launch.link_gbps, "load_average": list(os.getloadavg()), **launch.result})
     env["network"] = "; ".join(sorted({r["network"] for r in runs}))
     print(report.format_environment(env))
     print(f"# ranks pinned to one core each, 1 torch thread; medians of {args.op_reps} (row op) and {args.reps} "
-          f"(block) interleaved repetitions")
-    result = {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "reps": args.reps,
+          f"(MLP, block) interleaved repetitions; every variant's output checked against the unsharded module")
+    result = {"suite": "tp", "env": env, "op_shape": op_shape, "block": block, "mlp": mlp, "reps": args.reps,
               "op_reps": args.op_reps, "runs": runs}
     for r in runs:
         if r["op_rows"]:
@@ -321,75 +485,118 @@ def _network_rate(net: str) -> str:
     return m.group(1) if m else (net or "-")
 
 
+def _vs(rows: list[dict], key: str, name: str) -> float | None:
+    """The time of the row whose `key` is `name` (None when the recording has no such row)."""
+    return next((r["time_ms"] for r in rows if r[key] == name), None)
+
+
+def _ratio(numerator: float | None, r: dict) -> float | None:
+    return None if numerator is None else numerator / r["time_ms"]
+
+
+ERROR_COLUMN = col("error vs unsharded", lambda r: r.get("max_error"), report.scientific(1))
+"""Each variant's largest deviation from the unsharded module, relative to its largest value (checked before
+timing)."""
+
+
+def _where(run: dict) -> str:
+    load = run.get("load_average")
+    return (f"{run['label']}, {_network_rate(run['network'])}"
+            + (f", load average {load[0]:.1f} at the end" if load else ""))
+
+
 def tables(result: dict) -> list[report.Part]:
-    """The row op's and the GPT block's table per network of `result` (its JSON payload), printed by `run` and
-    shown in the docs."""
+    """The row op's, the MLP's and the GPT block's table per network of `result` (its JSON payload), printed by
+    `run` and shown in the docs."""
     parts = []
     for run in result["runs"]:
-        where = f"{run['label']}, {_network_rate(run['network'])}"
+        where = _where(run)
         if run.get("op_rows"):
-            base = run["op_rows"][0]["time_ms"]
-            columns = [col("chunks k", lambda r: f"{r['k']} ({r['chunks']})" if r["k"] == "auto" else r["k"],
-                           numeric=False),
+            rows = run["op_rows"]
+            base, peer = rows[0]["time_ms"], _vs(rows, "k", OP_PEER)
+
+            def chunks(r: dict) -> str:
+                return {"auto": f"auto ({r['chunks']})", OP_PEER: "DTensor (torch)"}.get(r["k"], r["k"])
+
+            columns = [col("chunks k", chunks, numeric=False),
                        col("time (ms)", "time_ms", fixed(1)),
                        col("vs k=1", lambda r, base=base: base / r["time_ms"], times(2)),
+                       col("vs DTensor", lambda r, peer=peer: _ratio(peer, r), times(2)),
                        col("predicted (ms)", "predicted_ms", fixed(1)),
-                       col("model error (%)", lambda r: r["predicted_ms"] / r["time_ms"] - 1, percent(0, signed=True))]
+                       col("model error (%)", lambda r: None if r["predicted_ms"] is None
+                           else r["predicted_ms"] / r["time_ms"] - 1, percent(0, signed=True)),
+                       ERROR_COLUMN]
             gemm = ", ".join(f"k={g['k']} {g['time_ms']:.1f} ms" for g in run.get("gemm_rows") or [])
             shape = "x".join(map(str, result["op_shape"]))
-            parts.append(report.Part(f"op-{run['net']}", columns, run["op_rows"],
+            parts.append(report.Part(f"op-{run['net']}", columns, rows,
                                      f"Row-parallel op {shape}, {where}; median of {result['op_reps']}.",
                                      [f"the GEMMs alone (no collective): {gemm}"] if gemm else []))
+        if run.get("mlp_rows"):
+            rows = run["mlp_rows"]
+            base, peer = _vs(rows, "variant", "megatron"), _vs(rows, "variant", "dtensor")
+            columns = [col("column -> row MLP", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+                       col("vs Megatron", lambda r, base=base: base / r["time_ms"], times(2)),
+                       col("vs DTensor", lambda r, peer=peer: peer / r["time_ms"], times(2)), ERROR_COLUMN]
+            tokens, hidden, ffn = result["mlp"]
+            parts.append(report.Part(f"mlp-{run['net']}", columns, rows,
+                                     f"Column -> row MLP ({tokens} tokens, hidden {hidden}, ffn {ffn}, GeLU), {where}; "
+                                     f"median of {result['reps']}."))
         if run.get("block_rows"):
-            by_variant = {r["variant"]: r["time_ms"] for r in run["block_rows"]}
+            rows = run["block_rows"]
 
-            def vs_megatron(r: dict, by_variant: dict = by_variant) -> float:
-                return by_variant["megatron+recompute" if "+" in r["variant"] else "megatron"] / r["time_ms"]
+            def against(name: str, rows: list[dict] = rows):
+                def ratio(r: dict) -> float | None:
+                    return _ratio(_vs(rows, "variant", name + ("+recompute" if "+" in r["variant"] else "")), r)
+                return ratio
 
             columns = [col("GPT block", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
-                       col("vs Megatron", vs_megatron, times(2))]
+                       col("vs Megatron", against("megatron"), times(2)),
+                       col("vs DTensor", against("dtensor"), times(2)), ERROR_COLUMN]
             shape = ", ".join(f"{k} {v}" for k, v in zip(("hidden", "heads", "seq", "batch"), result["block"]))
-            parts.append(report.Part(f"block-{run['net']}", columns, run["block_rows"],
+            parts.append(report.Part(f"block-{run['net']}", columns, rows,
                                      f"GPT block ({shape}), {where}; median of {result['reps']}; +recompute rows "
-                                     "against Megatron with checkpointing."))
+                                     "against Megatron (DTensor) with checkpointing."))
     return parts
+
+
+def _bars(ax, runs: list[dict], key: str, label_key: str, ylabel: str, title: str) -> None:
+    """One bar per variant and run (a group per variant), the runs side by side."""
+    width = 0.8 / max(len(runs), 1)
+    for i, r in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(r[key]))]
+        ax.bar(xs, [row["time_ms"] for row in r[key]], width, label=f"{r['label']} ({r['net']})")
+        if key == "op_rows":
+            predicted = [(x, row["predicted_ms"]) for x, row in zip(xs, r[key]) if row.get("predicted_ms")]
+            ax.scatter([p[0] for p in predicted], [p[1] for p in predicted], color="black", marker="_", s=200,
+                       label="predicted" if i == 0 else None, zorder=3)
+    if runs:
+        ax.set_xticks(range(len(runs[0][key])))
+        ax.set_xticklabels([str(row[label_key]) for row in runs[0][key]], rotation=20, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
 
 
 def plot(result: dict, path: str) -> None:
     """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     if not result["runs"]:
         raise SystemExit("fastdist-bench tp: --gemm-check has no plot; use --json")
-    op_runs = [r for r in result["runs"] if r["op_rows"]]
-    block_runs = [r for r in result["runs"] if r["block_rows"]]
-    _, fig, axes = report.subplots(1, 2, figsize=(12, 4.5))
-    ax = axes[0]
-    runs = op_runs
-    width = 0.8 / len(runs)
-    for i, r in enumerate(runs):
-        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(r["op_rows"]))]
-        ax.bar(xs, [row["time_ms"] for row in r["op_rows"]], width, label=f"{r['label']} ({r['net']}) measured")
-        ax.scatter(xs, [row["predicted_ms"] for row in r["op_rows"]], color="black", marker="_", s=200,
-                   label="predicted" if i == 0 else None, zorder=3)
-    ax.set_xticks(range(len(runs[0]["op_rows"])))
-    ax.set_xticklabels([f"k={row['k']}" for row in runs[0]["op_rows"]])
-    m, k, n = result["op_shape"]
-    ax.set_ylabel("row-parallel forward (ms, median)")
-    ax.set_title(f"row op {m}x{k}x{n} fp32", fontsize=9)
-    ax.legend(fontsize=8)
-    ax = axes[1]
-    runs = block_runs
-    width = 0.8 / max(len(runs), 1)
-    for i, r in enumerate(runs):
-        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(r["block_rows"]))]
-        ax.bar(xs, [row["time_ms"] for row in r["block_rows"]], width, label=f"{r['label']} ({r['net']})")
-    ax.set_xticks(range(len(BLOCK_VARIANTS)))
-    ax.set_xticklabels(BLOCK_VARIANTS, rotation=20, fontsize=8)
-    ax.set_ylabel("GPT block fwd+bwd (ms, median)")
-    h, heads, seq, batch = result["block"]
-    ax.set_title(f"block hidden {h}, {heads} heads, seq {seq}, batch {batch}", fontsize=9)
-    ax.legend(fontsize=8)
+    panels = [key for key in ("op_rows", "mlp_rows", "block_rows") if any(r.get(key) for r in result["runs"])]
+    _, fig, axes = report.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        runs = [r for r in result["runs"] if r.get(key)]
+        if key == "op_rows":
+            m, k, n = result["op_shape"]
+            _bars(ax, runs, key, "k", "row-parallel forward (ms, median)", f"row op {m}x{k}x{n} fp32 (k, or DTensor)")
+        elif key == "mlp_rows":
+            tokens, hidden, ffn = result["mlp"]
+            _bars(ax, runs, key, "variant", "MLP fwd+bwd (ms, median)",
+                  f"column -> row MLP, {tokens} tokens, hidden {hidden}, ffn {ffn}")
+        else:
+            h, heads, seq, batch = result["block"]
+            _bars(ax, runs, key, "variant", "GPT block fwd+bwd (ms, median)",
+                  f"block hidden {h}, {heads} heads, seq {seq}, batch {batch}")
     env = result["env"]
     kind = "simulated links" if any(r["link_gbps"] for r in result["runs"]) else "loopback"
-    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}",
-                 fontsize=9)
+    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}; DTensor: torch's TP", fontsize=9)
     report.save_figure(fig, path)
