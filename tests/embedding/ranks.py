@@ -91,3 +91,37 @@ def empty_batch_on_one_rank() -> dict:
     (y.sum() + b.sum()).backward()
     gc.collect()
     return {"y": y.shape, "b": b.detach(), "grad": table.weight.grad.clone(), "start": table.row_start}
+
+
+OPTIMIZERS = {
+    # name: (fastdist's row-wise optimizer or torch's on the shard, the torch optimizer on the unsharded table)
+    "rowwise-sgd": ("RowWiseSGD", torch.optim.SGD, {"lr": 0.5}),
+    "rowwise-adagrad": ("RowWiseAdagrad", torch.optim.Adagrad, {"lr": 0.3, "lr_decay": 0.01, "eps": 1e-10}),
+    "rowwise-adam": ("RowWiseAdam", torch.optim.SparseAdam, {"lr": 0.1, "betas": (0.8, 0.9)}),
+    "torch-sparseadam": ("SparseAdam", torch.optim.SparseAdam, {"lr": 0.1}),
+    "torch-adam-dense": ("Adam", torch.optim.Adam, {"lr": 0.1}),
+}
+TRAIN_CASE = {"seed": 9, "rows": 23, "mode": "sum", "psw": True, "pad": 4}
+
+
+def make_optimizer(name: str, params, sharded: bool):
+    from fastdist.embedding import optim as rowwise
+    ours, theirs, options = OPTIMIZERS[name]
+    cls = getattr(rowwise, ours, None) or getattr(torch.optim, ours)
+    return (cls if sharded else theirs)(params, **options)
+
+
+def train(names: list, steps: int) -> dict:
+    """Per optimizer: this rank's row range and its shard after `steps` steps on its own batches."""
+    rank, out = dist.get_rank(), {}
+    for name in names:
+        case = dict(TRAIN_CASE, sparse=name != "torch-adam-dense")
+        table = ShardedEmbedding.from_embedding(reference_table(case))
+        opt = make_optimizer(name, table.parameters(), sharded=True)
+        for step in range(steps):
+            ids, offsets, psw, upstream = batch(case, rank, step)
+            opt.zero_grad()
+            (table(ids, offsets, psw) * upstream).sum().backward()
+            opt.step()
+        out[name] = (table.row_start, table.weight.detach().clone())
+    return out

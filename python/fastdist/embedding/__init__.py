@@ -1,5 +1,7 @@
 """Sharded embedding tables with AlltoAll lookups and gradients, owner-side sparse optimizers, and hybrid
 parallelism: tables sharded, the dense rest data-parallel (EmbRace)."""
+from fastdist.embedding.optim import RowWiseAdagrad, RowWiseAdam, RowWiseSGD
 from fastdist.embedding.sharded import EmbeddingInputError, ShardedEmbedding, lookup, row_ranges, sharded_state_dict
 
-__all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "row_ranges", "sharded_state_dict"]
+__all__ = ["EmbeddingInputError", "RowWiseAdagrad", "RowWiseAdam", "RowWiseSGD", "ShardedEmbedding", "lookup", "row_ranges",
+           "sharded_state_dict"]
