@@ -3,6 +3,7 @@ import gc
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from fastdist.distributed import MismatchError
 from fastdist.embedding import EmbeddingInputError, ShardedEmbedding
 
@@ -125,3 +126,64 @@ def train(names: list, steps: int) -> dict:
             opt.step()
         out[name] = (table.row_start, table.weight.detach().clone())
     return out
+
+
+def _dlrm_step(model, opts, batch):
+    dense, ids, offsets, labels = batch
+    for o in opts:
+        o.zero_grad()
+    loss = F.binary_cross_entropy_with_logits(model(dense, ids, offsets), labels)
+    loss.backward()
+    for o in opts:
+        o.step()
+    return loss.item()
+
+
+def dlrm_optimizers(model):
+    """The user's split: SparseAdam for the (sparse) tables, Adam for the rest."""
+    tables = [p for n, p in model.named_parameters() if "embeddings" in n]
+    dense = [p for n, p in model.named_parameters() if "embeddings" not in n]
+    return [torch.optim.SparseAdam(tables, lr=0.05), torch.optim.Adam(dense, lr=0.01)]
+
+
+def gpt_optimizers(model):
+    return [torch.optim.Adam(model.parameters(), lr=0.01)]
+
+
+def hybrid_training(name: str, steps: int, sharding: str = "row") -> dict:
+    """A user's model through hybrid_parallel, trained `steps` steps on this rank's batches: losses, the full
+    state_dict (gathered tables) and which modules were sharded."""
+    from fastdist.embedding import ShardedEmbedding, hybrid_parallel
+    import models
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    if name == "dlrm":
+        model = hybrid_parallel(models.DLRM(), min_rows=500, sharding=sharding)
+        opts, step_fn = dlrm_optimizers(model), lambda s: _dlrm_step(model, opts, models.dlrm_batch(rank, s))
+    else:
+        model = hybrid_parallel(models.GPT(tie=False), min_rows=1000)
+        opts = gpt_optimizers(model)
+
+        def step_fn(s):
+            for o in opts:
+                o.zero_grad()
+            loss = model(*models.gpt_batch(rank, s))
+            loss.backward()
+            opts[0].step()
+            return loss.item()
+    losses = [step_fn(s) for s in range(steps)]
+    sharded = sorted(n.removeprefix("module.") for n, m in model.named_modules() if isinstance(m, ShardedEmbedding))
+    state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    del model, opts
+    gc.collect()
+    return {"losses": losses, "state": state, "sharded": sharded}
+
+
+def tied_refusal() -> str:
+    from fastdist.embedding import hybrid_parallel
+    import models
+    try:
+        hybrid_parallel(models.GPT(tie=True), min_rows=1000)
+    except ValueError as err:
+        return str(err)
+    return ""

@@ -1,7 +1,9 @@
 """Sharded embedding tables with AlltoAll lookups and gradients, owner-side sparse optimizers, and hybrid
 parallelism: tables sharded, the dense rest data-parallel (EmbRace)."""
+from fastdist.embedding.hybrid import ShardedEmbeddingCollection, balance_tables, hybrid_parallel
 from fastdist.embedding.optim import RowWiseAdagrad, RowWiseAdam, RowWiseSGD
 from fastdist.embedding.sharded import EmbeddingInputError, ShardedEmbedding, lookup, row_ranges, sharded_state_dict
 
-__all__ = ["EmbeddingInputError", "RowWiseAdagrad", "RowWiseAdam", "RowWiseSGD", "ShardedEmbedding", "lookup", "row_ranges",
+__all__ = ["EmbeddingInputError", "RowWiseAdagrad", "RowWiseAdam", "RowWiseSGD", "ShardedEmbedding",
+           "ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel", "lookup", "row_ranges",
            "sharded_state_dict"]

@@ -100,11 +100,15 @@ class ShardedEmbedding(nn.Module):
         sparse: as ``nn.Embedding``: the shard's gradient is a sparse COO tensor (rows looked up only).
         owner: the group rank holding the table under ``sharding="table"``.
         dtype: the weights' floating dtype.
+        average_gradients: divide the shard's gradient by the group size, as DDP does for dense parameters (each
+            rank's loss then being the mean over its own batch); False: the gradient of the sum of the ranks'
+            losses, as an unsharded table would get it.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: dist.ProcessGroup | None = None,
                  sharding: str = "row", padding_idx: int | None = None, mode: str | None = None,
-                 sparse: bool = False, owner: int = 0, dtype: torch.dtype = torch.float32) -> None:
+                 sparse: bool = False, owner: int = 0, dtype: torch.dtype = torch.float32,
+                 average_gradients: bool = False) -> None:
         super().__init__()
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"fastdist: ShardedEmbedding 'num_embeddings' must be an int >= 1, got {num_embeddings!r}")
@@ -124,6 +128,7 @@ class ShardedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sharding, self.padding_idx, self.mode, self.sparse = sharding, padding_idx, mode, sparse
         self.group = group
+        self.average_gradients = average_gradients
         self.rank, self.world = _group_world(group)
         if not 0 <= owner < self.world:
             raise ValueError(f"fastdist: ShardedEmbedding 'owner' must be a rank of the group [0, {self.world}), "
@@ -154,7 +159,8 @@ class ShardedEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding | nn.EmbeddingBag, *, group: dist.ProcessGroup | None = None,
-                       sharding: str = "row", owner: int = 0) -> "ShardedEmbedding":
+                       sharding: str = "row", owner: int = 0,
+                       average_gradients: bool = False) -> "ShardedEmbedding":
         """The sharded twin of a plain embedding module: same rows (each rank keeps its own), padding, mode and
         sparsity. Every rank must pass an equal table (the usual case: the same model built from the same seed).
 
@@ -172,7 +178,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError("fastdist: ShardedEmbedding does not support max_norm or scale_grad_by_freq")
         out = cls(module.num_embeddings, module.embedding_dim, group=group, sharding=sharding,
                   padding_idx=module.padding_idx, mode=mode, sparse=module.sparse, owner=owner,
-                  dtype=module.weight.dtype)
+                  dtype=module.weight.dtype, average_gradients=average_gradients)
         out.to(module.weight.device)
         out._load_full(module.weight.detach())
         return out
@@ -195,7 +201,7 @@ class ShardedEmbedding(nn.Module):
         return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
                 "sharding": self.sharding, "owner": self.owner if self.sharding == "table" else 0,
                 "mode": self.mode, "padding_idx": self.padding_idx, "sparse": self.sparse,
-                "dtype": self.weight.dtype, "world": self.world}
+                "dtype": self.weight.dtype, "world": self.world, "average_gradients": self.average_gradients}
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding!r}, mode={self.mode!r}, "
@@ -459,7 +465,10 @@ def _owner_rows(modules, recv_ids):
             where = ((recv_ids >= lo) & (recv_ids < hi)).nonzero().flatten()
             local = recv_ids.index_select(0, where) - lo
         pad = m.padding_idx - m.row_start if m.padding_idx is not None and m.owns(m.padding_idx) else None
-        pieces.append(F.embedding(local, m.weight, padding_idx=pad, sparse=m.sparse))
+        piece = F.embedding(local, m.weight, padding_idx=pad, sparse=m.sparse)
+        if m.average_gradients and m.world > 1 and piece.requires_grad:
+            piece.register_hook(lambda grad, world=m.world: grad / world)  # DDP divides before summing too
+        pieces.append(piece)
         positions.append(where)
     if len(modules) == 1:
         return pieces[0]

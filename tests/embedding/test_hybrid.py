@@ -1,0 +1,85 @@
+"""hybrid_parallel on users' models (a DLRM-style recommender, a nanoGPT-style LM) on 2 ranks trains exactly as one
+process on the concatenated batch: losses and every parameter after several optimizer steps; a table tied to the
+LM head is refused, never silently untied; the collection places whole tables on ranks balanced by size."""
+import torch
+import torch.nn.functional as F
+from fastdist.distributed import spawn
+from fastdist.embedding import balance_tables
+from helpers import assert_close
+
+import models
+import ranks
+
+STEPS = 3
+WORLD = 2
+
+
+def reference(name):
+    torch.manual_seed(0)
+    if name == "dlrm":
+        model = models.DLRM()
+        opts = ranks.dlrm_optimizers(model)
+    else:
+        model = models.GPT(tie=False)
+        opts = ranks.gpt_optimizers(model)
+    losses = []
+    for step in range(STEPS):
+        for o in opts:
+            o.zero_grad()
+        if name == "dlrm":
+            parts = [models.dlrm_batch(r, step) for r in range(WORLD)]
+            dense = torch.cat([p[0] for p in parts])
+            ids = [torch.cat([p[1][t] for p in parts]) for t in range(3)]
+            offsets, lengths = [], [0] * 3
+            for t in range(3):
+                chunks, base = [], 0
+                for p in parts:
+                    chunks.append(p[2][t] + base)
+                    base += p[1][t].numel()
+                offsets.append(torch.cat(chunks))
+            labels = torch.cat([p[3] for p in parts])
+            per_rank = F.binary_cross_entropy_with_logits(model(dense, ids, offsets), labels, reduction="none")
+        else:
+            parts = [models.gpt_batch(r, step) for r in range(WORLD)]
+            idx, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            per_rank = torch.stack([model(i, t) for i, t in zip(idx.split(3), targets.split(3))])
+        per_rank = per_rank.view(WORLD, -1).mean(1)
+        per_rank.mean().backward()
+        for o in opts:
+            o.step()
+        losses.append(per_rank.detach())
+    return torch.stack(losses), model.state_dict()
+
+
+def check_equal_to_reference(name, results, sharded):
+    want_losses, want_state = reference(name)
+    for rank, got in enumerate(results):
+        assert got["sharded"] == sharded
+        assert_close(torch.tensor(got["losses"]), want_losses[:, rank], f"{name} rank {rank} losses",
+                     rtol=1e-5, atol=1e-6)
+        assert got["state"].keys() == want_state.keys()
+        for key, value in want_state.items():
+            assert_close(got["state"][key], value, f"{name} rank {rank} {key}", rtol=1e-4, atol=1e-5)
+
+
+def test_dlrm_with_sharded_bags_trains_like_one_process():
+    results = spawn(ranks.hybrid_training, WORLD, "dlrm", STEPS, backend="gloo", timeout=120)
+    check_equal_to_reference("dlrm", results, ["embeddings.0", "embeddings.1"])
+
+
+def test_nanogpt_with_a_sharded_vocabulary_trains_like_one_process():
+    results = spawn(ranks.hybrid_training, WORLD, "gpt", STEPS, backend="gloo", timeout=120)
+    check_equal_to_reference("gpt", results, ["transformer.wte"])
+
+
+def test_tied_input_embedding_is_refused_with_the_way_out():
+    message = spawn(ranks.tied_refusal, 1, backend="gloo", timeout=60)[0]
+    assert "cannot shard 'transformer.wte': its weight is tied to ['lm_head.weight']" in message
+    assert "shard={'transformer.wte': False}" in message
+
+
+def test_tables_are_placed_whole_and_balanced_by_size():
+    owners = balance_tables({"a": 1000, "b": 600, "c": 500, "d": 100, "e": 10}, 2)
+    load = [sum(s for n, s in {"a": 1000, "b": 600, "c": 500, "d": 100, "e": 10}.items() if owners[n] == r)
+            for r in range(2)]
+    assert owners["a"] == 0 and owners["b"] == 1 and owners["c"] == 1 and max(load) == 1100
