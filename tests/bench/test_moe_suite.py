@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fastdist.bench import cli, moe
 
 
@@ -36,7 +38,7 @@ def test_projection_is_computed_from_the_cost_model_for_every_rank_count():
     assert moe.projection({**cost, "rank_hosts": [0, 0], "host_slots": [1]}, config) == rows
 
 
-def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
+def test_cli_run_compares_every_method_and_the_padded_dropless_peer_on_the_same_routing(tmp_path):
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     cmd = [sys.executable, "-m", "fastdist.bench", "moe", "--ranks", "2", "--tokens", "256", "--d-model", "128",
            "--d-ff", "512", "--steps", "2", "--warmup", "1", "--project", "8",
@@ -47,19 +49,27 @@ def test_cli_run_compares_every_method_on_the_same_routing(tmp_path):
     assert "# network" in proc.stdout
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == list(moe.METHODS)
+    assert list(rows) == [*moe.METHODS, *moe.PEERS]
     assert rows["static"]["dropped"] > 0
     for name in ("dropless", "shadow", "topk-all", "prophet"):
         assert rows[name]["dropped"] == 0
         assert len(rows[name]["samples_ms"]) == 2 and rows[name]["time_ms"] > 0
     # Same routing for every method: the unbalanced figure is the same; the planners improve on it.
-    unbalanced = {r["tokens_max_over_mean_unbalanced"] for n, r in rows.items() if n != "static"}
+    unbalanced = {r["tokens_max_over_mean_unbalanced"] for n, r in rows.items() if n in moe.METHODS and n != "static"}
     assert len(unbalanced) == 1 and unbalanced.pop() >= 1.6
     assert rows["dropless"]["replicas"] == 0
     # Expert compute dominates at this size, so the planner replicates and reaches the balance target.
     assert rows["prophet"]["replicas"] > 0
     assert rows["prophet"]["tokens_max_over_mean"] <= 1.10 < rows["dropless"]["tokens_max_over_mean"]
     assert rows["prophet"]["predicted_ms"] < rows["dropless"]["predicted_ms"]
-    assert all(0 <= r["model_error_of_medians"] for r in rows.values())
+    assert all(0 <= rows[m]["model_error_of_medians"] for m in moe.METHODS)
     assert "# cost model: mean error" in proc.stdout
     assert png.stat().st_size > 0
+    # The padded-capacity peer (Tutel's dropless mode) computed dropless's output before it was timed, routes the
+    # same tokens, drops none, and computes padding: more expert rows than assignments under skew.
+    peer = rows["tutel-padded"]
+    assert 0 <= result["peer_check"]["tutel-padded"] <= moe.CHECK_TOLERANCE
+    assert peer["tokens_max_over_mean_unbalanced"] == pytest.approx(rows["dropless"]["tokens_max_over_mean_unbalanced"])
+    assert peer["dropped"] == 0 and len(peer["samples_ms"]) == 2 and peer["time_ms"] > 0
+    assert peer["rows_computed_over_routed"] > 1.2 and rows["dropless"]["rows_computed_over_routed"] == 1
+    assert peer["predicted_ms"] is None and "not Tutel's code" in proc.stdout

@@ -13,6 +13,16 @@ order rotated, warm-up steps first so that the planners have seen the load):
   topk-all    dropless + the --max-replicas heaviest experts replicated on every rank, always
   prophet     dropless + fastdist's planner (Pro-Prophet greedy placement, cost model from calibrate())
 
+and the peer a user would pick instead, as an equivalent (Tutel's own code is not installable here):
+
+  tutel-padded  Tutel's dropless mode (capacity_factor=0) re-implemented in torch (PaddedDroplessMoE): the
+              capacity is the largest per-expert count of any rank, every expert's buffer is padded to it, the
+              padded [experts, capacity, d_model] buffers go through two equal-split all-to-alls, the experts run as
+              batched GEMMs over every row, padding included; top-k gates normalized to sum 1 as Tutel does by
+              default. Same gate and expert weights and activation as the other methods; before timing its output
+              is checked against dropless's (times each token's sum of top-k gates, which the normalization
+              divides out).
+
 On CPU each rank is pinned to a core of its own (one torch thread) when the machine has cores enough; otherwise the
 ranks share the cores, and calibrate() tells the cost model so.
 
@@ -40,8 +50,9 @@ import torch
 import torch.distributed as dist
 
 from fastdist.bench import report
-from fastdist.bench.report import col, fixed, integer, percent, times
+from fastdist.bench.report import col, fixed, integer, percent, scientific, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
+from fastdist.distributed.compat import all_gather_single
 from fastdist.bench.toolkit import all_max, at_least, comma_list, interleave, progress, rank_device, together
 
 METHODS = {
@@ -51,14 +62,18 @@ METHODS = {
     "topk-all": {"balance": "replicate_topk", "dropless": True},
     "prophet": {"balance": "prophet", "dropless": True},
 }
+PEERS = ("tutel-padded",)
+"""Methods that are not MoELayer: the peer's equivalent, PaddedDroplessMoE."""
+CHECK_TOLERANCE = 1e-4
+"""Largest |peer - dropless| over dropless's largest |value| that the peer may show (float32)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the suite's options to `p`."""
     add_launch_arguments(p, timeout=1800.0)
     p.set_defaults(ranks=2)
-    p.add_argument("--methods", type=comma_list(choices=list(METHODS)), default=list(METHODS),
-                   help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--methods", type=comma_list(choices=[*METHODS, *PEERS]), default=",".join([*METHODS, *PEERS]),
+                   help="comma-separated subset of " + ",".join([*METHODS, *PEERS]))
     p.add_argument("--d-model", type=int, default=256, help="token width (default 256)")
     p.add_argument("--d-ff", type=int, default=1024, help="expert hidden width (default 1024)")
     p.add_argument("--experts-per-rank", type=at_least(1), default=4, help="experts owned by each rank (default 4)")
@@ -116,6 +131,123 @@ def tokens_for(step: int, rank: int, config: dict, device: torch.device) -> torc
 
 # ---- the ranks ----
 
+class _EqualAllToAll(torch.autograd.Function):
+    """all_to_all_single in equal splits; backward sends the gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _EqualAllToAll.apply(grad.contiguous(), ctx.group), None
+
+
+class PaddedDroplessMoE(torch.nn.Module):
+    """Tutel's dropless MoE layer (``capacity_factor=0``), re-implemented on torch ops as the benchmark's
+    equivalent of the peer (Tutel is not in the package registry and its source is not at hand).
+
+    As Tutel does it: softmax gate scores, top-k, each assignment's position in its expert's buffer with every
+    first choice before any second choice; the capacity is the largest per-expert count on any rank (one small
+    collective); every rank scatters its rows into ``[experts, capacity, d_model]`` zeros, an equal-split
+    all-to-all brings each owner ``[ranks, local experts, capacity, d_model]``, the experts run as batched GEMMs
+    over all of it (padding included), a second all-to-all returns the rows and each token sums its k rows
+    weighted by its gates, normalized to sum 1 (Tutel's default ``normalize_gate=True``). Parameters are laid out
+    as MoELayer's (``gate``, ``w1 [local experts, d_model, d_ff]``, ``b1``, ``w2``, ``b2``), so its weights can be
+    the same.
+
+    Args:
+        d_model, d_ff, num_experts, k: as for MoELayer.
+        activation: "gelu", "relu" or "silu" (Tutel's default is ReLU; the benchmark uses MoELayer's).
+        group: the expert-parallel process group (None: the default group).
+        normalize_gate: divide each token's top-k gates by their sum.
+    """
+
+    _ACTIVATIONS = {"gelu": torch.nn.functional.gelu, "relu": torch.nn.functional.relu,
+                    "silu": torch.nn.functional.silu}
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, k: int = 2, activation: str = "gelu",
+                 group: dist.ProcessGroup | None = None, normalize_gate: bool = True):
+        super().__init__()
+        self.group, self.world = group, dist.get_world_size(group)
+        if num_experts % self.world:
+            raise ValueError(f"PaddedDroplessMoE: num_experts={num_experts} is not a multiple of the group size "
+                             f"{self.world}")
+        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        self.act, self.normalize_gate = self._ACTIVATIONS[activation], normalize_gate
+        e_local = num_experts // self.world
+        self.gate = torch.nn.Linear(d_model, num_experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.empty(e_local, d_model, d_ff))
+        self.b1 = torch.nn.Parameter(torch.zeros(e_local, d_ff))
+        self.w2 = torch.nn.Parameter(torch.empty(e_local, d_ff, d_model))
+        self.b2 = torch.nn.Parameter(torch.zeros(e_local, d_model))
+        self._stats = {}
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k expert ids [T, k], their gates [T, k], normalized when configured) of tokens ``x [T, d_model]``."""
+        scores = torch.softmax(self.gate(x).float(), dim=-1)
+        top, idx = torch.topk(scores, self.k, dim=1)
+        if self.normalize_gate:
+            top = top / top.sum(dim=1, keepdim=True).clamp_min(torch.finfo(top.dtype).eps)
+        return idx, top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on this rank's tokens ``x [..., d_model]`` (a collective over the group)."""
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)
+        tokens, experts, e_local = x.shape[0], self.num_experts, self.num_experts // self.world
+        idx, gates = self.gates(x)
+        choice_major = idx.t().reshape(-1)  # all first choices, then all second choices, token order within each
+        one_hot = torch.nn.functional.one_hot(choice_major, experts)
+        location = (one_hot.cumsum(0) - 1).gather(1, choice_major[:, None]).squeeze(1)
+        counts = one_hot.sum(0)
+        every = torch.empty(self.world * experts, dtype=counts.dtype)
+        all_gather_single(every, counts, group=self.group)  # Tutel all-reduces the max: one small collective too
+        every = every.view(self.world, experts)
+        capacity = max(int(every.max()), 1)
+        slot = choice_major * capacity + location
+        padded = x.new_zeros(experts * capacity, self.d_model).index_add(0, slot, x.repeat(self.k, 1))
+        received = _EqualAllToAll.apply(padded, self.group)
+        rows = received.view(self.world, e_local, capacity, self.d_model).transpose(0, 1) \
+            .reshape(e_local, self.world * capacity, self.d_model)
+        y = torch.baddbmm(self.b2[:, None], self.act(torch.baddbmm(self.b1[:, None], rows, self.w1)), self.w2)
+        back = y.view(e_local, self.world, capacity, self.d_model).transpose(0, 1).reshape(-1, self.d_model)
+        returned = _EqualAllToAll.apply(back, self.group)
+        out = (returned.index_select(0, slot).view(self.k, tokens, self.d_model)
+               * gates.t().to(x.dtype)[..., None]).sum(0)
+        self._record(every.numpy(), capacity, x.element_size())
+        return out.reshape(shape)
+
+    def _record(self, every, capacity, elem):
+        e_local = self.num_experts // self.world
+        loads = every.sum(axis=0).reshape(self.world, e_local).sum(axis=1)  # assignments each owner computes
+        computed = e_local * self.world * capacity
+        wire = (self.num_experts - e_local) * capacity * self.d_model * elem
+        self._stats = {"tokens_max_over_mean": float(loads.max() / max(loads.mean(), 1e-12)),
+                       "tokens_max_over_mean_unbalanced": float(loads.max() / max(loads.mean(), 1e-12)),
+                       "a2a_bytes_per_rank": [wire] * self.world,
+                       "std_tokens_per_rank_before": float(loads.std()),
+                       "std_tokens_per_rank_after": float(loads.std()),
+                       "dropped": 0, "replicas": [], "predicted_s": None,
+                       "rows_computed_over_routed": computed * self.world / max(int(every.sum()), 1)}
+
+    def stats(self) -> dict:
+        """The last forward's figures, named as MoELayer.stats()'s: tokens per rank are the assignments routed to
+        each owner's experts (all of its padded rows are computed: rows_computed_over_routed)."""
+        return dict(self._stats)
+
+
+def _init_weights(layer, gate, config):
+    torch.manual_seed(config["seed"] + 2)  # the same expert weights for every method
+    with torch.no_grad():
+        for p in (layer.w1, layer.w2):
+            p.normal_(std=1.0 / math.sqrt(p.shape[1]))
+        layer.gate.weight.copy_(gate)
+
+
 def _build_layers(config, world, cost, device):
     from fastdist.moe import MoELayer
 
@@ -124,17 +256,49 @@ def _build_layers(config, world, cost, device):
     gate = torch.randn(num_experts, config["d_model"], generator=g) / math.sqrt(config["d_model"])
     layers = {}
     for name in config["methods"]:
-        m = METHODS[name]
-        layer = MoELayer(config["d_model"], config["d_ff"], num_experts, k=config["k"],
-                         capacity_factor=config["capacity_factor"], dropless=m["dropless"], balance=m["balance"],
-                         max_replicas_per_rank=config["max_replicas"], cost_model=cost).to(device)
-        torch.manual_seed(config["seed"] + 2)  # same expert weights for every method
-        with torch.no_grad():
-            for p in (layer.w1, layer.w2):
-                p.normal_(std=1.0 / math.sqrt(p.shape[1]))
-            layer.gate.weight.copy_(gate)
+        if name in PEERS:
+            layer = PaddedDroplessMoE(config["d_model"], config["d_ff"], num_experts, k=config["k"]).to(device)
+        else:
+            m = METHODS[name]
+            layer = MoELayer(config["d_model"], config["d_ff"], num_experts, k=config["k"],
+                             capacity_factor=config["capacity_factor"], dropless=m["dropless"], balance=m["balance"],
+                             max_replicas_per_rank=config["max_replicas"], cost_model=cost).to(device)
+        _init_weights(layer, gate, config)
         layers[name] = layer
     return layers
+
+
+def _check_peer(layers, config, device):
+    """The peer's largest deviation from dropless MoELayer on step 0's tokens (relative to dropless's largest
+    value, the worst rank's), after undoing the gates' normalization: each token's output times the sum of its
+    top-k gate probabilities. Raises on every rank when it exceeds CHECK_TOLERANCE; None without a peer."""
+    from fastdist.moe import MoELayer
+
+    peers = [n for n in config["methods"] if n in PEERS]
+    if not peers:
+        return None
+    world = dist.get_world_size()
+    num_experts = config["experts_per_rank"] * world
+    reference = MoELayer(config["d_model"], config["d_ff"], num_experts, k=config["k"], dropless=True,
+                         balance="none").to(device)
+    _init_weights(reference, layers[peers[0]].gate.weight.detach(), config)
+    x = tokens_for(0, dist.get_rank(), config, device)
+    errors = {}
+    with torch.no_grad():
+        reference.gate.weight[:, 0] = gate_column(num_experts, 0, config).to(device)
+        want = reference(x)
+        for name in peers:
+            peer = layers[name]
+            peer.gate.weight.copy_(reference.gate.weight)
+            top = torch.topk(torch.softmax(peer.gate(x).float(), dim=-1), config["k"], dim=1).values
+            got = peer(x) * top.sum(dim=1, keepdim=True).to(x.dtype)
+            errors[name] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    errors = dict(zip(errors, all_max(list(errors.values()), device)))
+    bad = {n: e for n, e in errors.items() if not e <= CHECK_TOLERANCE}
+    if bad:
+        raise RuntimeError("fastdist-bench moe: the peer's output differs from dropless MoELayer's by more than "
+                           f"{CHECK_TOLERANCE:g} (relative): " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
+    return errors
 
 
 def _time_step(layer, x, device):
@@ -156,6 +320,7 @@ def bench_rank(config: dict) -> Any:
     cost = calibrate(None, config["d_model"], config["d_ff"], device=device, tokens=config["tokens"],
                      num_experts=config["experts_per_rank"] * world, k=config["k"])
     layers = _build_layers(config, world, cost, device)
+    peer_errors = _check_peer(layers, config, device)
     num_experts = config["experts_per_rank"] * world
     samples = {name: [] for name in config["methods"]}
     bar = progress((config["warmup"] + config["steps"]) * len(config["methods"]), "moe", enabled=rank == 0)
@@ -169,17 +334,28 @@ def bench_rank(config: dict) -> Any:
         bar.step(f"{phase} {name}")
     if rank != 0:
         return None
-    return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts}
+    return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts,
+            "peer_errors": peer_errors}
 
 
 # ---- summary ----
+
+def _computed_over_routed(s):
+    """Expert rows computed over assignments routed, all ranks: 1 for dropless, below 1 when tokens are dropped,
+    above 1 with padding."""
+    if "rows_computed_over_routed" in s:
+        return s["rows_computed_over_routed"]
+    kept = sum(s["tokens_per_rank"])
+    return kept / max(kept + s["dropped"], 1)
+
 
 def _summarise(samples, method):
     times = [s["seconds"] for s in samples]
     median_time = statistics.median(times)
     a2a = [max(s["a2a_bytes_per_rank"]) / max(np.mean(s["a2a_bytes_per_rank"]), 1e-12) for s in samples]
     predicted = [s["predicted_s"] for s in samples]
-    median_predicted = statistics.median(predicted)
+    modelled = all(p is not None for p in predicted)
+    median_predicted = statistics.median(predicted) if modelled else None
     before = [s["std_tokens_per_rank_before"] for s in samples]
     after = [s["std_tokens_per_rank_after"] for s in samples]
     return {
@@ -195,10 +371,11 @@ def _summarise(samples, method):
         "std_ratio": statistics.median(b / a if a > 0 else float("inf") for b, a in zip(before, after)),
         "dropped": int(sum(s["dropped"] for s in samples)),
         "replicas": statistics.median(len(s["replicas"]) for s in samples),
-        "predicted_ms": median_predicted * 1e3,
-        "model_error": statistics.mean(abs(p - t) / t for p, t in zip(predicted, times)),
+        "rows_computed_over_routed": statistics.median(_computed_over_routed(s) for s in samples),
+        "predicted_ms": median_predicted * 1e3 if modelled else None,
+        "model_error": statistics.mean(abs(p - t) / t for p, t in zip(predicted, times)) if modelled else None,
         # the configuration's typical step: the median prediction against the median measurement
-        "model_error_of_medians": abs(median_predicted - median_time) / median_time,
+        "model_error_of_medians": abs(median_predicted - median_time) / median_time if modelled else None,
     }
 
 
@@ -240,7 +417,8 @@ def run(args: argparse.Namespace) -> dict | None:
     env = report.launch_environment(launch)
     cost_model = launch.result["cost_model"]
     result = {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
-              "cost_model": cost_model, "projection": projection(cost_model, config)}
+              "cost_model": cost_model, "projection": projection(cost_model, config),
+              "peer_check": launch.result["peer_errors"], "load_average": list(os.getloadavg())}
     print(report.text_parts(tables(result)))
     print("# cost model compute: " + (f"ranks share cores: hosts {list(cost_model['rank_hosts'])}, "
                                       f"{list(cost_model['host_slots'])} running at once per host"
@@ -266,12 +444,22 @@ def tables(result: dict) -> list[report.Part]:
                col("a2a bytes max/mean", "a2a_max_over_mean", fixed(2)),
                col("std tokens/rank before", "std_before", fixed(0)), col("after", "std_after", fixed(0)),
                col("dropped", "dropped", integer), col("replicas", "replicas", integer),
+               col("rows computed / routed", lambda r: r.get("rows_computed_over_routed"), fixed(2)),
                col("predicted (ms)", "predicted_ms", fixed(1)),
                col("model error, medians (%)", "model_error_of_medians", percent(1)),
                col("model error, per step (%)", "model_error", percent(1))]
-    notes = [f"cost model: mean error {100 * statistics.mean(r['model_error_of_medians'] for r in rows):.1f}% over "
-             f"the {len(rows)} methods (median predicted vs median measured), "
-             f"{100 * statistics.mean(r['model_error'] for r in rows):.1f}% per step."]
+    modelled = [r for r in rows if r.get("predicted_ms") is not None]
+    notes = [f"cost model: mean error {100 * statistics.mean(r['model_error_of_medians'] for r in modelled):.1f}% "
+             f"over the {len(modelled)} methods it predicts (median predicted vs median measured), "
+             f"{100 * statistics.mean(r['model_error'] for r in modelled):.1f}% per step."] if modelled else []
+    for name, error in (result.get("peer_check") or {}).items():
+        notes.append(f"{name}: an equivalent of Tutel's dropless mode (capacity_factor=0: every expert padded to "
+                     "the largest per-expert count of any rank, padded all-to-alls, batched experts, top-k gates "
+                     "normalized), not Tutel's code; its output matched dropless MoELayer's, the normalization undone, "
+                     f"to {scientific(1)(error)} (relative) before timing.")
+    load = result.get("load_average")
+    if load:
+        caption += f" Load average {load[0]:.1f} (1 min) at the end of the run."
     layout = result.get("layout")  # recordings from before moe_layout moved to the kernels suite
     if layout:
         notes.append(f"moe_layout, {layout['assignments']} assignments, {layout['threads']} threads "
