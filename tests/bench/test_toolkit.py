@@ -7,7 +7,7 @@ import time
 import pytest
 import tqdm
 
-from fastdist.bench import report, toolkit
+from fastdist.bench import launch, report, toolkit
 from fastdist.distributed import spawn, timing
 
 
@@ -72,6 +72,26 @@ def test_comma_list_errors_reach_argparse_as_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--methods", "dense,skecth"])
     assert "unknown item 'skecth'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, accepted", [
+    (["--net", "loopback"], True), (["--net", "2.5gbit"], True), (["--delay", "50us"], True),
+    (["--net", "1gbt"], False), (["--net", "fast"], False), (["--delay", "5xs"], False), (["--delay", "-1ms"], False)])
+def test_a_suites_network_and_delay_are_checked_when_parsed_not_when_the_ranks_start(argv, accepted, capsys):
+    p = argparse.ArgumentParser(prog="suite")
+    launch.add_launch_arguments(p, timeout=60)
+    if accepted:
+        assert getattr(p.parse_args(argv), argv[0][2:]) == argv[1]
+    else:
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+        assert f"argument {argv[0]}:" in capsys.readouterr().err
+
+
+def test_the_environment_header_shows_the_hosts_load_average():
+    env = report.environment(backend="gloo", device="cpu", ranks=2, network="loopback")
+    assert len(env["load_average"].split()) == 3
+    assert "# load_average" in report.format_environment(env)
 
 
 class _Clock:

@@ -78,7 +78,9 @@ def _compiled_and_eager(balance, backend):
             graphs_after_warmup = counters["stats"]["unique_graphs"]
         x = routing_inputs(rank, i)
         steps.append({"eager": step(eager, x), "compiled": step(compiled, x),
-                      "replicas": eager.moe.stats()["replicas"], "compiled_replicas": twin.moe.stats()["replicas"]})
+                      "replicas": eager.moe.stats()["replicas"], "compiled_replicas": twin.moe.stats()["replicas"],
+                      "counts": eager.moe.stats()["tokens_per_expert"],
+                      "compiled_counts": twin.moe.stats()["tokens_per_expert"]})
     return {"steps": steps, "graphs_after_warmup": graphs_after_warmup,
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": list(counters["graph_break"])}
 
@@ -93,7 +95,7 @@ def test_compiled_model_gives_the_eager_results_on_two_ranks_and_never_recompile
                                                                                "_prefetch" in b)
                                               for b in result["graph_breaks"]), result["graph_breaks"]
         for i, s in enumerate(result["steps"]):
-            assert s["compiled_replicas"] == s["replicas"]
+            assert s["compiled_replicas"] == s["replicas"], (rank, i, s["counts"], s["compiled_counts"])
             for name, want in s["eager"].items():
                 torch.testing.assert_close(s["compiled"][name], want, rtol=1e-5, atol=1e-6,
                                            msg=f"rank {rank} step {i} {name}")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist import netsim
-from fastdist.bench.toolkit import at_least
+from fastdist.bench.toolkit import at_least, delay, network
 from fastdist.distributed import resolve_backend, spawn
 
 
@@ -29,9 +29,10 @@ class Launch:
 def add_launch_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
     """The options run_ranks takes, shared by every multi-rank suite."""
     p.add_argument("--ranks", type=at_least(1), default=4, help="number of local ranks (default %(default)s)")
-    p.add_argument("--net", default="loopback", help="'loopback' or a simulated link rate such as 1gbit, 10gbit, "
-                                                     "100mbit (needs root; default %(default)s)")
-    p.add_argument("--delay", default=None, help="added one-way latency on the simulated links, e.g. 50us")
+    p.add_argument("--net", type=network, default="loopback",
+                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root; default "
+                        "%(default)s)")
+    p.add_argument("--delay", type=delay, default=None, help="added one-way latency on the simulated links, e.g. 50us")
     p.add_argument("--timeout", type=float, default=timeout,
                    help=f"seconds before the whole run is aborted (default {timeout:g})")
 

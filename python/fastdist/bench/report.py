@@ -165,6 +165,7 @@ def environment(*, backend: str, device: str, ranks: int, network: str) -> dict:
         "network": network,
         "cuda_kernels": fastdist.cuda_kernels_available(),
         "host_cpus": os.cpu_count(),
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),  # other work on the host skews timings
         "torch_threads": torch.get_num_threads(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -182,7 +183,8 @@ def launch_environment(launch: Any) -> dict:
 
 def format_environment(env: dict) -> str:
     """The environment header as '# key value' lines."""
-    keys = ["fastdist", "torch", "backend", "device", "ranks", "network", "cuda_kernels", "host_cpus", "date"]
+    keys = ["fastdist", "torch", "backend", "device", "ranks", "network", "cuda_kernels", "host_cpus", "load_average",
+            "date"]
     return "\n".join(f"# {k:<13} {env[k]}" for k in keys if k in env)
 
 

@@ -116,6 +116,28 @@ def up_to(high: float, kind: Callable[[str], Any] = float) -> Callable[[str], An
     return parse
 
 
+def network(text: str) -> str:
+    """An argparse `type` for --net: 'loopback' or a link rate netsim can shape ('1gbit', '100mbit', ...)."""
+    if text == "loopback":
+        return text
+    from fastdist import netsim  # netsim is only needed when a suite takes a network
+    try:
+        netsim.parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad network {text!r}: 'loopback' or a link rate ({e})") from None
+    return text
+
+
+def delay(text: str) -> str:
+    """An argparse `type` for --delay: a one-way latency netsim can add ('50us', '1ms', '0.2s')."""
+    from fastdist import netsim
+    try:
+        netsim.parse_delay(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def comma_list(item_type: Callable[[str], Any] = str,
                choices: Collection[Any] | None = None) -> Callable[[str], list[Any]]:
     """An argparse `type` for a comma-separated list: 'a,b,c' -> [item_type('a'), ...].
