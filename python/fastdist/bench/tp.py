@@ -242,7 +242,7 @@ def _mlp_variants(config, model, mesh):
                "dtensor": _dtensor(copy.deepcopy(ref), {"fc1": "colwise", "fc2": "rowwise"}, mesh)}
     variants = {name: _step(modules[name], x) for name in MLP_VARIANTS}
     errors = _check_against(_step(ref, x)(), {name: call() for name, call in variants.items()})
-    return variants, errors
+    return variants, errors, {name: _chosen_chunks(modules[name]) for name in ("megatron", "chunked")}
 
 
 def _block_variants(config, model, mesh):
@@ -265,7 +265,7 @@ def _block_variants(config, model, mesh):
                 "chunked+recompute": _step(chunked, x, True), "oases+recompute": _step(oases_recompute, x),
                 "dtensor+recompute": _step(peer, x, True)}
     errors = _check_against(_step(ref, x)(), {name: call() for name, call in variants.items()})
-    return variants, errors
+    return variants, errors, {"megatron": _chosen_chunks(megatron), "chunked": _chosen_chunks(chunked)}
 
 
 def _part_shape(config):
@@ -282,9 +282,17 @@ def _part_shape(config):
     return m, k_full // world, n
 
 
-def _rows(samples, names, key, errors):
-    return [{key: name, "samples_ms": [s * 1e3 for s in samples[name]], "time_ms": statistics.median(samples[name]) * 1e3,
-             "max_error": errors[name]} for name in names]
+def _chosen_chunks(module):
+    """The chunk counts fastdist's linears in `module` used (each layer's, by its row count), in module order."""
+    from fastdist.tp.linear import _ParallelLinear
+
+    return [k for m in module.modules() if isinstance(m, _ParallelLinear) for k in m._chunks_by_rows.values()]
+
+
+def _rows(samples, names, key, errors, chunks=None):
+    return [{key: name, "samples_ms": [s * 1e3 for s in samples[name]],
+             "time_ms": statistics.median(samples[name]) * 1e3, "max_error": errors[name],
+             "chunks": (chunks or {}).get(name.split("+")[0])} for name in names]
 
 
 def bench_rank(config: dict) -> Any:
@@ -302,9 +310,9 @@ def bench_rank(config: dict) -> Any:
     if part == "op":
         variants, auto_k, errors = _op_variants(config, model, mesh)
     elif part == "mlp":
-        variants, errors = _mlp_variants(config, model, mesh)
+        variants, errors, chunks = _mlp_variants(config, model, mesh)
     else:
-        variants, errors = _block_variants(config, model, mesh)
+        variants, errors, chunks = _block_variants(config, model, mesh)
     bar = progress((config["warmup"] + reps) * len(variants), f"tp {part} {config['label']}", enabled=rank == 0)
     samples = _interleaved(variants, reps, config["warmup"], bar, part)
     if part == "op":
@@ -319,9 +327,9 @@ def bench_rank(config: dict) -> Any:
         gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in samples[f"gemm k={k}"]],
                       "time_ms": statistics.median(samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
     elif part == "mlp":
-        mlp_rows = _rows(samples, MLP_VARIANTS, "variant", errors)
+        mlp_rows = _rows(samples, MLP_VARIANTS, "variant", errors, chunks)
     else:
-        block_rows = _rows(samples, BLOCK_VARIANTS, "variant", errors)
+        block_rows = _rows(samples, BLOCK_VARIANTS, "variant", errors, chunks)
     m, k_local, n = shape
     result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "mlp_rows": mlp_rows, "block_rows": block_rows,
               "core": core, "calibration_shape": list(shape), "cost_model": model.state_dict(),
@@ -499,6 +507,14 @@ ERROR_COLUMN = col("error vs unsharded", lambda r: r.get("max_error"), report.sc
 timing)."""
 
 
+def _variant_name(r: dict) -> str:
+    """The variant, with the chunk counts its linears chose when "auto" chose them (e.g. chunked (k 1,2))."""
+    chunks = r.get("chunks")
+    if r["variant"].startswith("chunked") and chunks:
+        return f"{r['variant']} (k {','.join(map(str, chunks))})"
+    return r["variant"]
+
+
 def _where(run: dict) -> str:
     load = run.get("load_average")
     return (f"{run['label']}, {_network_rate(run['network'])}"
@@ -534,7 +550,7 @@ def tables(result: dict) -> list[report.Part]:
         if run.get("mlp_rows"):
             rows = run["mlp_rows"]
             base, peer = _vs(rows, "variant", "megatron"), _vs(rows, "variant", "dtensor")
-            columns = [col("column -> row MLP", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+            columns = [col("column -> row MLP", _variant_name), col("fwd+bwd (ms)", "time_ms", fixed(1)),
                        col("vs Megatron", lambda r, base=base: base / r["time_ms"], times(2)),
                        col("vs DTensor", lambda r, peer=peer: peer / r["time_ms"], times(2)), ERROR_COLUMN]
             tokens, hidden, ffn = result["mlp"]
@@ -549,7 +565,7 @@ def tables(result: dict) -> list[report.Part]:
                     return _ratio(_vs(rows, "variant", name + ("+recompute" if "+" in r["variant"] else "")), r)
                 return ratio
 
-            columns = [col("GPT block", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+            columns = [col("GPT block", _variant_name), col("fwd+bwd (ms)", "time_ms", fixed(1)),
                        col("vs Megatron", against("megatron"), times(2)),
                        col("vs DTensor", against("dtensor"), times(2)), ERROR_COLUMN]
             shape = ", ".join(f"{k} {v}" for k, v in zip(("hidden", "heads", "seq", "batch"), result["block"]))
