@@ -8,6 +8,13 @@ from fastdist.distributed import MismatchError
 from fastdist.embedding import EmbeddingInputError, ShardedEmbedding
 
 DIM = 6
+CASES = [
+    {"seed": 1, "rows": 13},                                              # 13 rows: uneven over 2 and 4 ranks
+    {"seed": 2, "rows": 13, "pad": 3, "sparse": True},
+    {"seed": 3, "rows": 10, "mode": "sum", "psw": True, "pad": 7},
+    {"seed": 4, "rows": 7, "mode": "mean", "sparse": True, "pad": 0},
+    {"seed": 5, "rows": 3},                                               # fewer rows than 4 ranks
+]
 
 
 def batch(case: dict, rank: int, step: int = 0):
@@ -187,3 +194,64 @@ def tied_refusal() -> str:
     except ValueError as err:
         return str(err)
     return ""
+
+
+def collection_tables():
+    """A recommender's tables: three of width DIM (one exchange), one narrower (a second)."""
+    torch.manual_seed(3)
+    return {"user": torch.nn.EmbeddingBag(50, DIM, mode="sum"), "item": torch.nn.EmbeddingBag(31, DIM, mode="mean",
+                                                                                          padding_idx=0),
+            "hour": torch.nn.Embedding(24, DIM), "city": torch.nn.EmbeddingBag(9, 4, mode="sum")}
+
+
+def collection_inputs(rank):
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for name, t in collection_tables().items():
+        ids = torch.randint(0, t.num_embeddings, (4 + rank,), generator=g)
+        out[name] = ids if isinstance(t, torch.nn.Embedding) else (ids, torch.tensor([0, 2]))
+    return out
+
+
+def collection() -> dict:
+    """The collection's outputs on this rank's inputs, and the tables this rank owns with their gradients."""
+    from fastdist.embedding import ShardedEmbeddingCollection
+    tables = ShardedEmbeddingCollection(collection_tables(), sharding="table")
+    ys = tables(collection_inputs(dist.get_rank()))
+    sum(y.sum() * (i + 1) for i, (_, y) in enumerate(sorted(ys.items()))).backward()
+    owned = {n: t.weight.grad.clone() for n, t in tables.tables.items() if t.weight.shape[0]}
+    return {"y": {n: y.detach() for n, y in ys.items()}, "owned": owned}
+
+
+def state_dicts() -> dict:
+    """A table's full state (gathered) and its shard state; a shard state loads back, a foreign shard is refused."""
+    from fastdist.embedding import sharded_state_dict
+    torch.manual_seed(0)
+    table = ShardedEmbedding(11, 3, padding_idx=4)
+    full = table.state_dict()
+    with sharded_state_dict():
+        shard = {k: v.clone() for k, v in table.state_dict().items()}
+    other = ShardedEmbedding(11, 3)
+    other.load_state_dict(shard)
+    foreign = dict(shard, row_start=torch.tensor(shard["row_start"].item() ^ 6))
+    try:
+        other.load_state_dict(foreign)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    return {"full": full["weight"], "shard": shard, "reloaded": torch.equal(other.weight, table.weight),
+            "refused": refused}
+
+
+def suite(world: int) -> dict:
+    """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up)."""
+    out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank()}
+    if world == 2:
+        out["train"] = train(list(OPTIMIZERS), 4)
+        out["collection"] = collection()
+        out["state"] = state_dicts()
+        out["dlrm"] = hybrid_training("dlrm", 3)
+        out["dlrm-table"] = hybrid_training("dlrm", 3, sharding="table")
+        out["gpt"] = hybrid_training("gpt", 3)
+        out["tied"] = tied_refusal()
+    return out

@@ -3,19 +3,12 @@ gradient of the whole table, on 2 and 4 ranks with uneven row counts; bad input 
 the same call; an empty batch on one rank works."""
 import pytest
 import torch
-from fastdist.distributed import spawn
 from fastdist.embedding import EmbeddingInputError, ShardedEmbedding
 from helpers import assert_close
 
 import ranks
 
-CASES = [
-    {"seed": 1, "rows": 13},                                              # 13 rows: uneven over 2 and 4 ranks
-    {"seed": 2, "rows": 13, "pad": 3, "sparse": True},
-    {"seed": 3, "rows": 10, "mode": "sum", "psw": True, "pad": 7},
-    {"seed": 4, "rows": 7, "mode": "mean", "sparse": True, "pad": 0},
-    {"seed": 5, "rows": 3},                                               # fewer rows than 4 ranks
-]
+CASES = ranks.CASES
 
 
 def reference(case, world):
@@ -32,9 +25,14 @@ def reference(case, world):
     return outputs, grad.to_dense() if grad.is_sparse else grad
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_outputs_and_gradients_equal_unsharded_embedding(world):
-    results = spawn(ranks.lookups, world, CASES, backend="gloo", timeout=120)
+@pytest.fixture(params=[2, 4])
+def job(request):
+    return request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
+
+
+def test_outputs_and_gradients_equal_unsharded_embedding(job):
+    world = len(job)
+    results = [r["lookups"] for r in job]
     for c, case in enumerate(CASES):
         outputs, grad = reference(case, world)
         shards = []
@@ -49,9 +47,8 @@ def test_outputs_and_gradients_equal_unsharded_embedding(world):
             assert torch.count_nonzero(full[case["pad"]]) == 0
 
 
-def test_bad_input_on_one_rank_raises_on_every_rank_naming_it():
-    results = spawn(ranks.refusals, 2, backend="gloo", timeout=120)
-    for rank, out in enumerate(results):
+def test_bad_input_on_one_rank_raises_on_every_rank_naming_it(job):
+    for rank, out in enumerate(r["refusals"] for r in job):
         for name, needle in [("out of range", "ids must be < num_embeddings = 11, got 11"),
                              ("negative", "ids must be >= 0, got -1"), ("float ids", "int64 or int32"),
                              ("bad offsets", "offsets must start at 0")]:
@@ -65,13 +62,12 @@ def test_bad_input_on_one_rank_raises_on_every_rank_naming_it():
         assert kind == "MismatchError" and "num_embeddings" in message
 
 
-def test_empty_batch_on_one_rank_does_not_hang():
-    results = spawn(ranks.empty_batch_on_one_rank, 2, backend="gloo", timeout=60)
+def test_empty_batch_on_one_rank_does_not_hang(job):
+    results = [r["empty"] for r in job]
     assert results[1]["y"] == torch.Size([0, ranks.DIM])
-    torch.manual_seed(0)
     full = torch.cat([r["grad"] for r in sorted(results, key=lambda r: r["start"])])
     want = torch.zeros(9, ranks.DIM)
-    want[[1, 4, 8]] = 1.0
+    want[[1, 4, 8]] = len(job) - 1  # every rank but rank 1 looked up rows 1, 4, 8
     assert_close(full, want, "gradient of the table")
     assert_close(results[1]["b"], torch.zeros(1, ranks.DIM), "an empty mean bag is zero")
 
@@ -114,3 +110,37 @@ def test_state_dict_is_the_full_table_a_plain_embedding_loads():
     plain.load_state_dict(table.state_dict())
     assert_close(plain.weight, table.weight, "loaded table")
     assert torch.count_nonzero(plain.weight[2]) == 0
+
+
+def test_collection_equals_the_unsharded_tables(two_ranks):
+    tables = ranks.collection_tables()
+    loss = 0
+    for rank, got in enumerate(r["collection"] for r in two_ranks):
+        inputs = ranks.collection_inputs(rank)
+        for i, name in enumerate(sorted(tables)):
+            args = inputs[name] if isinstance(inputs[name], tuple) else (inputs[name],)
+            y = tables[name](*args)
+            assert_close(got["y"][name], y.detach(), f"rank {rank} table {name}")
+            loss = loss + y.sum() * (i + 1)
+    loss.backward()
+    owned = {}
+    for got in (r["collection"] for r in two_ranks):
+        assert not owned.keys() & got["owned"].keys(), "a table owned twice"
+        owned.update(got["owned"])
+    assert owned.keys() == tables.keys()
+    assert {n for n in two_ranks[0]["collection"]["owned"]} == {"user", "city"}  # the largest, and the balance
+    for name, grad in owned.items():
+        assert_close(grad, tables[name].weight.grad, f"gradient of {name}")
+
+
+def test_state_dict_full_or_per_shard_and_resharding(two_ranks):
+    states = [r["state"] for r in two_ranks]
+    assert torch.equal(states[0]["full"], states[1]["full"])
+    shards = sorted((s["shard"] for s in states), key=lambda s: int(s["row_start"]))
+    assert torch.equal(torch.cat([s["weight"] for s in shards]), states[0]["full"])
+    assert all(s["reloaded"] for s in states)
+    assert "load the full table to re-shard" in states[0]["refused"]
+    one = ShardedEmbedding(11, 3)  # the 2-rank checkpoint on one rank: re-sharded
+    one.load_state_dict({"weight": states[0]["full"]})
+    assert torch.equal(one.weight, states[0]["full"])
+    assert torch.count_nonzero(one.weight[4]) == 0
