@@ -1,0 +1,188 @@
+"""Graph classifiers around a pluggable pooler: one GNN encoder, pooling levels, one readout, one classifier head.
+
+Every pooler of the benchmark gets the same network around it: an encoder block (`layers` GCN or GIN convolutions
+from PyG, ReLU after each) before the first level and after every level, a readout after every block (the graph's
+mean node embedding, summed over blocks), and a two-layer MLP head. The poolers:
+
+  hap, hap-no-moa, hap-no-gcont   fastdist.graph.HAPPool (and its two ablations), dense after the first level
+  diffpool                        PyG dense_diff_pool, assignment by a GNN of the encoder's kind (DiffPool's design)
+  mincut                          PyG dense_mincut_pool, assignment by a linear layer (MinCutPool's design)
+  topk, sag, asap                 PyG TopKPooling, SAGPooling, ASAPooling (sparse: keep a ratio of the nodes)
+  mean                            no coarsening: the same blocks one after the other (global mean pooling)
+
+Dense poolers keep ceil(num_nodes * ratio^l) clusters at level l; sparse poolers keep a `ratio` of each graph's
+nodes; after a dense level the encoder block is PyG's dense counterpart (DenseGCNConv, DenseGINConv), the same
+operator on a dense adjacency.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fastdist.graph._pyg import require
+from fastdist.graph.pool import HAPPool, densify
+
+__all__ = ["DENSE_POOLERS", "POOLERS", "GraphClassifier", "HAPClassifier"]
+
+POOLERS = ("hap", "hap-no-moa", "hap-no-gcont", "diffpool", "mincut", "topk", "sag", "asap", "mean")
+DENSE_POOLERS = ("hap", "hap-no-moa", "hap-no-gcont", "diffpool", "mincut")
+ENCODERS = ("gcn", "gin")
+
+
+def _mlp(i: int, o: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Linear(o, o))
+
+
+class _Block(nn.Module):
+    """`layers` convolutions of one kind (sparse or dense), ReLU after each."""
+
+    def __init__(self, encoder: str, dense: bool, i: int, o: int, layers: int) -> None:
+        super().__init__()
+        pyg = require("torch_geometric.nn")
+        self.dense, self.encoder = dense, encoder
+        dims = [i] + [o] * layers
+        if encoder == "gcn":
+            conv = pyg.DenseGCNConv if dense else pyg.GCNConv
+            self.convs = nn.ModuleList(conv(a, b) for a, b in zip(dims, dims[1:]))
+        else:
+            conv = pyg.DenseGINConv if dense else pyg.GINConv
+            self.convs = nn.ModuleList(conv(_mlp(a, b)) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x, graph, mask=None):
+        for conv in self.convs:
+            if self.dense:
+                x = conv(x, graph, mask)
+            elif self.encoder == "gcn":
+                x = conv(x, graph[0], graph[1])  # edge weights: ASAP's pooled graphs carry them
+            else:
+                x = conv(x, graph[0])
+            x = x.relu()
+        return x
+
+
+class GraphClassifier(nn.Module):
+    """GNN encoder, `levels` pooling levels, readout, classifier: the network every pooler is compared in.
+
+    Args:
+        in_channels: Node feature size.
+        hidden: Width of the encoder, the pooled features and the head.
+        num_classes: Number of graph classes.
+        levels: Pooling levels (0: encoder and readout only).
+        pooler: One of POOLERS.
+        encoder: "gcn" or "gin" (PyG's GCNConv/GINConv, their dense counterparts after a dense level).
+        num_nodes: Typical node count of the data (e.g. the mean): dense poolers keep ceil(num_nodes * ratio^l)
+            clusters at level l.
+        ratio: Coarsening ratio per level (the fraction of nodes sparse poolers keep).
+        layers: Convolutions per encoder block.
+        dropout: Dropout before the head's last layer.
+        hops, heads: HAPPool's multi-hop order and attention heads (HAP poolers only).
+    """
+
+    def __init__(self, in_channels: int, hidden: int, num_classes: int, levels: int = 2, pooler: str = "hap",
+                 encoder: str = "gcn", num_nodes: int = 32, ratio: float = 0.5, layers: int = 2,
+                 dropout: float = 0.0, hops: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        if pooler not in POOLERS:
+            raise ValueError(f"GraphClassifier: unknown pooler {pooler!r}; choose from {', '.join(POOLERS)}")
+        if encoder not in ENCODERS:
+            raise ValueError(f"GraphClassifier: unknown encoder {encoder!r}; choose from {', '.join(ENCODERS)}")
+        for name, value, low in (("in_channels", in_channels, 1), ("hidden", hidden, 1),
+                                 ("num_classes", num_classes, 2), ("levels", levels, 0), ("num_nodes", num_nodes, 1),
+                                 ("layers", layers, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"GraphClassifier: {name} must be an int >= {low}, got {value!r}")
+        if not 0 < ratio < 1:
+            raise ValueError(f"GraphClassifier: ratio must be in (0, 1), got {ratio}")
+        pyg = require("torch_geometric.nn")
+        self.in_channels, self.pooler, self.levels = in_channels, pooler, levels
+        self.clusters = [max(1, math.ceil(num_nodes * ratio ** (level + 1))) for level in range(levels)]
+        dense = pooler in DENSE_POOLERS
+        self.blocks = nn.ModuleList([_Block(encoder, False, in_channels, hidden, layers)]
+                                    + [_Block(encoder, dense, hidden, hidden, layers) for _ in range(levels)])
+        pools = []
+        for k in self.clusters:
+            if pooler.startswith("hap"):
+                pools.append(HAPPool(hidden, k, hops=hops, heads=heads, moa=pooler != "hap-no-moa",
+                                     gcont=pooler != "hap-no-gcont"))
+            elif pooler == "diffpool":
+                pools.append(_Block(encoder, True, hidden, k, 1).convs[0])
+            elif pooler == "mincut":
+                pools.append(nn.Linear(hidden, k))
+            elif pooler == "topk":
+                pools.append(pyg.TopKPooling(hidden, ratio))
+            elif pooler == "sag":
+                pools.append(pyg.SAGPooling(hidden, ratio))
+            elif pooler == "asap":
+                pools.append(pyg.ASAPooling(hidden, ratio))
+        self.pools = nn.ModuleList(pools)
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+                                  nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor,
+                edge_weight: torch.Tensor | None = None,
+                num_graphs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Classifies a PyG-style sparse batch.
+
+        Args:
+            x: Node features [num_nodes, in_channels].
+            edge_index: [2, E] (both directions for undirected graphs).
+            batch: [num_nodes] sorted graph index of every node.
+            edge_weight: Optional [E] edge weights.
+            num_graphs: The number of graphs; None infers it from `batch`.
+
+        Returns:
+            (logits [num_graphs, num_classes], the sum of the poolers' auxiliary losses, a scalar).
+        """
+        pyg = require("torch_geometric.nn")
+        if x.dim() != 2 or x.shape[1] != self.in_channels:
+            raise ValueError(f"GraphClassifier: x must be [num_nodes, {self.in_channels}], got {tuple(x.shape)}")
+        num_graphs = int(batch.max()) + 1 if num_graphs is None else num_graphs
+        aux = x.new_zeros(())
+        h = self.blocks[0](x, (edge_index, edge_weight))
+        readout = pyg.global_mean_pool(h, batch, size=num_graphs)
+        adj = mask = None
+        for level, block in enumerate(self.blocks[1:]):
+            if self.pooler == "mean":
+                h = block(h, (edge_index, edge_weight))
+            elif self.pooler in ("topk", "sag"):
+                h, edge_index, edge_weight, batch, _, _ = self.pools[level](h, edge_index, edge_weight, batch)
+                h = block(h, (edge_index, edge_weight))
+            elif self.pooler == "asap":
+                h, edge_index, edge_weight, batch, _ = self.pools[level](h, edge_index, edge_weight, batch)
+                h = block(h, (edge_index, edge_weight))
+            else:
+                if adj is None:
+                    h, adj, mask = densify(h, edge_index, batch, edge_weight, batch_size=num_graphs)
+                pool = self.pools[level]
+                if self.pooler.startswith("hap"):
+                    h, adj, losses = pool(h, adj, mask)
+                    aux = aux + losses.total()
+                elif self.pooler == "diffpool":
+                    h, adj, link, entropy = pyg.dense_diff_pool(h, adj, pool(h, adj, mask), mask)
+                    aux = aux + link + entropy
+                else:
+                    h, adj, cut, ortho = pyg.dense_mincut_pool(h, adj, pool(h), mask)
+                    aux = aux + cut + ortho
+                mask = None  # every cluster of a pooled graph is real
+                h = block(h, adj)
+            if h.dim() == 3:
+                readout = readout + h.mean(1)
+            else:
+                readout = readout + pyg.global_mean_pool(h, batch, size=num_graphs)
+        return self.head(readout), aux
+
+
+class HAPClassifier(GraphClassifier):
+    """GraphClassifier with HAP levels: `HAPClassifier(in_channels, hidden, num_classes, levels=2, encoder="gcn")`.
+
+    Takes GraphClassifier's arguments; `pooler` may name a HAP ablation ("hap-no-moa", "hap-no-gcont").
+    """
+
+    def __init__(self, in_channels: int, hidden: int, num_classes: int, levels: int = 2, pooler: str = "hap",
+                 **kwargs) -> None:
+        if not pooler.startswith("hap"):
+            raise ValueError(f"HAPClassifier: pooler must be hap, hap-no-moa or hap-no-gcont, got {pooler!r}; "
+                             "use GraphClassifier for PyG's poolers")
+        super().__init__(in_channels, hidden, num_classes, levels, pooler=pooler, **kwargs)
