@@ -263,3 +263,48 @@ def test_calibrate_fits_positive_bandwidths_and_caches():
     assert a.write_seconds(2 * MiB) > a.write_seconds(MiB)
     with pytest.raises(ValueError, match="store"):
         fm.calibrate("disk")
+
+
+# ---- budgets below what any plan reaches ----
+
+def test_a_plan_reports_the_lowest_peak_it_can_reach_and_the_bytes_it_can_reduce():
+    prof = synthetic([(f"b{i}", 8, 8, 0.5, 0.01) for i in range(4)], other=40 * MiB)  # a large head: 40 of 72 MiB
+    half = plan_from_profile(prof, int(0.5 * prof.saved_bytes), copy_model(), "delta", prefetch_depth=0)
+    assert not half.fits and half.floor_bytes > int(0.5 * prof.saved_bytes)
+    assert half.predicted_peak_bytes == half.floor_bytes  # the closest plan is the one returned
+    assert half.reducible_bytes == half.unoptimized_peak_bytes - half.floor_bytes
+    assert 40 * MiB < half.floor_bytes < prof.saved_bytes  # the head stays; the blocks leave their inputs behind
+    assert "DOES NOT FIT: no plan goes below" in half.summary() and "reducible" in half.summary()
+    at_floor = plan_from_profile(prof, half.floor_bytes, copy_model(), "delta", prefetch_depth=0)
+    assert at_floor.fits and at_floor.floor_bytes == half.floor_bytes
+
+
+def _language_model():
+    from fastdist.testing.models import TransformerLM
+    torch.manual_seed(0)
+    # the logits ([8, 32, 4096] floats, kept by the loss) outweigh the two blocks' activations
+    return TransformerLM(vocab=4096, dim=32, heads=2, layers=2, seq=32), torch.randint(0, 4096, (8, 32))
+
+
+def test_optimize_on_a_language_model_says_which_budgets_are_reachable_or_applies_the_closest_plan_on_request(
+        tmp_path):
+    model, x = _language_model()
+    lm_loss = lambda logits: logits.float().logsumexp(-1).mean()  # noqa: E731
+    half = 1 << 20  # below the logits alone ([8, 32, 4096] floats, 4 MiB), which the loss keeps
+    with pytest.raises(ValueError, match=r"can be met; best_effort=True applies the closest plan"):
+        fm.optimize(copy.deepcopy(model), x, half, loss_fn=lm_loss, min_bytes=4096, path=str(tmp_path),
+                    copy_model=copy_model())
+    work = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="best effort"):
+        applied = fm.optimize(work, x, half, best_effort=True, loss_fn=lm_loss, min_bytes=4096, path=str(tmp_path),
+                              copy_model=copy_model())
+    assert not applied.plan.fits and applied.plan.predicted_peak_bytes == applied.plan.floor_bytes
+    assert applied.plan.floor_bytes < applied.plan.unoptimized_peak_bytes  # it did reduce what it could
+    assert "keep" not in applied.plan.actions.values()
+    torch.manual_seed(3)
+    reference = copy.deepcopy(model)
+    lm_loss(reference(x)).backward()
+    torch.manual_seed(3)
+    lm_loss(work(x)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), work.parameters()))
+    applied.remove()

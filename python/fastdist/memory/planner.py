@@ -32,6 +32,7 @@ otherwise the swapped segments with the least advantage over recomputation are r
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -92,6 +93,13 @@ class Plan:
     profile: Profile
     copy_model: dict
     notes: list = dataclasses.field(default_factory=list)
+    floor_bytes: int = 0  # the lowest predicted peak any plan of this policy reaches (everything off-loaded)
+
+    @property
+    def reducible_bytes(self) -> int:
+        """The saved bytes a plan can take off the unoptimized peak at most; the rest (saved outside every segment,
+        such as the loss's logits, and what recomputing or swapping a segment still holds) no plan can reduce."""
+        return max(self.unoptimized_peak_bytes - self.floor_bytes, 0)
 
     @property
     def predicted_overhead(self) -> float:
@@ -128,7 +136,10 @@ class Plan:
         return (f"{self.policy}: keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}; "
                 f"predicted peak {self.predicted_peak_bytes / 2**20:.1f} MiB of {self.budget_bytes / 2**20:.1f} MiB "
                 f"budget (unoptimized {self.unoptimized_peak_bytes / 2**20:.1f} MiB), predicted overhead "
-                f"{100 * self.predicted_overhead:.1f}%" + ("" if self.fits else " - DOES NOT FIT"))
+                f"{100 * self.predicted_overhead:.1f}%" + ("" if self.fits else
+                                                            f" - DOES NOT FIT: no plan goes below "
+                                                            f"{self.floor_bytes / 2**20:.1f} MiB (reducible "
+                                                            f"{self.reducible_bytes / 2**20:.1f} MiB)"))
 
 
 # ---- segments and profiling ----
@@ -451,11 +462,14 @@ def plan_from_profile(prof: Profile, budget_bytes: int, copy_model: CopyModel, p
     actions, peak, overhead, notes = (min(fitting, key=lambda c: c[2]) if fitting
                                       else min(candidates, key=lambda c: (c[1], c[2])))
     unoptimized = _predict_peak(prof, {s.name: "keep" for s in segs}, prefetch_depth)
+    floor = min(min(c[1] for c in candidates),
+                *(_greedy(prof, costs, policy, order, 0, prefetch_depth, cap)[1] for cap in caps))
     if peak > budget_bytes:
-        notes.append(f"even with every segment off-loaded the predicted peak is {peak} bytes > budget {budget_bytes}")
+        notes.append(f"the lowest predicted peak any plan reaches is {floor} bytes > budget {budget_bytes}: "
+                     f"{prof.other_saved_bytes} bytes are saved outside every segment")
     return Plan(policy, int(budget_bytes), actions, int(peak), int(unoptimized), overhead,
                 prof.forward_seconds + prof.backward_seconds, peak <= budget_bytes, min_bytes, prefetch_depth,
-                copy_model.kind, prof, copy_model.to_dict(), notes)
+                copy_model.kind, prof, copy_model.to_dict(), notes, int(floor))
 
 
 def plan(model: torch.nn.Module, example_batch: torch.Tensor | tuple, budget_bytes: int, policy: str = "delta",
@@ -601,18 +615,25 @@ def apply(model: torch.nn.Module, plan: Plan, prefetcher: SwapPrefetcher | None 
 
 
 def optimize(model: torch.nn.Module, example_batch: torch.Tensor | tuple, budget_bytes: int, policy: str = "delta",
-             **kwargs: object) -> AppliedPlan:
+             best_effort: bool = False, **kwargs: object) -> AppliedPlan:
     """:func:`plan`, then :func:`apply` the plan.
 
     Args:
         model, example_batch, budget_bytes, policy: as for :func:`plan`.
+        best_effort: when no plan fits, apply the one with the lowest predicted peak and warn, instead of raising.
         **kwargs: :func:`plan`'s other arguments (``path`` goes to :func:`apply` too).
 
     Raises:
-        ValueError: no plan's predicted peak fits ``budget_bytes``.
+        ValueError: no plan's predicted peak fits ``budget_bytes`` (and not ``best_effort``); the message says the
+            lowest peak a plan reaches and how many bytes are reducible at all.
     """
     path = kwargs.get("path")
     p = plan(model, example_batch, budget_bytes, policy, **kwargs)
     if not p.fits:
-        raise ValueError(f"optimize: no plan fits {budget_bytes} bytes: {p.summary()}")
+        if not best_effort:
+            raise ValueError(f"optimize: no plan fits {budget_bytes} bytes: {p.summary()}. A budget between "
+                             f"{p.floor_bytes} and {p.unoptimized_peak_bytes} bytes can be met; "
+                             "best_effort=True applies the closest plan")
+        warnings.warn(f"optimize: best effort, the budget of {budget_bytes} bytes is not met: {p.summary()}",
+                      stacklevel=2)
     return apply(model, p, path=path)
