@@ -129,13 +129,12 @@ class HAPPool(nn.Module):
         if empty:
             raise ValueError(f"HAPPool: graph(s) {empty[:8]} of the batch have no nodes (mask all False); an "
                              "empty graph cannot be pooled")
-        if not torch.isfinite(x[mask]).all():
+        if not (torch.isfinite(x) | ~mask[..., None]).all():
             raise ValueError("HAPPool: x has NaN or infinite features on real (unmasked) nodes")
-        pair = mask[:, :, None] & mask[:, None, :]
-        real_adj = adj[pair]
-        if not torch.isfinite(real_adj).all():
+        pad = ~(mask[:, :, None] & mask[:, None, :])
+        if not (torch.isfinite(adj) | pad).all():
             raise ValueError("HAPPool: adj has NaN or infinite entries between real (unmasked) nodes")
-        if (real_adj < 0).any():
+        if ((adj < 0) & ~pad).any():
             raise ValueError("HAPPool: adj has negative edge weights; the multi-hop keys need a non-negative "
                              "adjacency")
 
@@ -170,27 +169,29 @@ class HAPPool(nn.Module):
         m = mask.to(x.dtype)
         n = m.sum(1)  # real nodes per graph
 
-        hs = [x]
-        if self.hops:
-            a_hat = adj + torch.diag_embed(m)  # self-loops on real nodes only
-            deg = a_hat.sum(-1)
-            inv = torch.where(deg > 0, deg.clamp_min(_EPS).rsqrt(), torch.zeros_like(deg))
-            a_hat = inv[:, :, None] * a_hat * inv[:, None, :]
-            for _ in range(self.hops):
-                hs.append(a_hat @ hs[-1])
-        keys = self.key(torch.stack(hs, 1)).view(batch, self.hops + 1, nodes, heads, dh)
+        # Keys of order p are A_hat^p X W_K, A_hat = D^-1/2 (A + I) D^-1/2 over real nodes: the projection X W_K is
+        # propagated (the same product, done once), and D^-1/2 scales features, not the N x N matrix.
+        key = self.key(x).view(batch, nodes, heads, dh)
         if self.hop_logits is None:
-            keys = keys[:, 0].transpose(1, 2)  # [B, h, N, dh]
+            keys = key
         else:
-            keys = torch.einsum("bpnhd,hp->bhnd", keys, self.hop_logits.softmax(-1))
+            inv = (adj.sum(-1) + m).clamp_min(_EPS).rsqrt() * m  # [B, N]; 0 on padded nodes
+            beta = self.hop_logits.softmax(-1)  # [heads, hops + 1]
+            h = key.reshape(batch, nodes, -1)
+            keys = key * beta[:, 0, None]
+            for p in range(1, self.hops + 1):
+                scaled = inv[..., None] * h
+                h = inv[..., None] * (adj @ scaled + scaled)
+                keys = keys + h.view(batch, nodes, heads, dh) * beta[:, p, None]
+        keys = keys.transpose(1, 2)  # [B, h, N, dh]
         values = self.value(x)  # [B, N, F']
         summary = (x * m[..., None]).sum(1) / n[:, None]  # masked mean [B, F]
         if self.gcont:
             base = self.content.expand(batch, k, self.out_channels) + self.summary(summary)[:, None, :]
         else:
             base = self.seeds(summary).view(batch, k, self.out_channels)
-        queries = self.query(base).view(batch, k, heads, dh).transpose(1, 2)  # [B, h, K, dh]
-        logits = queries @ keys.transpose(-1, -2) / math.sqrt(dh)  # [B, h, K, N]
+        queries = self.query(base).view(batch, k, heads, dh).transpose(1, 2) / math.sqrt(dh)  # [B, h, K, dh]
+        logits = queries @ keys.transpose(-1, -2)  # [B, h, K, N]
 
         att = logits.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)  # over nodes
         att = self.dropout(att)
@@ -204,7 +205,7 @@ class HAPPool(nn.Module):
         st = s.transpose(1, 2)
         adj_out = st @ adj @ s
 
-        link = (torch.linalg.matrix_norm(adj - s @ st) / n.square()).mean()
+        link = ((adj - s @ st).square().sum((1, 2)).sqrt() / n.square()).mean()
         entropy = ((-s * s.clamp_min(_EPS).log()).sum((1, 2)) / n).mean()
         if self.gcont:
             before = (values * m[..., None]).sum(1) / n[:, None]

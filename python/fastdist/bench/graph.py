@@ -1,0 +1,304 @@
+"""`fastdist-bench graph`: graph-classification accuracy of HAP against PyG's poolers, k-fold cross-validated.
+
+Every pooler (fastdist.graph.POOLERS: HAP and its two ablations, PyG's DiffPool, MinCut, TopK, SAG, ASAP, and
+global mean pooling without hierarchy) sits in the same GraphClassifier: the same encoder, hidden size, levels,
+readout and head, trained with the same optimizer (Adam), learning rate, batch size, epochs and early stopping.
+Nothing is tuned per pooler. Protocol, per data set (fastdist.graph.data, generated, no downloads):
+
+  stratified k-fold cross-validation (sklearn StratifiedKFold, shuffled, seeded); in each fold a stratified
+  --val-fraction of the training part is the validation split; train up to --epochs, keep the weights of the
+  epoch with the best validation accuracy (ties: lower validation loss), stop after --patience epochs without a
+  better one; report the test fold's accuracy with those weights. Mean +- std over folds per pooler.
+
+Folds are interleaved: every pooler runs fold f before any runs fold f+1, in an order rotated per fold. Epoch time
+is the wall time of one training epoch (median over all epochs of all folds; every epoch's time is in the JSON).
+The structure-blind reference (logistic regression on the node count and degree histogram) runs on the same folds.
+Defaults are the full protocol (10 folds, 100 epochs, patience 20, 1000 graphs per generated set, all 1797 digits);
+--folds/--epochs/--graphs/--datasets/--poolers scale it down, and the caption states the scale that ran.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastdist.bench import report
+from fastdist.bench.report import col, fixed, integer, text
+from fastdist.bench.toolkit import at_least, comma_list, progress, up_to
+from fastdist.graph.classifier import POOLERS
+from fastdist.graph.data import DATASETS
+
+__all__ = ["add_arguments", "plot", "run", "run_fold", "splits", "tables"]
+
+
+# Neither module imports torch_geometric at import time: the suite lists its choices without it.
+POOLER_NAMES = POOLERS
+DATASET_NAMES = DATASETS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
+    p.add_argument("--datasets", type=comma_list(choices=DATASET_NAMES), default=list(DATASET_NAMES),
+                   help="comma-separated subset of " + ",".join(DATASET_NAMES))
+    p.add_argument("--poolers", type=comma_list(choices=POOLER_NAMES), default=list(POOLER_NAMES),
+                   help="comma-separated subset of " + ",".join(POOLER_NAMES))
+    p.add_argument("--folds", type=at_least(2), default=10, help="cross-validation folds (default 10)")
+    p.add_argument("--run-folds", type=at_least(1), default=None,
+                   help="run only the first N of the --folds folds (default all); the caption says so")
+    p.add_argument("--epochs", type=at_least(1), default=100, help="most training epochs per fold (default 100)")
+    p.add_argument("--patience", type=at_least(1), default=20,
+                   help="stop after this many epochs without a better validation accuracy (default 20)")
+    p.add_argument("--graphs", type=at_least(10), default=None,
+                   help="graphs per data set (default: 1000 per generated set, all 1797 digits)")
+    p.add_argument("--hidden", type=at_least(1), default=64, help="hidden size of every network (default 64)")
+    p.add_argument("--levels", type=at_least(0), default=2, help="pooling levels (default 2)")
+    p.add_argument("--encoder", choices=["gcn", "gin"], default="gcn", help="GNN encoder (default gcn)")
+    p.add_argument("--ratio", type=up_to(0.99), default=0.5, help="coarsening ratio per level (default 0.5)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="graphs per training step (default 64)")
+    p.add_argument("--val-fraction", type=up_to(0.5), default=0.1,
+                   help="share of each training fold held out for early stopping (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seeds data, folds, initialization and batching")
+    p.add_argument("--threads", type=at_least(1), default=1,
+                   help="torch threads (default 1: these graphs are small; more threads mostly wait)")
+
+
+def splits(labels: np.ndarray, folds: int, val_fraction: float, seed: int) -> list[tuple[np.ndarray, ...]]:
+    """(train, validation, test) index arrays per fold: StratifiedKFold for test, then a stratified validation
+    share of the rest."""
+    from sklearn.model_selection import StratifiedKFold, train_test_split
+
+    out = []
+    for fold, (rest, test) in enumerate(StratifiedKFold(folds, shuffle=True, random_state=seed).split(labels,
+                                                                                                        labels)):
+        counts = np.unique(labels[rest], return_counts=True)[1]
+        n_val = max(len(counts), round(val_fraction * len(rest)))  # at least one graph per class
+        train, val = train_test_split(rest, test_size=n_val, random_state=seed * 1000 + fold,
+                                      stratify=labels[rest] if counts.min() >= 2 else None)
+        out.append((np.sort(train), np.sort(val), np.sort(test)))
+    return out
+
+
+def _batches(graphs, index, batch_size, gen=None):
+    from fastdist.graph.data import collate
+
+    order = index if gen is None else index[torch.randperm(len(index), generator=gen).numpy()]
+    return [collate([graphs[i] for i in order[s:s + batch_size]]) for s in range(0, len(order), batch_size)]
+
+
+@torch.no_grad()
+def _evaluate(model, batches):
+    model.eval()
+    correct = loss = total = 0
+    for x, edge_index, batch, y in batches:
+        logits, _ = model(x, edge_index, batch, num_graphs=len(y))
+        correct += int((logits.argmax(-1) == y).sum())
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        total += len(y)
+    return correct / total, loss / total
+
+
+def run_fold(graphs, split, pooler: str, args: argparse.Namespace, classes: int, num_nodes: int,
+             fold: int) -> dict:
+    """Trains one pooler's classifier on one fold with early stopping; returns its test accuracy and timings."""
+    from fastdist.graph import GraphClassifier
+
+    train, val, test = split
+    torch.manual_seed(args.seed * 1000 + fold)
+    model = GraphClassifier(graphs[0].x.shape[1], args.hidden, classes, levels=args.levels, pooler=pooler,
+                            encoder=args.encoder, num_nodes=num_nodes, ratio=args.ratio)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + fold)
+    val_batches = _batches(graphs, val, 256)
+    best, best_key, best_epoch, epoch_s = None, None, -1, []
+    for epoch in range(args.epochs):
+        model.train()
+        start = time.perf_counter()
+        for x, edge_index, batch, y in _batches(graphs, train, args.batch_size, gen):
+            logits, aux = model(x, edge_index, batch, num_graphs=len(y))
+            loss = F.cross_entropy(logits, y) + aux
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        epoch_s.append(time.perf_counter() - start)
+        acc, val_loss = _evaluate(model, val_batches)
+        key = (acc, -val_loss)
+        if best_key is None or key > best_key:
+            best, best_key, best_epoch = copy.deepcopy(model.state_dict()), key, epoch
+        elif epoch - best_epoch >= args.patience:
+            break
+    model.load_state_dict(best)
+    test_acc, _ = _evaluate(model, _batches(graphs, test, 256))
+    return {"fold": fold, "test_acc": test_acc, "val_acc": best_key[0], "best_epoch": best_epoch,
+            "epochs": len(epoch_s), "epoch_s": epoch_s, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _degree_reference(graphs, fold_splits):
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from fastdist.graph.data import degree_features
+
+    feats, labels = degree_features(graphs), np.array([g.y for g in graphs])
+    accs = []
+    for train, val, test in fold_splits:
+        fit = np.concatenate([train, val])
+        model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000)).fit(feats[fit], labels[fit])
+        accs.append(float((model.predict(feats[test]) == labels[test]).mean()))
+    return accs
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the suite; prints the header and tables; returns the JSON payload."""
+    from fastdist.graph import data
+
+    env = report.environment(backend="cpu (plain torch + torch_geometric)", device="cpu", ranks=1,
+                             network="none (single process)")
+    print(report.format_environment(env))
+    run_folds = min(args.run_folds or args.folds, args.folds)
+    rows, references = [], []
+    with report.torch_threads(args.threads):
+        env["torch_threads"] = torch.get_num_threads()
+        sets = {}
+        for name in args.datasets:
+            count = args.graphs or (1797 if name == "digits" else 1000)
+            graphs = data.make_dataset(name, min(count, 1797) if name == "digits" else count, seed=args.seed)
+            labels = np.array([g.y for g in graphs])
+            sets[name] = (graphs, splits(labels, args.folds, args.val_fraction, args.seed)[:run_folds])
+        bar = progress(len(sets) * run_folds * len(args.poolers), "graph")
+        for name, (graphs, fold_splits) in sets.items():
+            classes = data.num_classes(name)
+            num_nodes = round(statistics.mean(g.num_nodes for g in graphs))
+            runs = {p: [] for p in args.poolers}
+            for fold, split in enumerate(fold_splits):
+                shift = fold % len(args.poolers)
+                for pooler in args.poolers[shift:] + args.poolers[:shift]:
+                    runs[pooler].append(run_fold(graphs, split, pooler, args, classes, num_nodes, fold))
+                    bar.step(f"{name} fold {fold + 1} {pooler}")
+            for pooler in args.poolers:
+                accs = [r["test_acc"] for r in runs[pooler]]
+                epochs = [t for r in runs[pooler] for t in r["epoch_s"]]
+                rows.append({"dataset": name, "pooler": pooler, "acc_mean": statistics.mean(accs),
+                             "acc_std": statistics.pstdev(accs), "accs": accs, "epoch_ms": 1e3 * statistics.median(epochs),
+                             "params": runs[pooler][0]["params"], "epochs_run": [r["epochs"] for r in runs[pooler]],
+                             "best_epochs": [r["best_epoch"] for r in runs[pooler]], "epoch_s": epochs,
+                             "graphs": len(graphs), "classes": classes, "mean_nodes": num_nodes})
+            ref = _degree_reference(graphs, fold_splits)
+            references.append({"dataset": name, "acc_mean": statistics.mean(ref), "acc_std": statistics.pstdev(ref),
+                               "accs": ref, "chance": 1 / classes})
+    config = vars(args) | {"run_folds": run_folds}
+    config.pop("func", None)
+    result = {"suite": "graph", "env": env, "config": config, "rows": rows, "references": references}
+    result["targets"] = _targets(rows)
+    print(report.text_parts(tables(result)))
+    return result
+
+
+def _targets(rows):
+    """HAP's targets: best mean accuracy on >= 3 of >= 5 data sets and never more than one std below the best;
+    epoch time within 2x of DiffPool's at the same number of clusters."""
+    lines, checks = [], {}
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    by = {(r["dataset"], r["pooler"]): r for r in rows}
+    if all((d, "hap") in by for d in datasets) and len({r["pooler"] for r in rows}) > 1:
+        best_count, within = 0, True
+        detail = []
+        for d in datasets:
+            others = [r for r in rows if r["dataset"] == d and r["pooler"] != "hap"]
+            best = max(others, key=lambda r: r["acc_mean"])
+            hap = by[(d, "hap")]
+            wins = hap["acc_mean"] >= best["acc_mean"]
+            best_count += wins
+            near = wins or hap["acc_mean"] >= best["acc_mean"] - best["acc_std"]
+            within &= near
+            detail.append(f"{d}: hap {100 * hap['acc_mean']:.1f}, best other {best['pooler']} "
+                          f"{100 * best['acc_mean']:.1f}+-{100 * best['acc_std']:.1f}")
+        need = min(3, len(datasets))
+        checks["best_on_3"] = best_count >= need and within
+        lines.append(f"target: HAP best on >= {need} of {len(datasets)} data sets and within one std of the best "
+                     f"elsewhere: {'met' if checks['best_on_3'] else 'NOT met'} (best on {best_count}; "
+                     + "; ".join(detail) + ")")
+    for d in datasets:
+        hap, diff = by.get((d, "hap")), by.get((d, "diffpool"))
+        if hap and diff:
+            ratio = hap["epoch_ms"] / diff["epoch_ms"]
+            checks[f"{d}_epoch_2x"] = ratio <= 2
+            lines.append(f"target: {d} epoch time within 2x of diffpool: {'met' if ratio <= 2 else 'NOT met'} "
+                         f"({ratio:.2f}x)")
+    return {"checks": checks, "lines": lines}
+
+
+def _scale(c):
+    folds = f"{c['run_folds']} of {c['folds']} folds" if c["run_folds"] < c["folds"] else f"{c['folds']} folds"
+    graphs = c["graphs"] or "1000 (digits 1797)"
+    return (f"{folds}, up to {c['epochs']} epochs (patience {c['patience']}), {graphs} graphs per set, "
+            f"{c['encoder']} encoder, hidden {c['hidden']}, {c['levels']} levels, ratio {c['ratio']}, Adam lr "
+            f"{c['lr']}, batch {c['batch_size']}, {c['threads']} torch thread(s); mean +- std of test accuracy (%) "
+            "over folds")
+
+
+def tables(result: dict) -> list[report.Part]:
+    """The suite's tables of `result` (its JSON payload): accuracy per pooler and data set, then cost."""
+    rows = result["rows"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    poolers = list(dict.fromkeys(r["pooler"] for r in rows))
+    by = {(r["dataset"], r["pooler"]): r for r in rows}
+    best = {d: max(r["acc_mean"] for r in rows if r["dataset"] == d) for d in datasets}
+    refs = {r["dataset"]: r for r in result.get("references", [])}
+
+    def cell(d):
+        def value(row):
+            r = row.get(d)
+            if r is None:
+                return None
+            mark = " **" if r["acc_mean"] == best[d] else ""
+            return f"{100 * r['acc_mean']:.1f} ± {100 * r['acc_std']:.1f}{mark}"
+        return value
+
+    wide = [{"pooler": p} | {d: by.get((d, p)) for d in datasets} for p in poolers]
+    wide.append({"pooler": "degree-histogram LR (structure-blind)"} | {d: refs.get(d) for d in datasets})
+    acc_cols = [col("pooler", "pooler")] + [col(f"{d} (%)", cell(d), text, numeric=True) for d in datasets]
+    caption = _scale(result["config"]) + "; ** marks the best per data set."
+    notes = list(result.get("targets", {}).get("lines", []))
+    cost_cols = [col("data set", "dataset"), col("pooler", "pooler"), col("epoch (ms)", "epoch_ms", fixed(0)),
+                 col("parameters", "params", integer),
+                 col("epochs run (mean)", lambda r: statistics.mean(r["epochs_run"]), fixed(1))]
+    return [report.Part("accuracy", acc_cols, wide, caption, notes),
+            report.Part("cost", cost_cols, rows, "Epoch time: median wall time of one training epoch over all "
+                        "epochs of all folds.")]
+
+
+def plot(result: dict, path: str) -> None:
+    """Writes grouped bars of mean accuracy (+- std over folds) per data set and pooler to `path`."""
+    rows = result["rows"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    poolers = list(dict.fromkeys(r["pooler"] for r in rows))
+    by = {(r["dataset"], r["pooler"]): r for r in rows}
+    refs = {r["dataset"]: r for r in result.get("references", [])}
+    plt, fig, ax = report.subplots(figsize=(max(6.0, 1.6 * len(datasets) * math.sqrt(len(poolers))), 4.5))
+    width = 0.8 / len(poolers)
+    cmap = plt.get_cmap("tab10")
+    for i, p in enumerate(poolers):
+        xs = [j + (i - (len(poolers) - 1) / 2) * width for j in range(len(datasets))]
+        means = [100 * by[(d, p)]["acc_mean"] if (d, p) in by else 0 for d in datasets]
+        stds = [100 * by[(d, p)]["acc_std"] if (d, p) in by else 0 for d in datasets]
+        ax.bar(xs, means, width, yerr=stds, capsize=2, color=cmap(i % 10), label=p,
+               edgecolor="black" if p == "hap" else None)
+    for j, d in enumerate(datasets):
+        if d in refs:
+            ax.hlines(100 * refs[d]["acc_mean"], j - 0.45, j + 0.45, colors="gray", linestyles="dashed",
+                      label="degree-histogram LR" if j == 0 else None)
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("test accuracy (%), mean ± std over folds")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7, ncol=min(5, len(poolers) + 1))
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(f"fastdist-bench graph: {_scale(result['config'])}", fontsize=7)
+    report.save_figure(fig, path)
