@@ -1,6 +1,9 @@
 """fastdist.comm.hooks.sketch_hook: a DDP comm hook that is lossless in exact mode and keeps its state."""
+import copy
 import pickle
+import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -119,27 +122,136 @@ def test_hook_state_counts_steps_per_bucket_pickles_without_its_group_and_round_
     assert restored.process_group is None and restored.iter == 4
     assert restored.exact_timings.by_class == {}  # this process's measurements: not saved with the state
     assert restored.state_dict() == sd
-    fresh = SketchState()
+    fresh = SketchState(ratio=0.2, mode="auto", seed=5)
     fresh.load_state_dict(sd)
     assert fresh.state_dict() == sd
 
 
+def test_load_state_dict_restores_the_state_but_keeps_the_constructors_configuration_and_says_what_differs():
+    saved = SketchState(ratio=0.2, seed=5, error_feedback=True)
+    saved.iter = 7
+    saved.calls.calls = 21
+    saved.residuals[(0, 1)] = torch.ones(3, 4)
+    same = SketchState(ratio=0.2, seed=5, error_feedback=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(saved.state_dict())
+    assert (same.iter, same.calls.calls) == (7, 21) and torch.equal(same.residuals[(0, 1)], torch.ones(3, 4))
+
+    other = SketchState(ratio=0.1, mode="exact", background=True, error_feedback=True)
+    with pytest.warns(UserWarning, match=r"keeps this state's configuration.*ratio=0.2.*seed=5.*residuals are not"):
+        other.load_state_dict(saved.state_dict())
+    assert (other.ratio, other.mode, other.background, other.seed) == (0.1, "exact", True, 0)
+    assert (other.iter, other.calls.calls, other.residuals) == (7, 21, {})  # a residual of another sketch: dropped
+
+
 def test_error_feedback_residuals_are_kept_per_bucket_and_survive_pickling():
     results = spawn(_train, 2, "sketch", 3, True, timeout=300)
-    blob, sd, _ = results[0]["state"]
-    residuals = {i: b["residual"] for i, b in sd["buckets"].items()}
+    blob, sd, stats = results[0]["state"]
+    residuals = sd["residuals"]
     assert residuals and all(r is not None and r.shape[0] == 3 for r in residuals.values())
     assert any(r.abs().sum() > 0 for r in residuals.values())  # lossy steps left something to feed back
-    for i, r in residuals.items():  # a residual only moves in calls that applied error feedback, and says so
-        b = sd["buckets"][i]
-        assert b["ef_calls"] > 0 or r.abs().sum() == 0
+    for b in stats.values():  # a residual only moves in calls that applied error feedback, and says so
+        assert b["ef_calls"] > 0 or residuals[b["parameters"]].abs().sum() == 0
         assert b["last_method"] in ("sketch", "sketch+ef", "exact", "dense")
     restored = pickle.loads(blob)
-    for i, r in residuals.items():
-        assert torch.equal(restored.buckets[i].residual, r)
+    for key, r in residuals.items():
+        assert torch.equal(restored.residuals[key], r)
     # every rank holds the same residual: they all decoded the same summed sketch
-    other = results[1]["state"][1]["buckets"]
-    assert all(torch.equal(other[i]["residual"], r) for i, r in residuals.items())
+    other = results[1]["state"][1]["residuals"]
+    assert all(torch.equal(other[key], r) for key, r in residuals.items())
+
+
+class Branches(torch.nn.Module):
+    """Three layers side by side, summed in a fixed order; `order` is the order forward calls them in. Autograd
+    runs backward in the reverse order, and DDP rebuilds its buckets in that order after the first backward: the
+    same model and gradients, laid out differently in the buckets."""
+
+    def __init__(self, order, width=16):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(width, width) for _ in range(3))
+        self.order = order
+
+    def forward(self, x):
+        outs = {name: getattr(self, name)(x) for name in self.order}
+        return outs["a"] + outs["b"] + outs["c"]
+
+
+# (width, bucket_cap_mb): after the first backward DDP rebuilds its buckets in the order the gradients come
+# (bias, weight) and closes a bucket at the cap: all in one, or each layer in a bucket of its own, numbered by when
+# its gradient came. DDP's first buckets hold all three layers in registration order either way.
+EF_BUCKETS = {"one bucket": (16, 25), "a bucket per layer": (64, 0.0157)}
+
+
+def _ef_run(order, buckets, steps=4, resume_at=None):
+    """Trains Branches with the error-feedback sketch hook; returns the parameters, every step's bucket layouts
+    and the hook's totals. resume_at: restart from a state_dict (model, hook) before that step, as a resumed run
+    does: a new DDP, laid out afresh."""
+    rank = dist.get_rank()
+    width, cap_mb = EF_BUCKETS[buckets]
+    g = torch.Generator().manual_seed(10 + rank)
+    inputs = [torch.randn(8, width, generator=g) for _ in range(steps)]
+    torch.manual_seed(0)
+    model = Branches(order, width)
+    names = {}
+    layouts = []
+
+    def recording(state, bucket):
+        layouts[-1].append([names[id(p)] for p in bucket.parameters()])
+        return sketch_hook(state, bucket)
+
+    def build(model, saved=None):
+        names.update({id(p): n for n, p in model.named_parameters()})
+        state = SketchState(ratio=1.0, mode="sketch", seed=3, error_feedback=True, density_threshold=2.0)
+        if saved is not None:
+            state.load_state_dict(saved)
+        ddp = DDP(model, bucket_cap_mb=cap_mb)
+        ddp.register_comm_hook(state, recording)
+        return ddp, state, torch.optim.SGD(model.parameters(), lr=0.2)
+
+    ddp, state, opt = build(model)
+    for step in range(steps):
+        if step == resume_at:
+            checkpoint = pickle.loads(pickle.dumps((model.state_dict(), state.state_dict())))
+            model = Branches(order, width)
+            model.load_state_dict(checkpoint[0])
+            ddp, state, opt = build(model, checkpoint[1])
+        layouts.append([])
+        loss = ddp(inputs[step]).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "layouts": layouts,
+            "ef_calls": sum(b["ef_calls"] for b in state.stats().values()),
+            "residual": sum(float(r.abs().sum()) for r in state.residuals.values())}
+
+
+def _ef_layouts(buckets):
+    runs = {"backward a, b, c": _ef_run(("c", "b", "a"), buckets),
+            "backward c, b, a": _ef_run(("a", "b", "c"), buckets)}
+    if buckets == "one bucket":  # a resumed DDP starts from its first layout again, as the run did
+        runs["resumed"] = _ef_run(("c", "b", "a"), buckets, resume_at=2)
+    return runs
+
+
+@pytest.mark.parametrize("buckets", list(EF_BUCKETS))
+def test_error_feedback_follows_the_parameters_when_ddp_reorders_its_buckets_and_after_a_resume(buckets):
+    """The reference: the same training with the layers called in the other order (the same gradients, which DDP
+    lays out in the reverse order within the bucket, or in buckets numbered the other way round), and with one
+    bucket the same training restarted from a checkpoint after two steps. The residual follows the parameters
+    through every layout: all end with the same bits."""
+    results = spawn(_ef_layouts, 2, buckets, backend="gloo", timeout=240)
+    for r in results:
+        for run in r.values():
+            assert run["layouts"][1] != run["layouts"][0]  # DDP rebuilt its buckets after the first backward
+            assert run["ef_calls"] > 0 and run["residual"] > 0  # error feedback applied and left a residual
+        ours, other = r["backward a, b, c"]["layouts"][2], r["backward c, b, a"]["layouts"][2]
+        assert ours != other and sorted(map(sorted, ours)) == sorted(map(sorted, other))  # same sets, other layout
+        if "resumed" in r:
+            assert r["resumed"]["layouts"][2] == r["resumed"]["layouts"][0]  # the new DDP's first layout
+        for name, run in r.items():
+            assert torch.equal(run["params"], r["backward a, b, c"]["params"]), name
+    assert torch.equal(results[0]["backward c, b, a"]["params"], results[1]["backward c, b, a"]["params"])
 
 
 def test_the_hook_times_its_exact_collectives_in_its_state_not_in_the_groups_default():

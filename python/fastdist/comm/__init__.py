@@ -11,10 +11,18 @@ from fastdist.comm.baselines import (
     powersgd_allreduce,
     topk_allgather,
 )
-from fastdist.comm.sketch import ExactTimings, SketchStats, default_exact_timings, last_stats, sketch_allreduce
+from fastdist.comm.sketch import (
+    ExactTimings,
+    SketchStats,
+    default_call_counter,
+    default_exact_timings,
+    last_stats,
+    sketch_allreduce,
+)
 
 __all__ = [
-    "BaselineStats", "ExactTimings", "SketchStats", "agsparse_allreduce", "bf16_allreduce", "default_exact_timings",
+    "BaselineStats", "ExactTimings", "SketchStats", "agsparse_allreduce", "bf16_allreduce", "default_call_counter",
+    "default_exact_timings",
     "dense_allreduce", "fp16_allreduce", "hooks", "last_baseline_stats", "last_stats", "make_powersgd_state",
     "powersgd_allreduce", "sketch_allreduce", "topk_allgather",
 ]

@@ -1,11 +1,13 @@
 """sketch_allreduce: sparse gradient all-reduce with a union bitmap and a count-sketch (S2 Reducer).
 
 Per call, on every rank of the group, in this order:
-  1. header: one fixed-size all-gather of (configuration fingerprint, local support size, this rank's measured
-     cost of the two exact collectives, the packed local bitmap when it fits in HEADER_BITMAP_BYTES, e.g. 65536
-     embedding rows). Fixed size, so ranks that
-     disagree on shape, dtype, seed, rows, cols, mode or op meet in the same collective and raise
-     MismatchError together, every call, before any collective whose size depends on the configuration.
+  1. header: one fixed-size all-gather of (configuration fingerprint, call number, local support size, auto's
+     count of timed choices, this rank's measured cost of the two exact collectives, the packed local bitmap when it
+     fits in HEADER_BITMAP_BYTES, e.g. 65536 embedding rows). Fixed size, so ranks that disagree on anything that
+     decides what goes on the wire or how it is decoded (shape, dtype, seed, rows, ratio/cols, mode, op,
+     thresholds, the error-feedback residual's digest) meet in the same collective and raise MismatchError
+     together, naming the fields, every call, before any collective whose size depends on the configuration; a
+     rank that skipped or added a call is caught by the call number (its call n would meet a peer's n + 1).
   2. union support U: the OR of the gathered bitmaps — from the header when they fit in it, else from an
      all-gather of the bitmaps or a MAX all-reduce of a uint8 mask, whichever sends fewer bytes for (n, P).
      Every rank now knows U and |U| identically, and every rank's support where the bitmaps were gathered.
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from fastdist import ops
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
-from fastdist.distributed.fingerprint import MismatchError, fingerprint
+from fastdist.distributed.fingerprint import CallCounter, fingerprint, global_ranks, raise_mismatch
 
 MODES = ("sketch", "exact", "auto")
 GRANULARITIES = ("row", "element")
@@ -39,7 +41,8 @@ EXACT_COLLECTIVES = ("auto", "allreduce-union", "allgather-local")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_RATIO = 0.05  # sketch width as a fraction of the tensor's values when neither ratio nor cols is given
 HEADER_BITMAP_BYTES = 8192  # bitmaps up to 65536 units ride in the header: one collective fewer per call
-HEADER_FIXED_BYTES = 32  # fingerprint, local support size (int64), the two exact collectives' rates (float64)
+HEADER_FIXED_BYTES = 48  # fingerprint, call number, local support size, timed choices (int64), two rates (float64)
+HEADER_INTS = 4
 # The lossless all-gather of own rows must send at most this fraction of the union all-reduce's bytes: it then
 # sums P blocks locally, which the ring all-reduce overlaps with its transfers, so it needs a clear byte saving.
 GATHER_MAX_BYTES_FRACTION = 0.75
@@ -110,7 +113,7 @@ class CollectiveRates:
     def __init__(self) -> None:
         self.runs = dict.fromkeys(TIMED_COLLECTIVES, 0)
         self.rate = dict.fromkeys(TIMED_COLLECTIVES, math.nan)
-        self.timed_choices = 0  # the same count on every rank: it follows the gathered header
+        self.timed_choices = 0  # the same count on every rank: set from the gathered header's largest
 
     def header(self) -> list[float]:
         """The rates this rank sends in the header, in TIMED_COLLECTIVES order; NaN where not yet measured."""
@@ -155,6 +158,9 @@ _default_timings: "weakref.WeakKeyDictionary[dist.ProcessGroup, ExactTimings]" =
 _default_timings_lock = threading.Lock()
 
 
+_default_calls: "weakref.WeakKeyDictionary[dist.ProcessGroup, CallCounter]" = weakref.WeakKeyDictionary()
+
+
 def default_exact_timings(group: dist.ProcessGroup | None = None) -> ExactTimings:
     """The ExactTimings that sketch_allreduce calls on `group` without a `timings` argument share.
 
@@ -167,6 +173,20 @@ def default_exact_timings(group: dist.ProcessGroup | None = None) -> ExactTiming
     key = dist.group.WORLD if group is None else group
     with _default_timings_lock:
         return _default_timings.setdefault(key, ExactTimings())
+
+
+def default_call_counter(group: dist.ProcessGroup | None = None) -> CallCounter:
+    """The CallCounter that numbers the sketch_allreduce calls on `group` without a `calls` argument.
+
+    Args:
+        group: the process group (None: the default group).
+
+    Returns:
+        The group's CallCounter, created at first use and released with the group.
+    """
+    key = dist.group.WORLD if group is None else group
+    with _default_timings_lock:
+        return _default_calls.setdefault(key, CallCounter())
 
 
 # --- arguments and this rank's view of the tensor ---------------------------------------------------------------
@@ -187,7 +207,11 @@ def sketch_width(numel: int, ratio: float | None = None, cols: int | None = None
     return max(1, math.ceil((DEFAULT_RATIO if ratio is None else ratio) * numel))
 
 
-def _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective):
+def _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective, thresholds):
+    for name, value in thresholds.items():
+        if not isinstance(value, (int, float)) or not value >= 0 or (name == "max_sketch_load" and not value > 0):
+            raise ValueError(f"sketch_allreduce: {name} must be a number "
+                             f"{'> 0' if name == 'max_sketch_load' else '>= 0'}, got {value!r}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"sketch_allreduce: expected a tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -278,8 +302,9 @@ class _LocalUnits:
     def write_back(self, union, union_rows):
         """The call's result: a sparse tensor of U's reduced rows, or the tensor itself with them written in."""
         if self.sparse:
+            # sorted, in-range indices by construction: torch's invariant check would only warn once per process
             return torch.sparse_coo_tensor(union.idx.view(1, -1), union_rows.view(union.units, *self.shape[1:]),
-                                           self.shape, is_coalesced=True)
+                                           self.shape, is_coalesced=True, check_invariants=False)
         if union_rows is not None:
             self.rows2d.index_copy_(0, union.idx, union_rows)
         if self.buf is not self.tensor:
@@ -294,33 +319,34 @@ class _Header:
     counts: list       # every rank's local support size
     rates: list        # every rank's CollectiveRates.header() ([world][2], NaN: not measured)
     bitmaps: object    # uint8 [world, ceil(n / 8)] of every rank's support, or None when they did not fit
+    timed_choices: int  # the largest count of timed exact choices any rank sent (see _exact_choice)
 
 
-def _exchange_header(config, local_units, rates, local_bits, group, world, device):
-    """All-gathers (fingerprint, local support size, this rank's seconds per byte of the TIMED_COLLECTIVES, NaN
-    where not measured, local bitmap if it fits) in a buffer of fixed size; raises MismatchError on every rank on
-    disagreement."""
+def _exchange_header(config, step, local_units, timed_choices, rates, local_bits, group, world, device):
+    """All-gathers (fingerprint of `config`, the call's step number, local support size, count of timed exact choices, this
+    rank's seconds per byte of the TIMED_COLLECTIVES, NaN where not measured, local bitmap if it fits) in a buffer
+    of fixed size; raises MismatchError on every rank, naming the fields, when the configurations or the call
+    numbers differ."""
     nbytes = local_bits.numel()
     inline = nbytes <= HEADER_BITMAP_BYTES
+    ints = 8 * HEADER_INTS
     mine = torch.zeros(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, dtype=torch.uint8)
-    mine[:16] = torch.tensor([fingerprint(config), local_units], dtype=torch.int64).view(torch.uint8)
-    mine[16:HEADER_FIXED_BYTES] = torch.tensor(rates, dtype=torch.float64).view(torch.uint8)
+    mine[:ints] = torch.tensor([fingerprint(config), step, local_units, timed_choices],
+                               dtype=torch.int64).view(torch.uint8)
+    mine[ints:HEADER_FIXED_BYTES] = torch.tensor(rates, dtype=torch.float64).view(torch.uint8)
     if inline:
         mine[HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes] = local_bits.cpu()
     out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     compat.all_gather_single(out, mine.to(device), group=group)
     out = out.view(world, mine.numel()).cpu()
-    head = out[:, :16].contiguous().view(torch.int64)
+    head = out[:, :ints].contiguous().view(torch.int64)
     if len(set(head[:, 0].tolist())) > 1:
-        reprs = [None] * world
-        dist.all_gather_object(reprs, repr(config), group=group)
-        ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
-        raise MismatchError("sketch_allreduce configuration (shape, dtype, granularity, rows, cols, seed, "
-                            "mode, op)", dict(zip(ranks, reprs)))
-    all_rates = out[:, 16:HEADER_FIXED_BYTES].contiguous().view(torch.float64).tolist()
+        raise_mismatch("sketch_allreduce configuration", config, group)
+    CallCounter.check("sketch_allreduce", dict(zip(global_ranks(group), head[:, 1].tolist())))
+    all_rates = out[:, ints:HEADER_FIXED_BYTES].contiguous().view(torch.float64).tolist()
     bitmaps = out[:, HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes].contiguous().to(local_bits.device) \
         if inline else None
-    return _Header(head[:, 1].tolist(), all_rates, bitmaps)
+    return _Header(head[:, 2].tolist(), all_rates, bitmaps, int(head[:, 3].max()))
 
 
 @dataclasses.dataclass
@@ -591,7 +617,8 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
                      seed: int = 0, granularity: str = "row", mode: str = "sketch", op: str = "sum",
                      group: dist.ProcessGroup | None = None, async_op: bool = False, lossless_slack: float = 2.0,
                      dense_fraction: float = 0.5, max_sketch_load: float = 1.0, residual: torch.Tensor | None = None,
-                     exact_collective: str = "auto", timings: ExactTimings | None = None):
+                     exact_collective: str = "auto", timings: ExactTimings | None = None,
+                     step: int | None = None, agreed: dict | None = None):
     """Sums `tensor` over the ranks of `group`, sending only its union support (exact) or a sketch of it.
 
     Args:
@@ -629,6 +656,13 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
             class of the union (at most EXACT_EXPLORE_CALLS calls explore a new one), with the other re-timed every
             EXACT_REPROBE_EVERY calls (last_stats().exact_by says which rule chose).
         timings: where "auto" keeps those timings across calls (None: default_exact_timings(group)).
+        step: this call's number as the caller counts it (e.g. the training step), checked in the header: a rank
+            that skipped or added a call raises MismatchError on every rank at its next call instead of pairing two
+            steps' tensors. None: the group's count of calls that pass none (default_call_counter), which catches
+            ranks whose counts differ (e.g. restored from different steps) but cannot tell a skipped call on its
+            own, since every rank's k-th call then meets the others' k-th.
+        agreed: more settings that must be identical on every rank, checked with the call's own (a caller's
+            configuration, e.g. the DDP hook's state and the bucket's parameters): {field name: value}.
 
     Returns:
         The result tensor (the input itself when dense), or, with async_op, a handle with wait(), result(),
@@ -636,10 +670,13 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
 
     Raises:
         TypeError, ValueError: bad arguments, before any communication.
-        MismatchError: on every rank, when the ranks disagree on shape, dtype, granularity, rows, cols, seed, mode
-            or op.
+        MismatchError: on every rank, naming the fields, when the ranks disagree on shape, dtype, granularity, rows,
+            ratio, cols, seed, mode, op, exact_collective, lossless_slack, dense_fraction, max_sketch_load, whether a
+            residual is given and its contents, or a field of `agreed`; or when one skipped or added a call.
     """
-    _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective)
+    _check_args(tensor, ratio, cols, rows, granularity, mode, op, exact_collective,
+                dict(lossless_slack=lossless_slack, dense_fraction=dense_fraction, max_sketch_load=max_sketch_load))
+    ratio = None if ratio is None else float(ratio)
     start = time.perf_counter()
     rows, seed = int(rows), int(seed)
     local = _LocalUnits(tensor, granularity)
@@ -648,13 +685,26 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
     _check_residual(residual, rows, c)
     world, device = dist.get_world_size(group), _collective_device(tensor, group)
     timings = default_exact_timings(group) if timings is None else timings
+    if step is None:
+        step = default_call_counter(group).take()
     timed_config = (world, local.shape, str(local.dtype), granularity)
 
-    config = (local.shape, str(local.dtype), granularity, rows, c, seed, mode, op, residual is not None,
-              exact_collective)
+    # everything that decides the collectives, their sizes or the decoding; the residual by its digest, so that
+    # ranks whose residuals drifted apart raise instead of returning different sums
+    config = {"shape": local.shape, "dtype": local.dtype, "sparse": local.sparse, "granularity": granularity,
+              "rows": rows, "ratio": ratio, "cols": c, "seed": seed, "mode": mode, "op": op,
+              "exact_collective": exact_collective, "lossless_slack": float(lossless_slack),
+              "dense_fraction": float(dense_fraction), "max_sketch_load": float(max_sketch_load),
+              "residual": None if residual is None else fingerprint(residual)}
+    if agreed:
+        if set(agreed) & set(config):
+            raise ValueError(f"sketch_allreduce: 'agreed' may not redefine {sorted(set(agreed) & set(config))}")
+        config.update(agreed)
     decided_with = timings.for_header(timed_config)
     header_start = time.perf_counter()
-    header = _exchange_header(config, local.units, decided_with.header(), local.bits, group, world, device)
+    header = _exchange_header(config, int(step), local.units, decided_with.timed_choices, decided_with.header(),
+                              local.bits, group, world, device)
+    decided_with.timed_choices = header.timed_choices  # every rank continues from the same count
     header_seconds = time.perf_counter() - header_start
     union = _union(local.bits, header.bitmaps, n, group, world, device)
 

@@ -167,7 +167,20 @@ def check_same(name: str, value: object, group: dist.ProcessGroup | None = None)
     dist.all_gather(gathered, mine, group=group)
     if len({int(t.item()) for t in gathered}) == 1:
         return
-    summaries = [None] * world
+    raise_mismatch(name, value, group)
+
+
+def raise_mismatch(name: str, value: object, group: dist.ProcessGroup | None = None) -> None:
+    """Raises the MismatchError naming the fields of ``value`` that differ across the ranks of ``group``.
+
+    For an exchange of its own that found the ranks' fingerprints of ``value`` differ (e.g. a fingerprint carried
+    in a header the call sends anyway): every rank of the group must call it, as check_same does after its
+    all-gather. One object all-gather of each rank's fields.
+
+    Raises:
+        MismatchError: always (on every rank).
+    """
+    summaries = [None] * dist.get_world_size(group)
     dist.all_gather_object(summaries, _field_summary(value), group=group)
     raise _mismatch(name, summaries, global_ranks(group))
 
@@ -198,7 +211,8 @@ class CallCounter:
         self.calls += 1
         return number
 
-    def check(self, name: str, numbers_by_rank: Mapping[int, int]) -> None:
+    @staticmethod
+    def check(name: str, numbers_by_rank: Mapping[int, int]) -> None:
         """Raises MismatchError if the ranks' call numbers differ.
 
         Args:
