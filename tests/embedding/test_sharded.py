@@ -144,3 +144,13 @@ def test_state_dict_full_or_per_shard_and_resharding(two_ranks):
     one.load_state_dict({"weight": states[0]["full"]})
     assert torch.equal(one.weight, states[0]["full"])
     assert torch.count_nonzero(one.weight[4]) == 0
+
+
+def test_pickles_without_its_group_and_works_once_attached():
+    import pickle
+    table = ShardedEmbedding(6, 2)
+    copy = pickle.loads(pickle.dumps(table))
+    with pytest.raises(RuntimeError, match=r"attach\(group\)"):
+        copy(torch.tensor([1]))
+    copy.attach(None)
+    assert_close(copy(torch.tensor([1, 5])), table(torch.tensor([1, 5])), "after attach")

@@ -127,7 +127,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"fastdist: ShardedEmbedding 'dtype' must be a floating dtype, got {dtype}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sharding, self.padding_idx, self.mode, self.sparse = sharding, padding_idx, mode, sparse
-        self.group = group
+        self.group, self._detached = group, False
         self.average_gradients = average_gradients
         self.rank, self.world = _group_world(group)
         if not 0 <= owner < self.world:
@@ -142,7 +142,9 @@ class ShardedEmbedding(nn.Module):
         self.row_start, row_end = self.ranges[self.rank]
         self.weight = nn.Parameter(torch.empty(row_end - self.row_start, embedding_dim, dtype=dtype))
         self.calls = CallCounter()
+        self.traffic = {"ids": 0, "rows": 0, "grad_rows": 0}  # sent to other ranks (see lookup)
         self._checked = False
+        self._print = (None, 0)
         self.reset_parameters()
 
     # ---- construction ----
@@ -283,7 +285,7 @@ class ShardedEmbedding(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["group"] = None  # a process group does not pickle; rebind with attach()
+        state["group"], state["_detached"] = None, True  # a process group does not pickle; rebind with attach()
         return state
 
     def attach(self, group: dist.ProcessGroup | None = None) -> None:
@@ -292,7 +294,7 @@ class ShardedEmbedding(nn.Module):
         if (rank, world) != (self.rank, self.world):
             raise ValueError(f"fastdist: ShardedEmbedding was built for rank {self.rank} of {self.world}, "
                              f"the group has rank {rank} of {world}")
-        self.group = group
+        self.group, self._detached = group, False
 
 
 _SHARDED_STATE = [False]
@@ -395,7 +397,15 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
 
     Returns:
         Per table, what its forward returns.
+
+    The first table's ``traffic`` counts what this rank sent to other ranks: ids (int64 each), rows (its owned
+    rows, ``embedding_dim`` values each) and gradient rows (sent in the backward, counted when a lookup records
+    one); the 4-int64 header per peer is not in it.
     """
+    detached = [m for m in modules if m._detached]
+    if detached:
+        raise RuntimeError("fastdist: this ShardedEmbedding was unpickled without its process group: call "
+                           "attach(group) on every rank first")
     world = modules[0].world
     device = modules[0].weight.device
     refusal = None
@@ -428,13 +438,22 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     send_ids = gids.index_select(0, permutation)
     number = modules[0].calls.take()
     if world > 1:
-        config_print = fingerprint(_configs(modules))
+        key = tuple(id(m) for m in modules)
+        if modules[0]._print[0] != key:  # the configuration's fingerprint, computed once per set of tables
+            modules[0]._print = (key, fingerprint(_configs(modules)))
+        config_print = modules[0]._print[1]
         header = torch.tensor([[0, number, config_print, int(refusal is not None)]] * world, dtype=torch.int64)
         header[:, 0] = send_counts.cpu()
         received = torch.empty_like(header)
         dist.all_to_all_single(received, header, group=group)
         _check_header(modules, received, group, world, refusal)
         send_splits, recv_splits = send_counts.tolist(), received[:, 0].tolist()
+        me = modules[0].rank
+        traffic = modules[0].traffic  # an exchange's traffic is counted on its first table
+        traffic["ids"] += sum(send_splits) - send_splits[me]
+        traffic["rows"] += sum(recv_splits) - recv_splits[me]
+        if torch.is_grad_enabled():
+            traffic["grad_rows"] += sum(send_splits) - send_splits[me]
         recv_ids = send_ids.new_empty(sum(recv_splits))
         dist.all_to_all_single(recv_ids, send_ids, recv_splits, send_splits, group=group)
     else:
@@ -443,7 +462,10 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     rows = _owner_rows(modules, recv_ids)
     if world > 1:
         rows = _AllToAll.apply(rows, send_splits, recv_splits, group, None, False)
-    by_unique = moe_unpermute(rows, row_of_slot.to(rows.device))
+    # Unique ids are sorted, so a row-sharded table's come already grouped by owner: the layout is the identity
+    # and the rows need no reordering (several tables in one exchange, or table sharding, interleave owners).
+    in_order = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
+    by_unique = rows if in_order else moe_unpermute(rows, row_of_slot.to(rows.device))
     out, start = [], 0
     for m, u, inv, (ids, offsets, psw) in zip(modules, uniques, inverses, inputs):
         mine = by_unique[start:start + u.numel()]
