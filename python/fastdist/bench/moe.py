@@ -272,6 +272,7 @@ def _check_peer(layers, config, device):
     """The peer's largest deviation from dropless MoELayer on step 0's tokens (relative to dropless's largest
     value, the worst rank's), after undoing the gates' normalization: each token's output times the sum of its
     top-k gate probabilities. Raises on every rank when it exceeds CHECK_TOLERANCE; None without a peer."""
+    from fastdist.bench.tp import relative_error, worst_errors
     from fastdist.moe import MoELayer
 
     peers = [n for n in config["methods"] if n in PEERS]
@@ -292,13 +293,8 @@ def _check_peer(layers, config, device):
             peer.gate.weight.copy_(reference.gate.weight)
             top = torch.topk(torch.softmax(peer.gate(x).float(), dim=-1), config["k"], dim=1).values
             got = peer(x) * top.sum(dim=1, keepdim=True).to(x.dtype)
-            errors[name] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-    errors = dict(zip(errors, all_max(list(errors.values()), device)))
-    bad = {n: e for n, e in errors.items() if not e <= CHECK_TOLERANCE}
-    if bad:
-        raise RuntimeError("fastdist-bench moe: the peer's output differs from dropless MoELayer's by more than "
-                           f"{CHECK_TOLERANCE:g} (relative): " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
-    return errors
+            errors[name] = relative_error(got, want)
+    return worst_errors(errors, CHECK_TOLERANCE, "moe: the peer's output differs from dropless MoELayer's", device)
 
 
 def _time_step(layer, x, device):

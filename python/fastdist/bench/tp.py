@@ -137,22 +137,29 @@ def _ready(t):
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def _relative_error(got, want):
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want|."""
     return float((got.detach() - want.detach()).abs().max() / want.detach().abs().max().clamp_min(1e-30))
+
+
+def worst_errors(errors: dict[str, float], tolerance: float, what: str,
+                 device: torch.device | str | None = None) -> dict[str, float]:
+    """{name: the largest of the ranks' errors}; raises RuntimeError on every rank, naming `what` and the
+    variants, when one exceeds `tolerance` (or is NaN). A collective."""
+    errors = dict(zip(errors, all_max(list(errors.values()), device)))
+    bad = {n: e for n, e in errors.items() if not e <= tolerance}
+    if bad:
+        raise RuntimeError(f"fastdist-bench: {what} by more than {tolerance:g} (relative): "
+                           + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
+    return errors
 
 
 def _check_against(reference, outputs):
     """{name: largest relative error over the ranks} of each variant's tensors against the reference's (the same
     tuple of tensors: output, then input gradient); raises on every rank when one is off by more than
     CHECK_TOLERANCE."""
-    names = list(outputs)
-    mine = [max(_relative_error(g, w) for g, w in zip(outputs[n], reference)) for n in names]
-    errors = dict(zip(names, all_max(mine)))
-    bad = {n: e for n, e in errors.items() if not e <= CHECK_TOLERANCE}
-    if bad:
-        raise RuntimeError("fastdist-bench tp: outputs differ from the unsharded module's by more than "
-                           f"{CHECK_TOLERANCE:g} (relative): " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
-    return errors
+    mine = {n: max(relative_error(g, w) for g, w in zip(out, reference)) for n, out in outputs.items()}
+    return worst_errors(mine, CHECK_TOLERANCE, "tp outputs differ from the unsharded module's")
 
 
 def _op_variants(config, model, mesh):
@@ -517,7 +524,8 @@ def _variant_name(r: dict) -> str:
 
 def _where(run: dict) -> str:
     load = run.get("load_average")
-    return (f"{run['label']}, {_network_rate(run['network'])}"
+    rate = _network_rate(run["network"])
+    return ((rate if run["label"] == run["net"] else f"{run['label']}, {rate}")
             + (f", load average {load[0]:.1f} at the end" if load else ""))
 
 
@@ -569,9 +577,10 @@ def tables(result: dict) -> list[report.Part]:
                        col("vs Megatron", against("megatron"), times(2)),
                        col("vs DTensor", against("dtensor"), times(2)), ERROR_COLUMN]
             shape = ", ".join(f"{k} {v}" for k, v in zip(("hidden", "heads", "seq", "batch"), result["block"]))
+            peer = " (DTensor)" if _vs(rows, "variant", "dtensor") is not None else ""
             parts.append(report.Part(f"block-{run['net']}", columns, rows,
                                      f"GPT block ({shape}), {where}; median of {result['reps']}; +recompute rows "
-                                     "against Megatron (DTensor) with checkpointing."))
+                                     f"against Megatron{peer} with checkpointing."))
     return parts
 
 
