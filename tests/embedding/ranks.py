@@ -243,9 +243,25 @@ def state_dicts() -> dict:
             "refused": refused}
 
 
+def growing_and_shrinking_batches() -> list:
+    """Calls whose id counts fit the exchange's capacity, overflow it, then fit again: each output's largest
+    difference from the unsharded table (every rank holds the same reference)."""
+    rank = dist.get_rank()
+    reference = reference_table({"seed": 11, "rows": 97})
+    table = ShardedEmbedding.from_embedding(reference)
+    errors = []
+    for call, count in enumerate([5, 40, 3, 3, 90, 0, 30]):
+        g = torch.Generator().manual_seed(100 * call + rank)
+        ids = torch.randint(0, 97, (count + 7 * rank,), generator=g)
+        diff = (table(ids) - reference(ids)).abs()  # every rank calls, an empty batch too
+        errors.append(float(diff.max()) if diff.numel() else 0.0)
+    return errors
+
+
 def suite(world: int) -> dict:
     """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up)."""
-    out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank()}
+    out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank(),
+           "capacity": growing_and_shrinking_batches()}
     if world == 2:
         out["train"] = train(list(OPTIMIZERS), 4)
         out["collection"] = collection()

@@ -62,6 +62,11 @@ def test_bad_input_on_one_rank_raises_on_every_rank_naming_it(job):
         assert kind == "MismatchError" and "num_embeddings" in message
 
 
+def test_ids_past_the_exchange_capacity_follow_in_a_second_round(job):
+    for rank, errors in enumerate(r["capacity"] for r in job):
+        assert errors == [0.0] * len(errors), rank
+
+
 def test_empty_batch_on_one_rank_does_not_hang(job):
     results = [r["empty"] for r in job]
     assert results[1]["y"] == torch.Size([0, ranks.DIM])

@@ -6,8 +6,10 @@ A table's rows live on their owners only: row sharding splits them in contiguous
 1. every rank uniques its batch's ids (``torch.unique``: sorted, with the inverse that expands them again);
 2. the unique ids are grouped by owner with ``fastdist.ops.moe_layout`` (a stable counting sort of slots by
    "expert" = owner rank; its per-rank counts are the send splits);
-3. one ``all_to_all_single`` of a small header per pair of ranks (count, call number, configuration fingerprint,
-   refusal code) gives the receive splits and checks the call on every rank at once; then the ids go to the owners;
+3. one ``all_to_all_single`` of equal parts carries a small header per pair of ranks (count, call number,
+   configuration fingerprint, refusal code, the sender's largest count) and the first ``capacity`` ids of the pair:
+   it gives the receive splits and checks the call on every rank at once; ids past the capacity (set from the
+   previous call's largest count, the same on every rank) follow in a second AlltoAll;
 4. each owner reads its rows (``F.embedding`` on the shard, so its gradient is what ``nn.Embedding`` would give,
    sparse or dense, padding row excluded) and the vectors come back by the reverse ``all_to_all_single``;
 5. ``moe_unpermute`` puts them back in unique-id order and ``F.embedding``/``F.embedding_bag`` expands them to
@@ -16,7 +18,7 @@ A table's rows live on their owners only: row sharding splits them in contiguous
 Backward runs the same path reversed: the expand sums the gradient rows of each unique id locally, the reverse
 AlltoAll carries one row per unique id to its owner, and the owner's ``F.embedding`` backward adds the rows that
 several ranks sent. Several tables of one width share each exchange (``lookup`` takes a list), so a model with
-many tables makes three AlltoAlls per width per step, not three per table.
+many tables makes two or three AlltoAlls in the forward and one in the backward per width per step, not per table.
 
 Every rank must make the same lookups in the same order and backpropagate through each (as with DDP): the
 AlltoAlls are collectives. A rank whose input is refused (ids out of range, negative, of a float dtype, a bad
@@ -40,7 +42,7 @@ __all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "row_ranges"]
 
 _MODES = (None, "sum", "mean")
 _ID_DTYPES = (torch.int64, torch.int32)
-_HEADER = 4  # per destination: count, call number, configuration fingerprint, refusal code
+_HEADER = 5  # per destination: count, call number, configuration fingerprint, refusal code, sender's largest count
 
 
 class EmbeddingInputError(ValueError):
@@ -144,7 +146,7 @@ class ShardedEmbedding(nn.Module):
         self.calls = CallCounter()
         self.traffic = {"ids": 0, "rows": 0, "grad_rows": 0}  # sent to other ranks (see lookup)
         self._checked = False
-        self._print = (None, 0)
+        self._exchange_state: dict = {}  # the tables' fingerprint and the ids' capacity (see _send_ids)
         self.reset_parameters()
 
     # ---- construction ----
@@ -387,8 +389,58 @@ def _check_header(modules, headers, group, world, my_refusal):
         _raise_refusals(my_refusal, group, world, refused)
 
 
+def _send_ids(modules, send_ids, send_splits, number, refusal, group, world):
+    """The header and the ids: ``(send_splits, recv_splits, received ids grouped by source)``.
+
+    One ``all_to_all_single`` of equal parts carries each pair's header and the first ``capacity`` of its ids (padded),
+    so that when every pair's count fits, the ids cost no round trip of their own; the ids past it follow in a second
+    AlltoAll whose splits the headers gave. Each header also carries its sender's largest count, so every rank sees
+    the same maximum and sets the same capacity for the next call of these tables (a quarter above it): the parts'
+    size is agreed without a message. The first call of a set of tables has capacity 0 (header, then ids).
+    """
+    key = tuple(id(m) for m in modules)
+    state = modules[0]._exchange_state
+    if state.get("key") != key:  # the configuration's fingerprint, computed once per set of tables
+        state.clear()
+        state.update(key=key, print=fingerprint(_configs(modules)), capacity=0)
+    capacity = state["capacity"]
+    header = torch.tensor([[count, number, state["print"], int(refusal is not None), max(send_splits)]
+                           for count in send_splits], dtype=torch.int64)
+    message = torch.zeros(world, _HEADER + capacity, dtype=torch.int64)
+    message[:, :_HEADER] = header
+    starts = [0]
+    for count in send_splits:
+        starts.append(starts[-1] + count)
+    if capacity:
+        for r in range(world):
+            first = min(send_splits[r], capacity)
+            message[r, _HEADER:_HEADER + first] = send_ids[starts[r]:starts[r] + first]
+    received = torch.empty_like(message)
+    dist.all_to_all_single(received, message, group=group)
+    _check_header(modules, received[:, :_HEADER], group, world, refusal)
+    recv_splits = received[:, 0].tolist()
+    most = int(received[:, 4].max())
+    state["capacity"] = (most + most // 4 + 7) // 8 * 8
+    firsts = [received[r, _HEADER:_HEADER + min(recv_splits[r], capacity)] for r in range(world)]
+    me = modules[0].rank
+    modules[0].traffic["ids"] += (world - 1) * (_HEADER + capacity)  # the equal parts, padding included
+    if most <= capacity:
+        return send_splits, recv_splits, torch.cat(firsts)
+    rest_send = [max(c - capacity, 0) for c in send_splits]
+    rest_recv = [max(c - capacity, 0) for c in recv_splits]
+    rest_ids = torch.cat([send_ids[starts[r] + send_splits[r] - rest_send[r]:starts[r + 1]] for r in range(world)])
+    modules[0].traffic["ids"] += sum(rest_send) - rest_send[me]
+    rest = send_ids.new_empty(sum(rest_recv))
+    dist.all_to_all_single(rest, rest_ids, rest_recv, rest_send, group=group)
+    parts, at = [], 0
+    for r in range(world):
+        parts += [firsts[r], rest[at:at + rest_recv[r]]]
+        at += rest_recv[r]
+    return send_splits, recv_splits, torch.cat(parts)
+
+
 def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> list:
-    """Looks up several tables of one width in one exchange (three AlltoAlls in all).
+    """Looks up several tables of one width in one exchange (two or three AlltoAlls forward, one backward).
 
     Args:
         modules: tables sharded over ``group``, all of one ``embedding_dim`` and dtype.
@@ -398,9 +450,9 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     Returns:
         Per table, what its forward returns.
 
-    The first table's ``traffic`` counts what this rank sent to other ranks: ids (int64 each), rows (its owned
-    rows, ``embedding_dim`` values each) and gradient rows (sent in the backward, counted when a lookup records
-    one); the 4-int64 header per peer is not in it.
+    The first table's ``traffic`` counts what this rank sent to other ranks: ids (int64 slots, the headers and
+    the padding of the equal parts included), rows (its owned rows, ``embedding_dim`` values each) and gradient
+    rows (sent in the backward, counted when a lookup records one).
     """
     detached = [m for m in modules if m._detached]
     if detached:
@@ -438,24 +490,13 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     send_ids = gids.index_select(0, permutation)
     number = modules[0].calls.take()
     if world > 1:
-        key = tuple(id(m) for m in modules)
-        if modules[0]._print[0] != key:  # the configuration's fingerprint, computed once per set of tables
-            modules[0]._print = (key, fingerprint(_configs(modules)))
-        config_print = modules[0]._print[1]
-        header = torch.tensor([[0, number, config_print, int(refusal is not None)]] * world, dtype=torch.int64)
-        header[:, 0] = send_counts.cpu()
-        received = torch.empty_like(header)
-        dist.all_to_all_single(received, header, group=group)
-        _check_header(modules, received, group, world, refusal)
-        send_splits, recv_splits = send_counts.tolist(), received[:, 0].tolist()
+        send_splits, recv_splits, recv_ids = _send_ids(modules, send_ids, send_counts.tolist(), number, refusal,
+                                                       group, world)
         me = modules[0].rank
         traffic = modules[0].traffic  # an exchange's traffic is counted on its first table
-        traffic["ids"] += sum(send_splits) - send_splits[me]
         traffic["rows"] += sum(recv_splits) - recv_splits[me]
         if torch.is_grad_enabled():
             traffic["grad_rows"] += sum(send_splits) - send_splits[me]
-        recv_ids = send_ids.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_ids, send_ids, recv_splits, send_splits, group=group)
     else:
         send_splits = recv_splits = [send_ids.numel()]
         recv_ids = send_ids
