@@ -17,6 +17,16 @@ def test_the_suite_is_registered_with_a_small_tour_entry():
     assert m * k * n <= 512 ** 3
 
 
+def test_the_network_defaults_to_auto_and_takes_auto_loopback_or_a_rate_but_nothing_else():
+    parser = cli.build_parser()
+    assert parser.parse_args(["tp"]).net == "auto"
+    assert parser.parse_args(["tp", *cli.TOUR["tp"]]).net == "auto"
+    for net in ("auto", "loopback", "1gbit"):
+        assert parser.parse_args(["tp", "--net", net]).net == net
+    with pytest.raises(SystemExit):
+        parser.parse_args(["tp", "--net", "fast"])
+
+
 def test_balanced_rates_are_positive_and_scale_with_the_bytes_moved():
     world = 2
     ring_share = 2 * (world - 1) / world  # of its bytes, what a ring all-reduce sends from each rank
