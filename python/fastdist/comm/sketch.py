@@ -156,8 +156,6 @@ class ExactTimings:
 # a re-initialized default group is a new object.
 _default_timings: "weakref.WeakKeyDictionary[dist.ProcessGroup, ExactTimings]" = weakref.WeakKeyDictionary()
 _default_timings_lock = threading.Lock()
-
-
 _default_calls: "weakref.WeakKeyDictionary[dist.ProcessGroup, CallCounter]" = weakref.WeakKeyDictionary()
 
 
@@ -170,13 +168,11 @@ def default_exact_timings(group: dist.ProcessGroup | None = None) -> ExactTiming
     Returns:
         The group's ExactTimings, created at first use and released with the group.
     """
-    key = dist.group.WORLD if group is None else group
-    with _default_timings_lock:
-        return _default_timings.setdefault(key, ExactTimings())
+    return _of_group(_default_timings, group, ExactTimings)
 
 
 def default_call_counter(group: dist.ProcessGroup | None = None) -> CallCounter:
-    """The CallCounter that numbers the sketch_allreduce calls on `group` without a `calls` argument.
+    """The CallCounter that numbers the sketch_allreduce calls on `group` without a `step` argument.
 
     Args:
         group: the process group (None: the default group).
@@ -184,9 +180,17 @@ def default_call_counter(group: dist.ProcessGroup | None = None) -> CallCounter:
     Returns:
         The group's CallCounter, created at first use and released with the group.
     """
+    return _of_group(_default_calls, group, CallCounter)
+
+
+def _of_group(registry, group, make):
+    """registry[group], made at first use (the default group keyed by dist.group.WORLD, see above)."""
     key = dist.group.WORLD if group is None else group
     with _default_timings_lock:
-        return _default_calls.setdefault(key, CallCounter())
+        found = registry.get(key)
+        if found is None:
+            found = registry[key] = make()
+        return found
 
 
 # --- arguments and this rank's view of the tensor ---------------------------------------------------------------
