@@ -26,7 +26,6 @@ offsets tensor) says so in the header, and every rank raises in that same call.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdist.distributed import CallCounter, check_same, fingerprint, global_ranks
-from fastdist.moe.layer import _AllToAll
 from fastdist.ops.moe import moe_layout, moe_unpermute
 
 __all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "row_ranges"]
@@ -65,14 +63,6 @@ def _group_world(group):
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lookup:
-    """One table's part of an exchange: its batch's flat ids, and bag arguments when it is a bag."""
-    ids: torch.Tensor
-    offsets: torch.Tensor | None = None
-    per_sample_weights: torch.Tensor | None = None
 
 
 class ShardedEmbedding(nn.Module):
@@ -500,9 +490,11 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     else:
         send_splits = recv_splits = [send_ids.numel()]
         recv_ids = send_ids
-    rows = _owner_rows(modules, recv_ids)
     if world > 1:
-        rows = _AllToAll.apply(rows, send_splits, recv_splits, group, None, False)
+        rows, pieces = _owner_rows(modules, recv_ids)
+        rows = _RowExchange.apply(rows, (send_splits, recv_splits, group, pieces), *[m.weight for m in modules])
+    else:
+        rows = _local_rows(modules[0], recv_ids)
     # Unique ids are sorted, so a row-sharded table's come already grouped by owner: the layout is the identity
     # and the rows need no reordering (several tables in one exchange, or table sharding, interleave owners).
     in_order = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
@@ -515,28 +507,80 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     return out
 
 
+def _local_pad(m):
+    """The padding row's index in this rank's shard, or None."""
+    return m.padding_idx - m.row_start if m.padding_idx is not None and m.owns(m.padding_idx) else None
+
+
+def _local_rows(m, ids):
+    """One rank alone: ``F.embedding`` on the table, its gradient ``nn.Embedding``'s."""
+    return F.embedding(ids, m.weight, padding_idx=_local_pad(m), sparse=m.sparse)
+
+
 def _owner_rows(modules, recv_ids):
-    """The rows the owners read for the ids they received (in received order), through ``F.embedding`` on each
-    table's shard so that the shard's gradient is ``nn.Embedding``'s (sparse or dense, padding row left out)."""
-    base, pieces, positions = 0, [], []
-    for m in modules:
-        lo, hi = base + m.row_start, base + m.row_start + m.weight.shape[0]
-        base += m.num_embeddings
+    """The rows the owners read for the ids they received (in received order), and per table ``(module, positions
+    in the received ids or None for all, local row of each)`` for the backward."""
+    base, pieces = 0, []
+    with torch.no_grad():
         if len(modules) == 1:
-            where, local = None, recv_ids - lo
-        else:
+            m = modules[0]
+            local = recv_ids - (base + m.row_start)
+            return m.weight.index_select(0, local), [(m, None, local)]
+        rows = modules[0].weight.new_zeros((recv_ids.numel(), modules[0].embedding_dim))
+        for m in modules:
+            lo, hi = base + m.row_start, base + m.row_start + m.weight.shape[0]
+            base += m.num_embeddings
             where = ((recv_ids >= lo) & (recv_ids < hi)).nonzero().flatten()
             local = recv_ids.index_select(0, where) - lo
-        pad = m.padding_idx - m.row_start if m.padding_idx is not None and m.owns(m.padding_idx) else None
-        piece = F.embedding(local, m.weight, padding_idx=pad, sparse=m.sparse)
-        if m.average_gradients and m.world > 1 and piece.requires_grad:
-            piece.register_hook(lambda grad, world=m.world: grad / world)  # DDP divides before summing too
-        pieces.append(piece)
-        positions.append(where)
-    if len(modules) == 1:
-        return pieces[0]
-    rows = pieces[0].new_zeros((recv_ids.numel(), modules[0].embedding_dim))
-    return rows.index_copy(0, torch.cat(positions), torch.cat(pieces))
+            rows.index_copy_(0, where, m.weight.index_select(0, local))
+            pieces.append((m, where, local))
+    return rows, pieces
+
+
+class _RowExchange(torch.autograd.Function):
+    """Forward: the owners' rows to the ranks that asked for them (``all_to_all_single``). Backward: the gradient
+    rows go back to their owners asynchronously, and at the end of the backward they are added to the shards'
+    gradients as ``F.embedding``'s backward would (sparse or dense, padding row left out, divided by the group size
+    when averaging), so that the exchanges of several tables, the rest of the backward and DDP's all-reduce run at
+    the same time instead of one after another. The shards are inputs only to place this node in the graph."""
+
+    @staticmethod
+    def forward(ctx, rows, plan, *weights):
+        send_splits, recv_splits, group, _ = plan
+        ctx.plan = plan
+        out = rows.new_empty((sum(send_splits), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), send_splits, recv_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits, group, pieces = ctx.plan
+        received = grad.new_empty((sum(recv_splits), grad.shape[1]))
+        work = dist.all_to_all_single(received, grad.contiguous(), recv_splits, send_splits, group=group,
+                                      async_op=True)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _add_gradients(work, received, pieces))
+        return (None, None) + (None,) * len(pieces)
+
+
+def _add_gradients(work, received, pieces):
+    """Waits for the gradient rows and adds them to each shard's ``.grad``."""
+    work.wait()
+    for m, where, local in pieces:
+        g = received if where is None else received.index_select(0, where)
+        pad = _local_pad(m)
+        if pad is not None:
+            keep = (local != pad).nonzero().flatten()
+            g, local = g.index_select(0, keep), local.index_select(0, keep)
+        if m.average_gradients and m.world > 1:
+            g = g / m.world  # DDP divides before summing too
+        w = m.weight
+        if m.sparse:
+            update = torch.sparse_coo_tensor(local.unsqueeze(0), g, w.shape, check_invariants=False)
+            w.grad = update if w.grad is None else w.grad + update
+        else:
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            w.grad.index_add_(0, local, g)
 
 
 def _expand(module, rows, unique, inverse, ids, offsets, psw):
