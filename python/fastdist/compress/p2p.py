@@ -403,7 +403,7 @@ class StageBoundary:
         self.peer = receiver if self.is_sender else sender
         self.name = f"StageBoundary {sender}->{receiver}"
         self.config = {"fwd": self.fwd.config(), "bwd": self.bwd.config(), "backward_mask": backward_mask}
-        check_same_pair(self.name, self.config, self.peer, group)
+        check_same_pair(self.name, {**self.config, "ends": (sender, receiver)}, self.peer, group)
         self._fwd_fp, self._bwd_fp = fingerprint(self.fwd.config()), fingerprint(self.bwd.config())
         self._fwd_channel, self._bwd_channel = Channel(), Channel()
         self._activations = CallCounter()  # sent (sender end) or received (receiver end)

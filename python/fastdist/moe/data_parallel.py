@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.moe.layer import MoELayer, _Averaging
+from fastdist.distributed import check_same, fingerprint
 
 __all__ = ["aux_loss", "data_parallel", "expert_parameters", "non_expert_parameters"]
 
@@ -78,6 +79,17 @@ def _replica_groups(layers, group, world):
     return replicas_per_layer
 
 
+_PER_RANK_DDP_OPTIONS = ("device_ids", "output_device", "gradient_as_bucket_view")  # local choices
+
+
+def _comparable(value):
+    try:
+        fingerprint(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
 def data_parallel(model: nn.Module, process_group: dist.ProcessGroup | None = None,
                   **ddp_options) -> DistributedDataParallel:
     """``model`` wrapped for data-parallel training: DDP for every weight but the experts of its expert-parallel
@@ -104,6 +116,10 @@ def data_parallel(model: nn.Module, process_group: dist.ProcessGroup | None = No
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("fastdist: data_parallel needs an initialized torch.distributed process group")
+    # DDP's options decide its collectives (e.g. find_unused_parameters adds one per step): the same on every rank.
+    # Devices differ per rank by design; an option fingerprint cannot take is compared by its repr.
+    check_same("data_parallel DDP options", {k: _comparable(v) for k, v in ddp_options.items()
+                                             if k not in _PER_RANK_DDP_OPTIONS}, process_group)
     world = dist.get_world_size(process_group)
     named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and m.world > 1]
     for (_, layer), replicas in zip(named, _replica_groups([m for _, m in named], process_group, world)):

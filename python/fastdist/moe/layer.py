@@ -31,6 +31,8 @@ the same deterministic planner on every rank, on a CPU thread while step n's all
 transfer can start earlier than the layer's forward: MoELayer.prefetch_replicas() (e.g. before the block's attention).
 """
 import concurrent.futures
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import math
@@ -47,7 +49,30 @@ from fastdist.moe.calibrate import calibrate as measure_cost_model
 from fastdist.moe.planner import CostModel, Plan, Planner, loads
 from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "step"]
+
+_STEP: contextvars.ContextVar = contextvars.ContextVar("fastdist_moe_step", default=None)
+
+
+@contextlib.contextmanager
+def step(number: int):
+    """Numbers the training step the MoE layer calls inside it belong to: ``with fastdist.moe.step(i): loss =
+    model(x)``.
+
+    Each call's header carries its layer and a number that every rank's call must share. Without a step that number
+    is the layer's count of calls, which a rank that skipped or added a step of a model's only MoE layer shifts
+    alike for all its later calls: they pair with the others' calls of another step, and the others' last call
+    waits for the group's timeout. Inside ``step(i)`` the number is ``i``, so such a rank's next call raises
+    MismatchError on every rank.
+
+    Args:
+        number: the step, counted alike on every rank (e.g. the training loop's iteration).
+    """
+    token = _STEP.set(int(number))
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
@@ -373,7 +398,8 @@ class MoELayer(nn.Module):
         self.replica_group = None
         self._unbound = False
         if self.distributed:
-            setting = {**self.config, "cost_model": cost_model, "layer_index": self.layer_index,
+            setting = {**self.config, "aux_loss_coef": float(self.aux_loss_coef), "cost_model": cost_model,
+                       "layer_index": self.layer_index,
                        "group_size": self.world}
             try:
                 check_same("MoELayer configuration", setting, group)
@@ -549,13 +575,16 @@ class MoELayer(nn.Module):
         return out.reshape(shape)
 
     def _header(self, x):
-        """This call's identity and settings, as int64s: the layer, its call number, the dtypes of the rows sent,
+        """This call's identity and settings, as int64s: the layer, its call number (the step inside
+        :func:`step`), the dtypes of the rows sent,
         the parameters and the experts' compute, and the cost model's fingerprint (0: none)."""
         device = x.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
             torch.promote_types(x.dtype, self.w1.dtype)
         cost = self.planner.cost
-        return [self.layer_index, self._calls] + [_DTYPES.index(d) if d in _DTYPES else -1
+        number = _STEP.get()
+        return [self.layer_index, self._calls if number is None else number] + \
+            [_DTYPES.index(d) if d in _DTYPES else -1
                                                   for d in (x.dtype, self.w1.dtype, compute)] + \
             [fingerprint(cost) if cost is not None else 0]
 
@@ -568,7 +597,8 @@ class MoELayer(nn.Module):
             return len({tuple(row) for row in headers[:, columns].tolist()}) > 1
 
         if differ([0, 1]):
-            raise MismatchError("MoELayer call", {r: f"layer {h[0]} of its group, call {h[1]}"
+            number = "step" if _STEP.get() is not None else "call"
+            raise MismatchError("MoELayer call", {r: f"layer {h[0]} of its group, {number} {h[1]}"
                                                   for r, h in enumerate(headers.tolist())})
         if differ([2, 3, 4]):
             raise MismatchError("MoELayer dtype", {

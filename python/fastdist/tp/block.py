@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fastdist.distributed import check_same
+from fastdist.distributed import MismatchError, check_same, global_ranks
+from fastdist.distributed.compat import all_gather_single
 from fastdist.ops.epilogue import bias_epilogue
 from fastdist.tp import comm
 
@@ -144,6 +145,9 @@ class _Segments:
 
     def output(self, h, r2):
         return bias_epilogue(r2, self.p["mlp.fc2.bias"], h, "none")
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 class _OneInFlight:
@@ -311,6 +315,10 @@ class OverlappedTransformerBlock(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("fastdist: OverlappedTransformerBlock needs an initialized torch.distributed process "
                                "group")
+        # First, before anything can raise on one rank only.
+        check_same("OverlappedTransformerBlock config",
+                   {"hidden": hidden, "heads": heads, "mlp_ratio": mlp_ratio, "eps": float(eps), "dtype": str(dtype)},
+                   group)
         world = dist.get_world_size(group)
         if hidden % heads:
             raise ValueError(f"fastdist: hidden={hidden} is not divisible by heads={heads}")
@@ -336,7 +344,6 @@ class OverlappedTransformerBlock(nn.Module):
         self.mlp.fc2 = _Weights((hidden, mlp_rows), (hidden,), f)
         # A GPTBlock's full-size tensors load as this rank's shard of them.
         self._register_load_state_dict_pre_hook(self._shard_full_tensors)
-        check_same("OverlappedTransformerBlock config", (hidden, heads, mlp_ratio, eps, str(dtype)), group)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -401,14 +408,42 @@ class OverlappedTransformerBlock(nn.Module):
         layer.load_full_block(block)
         return layer
 
+    def _input_problem(self, x):
+        if x.dim() != 3 or x.shape[-1] != self.hidden:
+            return f"fastdist: OverlappedTransformerBlock input must be [batch, seq, {self.hidden}], got shape " \
+                   f"{list(x.shape)}"
+        if x.shape[0] < 2:
+            return f"fastdist: OverlappedTransformerBlock splits the batch into two sub-batches; it needs batch >= " \
+                   f"2, got {x.shape[0]}"
+        return None
+
+    def _check_input(self, x):
+        """Every rank's input shape and dtype, all-gathered (8 bytes x 3 per rank) before the first collective whose
+        size depends on them: ranks given different inputs raise MismatchError on every rank, and a rank whose
+        input is invalid raises its own error while the others raise MismatchError, instead of all-reducing
+        tensors of different sizes."""
+        problem = self._input_problem(x)
+        if self.world_size == 1 or comm.compiling():
+            if problem is not None:
+                raise ValueError(problem)
+            return
+        mine = torch.tensor([-1, -1, -1] if problem else [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, -2)],
+                            dtype=torch.int64)
+        gathered = torch.empty(3 * self.world_size, dtype=torch.int64)
+        all_gather_single(gathered, mine, group=comm.host_group(self.group))
+        if problem is not None:
+            raise ValueError(problem)
+        rows = gathered.view(self.world_size, 3).tolist()
+        if any(r != rows[0] for r in rows):
+            names = {v: str(k) for k, v in _DTYPE_CODES.items()}
+            shown = {r: "invalid input" if b < 0 else f"batch={b}, seq={s}, dtype={names.get(d, 'other')}"
+                     for r, (b, s, d) in zip(global_ranks(self.group), rows)}
+            raise MismatchError("OverlappedTransformerBlock input rows (batch, seq) and dtype; every rank must pass "
+                                "the same", shown)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block on ``x`` of shape ``[batch, seq, hidden]``, ``batch >= 2``, replicated on the group's ranks."""
-        if x.dim() != 3 or x.shape[-1] != self.hidden:
-            raise ValueError(f"fastdist: OverlappedTransformerBlock input must be [batch, seq, {self.hidden}], "
-                             f"got shape {list(x.shape)}")
-        if x.shape[0] < 2:
-            raise ValueError(f"fastdist: OverlappedTransformerBlock splits the batch into two sub-batches; it needs "
-                             f"batch >= 2, got {x.shape[0]}")
+        self._check_input(x)
         meta = (self.group, self.head_dim, self.eps, self.recompute)
         return _OasesBlockFn.apply(x, meta, *[self.get_parameter(n) for n in _PARAMS])
 

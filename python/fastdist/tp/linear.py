@@ -335,10 +335,16 @@ class _AllReduceGrad(torch.autograd.Function):
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, group, overlap_chunks, sequence_parallel, cost_model, bias,
-                 device, dtype, kind):
+                 device, dtype, kind, settings):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(f"fastdist: {type(self).__name__} needs an initialized torch.distributed process group")
+        # First, before anything can raise on one rank only: every setting that decides the collectives or the
+        # math of a rank's shard, by name (`settings`: the subclass's own).
+        check_same(f"{type(self).__name__} config",
+                   {"in_features": in_features, "out_features": out_features, "overlap_chunks": str(overlap_chunks),
+                    "sequence_parallel": bool(sequence_parallel), "bias": bias, "dtype": str(dtype), **settings},
+                   group)
         self.group = group
         self.world_size, self.rank = _world(group)
         self.in_features, self.out_features = in_features, out_features
@@ -350,8 +356,6 @@ class _ParallelLinear(nn.Module):
         self._kind = kind
         self._chunks_by_rows = {}
         self.host_group = comm.host_group(group)  # where each call's token counts are exchanged (CPU tensors)
-        check_same(f"{type(self).__name__} config",
-                   (in_features, out_features, str(overlap_chunks), self.sequence_parallel, bias, str(dtype)), group)
 
     def chunks_for(self, rows: int) -> int:
         """The chunk count used for ``rows`` GEMM rows (the full ``M``, or the shard's rows under SP).
@@ -392,6 +396,9 @@ class _ParallelLinear(nn.Module):
         if x.shape[-1] != features:
             return (f"fastdist: {type(self).__name__} input must have {features} {name} in its last dimension, got "
                     f"shape {list(x.shape)}")
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            return (f"fastdist: {type(self).__name__} input must have the weight's dtype {self.weight.dtype} (or run "
+                    f"under autocast), got {x.dtype}")
         return None
 
     def _token_check(self, rows, problem):
@@ -450,7 +457,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  activation: str = "none", bias: bool = True, cost_model: CostModel | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, group, overlap_chunks, sequence_parallel, cost_model, bias,
-                         device, dtype, "column")
+                         device, dtype, "column", {"gather_output": bool(gather_output), "activation": activation})
         self.out_per_rank = _shard(out_features, self.world_size, "out_features", type(self).__name__)
         if gather_output and sequence_parallel:
             raise ValueError("fastdist: ColumnParallelLinear: gather_output and sequence_parallel exclude each other "
@@ -537,7 +544,7 @@ class RowParallelLinear(_ParallelLinear):
                  bias: bool = True, cost_model: CostModel | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, group, overlap_chunks, sequence_parallel, cost_model, bias,
-                         device, dtype, "row")
+                         device, dtype, "row", {"input_is_parallel": bool(input_is_parallel)})
         self.in_per_rank = _shard(in_features, self.world_size, "in_features", type(self).__name__)
         self.input_is_parallel = input_is_parallel
         factory = {"device": device, "dtype": dtype}

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fastdist.distributed import check_same
 from fastdist.tp.cost import CostModel
 from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear, dense_parameters, is_conv1d, output_rows
 from fastdist.tp.planner import Plan
@@ -413,6 +414,22 @@ def _plan_regions(model, plan):
     return regions, alone
 
 
+def _structure(model):
+    """What every rank's model must share for its shards to compute one model: every parameter's shape and dtype,
+    and every attention's head counts and widths (the settings parallelize reads), by module path. Other settings
+    may differ by design (a rank's own index, its experts)."""
+    out = {}
+    for name, module in model.named_modules():
+        settings = {k: (tuple(p.shape), str(p.dtype)) for k, p in module.named_parameters(recurse=False)}
+        if _is_attention(module):
+            settings.update({a: _int_attribute(module, a) for a in (*_HEAD_COUNTS, *_KV_HEAD_COUNTS, *_WIDTHS,
+                                                                    "head_dim")
+                             if _int_attribute(module, a) is not None})
+        if settings:
+            out[name or "."] = settings
+    return out
+
+
 def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: Plan | dict[str, str] | None = None,
                 overlap_chunks: int | str = "auto", cost_model: CostModel | None = None) -> nn.Module:
     """Shards ``model``'s transformer blocks over ``group`` in place and returns ``model``.
@@ -437,6 +454,11 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
             does not reproduce it (the message says how to write it).
     """
     world = dist.get_world_size(group)
+    # First, before anything can raise on one rank only: the arguments and the model's structure (its modules'
+    # settings, e.g. an attention's head count, and its parameters' shapes), by name.
+    check_same("parallelize", {"plan": plan, "overlap_chunks": str(overlap_chunks),
+                               "cost_model": None if cost_model is None else type(cost_model).__name__,
+                               "model": _structure(model)}, group)
     kwargs = {"overlap_chunks": overlap_chunks, "cost_model": cost_model}
     chosen = {}  # region signature -> its sharding
     if isinstance(plan, dict):
