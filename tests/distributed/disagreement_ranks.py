@@ -133,6 +133,23 @@ def _count_restored(rank, group):
     return [sketch_allreduce(_gradient(rank), mode="exact", group=group)]
 
 
+@case("sketch_allreduce", "one rank's count of timed exact choices", None)
+def _skewed_timed_choices(rank, group):
+    # disjoint supports: the gather of own rows is a candidate, so auto times both exact collectives, then re-times
+    # the slower one every EXACT_REPROBE_EVERY-th timed call; one rank's count is off by one here (e.g. its
+    # ExactTimings came from elsewhere): the header carries the counts, so the ranks still choose alike
+    from fastdist.comm import ExactTimings, sketch
+    timings, out = ExactTimings(), []
+    for call in range(sketch.EXACT_EXPLORE_CALLS + 3):
+        if call == sketch.EXACT_EXPLORE_CALLS and rank == 1:
+            for rates in timings.by_class.values():
+                rates.timed_choices = sketch.EXACT_REPROBE_EVERY - 1
+        x = _gradient(rank)
+        sketch_allreduce(x, mode="exact", timings=timings, group=group)
+        out.append(x)
+    return out
+
+
 # --- SketchState + sketch_hook under DDP ------------------------------------------------------------------------
 
 HOOK_BASE = dict(ratio=0.25, rows=3, seed=0, mode="auto", density_threshold=0.5, start_iter=0, error_feedback=False,
