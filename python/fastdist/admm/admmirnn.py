@@ -391,14 +391,27 @@ class ADMMiRNN:
         """The primal updates in the sweep's order, output to input; returns (block, any-non-finite flag) in update
         order (flags stay on the device: the caller synchronises once)."""
         flags = []
+
+        def update(label, block, t=None, cache=None):
+            try:
+                flags.append((label, ~torch.isfinite(self._update(block, xt, y, t, cache)).all()))
+            except torch.linalg.LinAlgError as e:  # a Gram matrix lost definiteness: non-finite values upstream
+                label = next((name for name, bad in flags if bool(bad)), label)
+                self.diverged = label
+                raise ADMMDivergenceError(label, f"ADMMiRNN: sweep {self.sweeps + 1}: the update of block {label} "
+                                          f"failed ({e}); the state holds non-finite or overflowing values") from None
+
         for name in ("o", "c", "v"):
-            flags.append((name, ~torch.isfinite(self._update(name, xt, y)).all()))
-        cache = self._step_cache(xt)   # u, w, b, v, c stay fixed while the time loop runs
+            update(name, name)
+        try:
+            cache = self._step_cache(xt)   # u, w, b, v, c stay fixed while the time loop runs
+        except torch.linalg.LinAlgError:
+            cache = None  # the s update names the failure
         for t in range(self.seq_len - 1, -1, -1):
             for name in ("s", "a"):
-                flags.append((f"{name} (t={t + 1})", ~torch.isfinite(self._update(name, xt, y, t, cache)).all()))
+                update(f"{name} (t={t + 1})", name, t, cache)
         for name in ("b", "w", "u"):
-            flags.append((name, ~torch.isfinite(self._update(name, xt, y)).all()))
+            update(name, name)
         return flags
 
     def _step_cache(self, xt: torch.Tensor) -> dict[str, torch.Tensor]:
