@@ -164,8 +164,16 @@ def hybrid_training(name: str, steps: int, sharding: str = "row") -> dict:
     import models
     rank = dist.get_rank()
     torch.manual_seed(0)
+    hooked = []
+
+    def counting_hook(state, bucket):  # torch's plain all-reduce hook, counted: the dense part runs through it
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        hooked.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
     if name == "dlrm":
-        model = hybrid_parallel(models.DLRM(), min_rows=500, sharding=sharding)
+        model = hybrid_parallel(models.DLRM(), min_rows=500, sharding=sharding,
+                                comm_hook=counting_hook if sharding == "table" else None)
         opts, step_fn = dlrm_optimizers(model), lambda s: _dlrm_step(model, opts, models.dlrm_batch(rank, s))
     else:
         model = hybrid_parallel(models.GPT(tie=False), min_rows=1000)
@@ -183,7 +191,7 @@ def hybrid_training(name: str, steps: int, sharding: str = "row") -> dict:
     state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
     del model, opts
     gc.collect()
-    return {"losses": losses, "state": state, "sharded": sharded}
+    return {"losses": losses, "state": state, "sharded": sharded, "hook_calls": len(hooked)}
 
 
 def tied_refusal() -> str:
@@ -258,6 +266,23 @@ def growing_and_shrinking_batches() -> list:
     return errors
 
 
+def compiled() -> dict:
+    """A model with a sharded bag table under torch.compile and the same model eager: loss and table gradient."""
+    import models
+    rank = dist.get_rank()
+    out = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = models.DLRM(table_rows=(300,), sparse=False)
+        model.embeddings[0] = ShardedEmbedding.from_embedding(model.embeddings[0])
+        run = torch.compile(model) if name == "compiled" else model
+        dense, ids, offsets, labels = models.dlrm_batch(rank, 0, table_rows=(300,))
+        loss = F.binary_cross_entropy_with_logits(run(dense, ids, offsets), labels)
+        loss.backward()
+        out[name] = (loss.item(), model.embeddings[0].weight.grad.clone())
+    return out
+
+
 def suite(world: int) -> dict:
     """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up)."""
     out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank(),
@@ -270,4 +295,5 @@ def suite(world: int) -> dict:
         out["dlrm-table"] = hybrid_training("dlrm", 3, sharding="table")
         out["gpt"] = hybrid_training("gpt", 3)
         out["tied"] = tied_refusal()
+        out["compiled"] = compiled()
     return out

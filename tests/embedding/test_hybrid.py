@@ -7,9 +7,9 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
 from fastdist.embedding import balance_tables
 from helpers import assert_close
 
@@ -72,6 +72,8 @@ def check_equal_to_reference(name, results, sharded):
 def test_dlrm_with_sharded_bags_trains_like_one_process(two_ranks, sharding):
     results = [r["dlrm" if sharding == "row" else "dlrm-table"] for r in two_ranks]
     check_equal_to_reference("dlrm", results, ["embeddings.0", "embeddings.1"])
+    if sharding == "table":  # this run passed a comm hook for the dense part: every step went through it
+        assert all(r["hook_calls"] >= STEPS for r in results)
 
 
 def test_nanogpt_with_a_sharded_vocabulary_trains_like_one_process(two_ranks):
@@ -82,6 +84,12 @@ def test_tied_input_embedding_is_refused_with_the_way_out(two_ranks):
     message = two_ranks[0]["tied"]
     assert "cannot shard 'transformer.wte': its weight is tied to ['lm_head.weight']" in message
     assert "shard={'transformer.wte': False}" in message
+
+
+def test_a_model_with_a_sharded_table_compiles_and_equals_eager(two_ranks):
+    for rank, got in enumerate(r["compiled"] for r in two_ranks):
+        assert got["compiled"][0] == pytest.approx(got["eager"][0], rel=1e-6, abs=1e-7), rank
+        assert_close(got["compiled"][1], got["eager"][1], f"rank {rank} table gradient", rtol=1e-5, atol=1e-7)
 
 
 def test_tables_are_placed_whole_and_balanced_by_size():

@@ -159,3 +159,15 @@ def test_pickles_without_its_group_and_works_once_attached():
         copy(torch.tensor([1]))
     copy.attach(None)
     assert_close(copy(torch.tensor([1, 5])), table(torch.tensor([1, 5])), "after attach")
+
+
+@pytest.mark.cuda
+def test_on_cuda_one_rank_equals_nn_embedding_bag():
+    ref = torch.nn.EmbeddingBag(50, 4, mode="sum", padding_idx=3).cuda()
+    table = ShardedEmbedding.from_embedding(ref)
+    ids, offsets = torch.tensor([3, 1, 1, 49], device="cuda"), torch.tensor([0, 2], device="cuda")
+    (table(ids, offsets) * 2).sum().backward()
+    (ref(ids, offsets) * 2).sum().backward()
+    assert_close(table.weight.grad, ref.weight.grad, "gradient on CUDA")
+    with pytest.raises(EmbeddingInputError, match="ids are on cpu"):
+        table(ids.cpu(), offsets.cpu())

@@ -10,15 +10,16 @@ A table's rows live on their owners only: row sharding splits them in contiguous
    configuration fingerprint, refusal code, the sender's largest count) and the first ``capacity`` ids of the pair:
    it gives the receive splits and checks the call on every rank at once; ids past the capacity (set from the
    previous call's largest count, the same on every rank) follow in a second AlltoAll;
-4. each owner reads its rows (``F.embedding`` on the shard, so its gradient is what ``nn.Embedding`` would give,
-   sparse or dense, padding row excluded) and the vectors come back by the reverse ``all_to_all_single``;
+4. each owner reads its rows from its shard and they come back by the reverse ``all_to_all_single``;
 5. ``moe_unpermute`` puts them back in unique-id order and ``F.embedding``/``F.embedding_bag`` expands them to
    the batch (bags: sum, mean, per-sample weights, padding excluded, as ``nn.EmbeddingBag``).
 
-Backward runs the same path reversed: the expand sums the gradient rows of each unique id locally, the reverse
-AlltoAll carries one row per unique id to its owner, and the owner's ``F.embedding`` backward adds the rows that
-several ranks sent. Several tables of one width share each exchange (``lookup`` takes a list), so a model with
-many tables makes two or three AlltoAlls in the forward and one in the backward per width per step, not per table.
+Backward runs the same path reversed: the expand sums the gradient rows of each unique id locally, an
+asynchronous AlltoAll carries one row per unique id to its owner, and a callback at the end of the backward adds
+them to the shard's gradient as ``F.embedding``'s backward would (``_RowExchange``), so the exchanges of several
+tables overlap each other, the rest of the backward and DDP's all-reduce. Several tables of one width share each
+exchange (``lookup`` takes a list), so a model with many tables makes two or three AlltoAlls in the forward and one
+in the backward per width per step, not per table.
 
 Every rank must make the same lookups in the same order and backpropagate through each (as with DDP): the
 AlltoAlls are collectives. A rank whose input is refused (ids out of range, negative, of a float dtype, a bad
@@ -429,6 +430,7 @@ def _send_ids(modules, send_ids, send_splits, number, refusal, group, world):
     return send_splits, recv_splits, torch.cat(parts)
 
 
+@torch.compiler.disable  # sizes depend on the data and collectives run in between: eager, a graph break under compile
 def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> list:
     """Looks up several tables of one width in one exchange (two or three AlltoAlls forward, one backward).
 
