@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,12 +26,25 @@ class Launch:
     link_gbps: float | None = None  # the simulated link rate in GB/s, None when not shaped
 
 
-def add_launch_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
-    """The options run_ranks takes, shared by every multi-rank suite."""
+def add_launch_arguments(p: argparse.ArgumentParser, timeout: float, net_words: Mapping[str, str] | None = None,
+                         net_default: str = "loopback") -> None:
+    """The options run_ranks takes, shared by every multi-rank suite.
+
+    Args:
+        net_words: values --net takes besides 'loopback' and a link rate, with what each means (the suite resolves
+            them before calling run_ranks), e.g. {"auto": "links at ... measured first"}.
+        net_default: --net's default.
+    """
+    words = dict(net_words or {})
+
+    def net_type(text: str) -> str:
+        return text if text in words else network(text)
+
+    said = "".join(f"'{w}' ({meaning}), " for w, meaning in words.items())
     p.add_argument("--ranks", type=at_least(1), default=4, help="number of local ranks (default %(default)s)")
-    p.add_argument("--net", type=network, default="loopback",
-                   help="'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root; default "
-                        "%(default)s)")
+    p.add_argument("--net", type=net_type, default=net_default,
+                   help=f"{said}'loopback' or a simulated link rate such as 1gbit, 10gbit, 100mbit (needs root; "
+                        "default %(default)s)")
     p.add_argument("--delay", type=delay, default=None, help="added one-way latency on the simulated links, e.g. 50us")
     p.add_argument("--timeout", type=float, default=timeout,
                    help=f"seconds before the whole run is aborted (default {timeout:g})")

@@ -52,8 +52,8 @@ from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, network, progress, shape_type,
-                                     time_fn, together, up_to)
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, shape_type, time_fn,
+                                     together, up_to)
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
@@ -67,19 +67,11 @@ CHECK_TOLERANCE = 1e-4
 """Largest |variant - unsharded| over the unsharded result's largest |value| that a variant may show (float32)."""
 
 
-def _network_or_auto(text: str) -> str:
-    """--net: "auto", or what the shared option takes."""
-    return text if text == "auto" else network(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the suite's options to `p`."""
-    add_launch_arguments(p, timeout=1800.0)  # one core per rank
-    net = p._option_string_actions["--net"]  # the shared option, which knows no "auto"
-    net.type = _network_or_auto
-    net.help = ("'auto' (links at --rate-multipliers of the balanced rate, measured first), 'loopback' or a simulated "
-                "link rate such as 1gbit, 100mbit (needs root; default auto)")
-    p.set_defaults(ranks=2, net="auto")
+    add_launch_arguments(p, timeout=1800.0, net_default="auto",  # one core per rank
+                         net_words={"auto": "links at --rate-multipliers of the balanced rate, measured first"})
+    p.set_defaults(ranks=2)
     p.add_argument("--rate-multipliers", type=comma_list(up_to(math.inf)), default="1,10",
                    help="with --net auto: links at these multiples of the rate where all-reduce time = GEMM time")
     p.add_argument("--op-shape", type=shape_type(3), default="2048,2048,1024",
