@@ -22,6 +22,7 @@ import argparse
 import copy
 import math
 import statistics
+import textwrap
 import time
 
 import numpy as np
@@ -300,5 +301,5 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylim(0, 105)
     ax.legend(fontsize=7, ncol=min(5, len(poolers) + 1))
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"fastdist-bench graph: {_scale(result['config'])}", fontsize=7)
+    ax.set_title(textwrap.fill(f"fastdist-bench graph: {_scale(result['config'])}", 100), fontsize=7)
     report.save_figure(fig, path)
