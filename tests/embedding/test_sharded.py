@@ -171,3 +171,14 @@ def test_on_cuda_one_rank_equals_nn_embedding_bag():
     assert_close(table.weight.grad, ref.weight.grad, "gradient on CUDA")
     with pytest.raises(EmbeddingInputError, match="ids are on cpu"):
         table(ids.cpu(), offsets.cpu())
+
+
+def test_collection_on_one_process_equals_its_tables():
+    from fastdist.embedding import ShardedEmbeddingCollection
+    tables = ranks.collection_tables()
+    collection = ShardedEmbeddingCollection(tables)
+    inputs = ranks.collection_inputs(0)
+    got = collection(inputs)
+    for name, table in tables.items():
+        args = inputs[name] if isinstance(inputs[name], tuple) else (inputs[name],)
+        assert_close(got[name], table(*args), f"table {name}")

@@ -14,6 +14,8 @@ rotated each repetition), warm-up steps first:
                 users write one EmbeddingBagCollection): every table in one exchange per step
   ddp-sparse    DDP over the whole model with EmbeddingBag(sparse=True): gloo's sparse all-reduce of the table
                 gradients (an all-gather of every rank's rows: AGsparse)
+  ddp-sketch-auto  the same with fastdist's sketch_hook (SketchState(mode="auto"): per call dense, the exact union
+                or a count-sketch, lossless here as the union is small) as DDP's comm hook
   ddp-dense     DDP over the whole model with dense table gradients (ring all-reduce of the full tables)
   torchrec      TorchRec 1.8.0 EmbeddingBagCollection under DistributedModelParallel, --torchrec-sharding
                 (table_wise, or row_wise through a sharder whose sharding_types() offers it), fused EXACT_SGD in the
@@ -50,7 +52,7 @@ from fastdist.bench.toolkit import all_max, at_least, comma_list, interleave, pr
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
-METHODS = ["fastdist", "fastdist-collection", "ddp-sparse", "ddp-dense", "torchrec", "local"]
+METHODS = ["fastdist", "fastdist-collection", "ddp-sparse", "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
 DENSE_IN = 13
 HIDDEN = 64
 BASELINE = "ddp-sparse"
@@ -197,8 +199,11 @@ def build(name: str, config: dict):
         model = hybrid_parallel(model, min_rows=2)
     elif name == "fastdist-collection":
         model = hybrid_parallel(_CollectionDLRM(model))
-    elif name in ("ddp-sparse", "ddp-dense"):
+    elif name in ("ddp-sparse", "ddp-dense", "ddp-sketch-auto"):
         model = DistributedDataParallel(model)
+        if name == "ddp-sketch-auto":
+            from fastdist.comm.hooks import SketchState, sketch_hook
+            model.register_comm_hook(SketchState(mode="auto"), sketch_hook)
     elif name == "torchrec":
         return _torchrec(config, model)
     return model, [torch.optim.SGD(model.parameters(), lr=config["lr"])]

@@ -383,11 +383,12 @@ def _check_header(modules, headers, group, world, my_refusal):
 def _send_ids(modules, send_ids, send_splits, number, refusal, group, world):
     """The header and the ids: ``(send_splits, recv_splits, received ids grouped by source)``.
 
-    One ``all_to_all_single`` of equal parts carries each pair's header and the first ``capacity`` of its ids (padded),
-    so that when every pair's count fits, the ids cost no round trip of their own; the ids past it follow in a second
-    AlltoAll whose splits the headers gave. Each header also carries its sender's largest count, so every rank sees
-    the same maximum and sets the same capacity for the next call of these tables (a quarter above it): the parts'
-    size is agreed without a message. The first call of a set of tables has capacity 0 (header, then ids).
+    One ``all_to_all_single`` of equal parts carries each pair's header and the first ``capacity`` of its ids
+    (padded), so that when every pair's count fits, the ids cost no round trip of their own; the ids past it follow
+    in a second AlltoAll whose splits the headers gave. Each header also carries its sender's largest count, so every
+    rank sees the same maximum and sets the same capacity for the next call of these tables (a quarter above it):
+    the parts' size is agreed without a message. The first call of a set of tables has capacity 0 (header, then
+    ids).
     """
     key = tuple(id(m) for m in modules)
     state = modules[0]._exchange_state
@@ -495,8 +496,8 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
     if world > 1:
         rows, pieces = _owner_rows(modules, recv_ids)
         rows = _RowExchange.apply(rows, (send_splits, recv_splits, group, pieces), *[m.weight for m in modules])
-    else:
-        rows = _local_rows(modules[0], recv_ids)
+    else:  # one rank: the unique ids in table order, each table's rows with nn.Embedding's gradient
+        rows = torch.cat([_local_rows(m, u) for m, u in zip(modules, uniques)])
     # Unique ids are sorted, so a row-sharded table's come already grouped by owner: the layout is the identity
     # and the rows need no reordering (several tables in one exchange, or table sharding, interleave owners).
     in_order = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
