@@ -1,0 +1,324 @@
+"""`fastdist-bench admm`: ADMMiRNN against SGD, SGD+momentum, Adam and RMSProp (each with and without gradient
+clipping) training the same tanh RNN + linear head.
+
+Tasks (no downloads): digits-rows (scikit-learn's 8x8 digits read row by row: 8 steps of 8 features, 10 classes),
+digits-pixels (the same digits pixel by pixel: 64 steps of 1 feature), text (sequences of one-hot tokens drawn
+from one of --text-classes seeded ZipfMarkovCorpus languages; the class is the language).
+
+Tuning: every method gets a grid of --grid values (ADMMiRNN: rho; the baselines: lr), the same size for all; the
+setting with the lowest final training loss is kept (the test set is not used to choose). One epoch is one
+ADMMiRNN sweep over the whole training set (full batch) or one pass of --batch-size mini-batches for a baseline.
+Stability: every method at its tuned setting from init scales --scales times the default initialisation, on the
+short (digits-rows) and long (digits-pixels) task; a run converges when its final training loss is finite and
+below the loss of always predicting the class frequencies. For the baselines the gradient's norm at the first and
+last input step, |dL/dx_1| / |dL/dx_T| (at the initialisation), shows vanishing (<< 1) or exploding (>> 1).
+Cost: one ADMMiRNN sweep against one full-batch SGD step with backpropagation through time, interleaved, median.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from fastdist.admm import ADMMDivergenceError, ADMMiRNN
+from fastdist.bench import report
+from fastdist.bench.report import col, fixed, integer, percent, scientific, times, yes_no
+from fastdist.bench.toolkit import at_least, comma_list, interleave, progress, time_fn
+
+TASKS = ["digits-rows", "digits-pixels", "text"]
+OPTIMIZERS = {"sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
+              "sgd-momentum": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+              "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
+              "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr)}
+BASELINES = [f"{o}{c}" for o in OPTIMIZERS for c in ("", "+clip")]
+METHODS = ["admm"] + BASELINES
+LR_GRID = {"sgd": [0.3, 0.1, 0.03], "sgd-momentum": [0.1, 0.03, 0.01], "adam": [0.01, 0.003, 0.001],
+           "rmsprop": [0.01, 0.003, 0.001]}
+RHO_GRID = [0.3, 1.0, 3.0]
+
+
+def load_task(name: str, seed: int = 0, text_classes: int = 4, text_samples: int = 800,
+              text_vocab: int = 16, text_len: int = 20) -> dict:
+    """{x_train, y_train, x_test, y_test} float32 [N, T, F] / int64 [N] and the sizes; an 80/20 seeded split."""
+    if name.startswith("digits"):
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        images = torch.tensor(d.images, dtype=torch.float32) / 16.0
+        x = images if name == "digits-rows" else images.reshape(-1, 64, 1)
+        y = torch.tensor(d.target, dtype=torch.int64)
+        classes = 10
+    elif name == "text":
+        from fastdist.testing.corpus import ZipfMarkovCorpus, generator
+        per = text_samples // text_classes
+        tokens = torch.cat([ZipfMarkovCorpus(vocab=text_vocab, seed=seed + 100 * k, follow=0.7).sample(
+            per, text_len, generator("admm-text", seed, k)) for k in range(text_classes)])
+        x = nn.functional.one_hot(tokens, text_vocab).float()
+        y = torch.arange(text_classes).repeat_interleave(per)
+        classes = text_classes
+    else:
+        raise ValueError(f"unknown task {name!r}; choose from {TASKS}")
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(y))
+    tr, te = perm[:cut], perm[cut:]
+    return {"name": name, "x_train": x[tr], "y_train": y[tr], "x_test": x[te], "y_test": y[te],
+            "seq_len": x.shape[1], "features": x.shape[2], "classes": classes}
+
+
+def _prior_loss(y: torch.Tensor, classes: int) -> float:
+    """Cross-entropy of always predicting the training class frequencies: the bar a run must beat."""
+    p = torch.bincount(y, minlength=classes).double() / len(y)
+    return float(-(p[y]).log().mean())
+
+
+def _accuracy(out: torch.Tensor, y: torch.Tensor) -> float:
+    return float((out.argmax(1) == y).double().mean())
+
+
+def run_admm(task: dict, hidden: int, epochs: int, rho: float, scale: float = 1.0, seed: int = 0,
+             tau: float = 1.0) -> dict:
+    """One ADMMiRNN run: per-epoch training loss (the network's forward), test accuracy, wall time, residuals."""
+    m = ADMMiRNN(task["features"], hidden, task["classes"], task["seq_len"], rho=rho, tau=tau, init_scale=scale,
+                 seed=seed)
+    curve = {"loss": [], "test_acc": [], "time_s": [], "residual": []}
+    elapsed, error = 0.0, None
+    for _ in range(epochs):
+        start = time.perf_counter()
+        try:
+            stats = m.step(task["x_train"], task["y_train"])
+        except ADMMDivergenceError as e:
+            error = f"diverged at block {e.block}"
+            break
+        elapsed += time.perf_counter() - start
+        curve["loss"].append(stats.loss)
+        curve["residual"].append(max(stats.residuals.values()))
+        curve["test_acc"].append(_accuracy(m.forward(task["x_test"]), task["y_test"]))
+        curve["time_s"].append(elapsed)
+    return {"curve": curve, "error": error}
+
+
+def run_baseline(task: dict, hidden: int, epochs: int, method: str, lr: float, batch_size: int, scale: float = 1.0,
+                 seed: int = 0, clip: float = 1.0) -> dict:
+    """One SGD-family run on the same network, initialised exactly as ADMMiRNN initialises it."""
+    net = ADMMiRNN(task["features"], hidden, task["classes"], task["seq_len"], init_scale=scale, seed=seed).model()
+    opt = OPTIMIZERS[method.replace("+clip", "")](net.parameters(), lr)
+    x, y = task["x_train"], task["y_train"]
+    grad_ratio = _input_gradient_ratio(net, x, y)
+    g = torch.Generator().manual_seed(seed)
+    curve = {"loss": [], "test_acc": [], "time_s": [], "grad_norm": []}
+    elapsed, error = 0.0, None
+    for _ in range(epochs):
+        start = time.perf_counter()
+        norms = []
+        for idx in torch.randperm(len(y), generator=g).split(batch_size):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            if method.endswith("+clip"):
+                norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), clip)))
+            else:
+                norms.append(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()))
+            opt.step()
+        elapsed += time.perf_counter() - start
+        with torch.no_grad():
+            loss = float(nn.functional.cross_entropy(net(x), y))
+            acc = _accuracy(net(task["x_test"]), task["y_test"])
+        curve["loss"].append(loss)
+        curve["test_acc"].append(acc)
+        curve["time_s"].append(elapsed)
+        curve["grad_norm"].append(statistics.median(norms))
+        if not math.isfinite(loss):
+            error = "non-finite loss"
+            break
+    return {"curve": curve, "error": error, "grad_ratio": grad_ratio}
+
+
+def _input_gradient_ratio(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """|dL/dx_1| and |dL/dx_T| at the current weights: how much gradient reaches the first step."""
+    xg = x.clone().requires_grad_(True)
+    nn.functional.cross_entropy(net(xg), y).backward()
+    first, last = float(xg.grad[:, 0].norm()), float(xg.grad[:, -1].norm())
+    net.zero_grad(set_to_none=True)
+    return {"first": first, "last": last, "ratio": first / last if last > 0 else math.nan}
+
+
+def _grid(method: str, args) -> list[float]:
+    base = RHO_GRID if method == "admm" else LR_GRID[method.replace("+clip", "")]
+    return base[:args.grid]
+
+
+def _run(task, method, value, args, scale=1.0, epochs=None):
+    epochs = epochs or args.epochs
+    if method == "admm":
+        out = run_admm(task, args.hidden, epochs, value, scale, args.seed, args.tau)
+    else:
+        out = run_baseline(task, args.hidden, epochs, method, value, args.batch_size, scale, args.seed, args.clip)
+    c = out["curve"]
+    out.update(method=method, value=value, scale=scale, task=task["name"],
+               final_loss=c["loss"][-1] if c["loss"] and out["error"] is None else math.nan,
+               final_test_acc=c["test_acc"][-1] if c["test_acc"] and out["error"] is None else math.nan,
+               epoch_s=c["time_s"][-1] / len(c["time_s"]) if c["time_s"] else math.nan)
+    return out
+
+
+def _sweep_cost(task: dict, args) -> dict:
+    """Seconds of one ADMMiRNN sweep and of one full-batch SGD + BPTT step on the same batch, interleaved."""
+    x, y = task["x_train"], task["y_train"]
+    m = ADMMiRNN(task["features"], args.hidden, task["classes"], task["seq_len"], seed=args.seed)
+    net = m.model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def sgd():
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    fns = {"admm": lambda: m.step(x, y), "sgd": sgd}
+    samples = {k: [] for k in fns}
+    for _, name, phase in interleave(fns, warmup=1, reps=args.reps):
+        t = time_fn(fns[name], reps=1, warmup=0).samples[0]
+        if phase != "warm-up":
+            samples[name].append(t)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {"task": task["name"], "batch": len(y), "admm_s": med["admm"], "sgd_s": med["sgd"],
+            "ratio": med["admm"] / med["sgd"], "samples": samples}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
+    p.add_argument("--tasks", type=comma_list(choices=TASKS), default=TASKS, help="subset of " + ",".join(TASKS))
+    p.add_argument("--methods", type=comma_list(choices=METHODS), default=METHODS, help="subset of " + ",".join(METHODS))
+    p.add_argument("--hidden", type=at_least(1), default=32, help="hidden size (default 32)")
+    p.add_argument("--epochs", type=at_least(1), default=30, help="epochs (ADMM sweeps) per tuning run (default 30)")
+    p.add_argument("--grid", type=at_least(1), default=3, help="grid size of rho (ADMM) and of lr (baselines), "
+                                                                  "the same for every method, at most 3 (default 3)")
+    p.add_argument("--tau", type=float, default=1.0, help="ADMMiRNN tau (fixed, not tuned; default 1)")
+    p.add_argument("--batch-size", type=at_least(1), default=128, help="baselines' mini-batch (default 128)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip of the +clip baselines (default 1)")
+    p.add_argument("--scales", type=comma_list(float), default=[0.01, 0.1, 1.0, 3.0, 10.0],
+                   help="init scales of the stability sweep (default 0.01,0.1,1,3,10)")
+    p.add_argument("--stability-epochs", type=at_least(1), default=15, help="epochs per stability run (default 15)")
+    p.add_argument("--stability-tasks", type=comma_list(choices=TASKS), default=["digits-rows", "digits-pixels"],
+                   help="tasks (sequence lengths) of the stability sweep (default digits-rows,digits-pixels)")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions of the cost comparison (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of data split and initialisation (default 0)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the suite; prints the header and tables; returns the JSON payload."""
+    env = report.environment(backend="torch ops", device="cpu", ranks=1, network="none (single process)")
+    print(report.format_environment(env))
+    with report.torch_threads(args.threads):
+        tasks = {name: load_task(name, args.seed) for name in dict.fromkeys(args.tasks + args.stability_tasks)}
+        grid_runs = [(t, m, v) for t in args.tasks for m in args.methods for v in _grid(m, args)]
+        stab_runs = [(t, m, s) for t in args.stability_tasks for m in args.methods for s in args.scales]
+        bar = progress(len(grid_runs) + len(stab_runs) + len(args.tasks), "admm")
+        runs = []
+        for t, m, v in grid_runs:
+            runs.append(_run(tasks[t], m, v, args))
+            bar.step(f"{t} {m} {v:g}")
+        best = {}
+        for r in runs:
+            key = (r["task"], r["method"])
+            score = r["final_loss"] if math.isfinite(r["final_loss"]) else math.inf
+            if key not in best or score < best[key][0]:
+                best[key] = (score, r)
+        tuned = [best[(t, m)][1] for t in args.tasks for m in args.methods]
+        stability = []
+        for t, m, s in stab_runs:
+            value = (best.get((t, m)) or (0, {"value": _grid(m, args)[len(_grid(m, args)) // 2]}))[1]["value"]
+            r = _run(tasks[t], m, value, args, scale=s, epochs=args.stability_epochs)
+            r["prior_loss"] = _prior_loss(tasks[t]["y_train"], tasks[t]["classes"])
+            r["converged"] = bool(math.isfinite(r["final_loss"]) and r["final_loss"] < r["prior_loss"])
+            stability.append(r)
+            bar.step(f"stability {t} {m} x{s:g}")
+        cost = []
+        for t in args.tasks:
+            cost.append(_sweep_cost(tasks[t], args))
+            bar.step(f"cost {t}")
+    result = {"suite": "admm", "env": env, "config": vars(args), "runs": runs, "tuned": tuned,
+              "stability": stability, "cost": cost}
+    result["summary"] = _summary(result)
+    print(report.text_parts(tables(result)))
+    return result
+
+
+def _summary(result: dict) -> dict:
+    """Per method: the fraction of stability runs that converged; per task: ADMM's tuned accuracy vs the best
+    baseline's."""
+    frac = {}
+    for r in result["stability"]:
+        frac.setdefault(r["method"], []).append(r["converged"])
+    out = {"converged_fraction": {m: sum(v) / len(v) for m, v in frac.items()}, "accuracy_gap": {}}
+    for t in dict.fromkeys(r["task"] for r in result["tuned"]):
+        rows = [r for r in result["tuned"] if r["task"] == t]
+        admm = next((r for r in rows if r["method"] == "admm"), None)
+        base = [r for r in rows if r["method"] != "admm" and math.isfinite(r["final_test_acc"])]
+        if admm and base:
+            top = max(base, key=lambda r: r["final_test_acc"])
+            out["accuracy_gap"][t] = {"admm": admm["final_test_acc"], "best_baseline": top["method"],
+                                      "baseline": top["final_test_acc"],
+                                      "gap": admm["final_test_acc"] - top["final_test_acc"]}
+    return out
+
+
+def _stability_rows(result):
+    rows = {}
+    for r in result["stability"]:
+        row = rows.setdefault((r["task"], r["method"]), {"task": r["task"], "method": r["method"]})
+        row[f"x{r['scale']:g}"] = ("yes" if r["converged"] else "no") + (
+            f" ({r['grad_ratio']['ratio']:.0e})" if r.get("grad_ratio") else "")
+    return list(rows.values())
+
+
+def tables(result: dict) -> list[report.Part]:
+    """The suite's tables of `result` (its JSON payload)."""
+    c = result["config"]
+    tuned = report.Part(
+        "tuned", [col("task", "task"), col("method", "method"), col("rho / lr", "value", scientific(0)),
+                  col("train loss", "final_loss", fixed(3)), col("test acc (%)", "final_test_acc", percent(1)),
+                  col("s / epoch", "epoch_s", fixed(3)), col("note", lambda r: r["error"] or "")],
+        result["tuned"], f"Each method at the best of its {c['grid']}-value grid (lowest final training loss), "
+        f"{c['epochs']} epochs, hidden {c['hidden']}, baselines' batch {c['batch_size']}.")
+    scales = [f"x{s:g}" for s in c["scales"]]
+    stab = report.Part(
+        "stability", [col("task", "task"), col("method", "method")] + [col(s, s) for s in scales],
+        _stability_rows(result),
+        f"Converged (final training loss finite and below the class-prior loss) after {c['stability_epochs']} "
+        "epochs, by init scale; in brackets |dL/dx_1| / |dL/dx_T| at initialisation (baselines).",
+        [f"{m}: {100 * f:.0f}% of runs converged" for m, f in result["summary"]["converged_fraction"].items()])
+    cost = report.Part(
+        "cost", [col("task", "task"), col("batch", "batch", integer), col("ADMM sweep (ms)", lambda r: 1e3 * r["admm_s"],
+                                                                          fixed(1)),
+                 col("SGD+BPTT step (ms)", lambda r: 1e3 * r["sgd_s"], fixed(1)), col("ratio", "ratio", times(1))],
+        result["cost"], f"Full-batch, median of {c['reps']} interleaved repetitions, {c['threads']} torch thread(s).")
+    return [tuned, stab, cost]
+
+
+def plot(result: dict, path: str) -> None:
+    """Training loss and test accuracy of the tuned runs against epochs and wall time, one row per task."""
+    tasks = list(dict.fromkeys(r["task"] for r in result["tuned"]))
+    plt, fig, axes = report.subplots(len(tasks), 3, figsize=(16, 4 * len(tasks)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for row, t in zip(axes, tasks):
+        for i, r in enumerate(x for x in result["tuned"] if x["task"] == t):
+            cv = r["curve"]
+            style = dict(color=cmap(i % 10), lw=2.5 if r["method"] == "admm" else 1.2,
+                         ls="--" if r["method"].endswith("+clip") else "-", label=f"{r['method']} ({r['value']:g})")
+            epochs = range(1, len(cv["loss"]) + 1)
+            row[0].plot(epochs, cv["loss"], **style)
+            row[1].plot(epochs, cv["test_acc"], **style)
+            row[2].plot(cv["time_s"], cv["test_acc"], **style)
+        row[0].set_yscale("log")
+        for ax, (xl, yl) in zip(row, [("epoch", "training loss"), ("epoch", "test accuracy"),
+                                      ("wall time (s)", "test accuracy")]):
+            ax.set_xlabel(xl)
+            ax.set_ylabel(yl)
+            ax.set_title(t)
+            ax.grid(True, alpha=0.3)
+        row[0].legend(fontsize=6)
+    fig.suptitle(f"fastdist-bench admm: {result['env']['device']}", fontsize=9)
+    report.save_figure(fig, path)

@@ -1,0 +1,78 @@
+"""fastdist-bench admm: ADMMiRNN and every SGD-family baseline train the same RNN from the same initialisation, each
+tuned over a grid of the same size by training loss alone; the stability sweep and the cost ratio are recorded."""
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from fastdist.admm import ADMMiRNN
+from fastdist.bench import admm, cli, report, results
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    admm.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_the_suite_is_registered_with_a_tour_entry():
+    assert cli.SUITES["admm"] == "fastdist.bench.admm"
+    assert "--tasks" in cli.TOUR["admm"]
+    parse(cli.TOUR["admm"])
+
+
+def test_every_method_gets_a_grid_of_the_same_size():
+    args = parse(["--grid", "2"])
+    assert {len(admm._grid(m, args)) for m in admm.METHODS} == {2}
+    assert len(admm.RHO_GRID) == len(next(iter(admm.LR_GRID.values())))
+
+
+def test_bad_flags_are_refused(capsys):
+    for flag, bad, why in [("--methods", "admm,lbfgs", "unknown item 'lbfgs'"), ("--tasks", "mnist", "unknown item"),
+                           ("--epochs", "0", "below 1")]:
+        with pytest.raises(SystemExit):
+            parse([flag, bad])
+        assert why in capsys.readouterr().err
+
+
+def test_tasks_have_the_documented_shapes_and_no_download():
+    rows = admm.load_task("digits-rows")
+    assert rows["x_train"].shape[1:] == (8, 8) and rows["classes"] == 10
+    assert len(rows["y_train"]) + len(rows["y_test"]) == 1797
+    assert admm.load_task("digits-pixels")["x_train"].shape[1:] == (64, 1)
+    text, again = admm.load_task("text"), admm.load_task("text")
+    assert torch.equal(text["x_train"], again["x_train"])  # seeded
+    assert text["x_train"].shape[1:] == (20, 16) and set(text["y_train"].tolist()) == {0, 1, 2, 3}
+
+
+def test_baselines_start_from_admms_initial_network():
+    task = admm.load_task("digits-rows")
+    net = ADMMiRNN(8, 6, 10, 8, init_scale=0.5, seed=3).model()
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(net(task["x_train"]), task["y_train"])
+    out = admm.run_baseline(task, 6, 1, "sgd", 0.0, 64, scale=0.5, seed=3)  # lr 0: the loss stays the initial one
+    assert out["curve"]["loss"][0] == pytest.approx(float(want), rel=1e-6)
+    assert out["grad_ratio"]["first"] > 0 and out["grad_ratio"]["last"] > 0
+
+
+def test_a_small_run_records_tuned_curves_stability_and_cost(tmp_path):
+    args = parse(["--tasks", "digits-rows", "--methods", "admm,sgd+clip", "--epochs", "2", "--grid", "2",
+                  "--hidden", "4", "--scales", "1", "--stability-epochs", "1", "--stability-tasks", "digits-rows",
+                  "--reps", "1"])
+    result = admm.run(args)
+    for tuned in result["tuned"]:
+        mine = [r for r in result["runs"] if r["method"] == tuned["method"]]
+        assert len(mine) == 2 and tuned["final_loss"] == min(r["final_loss"] for r in mine)  # chosen by train loss
+        assert len(tuned["curve"]["loss"]) == 2 and len(tuned["curve"]["time_s"]) == 2
+    assert {r["method"] for r in result["stability"]} == {"admm", "sgd+clip"}
+    assert set(result["summary"]["converged_fraction"]) == {"admm", "sgd+clip"}
+    (cost,) = result["cost"]
+    assert cost["ratio"] == pytest.approx(cost["admm_s"] / cost["sgd_s"]) and len(cost["samples"]["admm"]) == 1
+    path = tmp_path / "admm.json"
+    report.write_json(str(path), result)
+    parts = results.tables_of(json.loads(path.read_text()))
+    assert [p.name for p in parts] == ["tuned", "stability", "cost"]
+    assert "admm" in parts[0].table and not math.isnan(result["summary"]["accuracy_gap"]["digits-rows"]["gap"])
+    admm.plot(result, str(tmp_path / "admm.png"))
+    assert (tmp_path / "admm.png").stat().st_size > 0
