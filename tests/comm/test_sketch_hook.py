@@ -226,21 +226,28 @@ def _ef_run(order, buckets, steps=4, resume_at=None):
             "residual": sum(float(r.abs().sum()) for r in state.residuals.values())}
 
 
-def _ef_layouts(buckets):
-    runs = {"backward a, b, c": _ef_run(("c", "b", "a"), buckets),
-            "backward c, b, a": _ef_run(("a", "b", "c"), buckets)}
-    if buckets == "one bucket":  # a resumed DDP starts from its first layout again, as the run did
-        runs["resumed"] = _ef_run(("c", "b", "a"), buckets, resume_at=2)
-    return runs
+def _ef_layouts():
+    out = {}
+    for buckets in EF_BUCKETS:
+        runs = out[buckets] = {"backward a, b, c": _ef_run(("c", "b", "a"), buckets),
+                               "backward c, b, a": _ef_run(("a", "b", "c"), buckets)}
+        if buckets == "one bucket":  # a resumed DDP starts from its first layout again, as the run did
+            runs["resumed"] = _ef_run(("c", "b", "a"), buckets, resume_at=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ef_layouts():
+    return spawn(_ef_layouts, 2, backend="gloo", timeout=300)
 
 
 @pytest.mark.parametrize("buckets", list(EF_BUCKETS))
-def test_error_feedback_follows_the_parameters_when_ddp_reorders_its_buckets_and_after_a_resume(buckets):
+def test_error_feedback_follows_the_parameters_when_ddp_reorders_its_buckets_and_after_a_resume(ef_layouts, buckets):
     """The reference: the same training with the layers called in the other order (the same gradients, which DDP
     lays out in the reverse order within the bucket, or in buckets numbered the other way round), and with one
     bucket the same training restarted from a checkpoint after two steps. The residual follows the parameters
     through every layout: all end with the same bits."""
-    results = spawn(_ef_layouts, 2, buckets, backend="gloo", timeout=240)
+    results = [r[buckets] for r in ef_layouts]
     for r in results:
         for run in r.values():
             assert run["layouts"][1] != run["layouts"][0]  # DDP rebuilt its buckets after the first backward
