@@ -283,6 +283,20 @@ def compiled() -> dict:
     return out
 
 
+def traffic_by_vocabulary() -> dict:
+    """Bytes a lookup + backward sends for the same distinct ids (scaled to keep their owners) in tables of 1000
+    and 1000000 rows."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    base = torch.randint(0, 1000, (64,), generator=g)
+    out = {}
+    for rows in (1000, 1_000_000):
+        table = ShardedEmbedding(rows, DIM, sparse=True)
+        table(base * (rows // 1000)).sum().backward()
+        out[rows] = dict(table.traffic)
+    return out
+
+
 def suite(world: int) -> dict:
     """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up)."""
     out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank(),
@@ -296,4 +310,5 @@ def suite(world: int) -> dict:
         out["gpt"] = hybrid_training("gpt", 3)
         out["tied"] = tied_refusal()
         out["compiled"] = compiled()
+        out["traffic"] = traffic_by_vocabulary()
     return out

@@ -67,6 +67,12 @@ def test_ids_past_the_exchange_capacity_follow_in_a_second_round(job):
         assert errors == [0.0] * len(errors), rank
 
 
+def test_bytes_sent_depend_on_the_distinct_ids_not_on_the_vocabulary(two_ranks):
+    for rank, got in enumerate(r["traffic"] for r in two_ranks):
+        assert got[1000] == got[1_000_000], rank
+        assert got[1000]["rows"] > 0 and got[1000]["grad_rows"] > 0
+
+
 def test_empty_batch_on_one_rank_does_not_hang(job):
     results = [r["empty"] for r in job]
     assert results[1]["y"] == torch.Size([0, ranks.DIM])
