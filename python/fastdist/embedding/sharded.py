@@ -398,8 +398,8 @@ def _send_ids(modules, send_ids, send_splits, number, refusal, group, world):
     capacity = state["capacity"]
     header = torch.tensor([[count, number, state["print"], int(refusal is not None), max(send_splits)]
                            for count in send_splits], dtype=torch.int64)
-    message = torch.zeros(world, _HEADER + capacity, dtype=torch.int64)
-    message[:, :_HEADER] = header
+    message = torch.zeros(world, _HEADER + capacity, dtype=torch.int64, device=send_ids.device)  # NCCL: on device
+    message[:, :_HEADER] = header.to(send_ids.device)
     starts = [0]
     for count in send_splits:
         starts.append(starts[-1] + count)
@@ -409,9 +409,10 @@ def _send_ids(modules, send_ids, send_splits, number, refusal, group, world):
             message[r, _HEADER:_HEADER + first] = send_ids[starts[r]:starts[r] + first]
     received = torch.empty_like(message)
     dist.all_to_all_single(received, message, group=group)
-    _check_header(modules, received[:, :_HEADER], group, world, refusal)
-    recv_splits = received[:, 0].tolist()
-    most = int(received[:, 4].max())
+    headers = received[:, :_HEADER].cpu()  # the exchange's one device-to-host copy
+    _check_header(modules, headers, group, world, refusal)
+    recv_splits = headers[:, 0].tolist()
+    most = int(headers[:, 4].max())
     state["capacity"] = (most + most // 4 + 7) // 8 * 8
     firsts = [received[r, _HEADER:_HEADER + min(recv_splits[r], capacity)] for r in range(world)]
     me = modules[0].rank
