@@ -19,7 +19,7 @@ def parse(argv):
 def test_the_suite_is_registered_and_its_defaults_are_the_full_protocol():
     assert cli.SUITES["graph"] == "fastdist.bench.graph" and "graph" in cli.TOUR
     args = parse([])
-    assert (args.folds, args.epochs, args.graphs) == (10, 100, None)
+    assert (args.folds, args.epochs, args.graphs, args.aux_weight) == (10, 100, None, 1.0)
     assert "hap" in args.poolers and {"diffpool", "mincut", "topk", "sag", "asap", "mean"} <= set(args.poolers)
     assert len(args.datasets) >= 5
 

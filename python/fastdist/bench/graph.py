@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=at_least(1), default=64, help="graphs per training step (default 64)")
     p.add_argument("--val-fraction", type=up_to(0.5), default=0.1,
                    help="share of each training fold held out for early stopping (default 0.1)")
+    p.add_argument("--aux-weight", type=float, default=1.0,
+                   help="weight of every pooler's auxiliary losses in the training loss (default 1, as their papers)")
     p.add_argument("--seed", type=int, default=0, help="seeds data, folds, initialization and batching")
     p.add_argument("--threads", type=at_least(1), default=1,
                    help="torch threads (default 1: these graphs are small; more threads mostly wait)")
@@ -123,7 +125,7 @@ def run_fold(graphs, split, pooler: str, args: argparse.Namespace, classes: int,
         start = time.perf_counter()
         for x, edge_index, batch, y in _batches(graphs, train, args.batch_size, gen):
             logits, aux = model(x, edge_index, batch, num_graphs=len(y))
-            loss = F.cross_entropy(logits, y) + aux
+            loss = F.cross_entropy(logits, y) + args.aux_weight * aux
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -240,7 +242,8 @@ def _scale(c):
     folds = f"{c['run_folds']} of {c['folds']} folds" if c["run_folds"] < c["folds"] else f"{c['folds']} folds"
     graphs = c["graphs"] or "1000 (digits 1797)"
     return (f"{folds}, up to {c['epochs']} epochs (patience {c['patience']}), {graphs} graphs per set, "
-            f"{c['encoder']} encoder, hidden {c['hidden']}, {c['levels']} levels, ratio {c['ratio']}, Adam lr "
+            f"{c['encoder']} encoder, hidden {c['hidden']}, {c['levels']} levels, ratio {c['ratio']}, "
+            f"auxiliary losses x{c.get('aux_weight', 1.0):g}, Adam lr "
             f"{c['lr']}, batch {c['batch_size']}, {c['threads']} torch thread(s); mean +- std of test accuracy (%) "
             "over folds")
 
