@@ -43,7 +43,7 @@ def test_tasks_have_the_documented_shapes_and_no_download():
     assert admm.load_task("digits-pixels")["x_train"].shape[1:] == (64, 1)
     text, again = admm.load_task("text"), admm.load_task("text")
     assert torch.equal(text["x_train"], again["x_train"])  # seeded
-    assert text["x_train"].shape[1:] == (20, 16) and set(text["y_train"].tolist()) == {0, 1, 2, 3}
+    assert text["x_train"].shape[1:] == (20, 8) and set(text["y_train"].tolist()) == {0, 1, 2, 3}
 
 
 def test_baselines_start_from_admms_initial_network():
