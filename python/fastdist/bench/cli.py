@@ -10,6 +10,9 @@
   fastdist-bench moe [opts]              MoE layer: static/dropless/shadow/top-k replication vs Pro-Prophet planner
   fastdist-bench tp [opts]               tensor-parallel linears / GPT block: chunked and Oases overlap vs sequential
   fastdist-bench memory [opts]           swap/recompute plans vs checkpointing and save_on_cpu: peak memory, step time
+  fastdist-bench graph [opts]            graph classification: HAP pooling vs PyG's poolers, k-fold cross-validated
+  fastdist-bench embedding [opts]        sharded tables (AlltoAll) + DDP vs DDP dense/sparse and TorchRec: DLRM step
+  fastdist-bench admm [opts]             ADMMiRNN vs SGD/momentum/Adam/RMSProp (+clip) training a tanh RNN
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -32,6 +35,9 @@ SUITES = {
     "sparse-lm": "fastdist.bench.sparse_lm",
     "tp": "fastdist.bench.tp",
     "memory": "fastdist.bench.memory",
+    "graph": "fastdist.bench.graph",
+    "embedding": "fastdist.bench.embedding",
+    "admm": "fastdist.bench.admm",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -43,8 +49,14 @@ TOUR = {
     "moe": ["--ranks", "2", "--tokens", "512", "--d-ff", "512", "--steps", "5", "--warmup", "2"],
     "sparse-lm": ["--ranks", "4", "--net", "10gbit", "--steps", "40", "--vocab", "8192", "--dim", "32",
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],
-    "tp": ["--ranks", "2", "--op-shape", "512,512,512", "--block", "256,4,64,4", "--reps", "5", "--warmup", "1"],
+    "tp": ["--ranks", "2", "--op-shape", "512,512,512", "--block", "256,4,64,4", "--mlp", "256,256,1024", "--reps", "5",
+           "--warmup", "1"],
     "memory": ["--models", "transformer", "--budgets", "50", "--steps", "5", "--warmup", "1"],
+    "graph": ["--datasets", "house-cycle", "--poolers", "hap,diffpool,topk,mean", "--folds", "2", "--epochs", "2",
+              "--graphs", "100", "--hidden", "16"],
+    "embedding": ["--ranks", "2", "--rows", "16384", "--dim", "32", "--batch", "64", "--steps", "5", "--warmup", "1"],
+    "admm": ["--tasks", "digits-rows", "--methods", "admm,sgd-momentum+clip,adam+clip", "--epochs", "5", "--grid", "2",
+             "--hidden", "16", "--scales", "0.1,10", "--stability-epochs", "3", "--stability-tasks", "digits-rows"],
 }
 
 
