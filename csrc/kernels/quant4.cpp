@@ -99,7 +99,9 @@ void qlinear_portable_impl(const float* x, int64_t rows, int64_t k, const uint8_
     }
     for (int64_t r = r0; r < r1; ++r) {
       const float b = bias ? bias[r] : 0.0f;
-      for (int64_t m = 0; m < rows; ++m) out[m * n + r] = reduce_lanes(lanes.data() + ((r - r0) * rows + m) * kLanes) + b;
+      for (int64_t m = 0; m < rows; ++m) {
+        out[m * n + r] = reduce_lanes(lanes.data() + ((r - r0) * rows + m) * kLanes) + b;
+      }
     }
   }
 }
@@ -181,7 +183,9 @@ FASTDIST_AVX512 void qlinear_avx512_impl(const float* x, int64_t rows, int64_t k
     }
     for (int64_t r = r0; r < r1; ++r) {
       const float b = bias ? bias[r] : 0.0f;
-      for (int64_t m = 0; m < rows; ++m) out[m * n + r] = reduce_lanes(lanes.data() + ((r - r0) * rows + m) * kLanes) + b;
+      for (int64_t m = 0; m < rows; ++m) {
+        out[m * n + r] = reduce_lanes(lanes.data() + ((r - r0) * rows + m) * kLanes) + b;
+      }
     }
   }
 }

@@ -37,11 +37,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu_op(const at::Tensor&
 }
 
 // Rows [r0, r1) of w' into tile ([r1 - r0, k] float32 contiguous), parallel over rows.
-void dequantize_rows(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                     const Layout& layout, int64_t r0, int64_t r1, at::Tensor& tile) {
-  const uint8_t* packed_ptr = packed.const_data_ptr<uint8_t>();
-  const float* scales_ptr = scales.const_data_ptr<float>();
-  const float* zero_values = zeros_ptr(zeros);
+void dequantize_rows(const Operands& ops, const Layout& layout, int64_t r0, int64_t r1, at::Tensor& tile) {
+  const uint8_t* packed_ptr = ops.packed.const_data_ptr<uint8_t>();
+  const float* scales_ptr = ops.scales.const_data_ptr<float>();
+  const float* zero_values = zeros_ptr(ops.zeros);
   float* out = tile.data_ptr<float>();
   at::parallel_for(r0, r1, grain_for({layout.k, 4}), [&](int64_t begin, int64_t end) {
     fastdist::quant4_dequantize_cpu(packed_ptr, scales_ptr, zero_values, layout.k, layout.block, layout.block_rows,
@@ -49,59 +48,40 @@ void dequantize_rows(const at::Tensor& packed, const at::Tensor& scales, const s
   });
 }
 
+// The decoding qlinear, parallel over output rows.
+void decode_linear(const Operands& ops, const Layout& layout, at::Tensor& out) {
+  const float* x_ptr = ops.input.const_data_ptr<float>();
+  const int64_t rows = ops.input.size(0);
+  const uint8_t* packed_ptr = ops.packed.const_data_ptr<uint8_t>();
+  const float* scales_ptr = ops.scales.const_data_ptr<float>();
+  const float* zero_values = zeros_ptr(ops.zeros);
+  const float* bias_ptr = ops.bias.has_value() ? ops.bias->const_data_ptr<float>() : nullptr;
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, layout.n, grain_for({std::max<int64_t>(layout.k / 2, 1)}), [&](int64_t begin, int64_t end) {
+    fastdist::qlinear_cpu(x_ptr, rows, layout.k, packed_ptr, scales_ptr, zero_values, layout.n, layout.block,
+                          layout.block_rows, layout.scheme, bias_ptr, out_ptr, begin, end);
+  });
+}
+
 at::Tensor dequantize_cpu_op(const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& zeros, c10::string_view scheme) {
   const Layout layout = check_layout(packed, scales, zeros, std::string(scheme));
-  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous();
-  const std::optional<at::Tensor> group_zeros = contiguous(zeros);
-  at::Tensor out = at::empty({layout.n, layout.k}, group_scales.options());
-  dequantize_rows(codes, group_scales, group_zeros, layout, 0, layout.n, out);
+  const Operands ops(at::empty({0, 0}, scales.options()), 0, packed, scales, zeros);
+  at::Tensor out = at::empty({layout.n, layout.k}, scales.options());
+  dequantize_rows(ops, layout, 0, layout.n, out);
   return out;
 }
 
 at::Tensor qlinear_cpu_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros, c10::string_view scheme,
                           const std::optional<at::Tensor>& bias) {
-  const Layout layout = check_qlinear(x, packed, scales, zeros, std::string(scheme), bias);
-  const int64_t rows = leading_rows(x);
-  const at::Tensor x2 = x.reshape({rows, layout.k}).to(at::kFloat).contiguous();
-  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous();
-  const std::optional<at::Tensor> group_zeros = contiguous(zeros);
-  const std::optional<at::Tensor> bias32 =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
-  at::Tensor out;
-  if (rows <= kDecodeRowsCpu) {
-    out = at::empty({rows, layout.n}, x2.options());
-    const float* x_ptr = x2.const_data_ptr<float>();
-    const uint8_t* packed_ptr = codes.const_data_ptr<uint8_t>();
-    const float* scales_ptr = group_scales.const_data_ptr<float>();
-    const float* zero_values = zeros_ptr(group_zeros);
-    const float* bias_ptr = bias32.has_value() ? bias32->const_data_ptr<float>() : nullptr;
-    float* out_ptr = out.data_ptr<float>();
-    at::parallel_for(0, layout.n, grain_for({std::max<int64_t>(layout.k / 2, 1)}), [&](int64_t begin, int64_t end) {
-      fastdist::qlinear_cpu(x_ptr, rows, layout.k, packed_ptr, scales_ptr, zero_values, layout.n, layout.block,
-                            layout.block_rows, layout.scheme, bias_ptr, out_ptr, begin, end);
-    });
-  } else {
-    out = qlinear_tiled(x2, layout, [&](int64_t r0, int64_t r1, at::Tensor& tile) {
-      dequantize_rows(codes, group_scales, group_zeros, layout, r0, r1, tile);
-    });
-    if (bias32.has_value()) out.add_(*bias32);
-  }
-  return out.reshape(with_last(x, layout.n)).to(x.scalar_type());
+  return qlinear_with(x, packed, scales, zeros, std::string(scheme), bias, kDecodeRowsCpu, decode_linear,
+                      dequantize_rows);
 }
 
 at::Tensor qlinear_grad_input_cpu_op(const at::Tensor& grad, const at::Tensor& packed, const at::Tensor& scales,
                                      const std::optional<at::Tensor>& zeros, c10::string_view scheme) {
-  const Layout layout = check_grad_input(grad, packed, scales, zeros, std::string(scheme));
-  const int64_t rows = leading_rows(grad);
-  const at::Tensor grad2 = grad.reshape({rows, layout.n}).to(at::kFloat).contiguous();
-  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous();
-  const std::optional<at::Tensor> group_zeros = contiguous(zeros);
-  const at::Tensor out = grad_input_tiled(grad2, layout, [&](int64_t r0, int64_t r1, at::Tensor& tile) {
-    dequantize_rows(codes, group_scales, group_zeros, layout, r0, r1, tile);
-  });
-  return out.reshape(with_last(grad, layout.k)).to(grad.scalar_type());
+  return grad_input_with(grad, packed, scales, zeros, std::string(scheme), dequantize_rows);
 }
 
 }  // namespace

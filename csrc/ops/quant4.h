@@ -130,42 +130,6 @@ inline void check_finite_blocks(int64_t bad_blocks, int64_t blocks) {
               " block(s) hold NaN or +-inf (or a range that overflows float32)");
 }
 
-// Output rows per dequantized tile of the BLAS path.
-inline int64_t tile_rows(const Layout& layout) {
-  return std::max<int64_t>(1, kTileBytes / std::max<int64_t>(4 * layout.k, 1));
-}
-
-// The BLAS path of qlinear (x2: float32 [rows, k] contiguous): out[:, tile] = x2 @ tile^T, a tile of output rows
-// dequantized at a time by `dequantize_rows(r0, r1, tile_buffer)`.
-inline at::Tensor qlinear_tiled(const at::Tensor& x2, const Layout& layout,
-                                const std::function<void(int64_t, int64_t, at::Tensor&)>& dequantize_rows) {
-  at::Tensor out = at::empty({x2.size(0), layout.n}, x2.options());
-  const int64_t rows_per_tile = tile_rows(layout);
-  at::Tensor buffer = at::empty({std::min(rows_per_tile, layout.n), layout.k}, x2.options());
-  for (int64_t r0 = 0; r0 < layout.n; r0 += rows_per_tile) {
-    const int64_t r1 = std::min(layout.n, r0 + rows_per_tile);
-    at::Tensor tile = buffer.narrow(0, 0, r1 - r0);
-    dequantize_rows(r0, r1, tile);
-    out.narrow(1, r0, r1 - r0).copy_(at::mm(x2, tile.t()));
-  }
-  return out;
-}
-
-// grad_x = grad2 @ W, a tile of W's rows at a time, summed in tile order.
-inline at::Tensor grad_input_tiled(const at::Tensor& grad2, const Layout& layout,
-                                   const std::function<void(int64_t, int64_t, at::Tensor&)>& dequantize_rows) {
-  at::Tensor out = at::zeros({grad2.size(0), layout.k}, grad2.options());
-  const int64_t rows_per_tile = tile_rows(layout);
-  at::Tensor buffer = at::empty({std::min(rows_per_tile, layout.n), layout.k}, grad2.options());
-  for (int64_t r0 = 0; r0 < layout.n; r0 += rows_per_tile) {
-    const int64_t r1 = std::min(layout.n, r0 + rows_per_tile);
-    at::Tensor tile = buffer.narrow(0, 0, r1 - r0);
-    dequantize_rows(r0, r1, tile);
-    out.addmm_(grad2.narrow(1, r0, r1 - r0), tile);
-  }
-  return out;
-}
-
 // The zero points' data (nullptr for nf4) and an optional tensor made contiguous.
 inline const float* zeros_ptr(const std::optional<at::Tensor>& zeros) {
   return zeros.has_value() ? zeros->const_data_ptr<float>() : nullptr;
@@ -180,6 +144,74 @@ inline std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
   shape.back() = last;
   return shape;
+}
+
+// The operands as the kernels read them: the input's rows in float32, the quantized weight and the bias contiguous.
+struct Operands {
+  at::Tensor input;  // float32 [rows, last]
+  at::Tensor packed, scales;
+  std::optional<at::Tensor> zeros, bias;
+
+  Operands(const at::Tensor& t, int64_t last, const at::Tensor& packed_in, const at::Tensor& scales_in,
+           const std::optional<at::Tensor>& zeros_in, const std::optional<at::Tensor>& bias_in = std::nullopt)
+      : input(t.reshape({leading_rows(t), last}).to(at::kFloat).contiguous()),
+        packed(packed_in.contiguous()),
+        scales(scales_in.contiguous()),
+        zeros(contiguous(zeros_in)),
+        bias(bias_in.has_value() ? std::optional<at::Tensor>(bias_in->to(at::kFloat).contiguous()) : std::nullopt) {}
+};
+
+// The device's kernels: w' of rows [r0, r1) into tile ([r1 - r0, k] float32), and the decoding qlinear into out.
+using DequantizeRows = std::function<void(const Operands&, const Layout&, int64_t, int64_t, at::Tensor&)>;
+using DecodeLinear = std::function<void(const Operands&, const Layout&, at::Tensor&)>;
+
+// For the BLAS path: a tile of output rows (kTileBytes of float32) at a time. Forward, out[:, tile] = input @ tile^T;
+// backward, out += input[:, tile] @ tile, summed in tile order.
+inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool backward,
+                             const DequantizeRows& dequantize_rows) {
+  const at::Tensor& input = ops.input;
+  at::Tensor out = backward ? at::zeros({input.size(0), layout.k}, input.options())
+                            : at::empty({input.size(0), layout.n}, input.options());
+  const int64_t rows_per_tile = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(4 * layout.k, 1));
+  at::Tensor buffer = at::empty({std::min(rows_per_tile, layout.n), layout.k}, input.options());
+  for (int64_t r0 = 0; r0 < layout.n; r0 += rows_per_tile) {
+    const int64_t r1 = std::min(layout.n, r0 + rows_per_tile);
+    at::Tensor tile = buffer.narrow(0, 0, r1 - r0);
+    dequantize_rows(ops, layout, r0, r1, tile);
+    if (backward) {
+      out.addmm_(input.narrow(1, r0, r1 - r0), tile);
+    } else {
+      out.narrow(1, r0, r1 - r0).copy_(at::mm(input, tile.t()));
+    }
+  }
+  return out;
+}
+
+// qlinear on a device: the decoding kernel for up to `decode_rows` rows of x, else the tiles and the BLAS.
+inline at::Tensor qlinear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& zeros, const std::string& scheme,
+                               const std::optional<at::Tensor>& bias, int64_t decode_rows, const DecodeLinear& decode,
+                               const DequantizeRows& dequantize_rows) {
+  const Layout layout = check_qlinear(x, packed, scales, zeros, scheme, bias);
+  const Operands ops(x, layout.k, packed, scales, zeros, bias);
+  at::Tensor out;
+  if (ops.input.size(0) <= decode_rows) {
+    out = at::empty({ops.input.size(0), layout.n}, ops.input.options());
+    decode(ops, layout, out);
+  } else {
+    out = over_tiles(ops, layout, false, dequantize_rows);
+    if (ops.bias.has_value()) out.add_(*ops.bias);
+  }
+  return out.reshape(with_last(x, layout.n)).to(x.scalar_type());
+}
+
+// qlinear_grad_input on a device.
+inline at::Tensor grad_input_with(const at::Tensor& grad, const at::Tensor& packed, const at::Tensor& scales,
+                                  const std::optional<at::Tensor>& zeros, const std::string& scheme,
+                                  const DequantizeRows& dequantize_rows) {
+  const Layout layout = check_grad_input(grad, packed, scales, zeros, scheme);
+  const Operands ops(grad, layout.n, packed, scales, zeros);
+  return over_tiles(ops, layout, true, dequantize_rows).reshape(with_last(grad, layout.k)).to(grad.scalar_type());
 }
 
 }  // namespace fastdist::quant4

@@ -31,65 +31,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda_op(const at::Tensor
   return {packed, scales, zeros};
 }
 
-void dequantize_rows(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                     const Layout& layout, int64_t r0, int64_t r1, at::Tensor& tile) {
-  C10_CUDA_CHECK(fastdist::quant4_dequantize_cuda(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
-                                                  zeros_ptr(zeros), layout.k, layout.block, layout.block_rows,
-                                                  layout.scheme, tile.data_ptr<float>(), r0, r1,
-                                                  c10::cuda::getCurrentCUDAStream()));
+void dequantize_rows(const Operands& ops, const Layout& layout, int64_t r0, int64_t r1, at::Tensor& tile) {
+  C10_CUDA_CHECK(fastdist::quant4_dequantize_cuda(ops.packed.const_data_ptr<uint8_t>(),
+                                                  ops.scales.const_data_ptr<float>(), zeros_ptr(ops.zeros), layout.k,
+                                                  layout.block, layout.block_rows, layout.scheme,
+                                                  tile.data_ptr<float>(), r0, r1, c10::cuda::getCurrentCUDAStream()));
+}
+
+void decode_linear(const Operands& ops, const Layout& layout, at::Tensor& out) {
+  C10_CUDA_CHECK(fastdist::qlinear_cuda(ops.input.const_data_ptr<float>(), ops.input.size(0), layout.k,
+                                        ops.packed.const_data_ptr<uint8_t>(), ops.scales.const_data_ptr<float>(),
+                                        zeros_ptr(ops.zeros), layout.n, layout.block, layout.block_rows,
+                                        layout.scheme,
+                                        ops.bias.has_value() ? ops.bias->const_data_ptr<float>() : nullptr,
+                                        out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
 }
 
 at::Tensor dequantize_cuda_op(const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& zeros, c10::string_view scheme) {
   const Layout layout = check_layout(packed, scales, zeros, std::string(scheme));
   const c10::cuda::CUDAGuard guard(packed.device());
-  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous();
-  const std::optional<at::Tensor> group_zeros = contiguous(zeros);
-  at::Tensor out = at::empty({layout.n, layout.k}, group_scales.options());
-  dequantize_rows(codes, group_scales, group_zeros, layout, 0, layout.n, out);
+  const Operands ops(at::empty({0, 0}, scales.options()), 0, packed, scales, zeros);
+  at::Tensor out = at::empty({layout.n, layout.k}, scales.options());
+  dequantize_rows(ops, layout, 0, layout.n, out);
   return out;
 }
 
 at::Tensor qlinear_cuda_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const std::optional<at::Tensor>& zeros, c10::string_view scheme,
                            const std::optional<at::Tensor>& bias) {
-  const Layout layout = check_qlinear(x, packed, scales, zeros, std::string(scheme), bias);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t rows = leading_rows(x);
-  const at::Tensor x2 = x.reshape({rows, layout.k}).to(at::kFloat).contiguous();
-  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous();
-  const std::optional<at::Tensor> group_zeros = contiguous(zeros);
-  const std::optional<at::Tensor> bias32 =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
-  at::Tensor out;
-  if (rows <= fastdist::kQlinearCudaMaxRows) {
-    out = at::empty({rows, layout.n}, x2.options());
-    C10_CUDA_CHECK(fastdist::qlinear_cuda(x2.const_data_ptr<float>(), rows, layout.k, codes.const_data_ptr<uint8_t>(),
-                                          group_scales.const_data_ptr<float>(), zeros_ptr(group_zeros), layout.n,
-                                          layout.block, layout.block_rows, layout.scheme,
-                                          bias32.has_value() ? bias32->const_data_ptr<float>() : nullptr,
-                                          out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
-  } else {
-    out = qlinear_tiled(x2, layout, [&](int64_t r0, int64_t r1, at::Tensor& tile) {
-      dequantize_rows(codes, group_scales, group_zeros, layout, r0, r1, tile);
-    });
-    if (bias32.has_value()) out.add_(*bias32);
-  }
-  return out.reshape(with_last(x, layout.n)).to(x.scalar_type());
+  return qlinear_with(x, packed, scales, zeros, std::string(scheme), bias, fastdist::kQlinearCudaMaxRows,
+                      decode_linear, dequantize_rows);
 }
 
 at::Tensor qlinear_grad_input_cuda_op(const at::Tensor& grad, const at::Tensor& packed, const at::Tensor& scales,
                                       const std::optional<at::Tensor>& zeros, c10::string_view scheme) {
-  const Layout layout = check_grad_input(grad, packed, scales, zeros, std::string(scheme));
   const c10::cuda::CUDAGuard guard(grad.device());
-  const int64_t rows = leading_rows(grad);
-  const at::Tensor grad2 = grad.reshape({rows, layout.n}).to(at::kFloat).contiguous();
-  const at::Tensor codes = packed.contiguous(), group_scales = scales.contiguous();
-  const std::optional<at::Tensor> group_zeros = contiguous(zeros);
-  const at::Tensor out = grad_input_tiled(grad2, layout, [&](int64_t r0, int64_t r1, at::Tensor& tile) {
-    dequantize_rows(codes, group_scales, group_zeros, layout, r0, r1, tile);
-  });
-  return out.reshape(with_last(grad, layout.k)).to(grad.scalar_type());
+  return grad_input_with(grad, packed, scales, zeros, std::string(scheme), dequantize_rows);
 }
 
 }  // namespace

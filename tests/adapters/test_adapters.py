@@ -109,6 +109,7 @@ def test_only_adapter_parameters_train(method, scheme):
                                   target_modules=["up_proj", "down_proj"])
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".adapter." in n for n in trainable)
+    assert isinstance(model.up_proj.adapter, adapters.methods.METHODS[method])
     randomize_adapters(model)
     F.cross_entropy(model(TOKENS).flatten(0, 1), TOKENS.flatten()).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters.adapter_parameters(model))
@@ -227,6 +228,8 @@ def test_bad_shapes_and_non_finite_weights_name_the_layer():
         adapters.add_adapters(mlp(), "lora", r=2, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="method must be one of"):
         adapters.add_adapters(mlp(), "dora", r=2, target_modules=["up_proj"])
+    with pytest.raises(ValueError, match="needs a rank r >= 1"):
+        adapters.add_adapters(mlp(), QBaRA, target_modules=["up_proj"])
 
 
 def test_qahira_on_a_quantized_hugging_face_llama_trains_and_merges_into_a_4bit_model():

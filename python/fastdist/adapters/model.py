@@ -39,13 +39,13 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def add_adapters(model: nn.Module, method: str, r: int | None = None, target_modules: Sequence[str] = ("q_proj", "v_proj"),
-                 **options) -> nn.Module:
+def add_adapters(model: nn.Module, method: "str | type[Adapter]", r: int | None = None,
+                 target_modules: Sequence[str] = ("q_proj", "v_proj"), **options) -> nn.Module:
     """Wraps every targeted linear layer of ``model`` (in place) with an adapter; everything else is frozen.
 
     Args:
         model: a model whose targeted layers are :class:`QuantLinear` or ``nn.Linear``.
-        method: ``"lora"``, ``"qalora"``, ``"qbara"`` or ``"qahira"``.
+        method: ``"lora"``, ``"qalora"``, ``"qbara"`` or ``"qahira"`` (or the class: ``LoRA``, ``QALoRA``, ...).
         r: the parameter budget as a LoRA rank (unused by ``"qahira"``, whose size is fixed by the layer).
         target_modules: layer names (or name suffixes after a dot), as PEFT's ``target_modules``.
         **options: passed to the adapter (``alpha``; ``group`` for ``"qalora"``, default the layer's quantization
@@ -58,6 +58,8 @@ def add_adapters(model: nn.Module, method: str, r: int | None = None, target_mod
         ValueError: unknown method, no layer matched, a matched layer that is not linear, or a layer shape the
             pooling does not divide (named in the message).
     """
+    if isinstance(method, type) and issubclass(method, Adapter):
+        method = method.method
     if method not in METHODS:
         raise ValueError(f"add_adapters: method must be one of {sorted(METHODS)}, got {method!r}")
     if method != "qahira" and (r is None or r < 1):
