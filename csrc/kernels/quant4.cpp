@@ -111,18 +111,25 @@ void qlinear_portable_impl(const float* x, int64_t rows, int64_t k, const uint8_
 #define FASTDIST_QUANT4_AVX512 1
 #define FASTDIST_AVX512 __attribute__((target("avx512f")))
 
-// Columns [c0, c1) of a row into w: 16 codes (8 bytes) per permute through the block's table in a register. Blocks
-// that are not a multiple of 16 columns take the portable decode.
+// Columns [c0, c1) of a row into w: 16 codes (8 bytes) per permute through the block's table in a register. The
+// table is the codebook (or 0..15) times the scale (plus the zero): explicitly rounded multiply and add, which the
+// compiler cannot fuse (zero-masked forms, as below), so the values equal block_table's bit for bit. Blocks that are not a multiple of 16 columns
+// take the portable decode.
 FASTDIST_AVX512 void decode_avx512(const uint8_t* __restrict row_packed, const float* row_scales,
                                    const float* row_zeros, int64_t block, Quant4Scheme scheme, int64_t c0, int64_t c1,
                                    float* __restrict w) {
   if (block % 16 != 0) return decode_portable(row_packed, row_scales, row_zeros, block, scheme, c0, c1, w);
-  alignas(64) float table[16];
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  alignas(64) float levels[16];
+  for (int q = 0; q < 16; ++q) levels[q] = scheme == Quant4Scheme::kNF4 ? nf4_code(q) : static_cast<float>(q);
+  const __m512 level = _mm512_load_ps(levels);
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   for (int64_t b0 = c0; b0 < c1; b0 += block) {
     const int64_t g = b0 / block;
-    block_table(scheme, row_scales[g], row_zeros ? row_zeros[g] : 0.0f, table);
-    const __m512 lut = _mm512_load_ps(table);
+    __m512 lut = _mm512_maskz_mul_round_ps(0xFFFF, level, _mm512_set1_ps(row_scales[g]), kRound);
+    if (scheme == Quant4Scheme::kInt4) {
+      lut = _mm512_maskz_add_round_ps(0xFFFF, lut, _mm512_set1_ps(row_zeros[g]), kRound);
+    }
     for (int64_t c = b0; c < b0 + block; c += 16) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row_packed + c / 2));  // 8 bytes
       const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
