@@ -25,8 +25,9 @@ struct Layout {
 // Decoding qlinear (the fused kernel) for at most this many rows of x; above it the weight is dequantized a tile of
 // output rows at a time and multiplied by the BLAS (compute-bound there, and the tile is small).
 constexpr int64_t kDecodeRowsCpu = 32;
-// Bytes of float32 weight per dequantized tile.
-constexpr int64_t kTileBytes = 4 << 20;
+// Bytes of float32 weight per dequantized tile: large enough that the BLAS runs at its full rate on each tile and
+// the tiles are few, a small fraction of a large layer's float32 weight.
+constexpr int64_t kTileBytes = 16 << 20;
 
 inline Quant4Scheme scheme_of(const std::string& scheme) {
   TORCH_CHECK(scheme == "nf4" || scheme == "int4", "fastdist: 'scheme' must be \"nf4\" or \"int4\", got \"", scheme,
@@ -165,13 +166,14 @@ struct Operands {
 using DequantizeRows = std::function<void(const Operands&, const Layout&, int64_t, int64_t, at::Tensor&)>;
 using DecodeLinear = std::function<void(const Operands&, const Layout&, at::Tensor&)>;
 
-// For the BLAS path: a tile of output rows (kTileBytes of float32) at a time. Forward, out[:, tile] = input @ tile^T;
-// backward, out += input[:, tile] @ tile, summed in tile order.
+// For the BLAS path: a tile of output rows (kTileBytes of float32) at a time. Forward, the transposed output's rows
+// out^T[tile] = tile @ input^T (written in place, contiguous; returned as out^T's transpose); backward,
+// out += input[:, tile] @ tile, summed in tile order.
 inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool backward,
                              const DequantizeRows& dequantize_rows) {
   const at::Tensor& input = ops.input;
   at::Tensor out = backward ? at::zeros({input.size(0), layout.k}, input.options())
-                            : at::empty({input.size(0), layout.n}, input.options());
+                            : at::empty({layout.n, input.size(0)}, input.options());
   const int64_t rows_per_tile = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(4 * layout.k, 1));
   at::Tensor buffer = at::empty({std::min(rows_per_tile, layout.n), layout.k}, input.options());
   for (int64_t r0 = 0; r0 < layout.n; r0 += rows_per_tile) {
@@ -181,10 +183,11 @@ inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool bac
     if (backward) {
       out.addmm_(input.narrow(1, r0, r1 - r0), tile);
     } else {
-      out.narrow(1, r0, r1 - r0).copy_(at::mm(input, tile.t()));
+      at::Tensor rows = out.narrow(0, r0, r1 - r0);
+      at::mm_out(rows, tile, input.t());
     }
   }
-  return out;
+  return backward ? out : out.t();
 }
 
 // qlinear on a device: the decoding kernel for up to `decode_rows` rows of x, else the tiles and the BLAS.
@@ -199,7 +202,7 @@ inline at::Tensor qlinear_with(const at::Tensor& x, const at::Tensor& packed, co
     out = at::empty({ops.input.size(0), layout.n}, ops.input.options());
     decode(ops, layout, out);
   } else {
-    out = over_tiles(ops, layout, false, dequantize_rows);
+    out = over_tiles(ops, layout, false, dequantize_rows).contiguous();
     if (ops.bias.has_value()) out.add_(*ops.bias);
   }
   return out.reshape(with_last(x, layout.n)).to(x.scalar_type());

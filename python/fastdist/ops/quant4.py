@@ -14,7 +14,7 @@ usual block along the input); each block has a float32 scale, and for ``int4`` a
 Layout: ``packed`` uint8 ``[n, k / 2]``, ``scales`` float32 ``[n / block_rows, k / block]``, ``zeros`` float32 of the
 same shape (``None`` for nf4). ``qlinear(x, ...)`` is ``x @ w'.T + bias`` without materializing ``w'``: for up to 32
 rows of ``x`` (decoding) one fused pass streams the packed weight once (AVX-512 when the CPU has it); above that a
-tile of output rows (4 MiB of float32) is dequantized at a time and multiplied by the BLAS. Autograd gives the
+tile of output rows (16 MiB of float32) is dequantized at a time and multiplied by the BLAS. Autograd gives the
 gradient to ``x`` (and ``bias``); the quantized weight is frozen.
 
 Ops: ``torch.ops.fastdist.{quant4_quantize, quant4_dequantize, qlinear, qlinear_grad_input}``, CPU and CUDA, with fake
