@@ -46,7 +46,7 @@ def cuda_kernels_available() -> bool:
 
 
 # Imported on first attribute access (PEP 562), as torch does for its own subpackages.
-_SUBMODULES = ("comm", "compress", "distributed", "memory", "moe", "netsim", "tp")
+_SUBMODULES = ("adapters", "comm", "compress", "distributed", "memory", "moe", "netsim", "tp")
 
 
 def __getattr__(name: str) -> types.ModuleType:

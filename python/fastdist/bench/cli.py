@@ -10,6 +10,7 @@
   fastdist-bench moe [opts]              MoE layer: static/dropless/shadow/top-k replication vs Pro-Prophet planner
   fastdist-bench tp [opts]               tensor-parallel linears / GPT block: chunked and Oases overlap vs sequential
   fastdist-bench memory [opts]           swap/recompute plans vs checkpointing and save_on_cpu: peak memory, step time
+  fastdist-bench adapters [opts]         fused 4-bit qlinear vs dequantize+matmul, fp32, bitsandbytes; 4-bit fine-tuning
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -32,6 +33,7 @@ SUITES = {
     "sparse-lm": "fastdist.bench.sparse_lm",
     "tp": "fastdist.bench.tp",
     "memory": "fastdist.bench.memory",
+    "adapters": "fastdist.bench.adapters",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -45,6 +47,7 @@ TOUR = {
                   "--methods", "dense,agsparse,powersgd,omnireduce,auto,sketch-0.2x+ef"],
     "tp": ["--ranks", "2", "--op-shape", "512,512,512", "--block", "256,4,64,4", "--reps", "5", "--warmup", "1"],
     "memory": ["--models", "transformer", "--budgets", "50", "--steps", "5", "--warmup", "1"],
+    "adapters": ["--shape", "1024x1024", "--tokens", "1,16,256", "--repeats", "5", "--warmup", "1"],
 }
 
 
