@@ -271,3 +271,41 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
     recipe = recipes[0].replace("/tmp/adapters.pt", str(tmp_path / "adapters.pt"))
     exec(compile(recipe, "README.md", "exec"), {"__name__": "readme_recipe"})
     assert (tmp_path / "adapters.pt").exists()
+
+
+def _train_adapters(rank_share, steps=3):
+    """QBaRA on a 4-bit MLP: SGD steps on `rank_share` of each batch (DDP when a process group is up); the adapters'
+    parameters after them and the names DDP reduced."""
+    import torch.distributed as dist
+    model = adapters.add_adapters(adapters.quantize_model(mlp(), "int4", block=32), "qbara", r=2,
+                                  target_modules=["up_proj", "down_proj"])
+    randomize_adapters(model)
+    wrapped = model
+    if dist.is_initialized():
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(adapters.adapter_parameters(model), lr=0.5)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        tokens = torch.randint(32, (8, 9), generator=g)[rank_share]
+        loss = F.cross_entropy(wrapped(tokens).flatten(0, 1), tokens.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    reduced = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return {k: v for k, v in adapters.adapter_state_dict(model).items()}, reduced
+
+
+def ddp_rank(world):
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    return _train_adapters(slice(rank * 8 // world, (rank + 1) * 8 // world))
+
+
+def test_under_ddp_only_adapters_are_reduced_and_two_ranks_train_like_one_process():
+    from fastdist.distributed import spawn
+    ranks = spawn(ddp_rank, 2, 2, backend="gloo", timeout=180, threads_per_rank=1)
+    want, _ = _train_adapters(slice(None))
+    for state, reduced in ranks:
+        assert reduced and all(".adapter." in n for n in reduced)  # the 4-bit base holds no parameters to reduce
+        for name, value in want.items():
+            torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
