@@ -7,7 +7,7 @@ import pytest
 
 import fastdist
 
-SUBMODULES = ["admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim", "tp"]
+SUBMODULES = ["adapters", "admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim", "tp"]
 
 
 def _in_a_fresh_interpreter(code):

@@ -1,10 +1,10 @@
 """fastdist: fast distributed training of large models where links are slow and memory is short.
 
 `import fastdist` loads the C++/CUDA ops (torch.ops.fastdist.*) and their Python wrappers. The families and
-their plumbing (``fastdist.admm``, ``.comm``, ``.compress``, ``.distributed``, ``.embedding``, ``.graph``,
-``.memory``, ``.moe``, ``.netsim``, ``.tp``) are attributes too, imported on first use, so that ``import fastdist``
-costs no more than loading the ops. The benchmark CLI, ``fastdist.bench``, is not one of them: it is a program (``fastdist-bench``),
-not library API, and is imported by name when wanted.
+their plumbing (``fastdist.adapters``, ``.admm``, ``.comm``, ``.compress``, ``.distributed``, ``.embedding``,
+``.graph``, ``.memory``, ``.moe``, ``.netsim``, ``.tp``) are attributes too, imported on first use, so that
+``import fastdist`` costs no more than loading the ops. The benchmark CLI, ``fastdist.bench``, is not one of them:
+it is a program (``fastdist-bench``), not library API, and is imported by name when wanted.
 """
 import importlib
 import types
@@ -46,7 +46,8 @@ def cuda_kernels_available() -> bool:
 
 
 # Imported on first attribute access (PEP 562), as torch does for its own subpackages.
-_SUBMODULES = ("admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim", "tp")
+_SUBMODULES = ("adapters", "admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim",
+               "tp")
 
 
 def __getattr__(name: str) -> types.ModuleType:

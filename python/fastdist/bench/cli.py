@@ -13,6 +13,7 @@
   fastdist-bench graph [opts]            graph classification: HAP pooling vs PyG's poolers, k-fold cross-validated
   fastdist-bench embedding [opts]        sharded tables (AlltoAll) + DDP vs DDP dense/sparse and TorchRec: DLRM step
   fastdist-bench admm [opts]             ADMMiRNN vs SGD/momentum/Adam/RMSProp (+clip) training a tanh RNN
+  fastdist-bench adapters [opts]         fused 4-bit qlinear vs dequantize+matmul, fp32, bitsandbytes; 4-bit fine-tuning
   fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
@@ -38,6 +39,7 @@ SUITES = {
     "graph": "fastdist.bench.graph",
     "embedding": "fastdist.bench.embedding",
     "admm": "fastdist.bench.admm",
+    "adapters": "fastdist.bench.adapters",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -57,6 +59,7 @@ TOUR = {
     "embedding": ["--ranks", "2", "--rows", "16384", "--dim", "32", "--batch", "64", "--steps", "5", "--warmup", "1"],
     "admm": ["--tasks", "digits-rows", "--methods", "admm,sgd-momentum+clip,adam+clip", "--epochs", "5", "--grid", "2",
              "--hidden", "16", "--scales", "0.1,10", "--stability-epochs", "3", "--stability-tasks", "digits-rows"],
+    "adapters": ["--shape", "1024x1024", "--tokens", "1,16,256", "--repeats", "5", "--warmup", "1"],
 }
 
 

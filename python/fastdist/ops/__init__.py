@@ -2,6 +2,7 @@
 from fastdist.ops.bitpack import bitwise_or_reduce, pack_bits, unpack_bits
 from fastdist.ops.epilogue import bias_epilogue, bias_epilogue_backward
 from fastdist.ops.moe import moe_layout, moe_permute, moe_route, moe_unpermute
+from fastdist.ops.quant4 import dequantize4, qlinear, qlinear_grad_input, quantize4
 from fastdist.ops.quantize import dequantize, quantize
 from fastdist.ops.sketch import (count_sketch, count_sketch_decode, count_sketch_decode_units, count_sketch_units,
                                  nonzero_bitmap, sketch_hash)
@@ -11,6 +12,7 @@ __all__ = [
     "bitwise_or_reduce", "pack_bits", "unpack_bits",
     "bias_epilogue", "bias_epilogue_backward",
     "moe_layout", "moe_permute", "moe_route", "moe_unpermute",
+    "dequantize4", "qlinear", "qlinear_grad_input", "quantize4",
     "dequantize", "quantize",
     "count_sketch", "count_sketch_decode", "count_sketch_decode_units", "count_sketch_units", "nonzero_bitmap",
     "sketch_hash",

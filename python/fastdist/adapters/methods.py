@@ -1,0 +1,171 @@
+"""Low-rank adapters on a frozen (quantized or float) linear layer, all at a parameter budget given as a LoRA rank.
+
+Every adapter adds ``delta(x) = x @ dW.T`` for a weight update ``dW`` of the layer's shape, built from pooling the
+input by ``g`` (average of ``g`` adjacent features, ``d_in -> d_in / g``) and repeating each output ``h`` times
+(``d_out / h -> d_out``):
+
+=============  =====  =====  ============================================  =========================================
+method          g      h      trainable                                     dW[o, c]
+=============  =====  =====  ============================================  =========================================
+``LoRA``        1      1      ``A [r, d_in]``, ``B [d_out, r]``             ``s (B A)[o, c]``
+``QALoRA``      group  1      ``A [r', d_in/group]``, ``B [d_out, r']``     ``s / group (B A)[o, c // group]``
+``QBaRA``       2      2      ``A [2r, d_in/2]``, ``B [d_out/2, 2r]``       ``s / 2 (B A)[o // 2, c // 2]``
+``QAHiRA``      4      8      ``M [d_out/8, d_in/4]`` (zero-initialised)    ``s / 4 M[o // 8, c // 4]``
+=============  =====  =====  ============================================  =========================================
+
+The ``1 / g`` in ``dW`` is the average pooling's: ``pool_g(x)[j] = (1/g) sum_{c in group j} x[c]``. Q-BaRA's rank is
+chosen by the general rule ``r' = r (d_in + d_out) / (d_in/g + d_out/h)`` (exactly ``2r`` for ``g = h = 2``), so its
+parameter count equals LoRA(r)'s; QA-LoRA's rank follows the same rule with ``h = 1`` (rounded down), so it never
+exceeds LoRA(r)'s count. QA-HiRA has no rank: its single matrix holds ``d_out d_in / 32`` parameters (LoRA r = 64 on a
+4096 x 4096 layer) and reaches rank ``min(d_out/8, d_in/4)``. ``s = alpha / r`` as in PEFT (``alpha`` defaults to
+``r``, so ``s = 1``); QA-HiRA uses ``s = alpha`` (default 1).
+
+Because ``dW`` is constant on each ``[h, g]`` tile, QA-LoRA and QA-HiRA fold exactly into the zero points of an int4
+model whose quantization blocks lie inside the pooling groups (``g % block == 0``): see :func:`fastdist.adapters.merge`.
+"""
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["Adapter", "LoRA", "QALoRA", "QAHiRA", "QBaRA"]
+
+
+def _pool(x: torch.Tensor, g: int) -> torch.Tensor:
+    return x if g == 1 else x.unflatten(-1, (x.shape[-1] // g, g)).mean(-1)
+
+
+def _repeat(y: torch.Tensor, h: int) -> torch.Tensor:
+    return y if h == 1 else y.repeat_interleave(h, dim=-1)
+
+
+class Adapter(nn.Module):
+    """Base class: ``forward(x)`` is ``delta(x)``; ``delta_weight()`` the dense ``dW``."""
+
+    method = ""
+    pool_in = 1   # g
+    repeat_out = 1  # h
+
+    def __init__(self, in_features: int, out_features: int, name: str = "") -> None:
+        super().__init__()
+        where = f" of layer '{name}'" if name else ""
+        if in_features % self.pool_in or out_features % self.repeat_out:
+            raise ValueError(f"{type(self).__name__}: the layer shape [{out_features}, {in_features}]{where} must have "
+                             f"in_features divisible by {self.pool_in} and out_features by {self.repeat_out}")
+        self.in_features, self.out_features = in_features, out_features
+
+    def config(self) -> dict:
+        """What rebuilds this adapter (saved with its weights)."""
+        raise NotImplementedError
+
+    def low_rank(self) -> torch.Tensor:
+        """The pooled update ``[d_out / h, d_in / g]`` before scaling by ``s / g`` and expanding."""
+        raise NotImplementedError
+
+    def delta_weight(self) -> torch.Tensor:
+        """``dW [d_out, d_in]``, float32."""
+        small = self.low_rank().float() * (self.scaling / self.pool_in)
+        return small.repeat_interleave(self.repeat_out, 0).repeat_interleave(self.pool_in, 1)
+
+
+class _TwoFactor(Adapter):
+    """``s rep_h(B A pool_g(x))`` with A kaiming-uniform (as PEFT and nn.Linear) and B zero."""
+
+    def _build(self, rank: int, alpha: float | None, scaling_rank: int) -> None:
+        if rank < 1:
+            raise ValueError(f"{type(self).__name__}: the rank must be >= 1, got {rank}")
+        self.rank = rank
+        self.alpha = float(scaling_rank if alpha is None else alpha)
+        self.scaling = self.alpha / scaling_rank
+        self.A = nn.Parameter(torch.empty(rank, self.in_features // self.pool_in))
+        self.B = nn.Parameter(torch.zeros(self.out_features // self.repeat_out, rank))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+
+    def low_rank(self) -> torch.Tensor:
+        return self.B @ self.A
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = _pool(x.to(self.A.dtype), self.pool_in) @ self.A.T @ self.B.T
+        return _repeat(z * self.scaling, self.repeat_out)
+
+
+def _balanced_rank(r: int, d_in: int, d_out: int, g: int, h: int) -> int:
+    """``r' = r (d_in + d_out) / (d_in/g + d_out/h)``, rounded down: LoRA(r)'s parameter count at pooling g, h."""
+    return max(1, (r * (d_in + d_out)) // (d_in // g + d_out // h))
+
+
+class LoRA(_TwoFactor):
+    """LoRA: ``dW = (alpha / r) B A`` (PEFT's ``LoraConfig(r, lora_alpha=alpha)`` computes the same)."""
+
+    method = "lora"
+
+    def __init__(self, in_features: int, out_features: int, r: int, alpha: float | None = None,
+                 name: str = "") -> None:
+        super().__init__(in_features, out_features, name)
+        self.r = r
+        self._build(r, alpha, r)
+
+    def config(self) -> dict:
+        return {"method": self.method, "r": self.r, "alpha": self.alpha}
+
+
+class QALoRA(_TwoFactor):
+    """QA-LoRA: the input average-pooled by ``group`` (the quantization group) before ``A``, LoRA(r)'s budget."""
+
+    method = "qalora"
+
+    def __init__(self, in_features: int, out_features: int, r: int, group: int = 64, alpha: float | None = None,
+                 name: str = "") -> None:
+        if group < 1:
+            raise ValueError(f"QALoRA: group must be >= 1, got {group}")
+        self.pool_in = group
+        super().__init__(in_features, out_features, name)
+        self.r, self.group = r, group
+        self._build(_balanced_rank(r, in_features, out_features, group, 1), alpha, r)
+
+    def config(self) -> dict:
+        return {"method": self.method, "r": self.r, "group": self.group, "alpha": self.alpha}
+
+
+class QBaRA(_TwoFactor):
+    """Q-BaRA: pool the input by 2, rank 2r, repeat the output by 2: LoRA(r)'s parameter count, rank up to 2r."""
+
+    method = "qbara"
+    pool_in = 2
+    repeat_out = 2
+
+    def __init__(self, in_features: int, out_features: int, r: int, alpha: float | None = None,
+                 name: str = "") -> None:
+        super().__init__(in_features, out_features, name)
+        self.r = r
+        self._build(_balanced_rank(r, in_features, out_features, 2, 2), alpha, r)
+
+    def config(self) -> dict:
+        return {"method": self.method, "r": self.r, "alpha": self.alpha}
+
+
+class QAHiRA(Adapter):
+    """QA-HiRA: ``dW = (s / 4) rep_8(M pool_4(x))``, one zero-initialised matrix ``M [d_out/8, d_in/4]``."""
+
+    method = "qahira"
+    pool_in = 4
+    repeat_out = 8
+
+    def __init__(self, in_features: int, out_features: int, r: int | None = None, alpha: float = 1.0,
+                 name: str = "") -> None:
+        super().__init__(in_features, out_features, name)
+        self.alpha = float(alpha)
+        self.scaling = self.alpha
+        self.M = nn.Parameter(torch.zeros(out_features // 8, in_features // 4))
+
+    def low_rank(self) -> torch.Tensor:
+        return self.M
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _repeat(_pool(x.to(self.M.dtype), 4) @ self.M.T * self.scaling, 8)
+
+    def config(self) -> dict:
+        return {"method": self.method, "alpha": self.alpha}
+
+
+METHODS = {cls.method: cls for cls in (LoRA, QALoRA, QBaRA, QAHiRA)}
