@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist.compress import AQSGD, EF21, MemoryStore, Quantize, StageBoundary, TopK, recv, send
-from fastdist.compress.p2p import state_digest
-from fastdist.distributed import MismatchError, spawn
+from fastdist.distributed import MismatchError, spawn, state_digest
 from helpers import randn
 
 TIMEOUT = 120

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from fastdist import ops
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
-from fastdist.distributed.fingerprint import CallCounter, fingerprint, global_ranks, raise_mismatch
+from fastdist.distributed.fingerprint import CallCounter, fingerprint, global_ranks, raise_mismatch, state_digest
 
 MODES = ("sketch", "exact", "auto")
 GRANULARITIES = ("row", "element")
@@ -699,7 +699,7 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
               "rows": rows, "ratio": ratio, "cols": c, "seed": seed, "mode": mode, "op": op,
               "exact_collective": exact_collective, "lossless_slack": float(lossless_slack),
               "dense_fraction": float(dense_fraction), "max_sketch_load": float(max_sketch_load),
-              "residual": None if residual is None else fingerprint(residual)}
+              "residual": None if residual is None else fingerprint(state_digest(residual))}
     if agreed:
         if set(agreed) & set(config):
             raise ValueError(f"sketch_allreduce: 'agreed' may not redefine {sorted(set(agreed) & set(config))}")

@@ -123,7 +123,7 @@ class Compressor:
         """The state that the two ends of a link hold bit for bit alike after the last message: this end's copy, as
         it is after its last ``compress`` (``sending``) or ``decompress``; None when the ends share no state (the
         stateless compressors, and classic error feedback, whose residual only the sender has). Links compare the
-        ends' digests of it (:func:`~fastdist.compress.p2p.state_digest`)."""
+        ends' digests of it (:func:`~fastdist.distributed.state_digest`)."""
         return None
 
     def state_dict(self) -> dict:

@@ -233,3 +233,27 @@ class CallCounter:
     def load_state_dict(self, state: Mapping) -> None:
         """Restores the count from :meth:`state_dict`."""
         self.calls = int(state["calls"])
+
+
+_DIGEST_SAMPLES = 6
+
+
+def state_digest(t: torch.Tensor) -> torch.Tensor:
+    """A cheap exact digest of ``t``'s bytes, computed where ``t`` lives (no device synchronization): int64
+    ``[2 + k]``: the byte count, the sum of its 8-byte words modulo 2**64 (any one changed bit changes it, and it does
+    not depend on the order of the additions, so every device and thread count agrees), and k evenly spaced words.
+
+    Args:
+        t: any tensor (both ends of a link digest their copies of one state).
+    """
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    words = raw[:whole]
+    if words.data_ptr() % 8:
+        words = words.clone()
+    words = words.view(torch.int64)
+    total = words.sum() + raw[whole:].to(torch.int64).sum()
+    stride = max(1, words.numel() // _DIGEST_SAMPLES)
+    samples = words[::stride][:_DIGEST_SAMPLES]
+    count = torch.full((1,), raw.numel(), dtype=torch.int64, device=raw.device)  # a fill: no blocking copy
+    return torch.cat([count, total.reshape(1), samples])
