@@ -1,0 +1,183 @@
+"""What runs on the ranks for tests/parallel/test_schedule*.py: a small GPT with dropout cut into pipeline stages
+the way a user cuts it (embedding and first blocks, last blocks and head), trained a few steps under each schedule
+and recompute setting; every rank returns its losses, its stage's gradients and parameters, and what its stage did
+in which order."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from fastdist.parallel.recompute import SavedActivationMeter, make_stage
+from fastdist.parallel.schedule import build_schedule
+from fastdist.testing.models import Block
+
+VOCAB, DIM, HEADS, SEQ, BATCH, LAYERS = 64, 32, 2, 16, 8, 4
+
+
+class DropBlock(nn.Module):
+    """A transformer block followed by dropout, as nanoGPT's residual dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.drop = Block(DIM, HEADS), nn.Dropout(0.1)
+
+    def forward(self, x, mask):
+        return self.drop(self.block(x, mask))
+
+
+class GPTStage(nn.Module):
+    """Blocks [first, last) of a GPT; the first stage also embeds, the last also norms and projects to logits."""
+
+    def __init__(self, first: int, last: int, embed: bool, head: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        every = [DropBlock() for _ in range(LAYERS)]  # the whole model's blocks, so every cut holds the same ones
+        self.embed = nn.Embedding(VOCAB, DIM) if embed else None
+        self.pos = nn.Parameter(0.02 * torch.randn(SEQ, DIM)) if embed else None
+        self.blocks = nn.ModuleList(every[first:last])
+        self.norm, self.head = (nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)) if head else (None, None)
+        self.register_buffer("mask", torch.triu(torch.full((SEQ, SEQ), float("-inf")), 1))
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x) + self.pos
+        for block in self.blocks:
+            x = block(x, self.mask)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return tokens, torch.roll(tokens, -1, 1)
+
+
+def stage_module(rank: int, world: int) -> GPTStage:
+    per = LAYERS // world
+    return GPTStage(rank * per, (rank + 1) * per, embed=rank == 0, head=rank == world - 1)
+
+
+class LoggedStage:
+    """Wraps a stage's methods to log ("F"|"R"|"B", microbatch) in the order they ran; "R" is a recompute of the
+    head's first block, seen by a hook that counts its calls outside the forward."""
+
+    def __init__(self, stage):
+        self.log: list[tuple[str, int]] = []
+        self.stage = stage
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+        state = {"in_forward": False, "mb": -1}
+
+        def forward_one_chunk(i, *a, **k):
+            self.log.append(("F", i))
+            state["in_forward"] = True
+            try:
+                return fwd(i, *a, **k)
+            finally:
+                state["in_forward"] = False
+
+        def backward_one_chunk(i, *a, **k):
+            self.log.append(("B", i))
+            return bwd(i, *a, **k)
+
+        def first_block_ran(module, args):
+            if not state["in_forward"]:
+                self.log.append(("R", -1))
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage.submod.blocks[0].register_forward_pre_hook(first_block_ran)
+
+
+def train(schedule: str, recompute, r0: float, microbatches: int, steps: int = 2, torch_reference: bool = False):
+    """`steps` SGD steps of the pipelined GPT on this rank: losses (last stage), gradients of the first step,
+    parameters after, the stage's F/R/B log of the last step, and its recompute ratio."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    module = stage_module(rank, world)
+    if torch_reference:
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        sched = Schedule1F1B(stage, microbatches, loss_fn=loss_fn)
+    else:
+        stage = make_stage(module, rank, world, "cpu")
+        sched = build_schedule(schedule, stage, microbatches, loss_fn, recompute=recompute, recompute_ratio=r0)
+    logged = LoggedStage(stage)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    losses, grads = [], None
+    for step in range(steps):
+        tokens, target = batch(step)
+        torch.manual_seed(1000 * step + rank)  # each rank's dropout stream, the same in every configuration
+        logged.log.clear()
+        mb_losses: list = []
+        if rank == 0:
+            sched.step(tokens, target=target if world == 1 else None, losses=mb_losses)
+        else:
+            sched.step(target=target, losses=mb_losses)
+        if rank == world - 1:
+            losses.append(torch.stack(mb_losses).mean().item())
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "log": logged.log, "ratio": getattr(stage, "recompute_ratio", 0.0)}
+
+
+CASES = {
+    "torch": ("1f1b", "none", 0.0, 4, True),
+    "1f1b": ("1f1b", "none", 0.0, 4, False),
+    "1f1b_full": ("1f1b", "full", 0.0, 4, False),
+    "gpipe_full": ("gpipe", "full", 0.0, 4, False),
+    "gpipe_half": ("gpipe", 0.5, 0.0, 4, False),
+    "scp_stage_aware": ("shifted_critical_path", "stage_aware", 0.5, 4, False),
+    "scp_full": ("shifted_critical_path", "full", 0.0, 4, False),
+}
+
+
+def run_cases(names: list[str]) -> dict:
+    """Every case in `names` on this rank (see CASES): name -> `train`'s result."""
+    out = {}
+    for name in names:
+        schedule, recompute, r0, microbatches, reference = CASES[name]
+        out[name] = train(schedule, recompute, r0, microbatches, torch_reference=reference)
+    return out
+
+
+def single_stage() -> dict:
+    """One rank, one stage (the degenerate pipeline): each schedule's losses and gradients, the saved-activation
+    peak at ratios 0, 0.5 and 1, and the errors for bad arguments."""
+    out = {name: train(*CASES[name][:4], steps=2, torch_reference=CASES[name][4])
+           for name in ("torch", "1f1b_full", "gpipe_half", "scp_full")}
+    out["peaks"] = {}
+    for ratio in (0.0, 0.5, 1.0):
+        module = stage_module(0, 1)
+        stage = make_stage(module, 0, 1, "cpu", recompute_ratio=ratio)
+        sched = build_schedule("gpipe", stage, 4, loss_fn, recompute=ratio)
+        tokens, target = batch(0)
+        with SavedActivationMeter(exclude=[*module.parameters(), *module.buffers()]) as meter:
+            sched.step(tokens, target=target)
+        out["peaks"][ratio] = (meter.peak, meter.current)
+    errors = {}
+    module = stage_module(0, 1)
+    plain = PipelineStage(module, 0, 1, torch.device("cpu"))
+    ours = make_stage(module, 0, 1, "cpu")
+    bad = {"name": lambda: build_schedule("zero_bubble", ours, 4, loss_fn),
+           "microbatches": lambda: build_schedule("1f1b", ours, 0, loss_fn),
+           "recompute_mode": lambda: build_schedule("1f1b", ours, 4, loss_fn, recompute="some"),
+           "recompute_float": lambda: build_schedule("1f1b", ours, 4, loss_fn, recompute=1.5),
+           "stage_aware_r0": lambda: build_schedule("1f1b", ours, 4, loss_fn, recompute="stage_aware",
+                                                    recompute_ratio=-0.1),
+           "plain_stage": lambda: build_schedule("1f1b", plain, 4, loss_fn, recompute="full"),
+           "stage_ratio": lambda: make_stage(module, 0, 1, "cpu", recompute_ratio=float("nan"))}
+    for what, call in bad.items():
+        try:
+            call()
+            errors[what] = None
+        except (ValueError, TypeError) as e:
+            errors[what] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    out["plain_ok"] = type(build_schedule("1f1b", plain, 4, loss_fn)).__name__
+    return out
