@@ -1,0 +1,8 @@
+"""Automated 3D parallelism (Merak): :func:`parallelize` trains an unmodified model over a (data, tensor, pipeline)
+mesh, cutting it into balanced pipeline stages (:mod:`fastdist.parallel.partition`), sharding its blocks with
+fastdist.tp and driving the stages with torch.distributed.pipelining's schedules and Merak's
+(:mod:`fastdist.parallel.schedule`)."""
+from fastdist.parallel.engine import Engine, ParallelizeError, parallelize
+from fastdist.parallel.partition import Plan, StagePlan, partition
+
+__all__ = ["Engine", "ParallelizeError", "Plan", "StagePlan", "parallelize", "partition"]
