@@ -28,6 +28,7 @@ import math
 import pickle
 import struct
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ from fastdist.compress.compressors import Compressor, Identity, Packet
 from fastdist.distributed import CallCounter, MismatchError, fingerprint, state_digest
 from fastdist.ops import topk_decompress
 
-__all__ = ["Channel", "StageBoundary", "check_same_pair", "recv", "recv_packet", "send", "send_packet"]
+__all__ = ["Channel", "StageBoundary", "check_same_pair", "decode_frame", "encode_frame", "recv", "recv_packet", "send",
+           "send_packet"]
 
 
 def _device(group):
@@ -144,6 +146,78 @@ class _ReportedMismatch(MismatchError):
     """The MismatchError the other end of a link found and sent in a mismatch frame (not to be sent back)."""
 
 
+def encode_frame(packet: Packet, device: torch.device, config_fingerprint: int = 0, number: int = 0,
+                 digest: torch.Tensor | None = None, buffer: Callable[[int], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+    """The frame that carries ``packet`` (see the module docstring), assembled on ``device``.
+
+    Args:
+        packet: what to encode.
+        device: where the frame is assembled (the device the group sends from).
+        config_fingerprint: the sender's compressor configuration's fingerprint, checked by the receiver.
+        number: the frame's number on its link, in the header.
+        digest: the sender's :func:`state_digest` of its shared state after this packet, or None.
+        buffer: ``nbytes -> uint8 tensor of nbytes`` to assemble the frame in (None: a fresh tensor).
+
+    Returns:
+        The frame: a uint8 tensor whose size is a multiple of 16 bytes.
+    """
+    named = dict(packet.tensors)
+    if digest is not None:
+        named[_DIGEST] = digest
+    tensors = [t.detach().contiguous() for t in named.values()]
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in zip(named, tensors)]
+    header = pickle.dumps((config_fingerprint, number, packet.kind, packet.shape, packet.dtype, packet.meta, layout))
+    offsets, end = [], _aligned(_PREFIX + len(header))
+    for t in tensors:
+        offsets.append(end)
+        end = _aligned(end + t.numel() * t.element_size())
+    frame = buffer(end) if buffer is not None else torch.empty(end, dtype=torch.uint8, device=device)
+    head = struct.pack("<qq", end, len(header)) + header
+    frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    for t, off in zip(tensors, offsets):
+        if t.numel():
+            frame[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+    return frame
+
+
+def decode_frame(buf: torch.Tensor, src: int, config_fingerprint: int | None = None, name: str = "packet") -> Packet:
+    """The packet in a frame that :func:`encode_frame` made (``buf`` may be longer than the frame).
+
+    Args:
+        buf: the received bytes, a uint8 tensor.
+        src: the sending rank, for the messages.
+        config_fingerprint: this end's configuration fingerprint, checked against the sender's; None: unchecked.
+        name: what the frame carries, for the messages.
+
+    Returns:
+        The packet; its tensors are views into ``buf``. ``packet.local`` holds the frame's number (``"number"``)
+        and the sender's state digest (``"state_digest"``) if it sent one.
+
+    Raises:
+        MismatchError: the sender's configuration fingerprint differs from ``config_fingerprint``, or the sender sent
+            a mismatch frame (it raised MismatchError itself).
+    """
+    end, header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))
+    if header_len <= 0 or end > buf.numel():
+        raise ValueError(f"{name}: not a frame (prefix {end}, {header_len} in a buffer of {buf.numel()} bytes)")
+    fp, their_number, kind, shape, dtype, meta, layout = pickle.loads(_host_bytes(buf, _PREFIX, _PREFIX + header_len))
+    if kind == _MISMATCH:
+        raise _ReportedMismatch(meta["name"], meta["values_by_rank"])
+    if config_fingerprint is not None and fp != config_fingerprint:
+        raise MismatchError(f"{name}: compressor config", {src: f"fingerprint {fp:#x}",
+                                                           dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
+    tensors, off = {}, _aligned(_PREFIX + header_len)
+    for t_name, t_dtype, t_shape in layout:
+        nbytes = math.prod(t_shape) * t_dtype.itemsize
+        tensors[t_name] = buf[off:off + nbytes].view(t_dtype).view(t_shape)
+        off = _aligned(off + nbytes)
+    local = {"number": their_number}
+    if _DIGEST in tensors:
+        local[_DIGEST] = tensors.pop(_DIGEST)
+    return Packet(kind, shape, dtype, tensors, meta, local)
+
+
 def send_packet(packet: Packet, dst: int, config_fingerprint: int = 0, group: dist.ProcessGroup | None = None,
                 channel: Channel | None = None, number: int = 0, digest: torch.Tensor | None = None,
                 in_flight: list | None = None) -> int:
@@ -166,23 +240,8 @@ def send_packet(packet: Packet, dst: int, config_fingerprint: int = 0, group: di
     """
     device = _device(group)
     channel = channel if channel is not None else Channel()
-    named = dict(packet.tensors)
-    if digest is not None:
-        named[_DIGEST] = digest
-    tensors = [t.detach().contiguous() for t in named.values()]
-    layout = [(name, t.dtype, tuple(t.shape)) for name, t in zip(named, tensors)]
-    header = pickle.dumps((config_fingerprint, number, packet.kind, packet.shape, packet.dtype, packet.meta, layout))
-    offsets, end = [], _aligned(_PREFIX + len(header))
-    for t in tensors:
-        offsets.append(end)
-        end = _aligned(end + t.numel() * t.element_size())
-    frame = channel.frame(end, device)
-    head = struct.pack("<qq", end, len(header)) + header
-    frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    for t, off in zip(tensors, offsets):
-        if t.numel():
-            frame[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-    sent = end
+    frame = encode_frame(packet, device, config_fingerprint, number, digest, lambda n: channel.frame(n, device))
+    end = sent = frame.numel()
     messages = []
     if end > channel.capacity or _exact_sizes(device):
         messages.append(torch.frombuffer(bytearray(struct.pack("<qq", end, 0)), dtype=torch.uint8).to(device))
@@ -209,8 +268,7 @@ def recv_packet(src: int, config_fingerprint: int | None = None, group: dist.Pro
         name: what the frame carries, for the messages.
 
     Returns:
-        The packet; its tensors are views into the received frame. ``packet.local`` holds the frame's number
-        (``"number"``) and the sender's state digest (``"state_digest"``) if it sent one.
+        The packet (see :func:`decode_frame`).
 
     Raises:
         MismatchError: the sender's configuration fingerprint differs from ``config_fingerprint``, or the sender sent
@@ -226,22 +284,7 @@ def recv_packet(src: int, config_fingerprint: int | None = None, group: dist.Pro
         channel.capacity = max(channel.capacity, end)
         buf = torch.empty(end if exact else channel.capacity, dtype=torch.uint8, device=device)
         dist.recv(buf, src, group=group)
-        header_len = struct.unpack("<qq", _host_bytes(buf, 0, _PREFIX))[1]
-    fp, their_number, kind, shape, dtype, meta, layout = pickle.loads(_host_bytes(buf, _PREFIX, _PREFIX + header_len))
-    if kind == _MISMATCH:
-        raise _ReportedMismatch(meta["name"], meta["values_by_rank"])
-    if config_fingerprint is not None and fp != config_fingerprint:
-        raise MismatchError(f"{name}: compressor config", {src: f"fingerprint {fp:#x}",
-                                                           dist.get_rank(): f"fingerprint {config_fingerprint:#x}"})
-    tensors, off = {}, _aligned(_PREFIX + header_len)
-    for t_name, t_dtype, t_shape in layout:
-        nbytes = math.prod(t_shape) * t_dtype.itemsize
-        tensors[t_name] = buf[off:off + nbytes].view(t_dtype).view(t_shape)
-        off = _aligned(off + nbytes)
-    local = {"number": their_number}
-    if _DIGEST in tensors:
-        local[_DIGEST] = tensors.pop(_DIGEST)
-    return Packet(kind, shape, dtype, tensors, meta, local)
+    return decode_frame(buf, src, config_fingerprint, name)
 
 
 def _check_digest(name, theirs, mine, peer):

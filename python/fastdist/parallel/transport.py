@@ -1,0 +1,417 @@
+"""Compressed pipeline boundaries inside torch.distributed.pipelining's schedules.
+
+:class:`CompressedTransportMixin` goes before torch's ``PipelineStage`` in a stage class (``make_stage`` builds
+one) and replaces only what crosses the wire: the P2P ops that torch's schedules (``ScheduleGPipe``,
+``Schedule1F1B``, fastdist.parallel's own) post, and the receive buffers they read. The schedule still decides when
+each microbatch's activation and gradient move; the stage now sends, in place of the dense tensor, one frame of
+fastdist.compress's P2P format (a small pickled header, then the packet's tensors: TopK values and indices,
+quantized codes, scales, all in one byte buffer) and decodes what it receives:
+
+- activations go forward compressed by ``fwd`` (TopK, Quantize, Chain, ErrorFeedback, EF21, AQ-SGD);
+- gradients go back compressed by ``bwd``; with ``backward_mask="reuse"`` and a TopK-type ``fwd`` only the
+  gradient at the forward's kept positions travels (k values per row, no indices: both ends know them), which is
+  the exact derivative of the masking, as :class:`~fastdist.compress.StageBoundary` does;
+- AQ-SGD keeps its per-sample store on both ends of each link; the sender takes the batch's sample ids from
+  :func:`fastdist.compress.batch` around ``schedule.step`` and splits them into microbatches as the schedule
+  splits the batch.
+
+torch posts a receive before the frame arrives, so its size must be known: both ends compute one capacity per
+direction from the compressor's configuration and the activation's shape (a probe packet of that shape; TopK's k
+and the quantized sizes do not depend on the values; AQ-SGD's bound is the larger of an all-new and an all-seen
+microbatch), and a frame never exceeds it. gloo takes a message shorter than the posted buffer, so a frame goes
+out at its own size; where the backend matches sizes exactly (NCCL) it is padded to the capacity.
+
+Checks: at set-up both ends of every link compare their configurations (compress.p2p.check_same_pair: a mismatch
+raises MismatchError on both ranks, naming the fields, before any activation moves). Every frame carries the
+sender's compressor fingerprint and a number: activations are numbered, and a gradient names the activation it
+answers, so a skipped or reordered microbatch raises instead of decoding the wrong one; a stateful compressor's
+shared state (AQ-SGD's entries of the microbatch, EF21's estimate) is digested by the sender and compared by the
+receiver. The end that finds a mismatch sends the other end a mismatch frame (it raises there at its next receive
+on the link) and raises.
+
+Every link uses one compressor configuration: a stage's ``fwd`` compresses its outgoing activation, and a copy of
+it with fresh state (with ``store`` as its AQ-SGD store) decodes the incoming one; likewise ``bwd`` compresses the
+gradient this stage sends back and a copy decodes the gradient it receives.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from fastdist.compress.aqsgd import AQSGD
+from fastdist.compress.boundary import check_boundary_arguments, current_batch
+from fastdist.compress.compressors import Compressor, Identity, Packet
+from fastdist.compress.p2p import (_MISMATCH, MISMATCH_SEND_WAIT_S, _check_digest, _digest_of, _exact_sizes,
+                                   _ReportedMismatch, check_same_pair, decode_frame, encode_frame)
+from fastdist.compress.stores import MemoryStore, SampleStore
+from fastdist.distributed import CallCounter, MismatchError, fingerprint
+from fastdist.ops import topk_decompress
+
+__all__ = ["CompressedPipelineStage", "CompressedTransportMixin", "frame_capacities", "make_stage"]
+
+_SLACK = 256  # header bytes a frame may need beyond its probe's (larger frame numbers, counts in the metadata)
+_MIN_CAPACITY = 1024  # room for a mismatch frame on every direction
+_PROBE_NUMBER = 2**40
+
+
+def _probe_frames(c: Compressor, shape: tuple, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Frames whose sizes bound those ``c`` sends for a tensor of ``shape`` (made on copies: ``c`` is untouched)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    if isinstance(c, AQSGD):
+        rows = x.shape[0] if x.dim() > 1 else 1
+        probe = AQSGD(copy.deepcopy(c.c), MemoryStore(rows, torch.float32), warmup_epochs=1)
+        ids = torch.arange(rows)
+        calls = [lambda: probe.compress(x, ids), lambda: (probe.set_epoch(1), probe.compress(x, ids))[1]]
+    else:
+        probe = copy.deepcopy(c)
+        calls = [lambda: probe.compress(x)]
+    frames = []
+    for call in calls:  # AQ-SGD: every sample new (sent in full), then every sample seen (the compressed changes)
+        packet = call()
+        frames.append((packet, encode_frame(packet, device, 0, _PROBE_NUMBER, _digest_of(probe, sending=True))))
+    return frames
+
+
+def frame_capacities(fwd: Compressor, bwd: Compressor, backward_mask: str, shape: tuple, dtype: torch.dtype,
+                     device: torch.device | str = "cpu", training: bool = True) -> tuple[int, int]:
+    """The receive buffer sizes (bytes) of one link: (activation frames, gradient frames).
+
+    Both ends compute them alike from the link's configuration and the activation's shape and dtype.
+
+    Args:
+        fwd: the activation's compressor; bwd: the gradient's.
+        backward_mask: ``"reuse"`` or ``"independent"``.
+        shape: one microbatch's activation shape; dtype: its dtype.
+        device: where frames are assembled.
+        training: False: the forward-only frames (no gradient; 0 for it).
+    """
+    device = torch.device(device)
+    frames = _probe_frames(fwd, tuple(shape), dtype, device)
+    fwd_cap = max(_MIN_CAPACITY, max(f.numel() for _, f in frames) + _SLACK)
+    if not training:
+        return fwd_cap, 0
+    kept = fwd.kept_indices(frames[0][0]) if backward_mask == "reuse" else None
+    grad_shape = tuple(kept[0].shape) if kept is not None else tuple(shape)
+    (_, grad), = _probe_frames(bwd, grad_shape, dtype, device)
+    return fwd_cap, max(_MIN_CAPACITY, grad.numel() + _SLACK)
+
+
+class _Link:
+    """This stage's end of one link: the two compressors, the frame numbers, the capacities, the buffers."""
+
+    def __init__(self, name: str, peer_stage: int, fwd: Compressor, bwd: Compressor):
+        self.name, self.peer_stage = name, peer_stage
+        self.fwd, self.bwd = fwd, bwd
+        self.counter = CallCounter()  # activations sent (outgoing link) or received (incoming link)
+        self.capacity = {"fwd": 0, "bwd": 0}
+        self.buffers = {}  # (direction, "send"|"recv", chunk) -> uint8 tensor of the capacity
+        self.pending = {}  # chunk -> (activation number, kept indices or None, shape, dtype)
+        self.mismatch_sends = []
+
+    def buffer(self, direction: str, kind: str, chunk: int, device: torch.device) -> torch.Tensor:
+        cap = self.capacity[direction]
+        key = (direction, kind, chunk)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() != cap or buf.device != device:
+            buf = self.buffers[key] = torch.empty(cap, dtype=torch.uint8, device=device)
+        return buf
+
+    def state_dict(self) -> dict:
+        return {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict(), "count": self.counter.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fwd.load_state_dict(state["fwd"])
+        self.bwd.load_state_dict(state["bwd"])
+        self.counter.load_state_dict(state["count"])
+
+
+def _receiving_copy(c: Compressor, store: SampleStore | None, who: str) -> Compressor:
+    """The compressor that decodes what a stage with ``c`` sends: ``c``'s configuration with fresh state."""
+    if not isinstance(c, AQSGD):
+        return copy.deepcopy(c)
+    if store is None:
+        if not isinstance(c.store, MemoryStore):
+            raise ValueError(f"fastdist.parallel.{who}: an AQ-SGD 'fwd' over a {type(c.store).__name__} needs "
+                             "'store=' for the incoming link's entries (a second store: each link end keeps its own)")
+        store = MemoryStore(c.store.capacity, c.store.dtype)
+    if store is c.store:
+        raise ValueError(f"fastdist.parallel.{who}: 'store' must not be the fwd compressor's own store (the incoming "
+                         "and outgoing links keep different entries)")
+    return copy.deepcopy(c, memo={id(c.store): store})
+
+
+class CompressedTransportMixin:
+    """Compressed activations and gradients between pipeline stages, driven by torch's schedules.
+
+    Put it before ``PipelineStage`` (and after mixins that override the compute, e.g. recompute):
+    ``type("Stage", (CompressedTransportMixin, PipelineStage), {})``. Every stage of the pipeline must use it
+    with the same compressor configuration.
+
+    Args (keyword, besides PipelineStage's):
+        fwd: the activation's compressor (None: uncompressed).
+        bwd: the gradient's compressor (None: uncompressed; never AQ-SGD).
+        backward_mask: ``"reuse"`` (the gradient at the forward's kept positions) or ``"independent"``.
+        store: the AQ-SGD store of the incoming activations (default: a MemoryStore like ``fwd``'s).
+        at_inference: compress in forward-only (eval) steps too, with ``fwd.stateless()``; default: send dense.
+        check_every: digest a stateful compressor's shared state in every ``check_every``-th frame (0: never).
+
+    ``transport_state_dict()`` / ``load_transport_state_dict()`` hold the compressors' state and frame counts;
+    ``wire_bytes`` counts the bytes this stage sent in each direction.
+    """
+
+    def __init__(self, *args: Any, fwd: Compressor | None = None, bwd: Compressor | None = None,
+                 backward_mask: str = "reuse", store: SampleStore | None = None, at_inference: bool = False,
+                 check_every: int = 1, **kwargs: Any):
+        who = type(self).__name__
+        check_boundary_arguments(who, fwd, bwd, backward_mask)
+        if store is not None and not isinstance(store, SampleStore):
+            raise TypeError(f"fastdist.parallel.{who}: 'store' must be a MemoryStore or MmapStore, got "
+                            f"{type(store).__name__}")
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
+            raise ValueError(f"fastdist.parallel.{who}: 'check_every' must be an int >= 0, got {check_every!r}")
+        super().__init__(*args, **kwargs)
+        fwd = fwd if fwd is not None else Identity()
+        bwd = bwd if bwd is not None else Identity()
+        self.backward_mask, self.at_inference, self.check_every = backward_mask, bool(at_inference), check_every
+        self.link_config = {"fwd": fwd.config(), "bwd": bwd.config(), "backward_mask": backward_mask,
+                            "at_inference": self.at_inference}
+        s = self.stage_index
+        self._out = None if self.is_last else _Link(f"stage {s}->{s + 1}", s + 1, fwd, copy.deepcopy(bwd))
+        self._in = None if self.is_first else _Link(f"stage {s - 1}->{s}", s - 1,
+                                                    _receiving_copy(fwd, store, who), bwd)
+        self._links_checked = False
+        self._training = True
+        self.wire_bytes = {"fwd": 0, "bwd": 0}
+
+    # -- state
+    def transport_state_dict(self) -> dict:
+        """The compressors' state and the activations counted on each link of this stage."""
+        return {name: link.state_dict() for name, link in (("out", self._out), ("in", self._in)) if link}
+
+    def load_transport_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`transport_state_dict` returned (every stage must restore the same step)."""
+        for name, link in (("out", self._out), ("in", self._in)):
+            if link is not None:
+                link.load_state_dict(state[name])
+
+    # -- set-up: the pair checks and the capacities, when the schedule prepares the stage
+    def _prepare_forward_infra(self, num_microbatches: int, args: Any, kwargs: dict | None = None,
+                               has_backward: bool = False) -> Any:
+        if not self._links_checked:
+            for link in (self._in, self._out):  # the previous link first: the pipeline's pairs meet in order
+                if link is not None:
+                    ends = tuple(sorted((self.stage_index, link.peer_stage)))
+                    check_same_pair(f"fastdist.parallel pipeline link {link.name}",
+                                    {**self.link_config, "ends": ends}, self._peer(link), self.group)
+            self._links_checked = True
+        out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
+        self._training = bool(has_backward)
+        for link, metas, what in ((self._in, self._stage_meta.inputs, "input"),
+                                  (self._out, self._stage_meta.outputs, "output")):
+            if link is None:
+                continue
+            if metas is None or len(metas) != 1 or not metas[0].dtype.is_floating_point:
+                raise ValueError(f"fastdist.parallel.{type(self).__name__}: stage {self.stage_index}'s {what} across "
+                                 f"link {link.name} must be one floating-point tensor, got {metas}")
+            fwd, bwd = self._active(link.fwd), link.bwd
+            link.capacity["fwd"], link.capacity["bwd"] = frame_capacities(
+                fwd, bwd, self.backward_mask, tuple(metas[0].shape), metas[0].dtype, self.device, self._training)
+        return out
+
+    def _peer(self, link: _Link) -> int:
+        return self._resolve_peer_global_rank(link.peer_stage)
+
+    def _active(self, c: Compressor) -> Compressor:
+        """The activation compressor of this step: ``c`` in training; at inference its stateless form or none."""
+        if self._training:
+            return c
+        return c.stateless() if self.at_inference else Identity()
+
+    def _digest(self, c: Compressor, number: int) -> torch.Tensor | None:
+        if self.check_every == 0 or number % self.check_every:
+            return None
+        return _digest_of(c, sending=True)
+
+    def _frame_op(self, link: _Link, direction: str, chunk: int, packet: Packet, c: Compressor,
+                  number: int) -> dist.P2POp:
+        """The isend of ``packet``'s frame on ``link`` (its buffer is this chunk's, alive until the next step)."""
+        cap = link.capacity[direction]
+        buf = link.buffer(direction, "send", chunk, self.device)
+
+        def room(n):
+            if n > cap:
+                raise RuntimeError(f"fastdist.parallel: a {direction} frame of {n} bytes on link {link.name} exceeds "
+                                   f"the {cap} bytes both ends agreed on (the activation's shape changed since the "
+                                   "schedule's first step?)")
+            return buf[:n]
+
+        frame = encode_frame(packet, self.device, fingerprint(c.config()), number, self._digest(c, number), room)
+        message = buf if _exact_sizes(self.device) else frame
+        self.wire_bytes[direction] += message.numel()
+        return dist.P2POp(dist.isend, message, self._peer(link), self.group)
+
+    def _recv_op(self, link: _Link, direction: str, chunk: int) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, link.buffer(direction, "recv", chunk, self.device), self._peer(link),
+                          self.group)
+
+    def _decode(self, link: _Link, direction: str, chunk: int, c: Compressor, check_number) -> tuple:
+        """The packet received for ``chunk`` on ``link``, its number (checked by ``check_number``) and its tensor.
+        A mismatch found here goes to the other end in a mismatch frame on the other direction, then raises."""
+        what = f"fastdist.parallel pipeline link {link.name} {'activation' if direction == 'fwd' else 'gradient'}"
+        src = self._peer(link)
+        try:
+            packet = decode_frame(link.buffer(direction, "recv", chunk, self.device), src, fingerprint(c.config()),
+                                  what)
+            number = check_number(packet.local["number"])
+            out = c.decompress(packet)
+            if "state_digest" in packet.local:
+                _check_digest(f"{what} {number}: {type(c).__name__} state", packet.local["state_digest"],
+                              _digest_of(c, sending=False), src)
+        except _ReportedMismatch:
+            raise
+        except MismatchError as e:
+            raise self._tell(link, "bwd" if direction == "fwd" else "fwd", e) from None
+        return packet, number, out
+
+    def _tell(self, link: _Link, direction: str, error: MismatchError) -> MismatchError:
+        """Sends the other end of ``link`` a mismatch frame carrying ``error`` and returns ``error`` to raise (waits
+        at most MISMATCH_SEND_WAIT_S for it to leave: the other end may never post the receive)."""
+        cap = link.capacity[direction] or _MIN_CAPACITY
+        packet = Packet(_MISMATCH, (), torch.float32, {}, {"name": error.name, "values_by_rank": error.values_by_rank})
+        buf = torch.zeros(cap, dtype=torch.uint8, device=self.device)
+        frame = encode_frame(packet, self.device, 0, 0, None, lambda n: buf[:n])
+        handle = dist.isend(buf if _exact_sizes(self.device) else frame, self._peer(link), group=self.group)
+        link.mismatch_sends.append((buf, handle))
+        try:
+            handle.wait(timeout=datetime.timedelta(seconds=MISMATCH_SEND_WAIT_S))
+        except RuntimeError:  # not taken in time, or the other end is gone: raise the error anyway
+            pass
+        return error
+
+    # -- forward: activations
+    def _chunk_sample_ids(self, chunk: int) -> torch.Tensor | None:
+        ids = current_batch().get("sample_ids")
+        if ids is None:
+            return None
+        return torch.tensor_split(torch.as_tensor(ids), len(self.args_recv_info), 0)[chunk]
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        """The isend of this microbatch's compressed activation frame to the next stage."""
+        link = self._out
+        if link is None:
+            return []
+        outputs, _ = self.fwd_cache[fwd_chunk_id]
+        y = outputs[0].detach()
+        c = self._active(link.fwd)
+        if isinstance(c, AQSGD):
+            epoch = current_batch().get("epoch")
+            if epoch is not None:
+                c.set_epoch(epoch)
+            packet = c.compress(y, self._chunk_sample_ids(fwd_chunk_id))
+        else:
+            packet = c.compress(y)
+        number = link.counter.take()
+        kept = c.kept_indices(packet) if self._training and self.backward_mask == "reuse" else None
+        if self._training:
+            link.pending[fwd_chunk_id] = (number, kept, y.shape, y.dtype)
+        return [self._frame_op(link, "fwd", fwd_chunk_id, packet, c, number)]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        """The irecv of this microbatch's activation frame from the previous stage."""
+        return [] if self._in is None else [self._recv_op(self._in, "fwd", fwd_chunk_id)]
+
+    def _retrieve_recv_activations(self, fwd_chunk_id: int) -> tuple[torch.Tensor, ...]:
+        link = self._in
+        c = self._active(link.fwd)
+
+        def count(theirs):
+            number = link.counter.take()
+            link.counter.check(f"fastdist.parallel pipeline link {link.name} activation",
+                               {self._peer(link): theirs, dist.get_rank(): number})
+            return number
+
+        packet, number, x = self._decode(link, "fwd", fwd_chunk_id, c, count)
+        if self._training:
+            kept = c.kept_indices(packet) if self.backward_mask == "reuse" else None
+            link.pending[fwd_chunk_id] = (number, kept, None, None)
+        info = self.args_recv_info[fwd_chunk_id][0]
+        meta = info.tensor_meta
+        grad = meta.requires_grad and self.has_backward and torch.is_grad_enabled()
+        x = x.to(self.device, meta.dtype).detach().requires_grad_(grad)
+        info.buffer = x
+        return (x,)
+
+    # -- backward: gradients
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        """The isend of the gradient of this microbatch's input, compressed (at the forward's kept positions with
+        ``backward_mask="reuse"``), to the previous stage."""
+        link = self._in
+        if not self.has_backward or link is None:
+            return []
+        self._check_chunk_id(bwd_chunk_id)
+        (grad,) = self.bwd_cache.pop(bwd_chunk_id)[:1]
+        number, kept, _, _ = link.pending.pop(bwd_chunk_id)
+        if grad is None:
+            grad = torch.zeros_like(self.args_recv_info[bwd_chunk_id][0].buffer)
+        if kept is not None:
+            indices, d = kept
+            grad = grad.reshape(indices.shape[0], d).gather(1, indices.long().to(grad.device))
+        packet = link.bwd.compress(grad.contiguous())
+        return [self._frame_op(link, "bwd", bwd_chunk_id, packet, link.bwd, number)]
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        """The irecv of this microbatch's gradient frame from the next stage."""
+        if not self.has_backward or self._out is None:
+            return []
+        return [self._recv_op(self._out, "bwd", bwd_chunk_id)]
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int) -> tuple[torch.Tensor, ...]:
+        link = self._out
+        number, kept, shape, dtype = link.pending.pop(bwd_chunk_id)
+
+        def answers(theirs):
+            if theirs != number:
+                raise MismatchError(f"fastdist.parallel pipeline link {link.name} gradient order (a backward skipped "
+                                    "or added on one end, or run in another order)",
+                                    {self._peer(link): f"sent the gradient of activation {theirs}",
+                                     dist.get_rank(): f"expected the gradient of activation {number}"})
+            return number
+
+        _, _, grad = self._decode(link, "bwd", bwd_chunk_id, link.bwd, answers)
+        if kept is not None:
+            indices, d = kept
+            grad = topk_decompress(grad.to(torch.float32).contiguous(), indices, d)
+        return (grad.reshape(shape).to(dtype),)
+
+
+class CompressedPipelineStage(CompressedTransportMixin, PipelineStage):
+    """torch's ``PipelineStage`` with compressed boundaries (see :class:`CompressedTransportMixin`)."""
+
+
+def make_stage(submod: nn.Module, stage_index: int, num_stages: int, device: torch.device | str,
+               group: dist.ProcessGroup | None = None, fwd: Compressor | None = None, bwd: Compressor | None = None,
+               backward_mask: str = "reuse", store: SampleStore | None = None, **options: Any
+               ) -> CompressedPipelineStage:
+    """A pipeline stage whose activations and gradients cross compressed, for torch's schedules.
+
+    Args:
+        submod: this stage's module: takes the previous stage's output (the first stage: the batch's inputs) and
+            returns one tensor.
+        stage_index: this stage; num_stages: all of them (one per rank of ``group``).
+        device: where the stage runs.
+        group: the pipeline's process group (None: the default group).
+        fwd, bwd, backward_mask, store: see :class:`CompressedTransportMixin`.
+        **options: ``at_inference``, ``check_every``, and PipelineStage's ``input_args`` / ``output_args``.
+
+    Returns:
+        The stage; hand it to ``ScheduleGPipe`` / ``Schedule1F1B`` / ``fastdist.parallel``'s schedules.
+    """
+    return CompressedPipelineStage(submod, stage_index, num_stages, torch.device(device), group=group, fwd=fwd,
+                                   bwd=bwd, backward_mask=backward_mask, store=store, **options)

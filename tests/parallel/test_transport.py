@@ -1,0 +1,109 @@
+"""Compressed pipeline boundaries inside torch's schedules (fastdist.parallel.transport), on 2 ranks over gloo:
+through ScheduleGPipe and Schedule1F1B the losses, gradients and parameters equal a single-process reference that
+applies the same compression at the boundary (fastdist.compress.Boundary), bit for bit; mismatched configurations
+raise MismatchError on both ranks."""
+import pytest
+import torch
+
+import transport_ranks as tr
+from fastdist.compress import AQSGD, Chain, Identity, MemoryStore, Quantize, TopK
+from fastdist.compress.p2p import _digest_of, encode_frame
+from fastdist.distributed import spawn
+from fastdist.parallel.transport import frame_capacities, make_stage
+from helpers import randn
+
+TIMEOUT = 120
+RUNS = [("identity", "1f1b", 1), ("identity", "gpipe", 1), ("topk+quant", "1f1b", 1), ("topk+quant", "gpipe", 1),
+        ("topk-independent", "1f1b", 1), ("aqsgd", "1f1b", 2)]
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """{(config, schedule): (rank 0's result, rank 1's result)} of every run, from one spawn."""
+    results = spawn(tr.cases, 2, RUNS, backend="gloo", timeout=TIMEOUT)
+    return {run[:2]: (results[0][i], results[1][i]) for i, run in enumerate(RUNS)}
+
+
+@pytest.fixture(scope="module")
+def references():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {config: tr.reference(config, epochs) for config, _, epochs in RUNS}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_matches_reference(got, want, what):
+    first, last = got
+    assert len(last["losses"]) == len(want["losses"])
+    for i, (a, b) in enumerate(zip(last["losses"], want["losses"])):
+        assert torch.equal(a, b), f"{what}: microbatch loss {i}: {a.item()} != {b.item()}"
+    for step, ref in enumerate(want["grads"]):
+        names = set(first["grads"][step]) | set(last["grads"][step])
+        assert names == set(ref), what
+        for rank in (first, last):
+            for name, g in rank["grads"][step].items():
+                assert torch.equal(g, ref[name]), f"{what}: step {step} gradient of {name}"
+    for rank in (first, last):
+        for name, p in rank["params"].items():
+            assert torch.equal(p, want["params"][name]), f"{what}: final {name}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_uncompressed_frames_train_exactly_like_one_process(pipelined, references, schedule):
+    _assert_matches_reference(pipelined["identity", schedule], references["identity"], f"identity {schedule}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_topk_then_quantize_with_mask_reuse_equals_the_one_process_boundary(pipelined, references, schedule):
+    _assert_matches_reference(pipelined["topk+quant", schedule], references["topk+quant"], f"topk+quant {schedule}")
+
+
+def test_gradient_with_mask_reuse_sends_k_values_per_row_fewer_bytes_than_independent(pipelined, references):
+    _assert_matches_reference(pipelined["topk-independent", "1f1b"], references["topk-independent"], "independent")
+    reuse = pipelined["topk+quant", "1f1b"][1]["wire_bytes"][0]["bwd"]
+    independent = pipelined["topk-independent", "1f1b"][1]["wire_bytes"][0]["bwd"]
+    dense = tr.BATCH * tr.SEQ * tr.DIM * 4
+    assert reuse < independent < dense
+
+
+def test_aqsgd_over_two_epochs_equals_the_one_process_boundary_and_sends_less_once_samples_are_seen(pipelined,
+                                                                                                   references):
+    _assert_matches_reference(pipelined["aqsgd", "1f1b"], references["aqsgd"], "aqsgd")
+    fwd = [step["fwd"] for step in pipelined["aqsgd", "1f1b"][0]["wire_bytes"]]
+    dense = tr.BATCH * tr.SEQ * tr.DIM * 4
+    assert fwd[0] > dense > fwd[2] and fwd[2] < fwd[0] / 2  # epoch 0: every sample in full; then 4-bit changes
+
+
+def test_mismatched_compressor_configs_raise_on_both_ranks_naming_the_field():
+    messages = spawn(tr.mismatched, 2, (0.1, 0.2), backend="gloo", timeout=TIMEOUT)
+    for message in messages:
+        assert "fwd.ratio" in message and "stage 0->1" in message
+
+
+def test_the_capacity_both_ends_compute_bounds_every_frame_whatever_the_values():
+    shape = (4, 8, 16)
+    for fwd, bwd in [(TopK(0.1), Quantize(8)), (Chain(TopK(0.3, per="tensor"), Quantize(4)), Identity()),
+                     (Quantize(2, granularity=4), Quantize(8))]:
+        cap_fwd, cap_bwd = frame_capacities(fwd, bwd, "reuse", shape, torch.float32)
+        for seed in range(3):
+            x = randn(*shape, seed=seed) * 10 ** seed
+            packet = fwd.compress(x)
+            assert encode_frame(packet, torch.device("cpu"), 1, 2**62).numel() <= cap_fwd
+            kept = fwd.kept_indices(packet)
+            grad = randn(*kept[0].shape, seed=seed) if kept else x
+            assert encode_frame(bwd.compress(grad), torch.device("cpu"), 1, 2**62).numel() <= cap_bwd
+    aqsgd = AQSGD(Quantize(4), MemoryStore(8), warmup_epochs=0)
+    cap_fwd, _ = frame_capacities(aqsgd, Identity(), "reuse", shape, torch.float32)
+    for ids in ([0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [0, 1, 2, 3]):  # all new, half seen, half seen, all seen
+        packet = aqsgd.compress(randn(*shape, seed=ids[0]), torch.tensor(ids))
+        digest = _digest_of(aqsgd, sending=True)
+        assert encode_frame(packet, torch.device("cpu"), 1, 2**62, digest).numel() <= cap_fwd
+
+
+def test_bad_arguments_are_refused_before_any_communication():
+    with pytest.raises(TypeError, match="AQ-SGD"):
+        make_stage(torch.nn.Linear(2, 2), 0, 2, "cpu", bwd=AQSGD(Quantize(4), MemoryStore(4)))
+    with pytest.raises(ValueError, match="backward_mask"):
+        make_stage(torch.nn.Linear(2, 2), 0, 2, "cpu", backward_mask="sometimes")
