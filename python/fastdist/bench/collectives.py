@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer
-from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.launch import add_launch_arguments, run_suite, tx_counter
 from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, parse_size, progress, rank_device,
                                      together)
 from fastdist.distributed import compat
@@ -188,15 +188,10 @@ def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
     config = {"ops": args.ops, "sizes": sizes_from(args), "dtype": args.dtype, "iters": args.iters,
               "warmup": args.warmup, "min_time": args.min_time, "max_iters": 200}
-    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
-    if launch.result is None:
-        return None
-    rows = launch.result
-    result = {"suite": "collectives", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
-              "config": config, "rows": rows}
-    print(report.text_parts(tables(result)))
-    wrong = sum(r["wrong"] for r in rows)
-    print(f"# checked every result of every iteration: {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
+    result = run_suite("collectives", args, bench_rank, config, lambda rows, *_: {"rows": rows}, tables)
+    if result is not None:
+        wrong = sum(r["wrong"] for r in result["rows"])
+        print(f"# checked every result of every iteration: {'all correct' if wrong == 0 else f'{wrong} WRONG'}")
     return result
 
 

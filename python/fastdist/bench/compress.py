@@ -38,8 +38,8 @@ from torch import nn
 
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, times
-from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import all_sum, at_least, comma_list, interleave, progress, together
+from fastdist.bench.launch import add_launch_arguments, run_suite, tx_counter
+from fastdist.bench.toolkit import all_sum, at_least, comma_list, rounds, together
 
 METHODS = ["none", "topk10+q8", "aqsgd4", "quant4"]
 
@@ -147,22 +147,20 @@ def bench_rank(config: dict) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     methods = config["methods"]
     pipes = {m: _Pipeline(m, config, rank, world) for m in methods}
-    bar = progress((config["warmup"] + config["steps"]) * len(methods), "compress", enabled=rank == 0)
     times = {m: [] for m in methods}
     wire = {m: [] for m in methods}
     tx = {m: [] for m in methods}
-    for it, m, phase in interleave(methods, config["warmup"], config["steps"]):
+    for _, m, timed in rounds(methods, config["warmup"], config["steps"], "compress", enabled=rank == 0):
         with together() as watch:
             tx0 = tx_counter(config["measure_tx"])
             fwd_bytes, bwd_bytes = pipes[m].step()
         dist.barrier()  # every rank's sends are done: the counters hold the whole step
         sent = tx_counter(config["measure_tx"]) - tx0
         totals = all_sum([fwd_bytes, bwd_bytes, sent])
-        if it >= config["warmup"]:
+        if timed:
             times[m].append(watch.seconds)
             wire[m].append(totals[:2])
             tx[m].append(totals[2])
-        bar.step(f"{phase} {m}")
     if rank != 0:
         return None
     boundaries = world - 1
@@ -190,14 +188,7 @@ def run(args: argparse.Namespace) -> dict | None:
     if args.net != "loopback":
         from fastdist import netsim
         config["link_bps"] = netsim.parse_rate(args.net)
-    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
-                       backend="gloo")
-    if launch.result is None:
-        return None
-    result = {"suite": "compress", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
-              "config": config, "rows": launch.result}
-    print(report.text_parts(tables(result)))
-    return result
+    return run_suite("compress", args, bench_rank, config, lambda rows, *_: {"rows": rows}, tables, backend="gloo")
 
 
 def tables(result: dict) -> list[report.Part]:
@@ -218,18 +209,13 @@ def plot(result: dict, path: str) -> None:
     rows, env = result["rows"], result["env"]
     names = [r["method"] for r in rows]
     _, fig, (ax_t, ax_b) = report.subplots(1, 2, figsize=(11, 4))
-    ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
+    report.grouped_bars(ax_t, names, {None: [r["time_ms"] for r in rows]}, "step time (ms, median)", color="tab:blue")
     for i, r in enumerate(rows):
         if r["speedup"]:
             ax_t.text(i, r["time_ms"], f"{r['speedup']:.1f}x", ha="center", va="bottom", fontsize=8)
-    ax_t.set_ylabel("step time (ms, median)")
-    xs = range(len(rows))
-    ax_b.bar([i - 0.2 for i in xs], [r["fwd_wire_bytes"] / 1e6 for r in rows], 0.4, label="forward (activation)")
-    ax_b.bar([i + 0.2 for i in xs], [r["bwd_wire_bytes"] / 1e6 for r in rows], 0.4, label="backward (gradient)")
-    ax_b.set_xticks(list(xs))
-    ax_b.set_xticklabels(names)
-    ax_b.set_ylabel("wire MB per boundary per step")
-    ax_b.legend(fontsize=8)
+    report.grouped_bars(ax_b, names, {"forward (activation)": [r["fwd_wire_bytes"] / 1e6 for r in rows],
+                                      "backward (gradient)": [r["bwd_wire_bytes"] / 1e6 for r in rows]},
+                        "wire MB per boundary per step")
     c = result["config"]
     fig.suptitle(f"fastdist-bench compress: {env['ranks']}-stage pipeline, activation [{c['batch']}, {c['seq']}, "
                  f"{c['hidden']}], {env['network']}", fontsize=9)

@@ -46,9 +46,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.bench import report
-from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks, tx_counter
+from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_suite, tx_counter
 from fastdist.bench.report import MIB, col, fixed, scaled, scientific, times
-from fastdist.bench.toolkit import all_max, at_least, comma_list, interleave, progress, together
+from fastdist.bench.toolkit import all_max, at_least, comma_list, rounds, together
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
@@ -76,9 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions first (default %(default)s)")
 
 
-def _config_from(args):
-    return {k: getattr(args, k) for k in ("methods", "tables", "rows", "dim", "batch", "pooling", "zipf", "lr",
-                                          "torchrec_sharding", "steps", "warmup")}
+CONFIG = ("methods", "tables", "rows", "dim", "batch", "pooling", "zipf", "lr", "torchrec_sharding", "steps", "warmup")
+"""The options the ranks are given (the payload's config)."""
 
 
 # ---- the model ----
@@ -235,10 +234,7 @@ def wire_model(name: str, config: dict, world: int, model: nn.Module, batch: dic
 def bench_rank(config: dict) -> Any:
     """Runs the suite's measurements on this rank (a collective); returns the results on rank 0, None elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local_world <= len(os.sched_getaffinity(0)):
-        pin_to_core(int(os.environ.get("LOCAL_RANK", rank)))
-    else:
+    if pin_local_rank() is None:
         torch.set_num_threads(1)  # the ranks share the cores
     methods = config["methods"]
     built = {}
@@ -249,9 +245,7 @@ def bench_rank(config: dict) -> Any:
         local = DLRM(config["tables"], config["rows"], config["dim"], sparse=True)
         built["local"] = (local, [torch.optim.SGD(local.parameters(), lr=config["lr"])])
     samples = {m: {"ms": [], "tx": [], "loss": [], "wire": []} for m in methods}
-    bar = progress((config["warmup"] + config["steps"]) * len(methods), "embedding", enabled=rank == 0)
-    for it, name, phase in interleave(methods, config["warmup"], config["steps"]):
-        bar.set_postfix_str(f"{name} {phase}")
+    for it, name, timed in rounds(methods, config["warmup"], config["steps"], "embedding", enabled=rank == 0):
         batch = make_batch(config, rank, it)
         if name == "torchrec":
             batch["kjt"] = _kjt(batch, config["tables"])
@@ -264,7 +258,7 @@ def bench_rank(config: dict) -> Any:
         seconds, tx_max = all_max([watch.seconds, float(tx)])
         s = samples[name]
         s["loss"].append(loss)
-        if it >= config["warmup"]:
+        if timed:
             s["ms"].append(1e3 * seconds)
             s["tx"].append(tx_max)
             sent = _traffic(model) - before
@@ -272,8 +266,6 @@ def bench_rank(config: dict) -> Any:
                 ring_allreduce_bytes(4 * sum(p.numel() for n, p in model.named_parameters()
                                              if "embeddings" not in n and "tables" not in n), world)
             s["wire"].append(all_max([float(wire)])[0] if wire is not None else None)
-        bar.update(1)
-    bar.close()
     memory = {name: _table_bytes(name, built[name][0], config, world) for name in methods}
     for name in list(built):
         model, opts = built.pop(name)
@@ -315,21 +307,17 @@ def _summarise(name, s, memory, reference_losses, world, config):
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload (None on the
     other torchrun ranks)."""
-    config = _config_from(args)
-    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
-    if launch.result is None:
-        return None
-    samples = launch.result["samples"]
+    return run_suite("embedding", args, bench_rank, {k: getattr(args, k) for k in CONFIG}, _collect, tables)
+
+
+def _collect(out: dict, config: dict, launch: Any) -> dict:
+    samples = out["samples"]
     reference = samples["ddp-dense"]["loss"] if "ddp-dense" in samples else None
-    rows = [_summarise(m, samples[m], launch.result["table_bytes"][m], reference, launch.world, config)
+    rows = [_summarise(m, samples[m], out["table_bytes"][m], reference, launch.world, config)
             for m in config["methods"]]
     if BASELINE in config["methods"]:
         report.set_speedups(rows, BASELINE, "speedup_vs_ddp_sparse")
-    env = report.launch_environment(launch)
-    result = {"suite": "embedding", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
-              "load_average": list(os.getloadavg())}
-    print(report.text_parts(tables(result)))
-    return result
+    return {"rows": rows, "load_average": list(os.getloadavg())}
 
 
 def tables(result: dict) -> list[report.Part]:
@@ -365,13 +353,11 @@ def plot(result: dict, path: str) -> None:
     rows, env = result["rows"], result["env"]
     _, fig, (ax_t, ax_w) = report.subplots(1, 2, figsize=(11, 4.2))
     names = [r["method"] for r in rows]
-    ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
-    ax_t.set_ylabel("step (ms, median, slowest rank)")
+    report.grouped_bars(ax_t, names, {None: [r["time_ms"] for r in rows]}, "step (ms, median, slowest rank)",
+                        rotation=20, color="tab:blue")
     wire = [(r["tx_bytes"] if r["tx_bytes"] is not None else r["wire_bytes"]) or 0 for r in rows]
-    ax_w.bar(names, [w / MIB for w in wire], color="tab:orange")
-    ax_w.set_ylabel("MiB sent per rank per step (" + ("measured tx" if rows[0]["tx_bytes"] is not None
-                                                      else "byte model") + ")")
-    for ax in (ax_t, ax_w):
-        ax.tick_params(axis="x", labelrotation=20)
+    measured = "measured tx" if rows[0]["tx_bytes"] is not None else "byte model"
+    report.grouped_bars(ax_w, names, {None: [w / MIB for w in wire]}, f"MiB sent per rank per step ({measured})",
+                        rotation=20, color="tab:orange")
     fig.suptitle(f"fastdist-bench embedding: {env['ranks']} ranks, {env['backend']}, {env['network']}", fontsize=9)
     report.save_figure(fig, path, dpi=110)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fastdist import netsim
+from fastdist.bench import report
 from fastdist.bench.toolkit import at_least, delay, network
 from fastdist.distributed import resolve_backend, spawn
 
@@ -74,6 +75,18 @@ def pin_to_core(rank: int) -> int:
     return core
 
 
+def pin_local_rank(device: torch.device | None = None) -> int | None:
+    """On CPU, this rank on a core of its own (`pin_to_core`) when the host has a core per local rank.
+
+    Returns:
+        The core, or None when the ranks must share the cores (or run on a GPU), where nothing is changed.
+    """
+    world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if (device is not None and device.type != "cpu") or world > len(os.sched_getaffinity(0)):
+        return None
+    return pin_to_core(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+
+
 def _with_group(fn, config):
     return fn(config), (dist.get_backend(), dist.get_world_size())
 
@@ -116,3 +129,28 @@ def run_ranks(fn: Callable[[dict], Any], config: dict, *, ranks: int, net: str =
         label = cluster.label
         results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout, cluster=cluster)
     return Launch(results[0][0], *results[0][1], label, rate / 8e9)
+
+
+def run_suite(suite: str, args: argparse.Namespace, bench_rank: Callable[[dict], Any], config: dict,
+              collect: Callable[[Any, dict, Launch], dict], tables: Callable[[dict], list], backend: str = "auto") -> dict | None:
+    """The multi-rank suite's `run`: `bench_rank(config)` on the ranks `args` asks for (add_launch_arguments'
+    options), then on the printing process the environment header, the payload and its tables.
+
+    Args:
+        suite: The payload's "suite".
+        collect: (rank 0's result, config, the Launch) -> the payload's fields after suite, env, link_gbps and config.
+        tables: The suite's `tables`, printed as text.
+        backend: run_ranks' backend.
+
+    Returns:
+        The JSON payload; None on the other torchrun ranks.
+    """
+    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
+                       backend=backend)
+    if launch.result is None:
+        return None
+    fields = collect(launch.result, config, launch)
+    result = {"suite": suite, "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
+              "config": config, **fields}
+    print(report.text_parts(tables(result)))
+    return result

@@ -51,9 +51,9 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, percent, scientific, times
-from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
+from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_suite
 from fastdist.distributed.compat import all_gather_single
-from fastdist.bench.toolkit import all_max, at_least, comma_list, interleave, progress, rank_device, together
+from fastdist.bench.toolkit import all_max, at_least, comma_list, rank_device, rounds, together
 
 METHODS = {
     "static": {"balance": "none", "dropless": False},
@@ -90,13 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _config_from(args):
-    return {"methods": args.methods, "d_model": args.d_model, "d_ff": args.d_ff,
-            "experts_per_rank": args.experts_per_rank,
-            "k": args.k, "tokens": args.tokens, "capacity_factor": args.capacity_factor,
-            "max_replicas": args.max_replicas, "zipf": args.zipf, "drift_every": args.drift_every,
-            "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
-            "project": args.project}
+CONFIG = ("methods", "d_model", "d_ff", "experts_per_rank", "k", "tokens", "capacity_factor", "max_replicas", "zipf",
+          "drift_every", "steps", "warmup", "seed", "project")
+"""The options the ranks are given (the payload's config)."""
 
 
 # ---- the routing every method sees ----
@@ -310,24 +306,20 @@ def bench_rank(config: dict) -> Any:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if device.type == "cpu" and local_world <= len(os.sched_getaffinity(0)):
-        pin_to_core(local_rank)  # a core per rank; with more ranks than cores they share them (and the model knows)
+    pin_local_rank(device)  # a core per rank; with more ranks than cores they share them (and the model knows)
     cost = calibrate(None, config["d_model"], config["d_ff"], device=device, tokens=config["tokens"],
                      num_experts=config["experts_per_rank"] * world, k=config["k"])
     layers = _build_layers(config, world, cost, device)
     peer_errors = _check_peer(layers, config, device)
     num_experts = config["experts_per_rank"] * world
     samples = {name: [] for name in config["methods"]}
-    bar = progress((config["warmup"] + config["steps"]) * len(config["methods"]), "moe", enabled=rank == 0)
-    for step, name, phase in interleave(config["methods"], config["warmup"], config["steps"]):
+    for step, name, timed in rounds(config["methods"], config["warmup"], config["steps"], "moe", enabled=rank == 0):
         layer = layers[name]
         with torch.no_grad():  # every method routes this step's tokens with this step's popularity
             layer.gate.weight[:, 0] = gate_column(num_experts, step, config).to(device)
         seconds = _time_step(layer, tokens_for(step, rank, config, device), device)
-        if step >= config["warmup"]:
+        if timed:
             samples[name].append({"seconds": seconds, **layer.stats()})
-        bar.step(f"{phase} {name}")
     if rank != 0:
         return None
     return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts,
@@ -403,23 +395,21 @@ def projection(cost_model: dict, config: dict) -> list[dict]:
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
     other torchrun ranks)."""
-    config = _config_from(args)
-    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
-    if launch.result is None:
-        return None
-    samples = launch.result["samples"]
-    rows = [_summarise(samples[m], m) for m in config["methods"]]
-    report.set_speedups(rows, "dropless", "speedup_vs_dropless")
-    env = report.launch_environment(launch)
-    cost_model = launch.result["cost_model"]
-    result = {"suite": "moe", "env": env, "link_gbps": launch.link_gbps, "config": config, "rows": rows,
-              "cost_model": cost_model, "projection": projection(cost_model, config),
-              "peer_check": launch.result["peer_errors"], "load_average": list(os.getloadavg())}
-    print(report.text_parts(tables(result)))
-    print("# cost model compute: " + (f"ranks share cores: hosts {list(cost_model['rank_hosts'])}, "
-                                      f"{list(cost_model['host_slots'])} running at once per host"
-                                      if cost_model["rank_hosts"] else "a core (or device) per rank"))
+    config = {k: getattr(args, k) for k in CONFIG}
+    result = run_suite("moe", args, bench_rank, config, _collect, tables)
+    if result is not None:
+        cost_model = result["cost_model"]
+        print("# cost model compute: " + (f"ranks share cores: hosts {list(cost_model['rank_hosts'])}, "
+                                          f"{list(cost_model['host_slots'])} running at once per host"
+                                          if cost_model["rank_hosts"] else "a core (or device) per rank"))
     return result
+
+
+def _collect(out: dict, config: dict, launch: Any) -> dict:
+    rows = [_summarise(out["samples"][m], m) for m in config["methods"]]
+    report.set_speedups(rows, "dropless", "speedup_vs_dropless")
+    return {"rows": rows, "cost_model": out["cost_model"], "projection": projection(out["cost_model"], config),
+            "peer_check": out["peer_errors"], "load_average": list(os.getloadavg())}
 
 
 PROJECTED = ("dropless", "shadow", "prophet")
@@ -480,13 +470,11 @@ def plot(result: dict, path: str) -> None:
     rows, env = result["rows"], result["env"]
     _, fig, (ax_t, ax_b, ax_p) = report.subplots(1, 3, figsize=(15, 4.5))
     names = [r["method"] for r in rows]
-    ax_t.bar(names, [r["time_ms"] for r in rows], color="tab:blue")
-    ax_t.set_ylabel("layer fwd+bwd (ms, median)")
-    ax_t.set_title("measured")
-    ax_b.bar(names, [r["tokens_max_over_mean"] for r in rows], color="tab:orange")
+    report.grouped_bars(ax_t, names, {None: [r["time_ms"] for r in rows]}, "layer fwd+bwd (ms, median)", "measured",
+                        rotation=20, color="tab:blue")
+    report.grouped_bars(ax_b, names, {None: [r["tokens_max_over_mean"] for r in rows]}, "tokens per rank, max / mean",
+                        "balance", rotation=20, color="tab:orange")
     ax_b.axhline(1.10, color="gray", ls="--", lw=1)
-    ax_b.set_ylabel("tokens per rank, max / mean")
-    ax_b.set_title("balance")
     proj = result["projection"]
     for name in PROJECTED:
         ax_p.plot([p["ranks"] for p in proj], [p["predicted_ms"][name] for p in proj], marker="o", label=name)
@@ -495,8 +483,6 @@ def plot(result: dict, path: str) -> None:
     ax_p.set_ylabel("predicted fwd+bwd (ms)")
     ax_p.set_title("PROJECTION (cost model, not measured)")
     ax_p.legend()
-    for ax in (ax_t, ax_b):
-        ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']}",
                  fontsize=9)
     report.save_figure(fig, path, dpi=110)

@@ -274,6 +274,36 @@ def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
     return plt, fig, axes
 
 
+def grouped_bars(ax: Any, groups: Sequence[Any], series: Mapping[str | None, Sequence[float]], ylabel: str,
+                 title: str = "", rotation: float = 0, **style: Any) -> list[list[float]]:
+    """Bars of each series ({label: a value per group}) side by side in one group per entry of `groups`.
+
+    Args:
+        ax: The matplotlib axes.
+        groups: The x tick labels, one per group.
+        series: The bars; a legend is drawn when a label is not None.
+        ylabel, title: The axes' labels.
+        rotation: Of the tick labels, in degrees.
+        style: Passed to every `ax.bar` (color, ...).
+
+    Returns:
+        Each series' bar positions, to draw on them.
+    """
+    width = 0.8 / max(len(series), 1)
+    positions = []
+    for i, (label, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(values))]
+        ax.bar(xs, values, width, label=label, **style)
+        positions.append(xs)
+    ax.set_xticks(range(len(groups)), [str(g) for g in groups], rotation=rotation, fontsize=8,
+                  ha="right" if rotation else "center")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if any(label is not None for label in series):
+        ax.legend(fontsize=8)
+    return positions
+
+
 def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
     """Lays out `fig`, writes it to `path` as PNG and frees it."""
     import matplotlib.pyplot as plt

@@ -20,8 +20,8 @@ import tqdm
 from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, sync, time_fn, time_ranks, together
 
 __all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "at_least",
-           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "shape_type", "sync",
-           "time_fn", "time_ranks", "together", "up_to"]
+           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "rounds", "shape_type",
+           "sync", "time_fn", "time_ranks", "together", "up_to"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")
@@ -243,3 +243,17 @@ def interleave(names: Sequence[Any], warmup: int, reps: int) -> Iterator[tuple[i
         shift = it % len(names)
         for name in names[shift:] + names[:shift]:
             yield it, name, "warm-up" if it < warmup else f"rep {it - warmup + 1}"
+
+
+def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *,
+           enabled: bool = True) -> Iterator[tuple[int, Any, bool]]:
+    """`interleave` with a progress bar over the whole run, for a suite's loop over its methods.
+
+    Yields:
+        (repetition, name, timed): timed is False for the warm-up repetitions. The bar counts the step (noting
+        its phase and name) when the loop's body is done with it.
+    """
+    bar = progress((warmup + reps) * len(names), desc, enabled=enabled)
+    for it, name, phase in interleave(names, warmup, reps):
+        yield it, name, it >= warmup
+        bar.step(f"{phase} {name}")

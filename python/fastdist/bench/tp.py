@@ -41,7 +41,6 @@ import os
 import random
 import re
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,8 +51,8 @@ from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, shape_type, time_fn,
-                                     together, up_to)
+from fastdist.bench.toolkit import all_max, at_least, comma_list, progress, shape_type, time_fn, together, up_to
+from fastdist.comm.wire import ring_allreduce_bytes
 
 OP_KS = [1, 2, 4, 8, "auto"]
 GEMM_ONLY_KS = [1, 8]
@@ -348,14 +347,27 @@ def bench_rank(config: dict) -> Any:
 
 # --- driver ----------------------------------------------------------------------------------------
 
+def _balanced_rate(step, share: float, reduced_bytes: int, world: int, reps: int) -> tuple[float, float]:
+    """(bit/s, s): the link rate at which ring all-reduces of `reduced_bytes` in all take as long as this rank's
+    compute, `share` of `step`'s median time on one core."""
+    with report.torch_threads(1):
+        seconds = time_fn(step, reps=reps, warmup=2).median * share
+    return 8 * ring_allreduce_bytes(reduced_bytes, world) / seconds, seconds
+
+
 def op_balanced_rate(op_shape: Sequence[int], world: int) -> tuple[float, float]:
     """(bit/s, GEMM s): the link rate at which the ring all-reduce of the row op's float32 output takes as long
     as its GEMM on one core: 2 (t - 1) / t * M * N * 4 bytes over the GEMM time."""
     m, k_full, n = op_shape
     x, w = torch.randn(m, k_full // world), torch.randn(n, k_full // world)
-    with report.torch_threads(1):
-        gemm_s = time_fn(lambda: x @ w.t(), reps=5, warmup=2).median
-    return 8 * 2 * (world - 1) / world * m * n * 4 / gemm_s, gemm_s
+    return _balanced_rate(lambda: x @ w.t(), 1, m * n * 4, world, reps=5)
+
+
+def _step_balanced_rate(module: torch.nn.Module, x: torch.Tensor, reduces: int, world: int) -> tuple[float, float]:
+    """(bit/s, compute s): the rate at which `reduces` all-reduces of x's float32 size take as long as the
+    single-process module's forward + backward on one core over t."""
+    return _balanced_rate(lambda: module(x.requires_grad_()).sum().backward(), 1 / world, reduces * x.numel() * 4,
+                          world, reps=3)
 
 
 def block_balanced_rate(block: Sequence[int], world: int) -> tuple[float, float]:
@@ -366,11 +378,7 @@ def block_balanced_rate(block: Sequence[int], world: int) -> tuple[float, float]
     hidden, heads, seq, batch = block
     torch.manual_seed(0)
     ref = GPTBlock(hidden, heads)
-    x = torch.randn(batch, seq, hidden)
-    with report.torch_threads(1):
-        compute_s = time_fn(lambda: ref(x.requires_grad_()).sum().backward(), reps=3, warmup=2).median / world
-    wire = 4 * 2 * (world - 1) / world * batch * seq * hidden * 4
-    return 8 * wire / compute_s, compute_s
+    return _step_balanced_rate(ref, torch.randn(batch, seq, hidden), 4, world)
 
 
 def mlp_balanced_rate(mlp: Sequence[int], world: int) -> tuple[float, float]:
@@ -380,18 +388,16 @@ def mlp_balanced_rate(mlp: Sequence[int], world: int) -> tuple[float, float]:
     tokens, hidden, ffn = mlp
     torch.manual_seed(0)
     ref = _MLP(hidden, ffn)
-    x = torch.randn(tokens, hidden)
-    with report.torch_threads(1):
-        compute_s = time_fn(lambda: ref(x.requires_grad_()).sum().backward(), reps=3, warmup=2).median / world
-    wire = 2 * 2 * (world - 1) / world * tokens * hidden * 4
-    return 8 * wire / compute_s, compute_s
+    return _step_balanced_rate(ref, torch.randn(tokens, hidden), 2, world)
 
 
 def chunked_gemm_cost(shape: Sequence[int], reps: int = 7, warmup: int = 2,
                       device: torch.device | str | None = None) -> dict:
     """Median time of one [M, K] x [K, N] GEMM and of the same GEMM as k = 2, 4, 8 row chunks written into one
     preallocated output (the chunked linears' GEMMs), on `device` (default: CUDA when available, bf16 there;
-    CPU fp32 otherwise). CUDA: events, 256 MiB written between samples to flush L2. Rows: k, ms, overhead."""
+    CPU fp32 otherwise), timed by `fastdist-bench kernels`' timer (CUDA: events, L2 flushed between samples).
+    Rows: k, ms, overhead."""
+    from fastdist.bench.kernels import kernel_timer
     from fastdist.tp import chunk_bounds
 
     m, k_in, n = shape
@@ -401,31 +407,13 @@ def chunked_gemm_cost(shape: Sequence[int], reps: int = 7, warmup: int = 2,
     x = torch.randn(m, k_in, generator=g).to(device, dtype)
     w = torch.randn(k_in, n, generator=g).to(device, dtype)
     out = torch.empty(m, n, device=device, dtype=dtype)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def gemm(chunks):
         for start, stop in chunk_bounds(m, chunks):
             torch.matmul(x[start:stop], w, out=out[start:stop])
 
-    def sample(chunks):
-        if device.type == "cuda":
-            flush.fill_(1)
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            gemm(chunks)
-            end.record()
-            end.synchronize()
-            return begin.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        gemm(chunks)
-        return time.perf_counter() - t0
-
     ks = [1, 2, 4, 8]
-    samples = {k: [] for k in ks}
-    for it, k, _ in interleave(ks, warmup, reps):
-        t = sample(k)
-        if it >= warmup:
-            samples[k].append(t)
+    samples = dict(zip(ks, kernel_timer(device.type)[0]([lambda k=k: gemm(k) for k in ks], reps, warmup)))
     base = statistics.median(samples[1])
     return {"device": str(device), "dtype": str(dtype), "shape": list(shape),
             "rows": [{"k": k, "time_ms": statistics.median(samples[k]) * 1e3,
@@ -586,21 +574,17 @@ def tables(result: dict) -> list[report.Part]:
 
 
 def _bars(ax, runs: list[dict], key: str, label_key: str, ylabel: str, title: str) -> None:
-    """One bar per variant and run (a group per variant), the runs side by side."""
-    width = 0.8 / max(len(runs), 1)
-    for i, r in enumerate(runs):
-        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(r[key]))]
-        ax.bar(xs, [row["time_ms"] for row in r[key]], width, label=f"{r['label']} ({r['net']})")
-        if key == "op_rows":
+    """One bar per variant and run (a group per variant), the runs side by side; the row op's predictions on
+    its bars."""
+    series = {f"{r['label']} ({r['net']})": [row["time_ms"] for row in r[key]] for r in runs}
+    groups = [row[label_key] for row in runs[0][key]] if runs else []
+    positions = report.grouped_bars(ax, groups, series, ylabel, title, rotation=20)
+    if key == "op_rows":
+        for i, (r, xs) in enumerate(zip(runs, positions)):
             predicted = [(x, row["predicted_ms"]) for x, row in zip(xs, r[key]) if row.get("predicted_ms")]
             ax.scatter([p[0] for p in predicted], [p[1] for p in predicted], color="black", marker="_", s=200,
                        label="predicted" if i == 0 else None, zorder=3)
-    if runs:
-        ax.set_xticks(range(len(runs[0][key])))
-        ax.set_xticklabels([str(row[label_key]) for row in runs[0][key]], rotation=20, fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
 
 
 def plot(result: dict, path: str) -> None:
