@@ -273,6 +273,26 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
     assert (tmp_path / "adapters.pt").exists()
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_an_adapted_4bit_model_compiles_as_one_graph_and_matches_eager(method):
+    model = adapters.add_adapters(adapters.quantize_model(mlp(), "nf4", block=32), method, r=2,
+                                  target_modules=["up_proj", "down_proj"])
+    randomize_adapters(model)
+
+    def output_and_adapter_grads(forward):
+        out = forward(TOKENS)
+        F.cross_entropy(out.flatten(0, 1), TOKENS.flatten()).backward()
+        grads = [p.grad.clone() for p in adapters.adapter_parameters(model)]
+        model.zero_grad(set_to_none=True)
+        return out.detach(), grads
+
+    eager_out, eager_grads = output_and_adapter_grads(model)
+    compiled_out, compiled_grads = output_and_adapter_grads(torch.compile(model, fullgraph=True))
+    torch.testing.assert_close(compiled_out, eager_out, atol=1e-5, rtol=1e-5)
+    for compiled, eager in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+
+
 def _train_adapters(rank_share, steps=3):
     """QBaRA on a 4-bit MLP: SGD steps on `rank_share` of each batch (DDP when a process group is up); the adapters'
     parameters after them and the names DDP reduced."""

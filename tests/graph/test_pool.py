@@ -168,6 +168,23 @@ def _sparse(x, adj, mask):
     return x[mask], edge_index, batch, adj[b, i, j]
 
 
+def test_the_pool_compiles_as_one_graph_without_input_checks_and_matches_eager():
+    pool = make_pool(check_inputs=False)
+    x, adj, mask = random_batch([5, 8, 3], pad=10)
+    x.requires_grad_(True)
+
+    def pooled_and_input_grad(forward):
+        pooled, pooled_adj, losses = forward(x, adj, mask)
+        (pooled.sum() + pooled_adj.sum() + sum(losses)).backward()
+        grad, x.grad = x.grad.clone(), None
+        return pooled.detach(), pooled_adj.detach(), grad
+
+    eager = pooled_and_input_grad(pool)
+    compiled = pooled_and_input_grad(torch.compile(pool, fullgraph=True))
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_the_sparse_wrapper_equals_the_dense_call():
     pool = make_pool()
     x, adj, mask = random_batch([5, 8, 3], pad=8)
