@@ -1,0 +1,574 @@
+"""One call from an unmodified model to data x tensor x pipeline parallel training: :func:`parallelize`.
+
+Every rank calls ``parallelize`` with the same model (same structure, same initial values) and the same
+arguments. It
+
+1. agrees on the configuration (a clear error on every rank when the ranks disagree, or when the mesh does not
+   match the world, the batch does not split into the microbatches, the pipeline has more stages than the model has
+   blocks, the model cannot be cut, ...: never a hang);
+2. cuts the model into ``pp`` stages (:mod:`fastdist.parallel.partition`: profiled on rank 0, balanced by time or
+   parameters, or at ``split_points``), builds this rank's stage and checks it computes its part of the model;
+3. shards the stage's transformer blocks over the ``tp`` group with :func:`fastdist.tp.parallelize` (the Oases
+   chunked overlap), wraps it in DDP over the ``dp`` group (with ``dp_comm_hook``), and drives it with a pipeline
+   schedule from :func:`fastdist.parallel.schedule.build_schedule` over torch's ``PipelineStage`` (with Merak's
+   recompute and fastdist's compressed boundaries mixed in when asked for).
+
+A parameter held by two stages (a tied embedding and LM head) gets the sum of both stages' gradients before the
+optimizer step, so both copies stay equal. ``Engine.state_dict()`` gathers the full model's state dict, keyed as
+the user's model; ``load_state_dict`` takes one and re-shards it to this mesh.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from fastdist.distributed import check_same, state_digest
+from fastdist.parallel import partition as part
+from fastdist.parallel.partition import Plan
+
+__all__ = ["Engine", "parallelize"]
+
+MESH_DIMS = ("dp", "tp", "pp")
+
+
+class ParallelizeError(ValueError):
+    """A configuration parallelize cannot run, raised on every rank (the message names the rank that found it)."""
+
+
+def _agree(what: str, problem: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raises ParallelizeError on every rank of ``group`` if any rank found a problem (one object all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if problem:
+            raise ParallelizeError(f"fastdist.parallelize: {problem}")
+        return
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, problem, group=group)
+    bad = [(r, p) for r, p in enumerate(found) if p]
+    if bad:
+        rank, message = bad[0]
+        others = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+        raise ParallelizeError(f"fastdist.parallelize ({what}): rank {rank}{others}: {message}")
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    try:
+        return fn(), None
+    except (ValueError, TypeError, RuntimeError) as e:
+        return None, str(e)
+
+
+def _as_tuple(args: Any) -> tuple:
+    return tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def _mesh_shape(mesh: Any) -> tuple[tuple[int, int, int] | None, str | None]:
+    if isinstance(mesh, DeviceMesh):
+        names = mesh.mesh_dim_names or ()
+        unknown = [n for n in names if n not in MESH_DIMS]
+        if unknown or len(names) != mesh.ndim:
+            return None, (f"a DeviceMesh needs dimension names among {MESH_DIMS}, got {names or 'none'}")
+        sizes = dict(zip(names, mesh.mesh.shape))
+        return tuple(int(sizes.get(n, 1)) for n in MESH_DIMS), None
+    if (not isinstance(mesh, (tuple, list)) or len(mesh) != 3
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in mesh)):
+        return None, f"mesh must be (dp, tp, pp), three ints >= 1, or a DeviceMesh; got {mesh!r}"
+    return tuple(int(d) for d in mesh), None
+
+
+def _model_structure(model: nn.Module) -> dict:
+    """Every parameter's and buffer's shape, dtype and content digest, by name: what must be the same on every rank
+    (a model built from another seed differs in the digests)."""
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        out[name] = (tuple(t.shape), str(t.dtype), tuple(state_digest(t.detach().cpu()).tolist()))
+    return out
+
+
+def _second_batch(args: tuple, seed: int = 1234) -> tuple:
+    """Another microbatch like ``args``: integer inputs redrawn within their range, floating ones from a normal."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            out.append(a)
+        elif a.is_floating_point():
+            out.append(torch.randn(a.shape, generator=g, dtype=a.dtype).to(a.device))
+        else:
+            lo, hi = int(a.min()), int(a.max())
+            out.append(torch.randint(lo, hi + 1, a.shape, generator=g, dtype=a.dtype).to(a.device))
+    return tuple(out)
+
+
+# ---- tensor parallelism: where each sharded parameter's slice of the full one sits ----
+
+@dataclasses.dataclass
+class _Shard:
+    """How a tensor-parallel parameter of the stage relates to the full one: ``rows`` of the [out, in] weight (a
+    column-parallel layer, its bias too) or a ``cols`` slice (a row-parallel weight); ``transposed``: the user's
+    layer stores [in, out] (GPT-2's Conv1D)."""
+    rows: torch.Tensor | None
+    cols: tuple[int, int] | None
+    transposed: bool
+
+
+_MARK_BASE, _MARK_DIGITS = 256, 3  # row numbers written into a weight's first columns, in digits exact in any dtype
+
+
+def _dense_layers(module: nn.Module) -> dict[str, nn.Module]:
+    from fastdist.tp.linear import is_conv1d
+    return {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
+
+
+def _tp_shard(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, overlap: int | str) -> dict[str, _Shard]:
+    """Shards ``stage`` over ``group`` with fastdist.tp.parallelize and returns each sharded parameter's layout.
+
+    fastdist.tp decides each layer's layout (contiguous, or [q | k | v] blocks). To learn it, every dense weight's
+    first columns are overwritten with its row numbers before sharding; the shards' first columns then say which
+    rows each rank took, and the real values are copied in from the saved weights.
+    """
+    from fastdist import tp
+    from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear, dense_parameters, is_conv1d
+
+    dense = _dense_layers(stage)
+    saved = {}
+    digits = {}
+    with torch.no_grad():
+        for name, layer in dense.items():
+            weight, _ = dense_parameters(layer)
+            saved[name] = (weight.detach().clone(), is_conv1d(layer))
+            k = min(_MARK_DIGITS, weight.shape[1])
+            digits[name] = k
+            rows = torch.arange(weight.shape[0])
+            for d in range(k):
+                weight[:, d] = ((rows // _MARK_BASE ** d) % _MARK_BASE).to(weight.dtype)
+    try:
+        tp.parallelize(stage, group, plan=plan, overlap_chunks=overlap)
+    except ValueError as e:
+        if "found no transformer block" in str(e):
+            raise ValueError(f"{e}. With parallelize(tp_plan=...) name them with wildcards, e.g. "
+                             "{'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise'}") from e
+        raise
+    layouts = {}
+    modules = dict(stage.named_modules())
+    with torch.no_grad():
+        for name, (full, transposed) in saved.items():
+            layer = modules[name]
+            if isinstance(layer, ColumnParallelLinear):
+                marks = layer.weight[:, :digits[name]].round().long()
+                rows = sum(marks[:, d] * _MARK_BASE ** d for d in range(digits[name]))
+                layer.weight.copy_(full[rows])
+                layouts[f"{name}.weight"] = _Shard(rows, None, transposed)
+                if layer.bias is not None:
+                    layouts[f"{name}.bias"] = _Shard(rows, None, False)
+            elif isinstance(layer, RowParallelLinear):
+                cols = (layer.rank * layer.in_per_rank, (layer.rank + 1) * layer.in_per_rank)
+                layer.weight.copy_(full[:, cols[0]:cols[1]])
+                layouts[f"{name}.weight"] = _Shard(None, cols, transposed)
+            else:
+                dense_parameters(layer)[0].copy_(full)
+    return layouts
+
+
+def _expand_tp_plan(stage: nn.Module, plan: Mapping[str, str] | None) -> dict[str, str] | None:
+    if plan is None:
+        return None
+    names = [n for n in _dense_layers(stage)]
+    out = {}
+    for pattern, style in plan.items():
+        for n in names:
+            if fnmatch.fnmatchcase(n, pattern):
+                out[n] = style
+    return out
+
+
+# ---- the engine ----
+
+class Engine:
+    """The model parallelized over a (dp, tp, pp) mesh; made by :func:`parallelize`.
+
+    Attributes:
+        plan: the :class:`~fastdist.parallel.partition.Plan` (``print(engine.plan)`` shows the stages).
+        module: this rank's stage module (tensor-parallel layers in it when tp > 1; not DDP-wrapped).
+        optimizer: the optimizer over this stage's parameters.
+        mesh: the DeviceMesh (None on one process without torch.distributed).
+        coordinate: this rank's (dp, tp, pp) indices.
+    """
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+    # ---- training ----
+
+    def step(self, inputs: Any, target: torch.Tensor) -> torch.Tensor:
+        """One optimizer step over all microbatches of this rank's batch.
+
+        Every rank calls it: ``inputs`` (the model's positional arguments, or one tensor) and ``target`` are this
+        data-parallel rank's batch, the same on the tensor- and pipeline-parallel ranks of one data-parallel
+        index (the first stage reads ``inputs``, the last ``target``).
+
+        Returns:
+            The batch's loss (the mean of the microbatches' ``loss_fn``, averaged over the data-parallel ranks), the
+            same value on every rank.
+        """
+        inputs = _as_tuple(inputs)
+        shapes = {"inputs": [(tuple(a.shape), str(a.dtype)) for a in inputs],
+                  "target": (tuple(target.shape), str(target.dtype)), "step": self._steps}
+        problem = None
+        if shapes["inputs"] != self._input_shapes:
+            problem = (f"step() got inputs {shapes['inputs']}; parallelize was built for {self._input_shapes} "
+                       "(example_inputs: this rank's whole batch, which every step must match)")
+        if self._world > 1:
+            _agree("step inputs", problem, None)
+            check_same("fastdist.parallel Engine.step", shapes)
+        elif problem:
+            raise ValueError(f"fastdist.parallel: {problem}")
+        self._steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._schedule is None:
+            loss = self._plain_step(inputs, target)
+        else:
+            loss = self._pipeline_step(inputs, target)
+        self._sum_tied_grads()
+        self.optimizer.step()
+        return self._shared_loss(loss)
+
+    def _plain_step(self, inputs, target):
+        m = self.plan.microbatches
+        xs = [a.tensor_split(m) for a in inputs]
+        ys = target.tensor_split(m)
+        total = None
+        for i in range(m):
+            sync = self._ddp is None or i == m - 1
+            with contextlib.nullcontext() if sync else self._ddp.no_sync():
+                out = self._runner(*(x[i] for x in xs))
+                loss = self.loss_fn(out, ys[i])
+                (loss / m).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / m
+
+    def _pipeline_step(self, inputs, target):
+        stage = self._pipe_stage
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": target, "losses": losses} if stage.is_last else {}
+        if stage.is_first:
+            self._schedule.step(*inputs, **kwargs)
+        else:
+            self._schedule.step(**kwargs)
+        if stage.is_last:
+            return torch.stack([l.detach().float() for l in losses]).mean()
+        return None
+
+    def _sum_tied_grads(self):
+        for group, params in self._tied:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+    def _shared_loss(self, loss):
+        if self._world == 1:
+            return loss.detach().float()
+        dp, tp, pp = self.plan.mesh
+        value = torch.zeros((), dtype=torch.float64)
+        if loss is not None:
+            value += loss.double() / (dp * tp)
+        dist.all_reduce(value)
+        return value.float()
+
+    # ---- checkpoints ----
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict, keyed and shaped as the user's model (loadable into it unparallelized):
+        tensor-parallel shards gathered, every stage's part collected. A collective: every rank calls it and
+        every rank gets the whole dict."""
+        local = {}
+        for name, t in self.module.state_dict().items():
+            layout = self._layouts.get(name)
+            local[name] = (self._gather_tp(t, layout) if layout is not None else t).detach().cpu().clone()
+        if self._world > 1 and self.plan.mesh[2] > 1:
+            parts: list[Any] = [None] * self.plan.mesh[2]
+            dist.all_gather_object(parts, local, group=self._groups["pp"])
+        else:
+            parts = [local]
+        merged = {}
+        for p in parts:
+            for k, v in p.items():
+                merged.setdefault(k, v)
+        missing = [k for k in self._keys if k not in merged]
+        if missing:
+            raise RuntimeError(f"fastdist.parallel: no stage holds {missing[:5]}")
+        return {k: merged[k] for k in self._keys}
+
+    def _gather_tp(self, t, layout):
+        group, world = self._groups["tp"], self.plan.mesh[1]
+        shards = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(shards, t.contiguous(), group=group)
+        if layout.cols is not None:
+            full = torch.cat(shards, dim=1)
+        else:
+            rows = [torch.empty_like(layout.rows) for _ in range(world)]
+            dist.all_gather(rows, layout.rows, group=group)
+            full = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype)
+            for r, s in zip(rows, shards):
+                full[r] = s
+        return full.t() if layout.transposed else full
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Loads a full model's state dict (as :meth:`state_dict` returns, or the unparallelized model's), each
+        rank taking its stage's entries and its tensor-parallel slices."""
+        own = self.module.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        if missing:
+            raise KeyError(f"fastdist.parallel: load_state_dict: missing {missing[:5]}")
+        with torch.no_grad():
+            for name, t in own.items():
+                full = state_dict[name]
+                layout = self._layouts.get(name)
+                if layout is not None:
+                    full = full.t() if layout.transposed else full
+                    full = full[:, layout.cols[0]:layout.cols[1]] if layout.cols is not None else full[layout.rows]
+                if tuple(full.shape) != tuple(t.shape):
+                    raise ValueError(f"fastdist.parallel: load_state_dict: {name} has shape {tuple(full.shape)}, "
+                                     f"this rank expects {tuple(t.shape)}")
+                t.copy_(full)
+
+
+def _make_pipeline_stage(module, runner, index, num_stages, device, group, in_args, out_args, recompute,
+                         compress, blocks):
+    from torch.distributed.pipelining import PipelineStage
+    bases, kwargs = [], {}
+    if recompute:
+        from fastdist.parallel.recompute import RecomputeStageMixin
+        bases.append(RecomputeStageMixin)
+        kwargs["blocks"] = blocks
+    if compress is not None:
+        from fastdist.parallel.transport import CompressedTransportMixin
+        bases.append(CompressedTransportMixin)
+        kwargs.update(compress)
+    cls = type("Stage", (*bases, PipelineStage), {}) if bases else PipelineStage
+    return cls(runner, index, num_stages, device, input_args=in_args, output_args=out_args, group=group, **kwargs)
+
+
+def _compress_options(compress_boundaries: Any) -> dict | None:
+    """``compress_boundaries``: None, a compressor (activations; gradients uncompressed), or a dict of the
+    transport's options (``fwd``, ``bwd``, ``backward_mask``, ...)."""
+    if compress_boundaries is None:
+        return None
+    if isinstance(compress_boundaries, Mapping):
+        return dict(compress_boundaries)
+    return {"fwd": compress_boundaries}
+
+
+def _describe_compress(options: dict | None) -> str | None:
+    if options is None:
+        return None
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+
+
+def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 1, 1),
+                example_inputs: Any = None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, microbatches: int = 1,
+                schedule: str = "1f1b", recompute: str | float = "none", recompute_ratio: float = 0.5,
+                tp_overlap: int | str = "auto", compress_boundaries: Any = None,
+                dp_comm_hook: Any = None, split_points: Sequence[int | str] | None = None, balance: str = "time",
+                *, blocks: str | None = None, tp_plan: Mapping[str, str] | None = None,
+                profile_reps: int = 5) -> Engine:
+    """Parallelizes ``model`` over a (data, tensor, pipeline) mesh and returns the :class:`Engine` that trains it.
+
+    Every rank calls it with the same model (same structure and values: seed before building it) and arguments.
+
+    Args:
+        model: an unmodified model whose blocks are an ``nn.ModuleList`` (found, or named by ``blocks=``).
+        mesh: ``(dp, tp, pp)`` with ``dp * tp * pp`` = the world size (a DeviceMesh of dims named "dp", "tp",
+            "pp" over gloo/CPU is made with ``init_device_mesh``), or such a DeviceMesh.
+        example_inputs: this rank's batch for one step (the model's positional arguments, or one tensor): the
+            shape every step uses.
+        loss_fn: ``loss_fn(output, target)``, a mean over the microbatch; ``output`` is the model's output (its
+            ``logits`` for a Hugging Face output).
+        optimizer: ``optimizer(params)`` -> a torch optimizer, called with this rank's stage's parameters.
+        microbatches: microbatches per step; must divide the batch.
+        schedule: "1f1b", "gpipe" or "shifted_critical_path" (fastdist.parallel.schedule).
+        recompute: "none", "full", "stage_aware" or a ratio for every stage; ``recompute_ratio`` is the first
+            stage's under "stage_aware".
+        tp_overlap: ``overlap_chunks`` of fastdist.tp's parallel linears ("auto" or an int; 1: no overlap).
+        compress_boundaries: None, a fastdist.compress compressor for the activations crossing stage boundaries,
+            or a dict of :class:`fastdist.parallel.transport.CompressedTransportMixin` options (``fwd``, ``bwd``,
+            ``backward_mask``, ``store``).
+        dp_comm_hook: None, ``(state, hook)`` for DDP's ``register_comm_hook``, or a callable taking the
+            data-parallel process group and returning ``(state, hook)`` (e.g. ``lambda g: (SketchState(g),
+            sketch_hook)``).
+        split_points: the first block of every stage after the first (indices or names such as "blocks.4"):
+            overrides the balancing.
+        balance: "time" (profiled forward+backward per piece, on rank 0) or "params".
+        blocks: the path of the block list (default: the largest ``nn.ModuleList`` of alike modules).
+        tp_plan: ``{"module.path": "colwise" | "rowwise"}`` with ``*`` wildcards, overriding fastdist.tp's
+            block detection (needed for blocks it does not recognise, e.g. ``nn.MultiheadAttention``).
+        profile_reps: profiling repetitions.
+
+    Raises:
+        ParallelizeError: on every rank, for a configuration that cannot run (the message names the rank and
+            the reason).
+        MismatchError: on every rank, when ranks hold different models or arguments.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    shape, problem = _mesh_shape(mesh)
+    if problem is None and math.prod(shape) != world:
+        problem = (f"the mesh (dp, tp, pp) = {shape} has {math.prod(shape)} ranks but the world has {world}"
+                   + ("" if distributed else " (torch.distributed is not initialized)"))
+    if problem is None and example_inputs is None:
+        problem = "example_inputs (this rank's batch for one step) are needed to cut and profile the model"
+    if problem is None and loss_fn is None:
+        problem = "loss_fn(output, target) is needed"
+    if problem is None and optimizer is None:
+        problem = "optimizer (a callable taking the parameters) is needed"
+    if problem is None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                            or microbatches < 1):
+        problem = f"microbatches must be an int >= 1, got {microbatches!r}"
+    example = _as_tuple(example_inputs) if example_inputs is not None else ()
+    if problem is None and (not example or not all(isinstance(a, torch.Tensor) for a in example)):
+        problem = "example_inputs must be a tensor or a tuple of tensors"
+    if problem is None and any(a.dim() == 0 or a.shape[0] % microbatches for a in example):
+        problem = (f"the batch ({[tuple(a.shape) for a in example]}) does not split into {microbatches} "
+                   "equal microbatches along dimension 0")
+    if problem is None and balance not in part.BALANCES:
+        problem = f"balance must be one of {part.BALANCES}, got {balance!r}"
+    if problem is None:
+        _, problem = _attempt(lambda: _recompute_ratio(recompute, recompute_ratio, 0, shape[2], schedule))
+    if problem is None and schedule not in _schedule_names():
+        problem = f"schedule must be one of {sorted(_schedule_names())}, got {schedule!r}"
+    if problem is None and shape[2] > 1 and schedule != "gpipe" and microbatches < shape[2]:
+        problem = f"schedule {schedule!r} needs at least as many microbatches as stages ({shape[2]}), got {microbatches}"
+    _agree("arguments", problem, None)
+    dp, tp, pp = shape
+    compress = _compress_options(compress_boundaries)
+    if distributed and world > 1:
+        check_same("fastdist.parallelize arguments", {
+            "mesh": shape, "microbatches": microbatches, "schedule": schedule, "recompute": str(recompute),
+            "recompute_ratio": float(recompute_ratio), "tp_overlap": str(tp_overlap), "balance": balance,
+            "split_points": None if split_points is None else [str(p) for p in split_points], "blocks": blocks,
+            "tp_plan": None if tp_plan is None else dict(tp_plan), "compress": _describe_compress(compress),
+            "example_inputs": [(tuple(a.shape), str(a.dtype)) for a in example]})
+        check_same("fastdist.parallelize model", _model_structure(model))
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if distributed and world > 1:
+        mesh_obj = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh(device.type, shape,
+                                                                                mesh_dim_names=MESH_DIMS)
+        groups = {n: (mesh_obj.get_group(n) if n in (mesh_obj.mesh_dim_names or ()) else None) for n in MESH_DIMS}
+        names = list(mesh_obj.mesh_dim_names)
+        coord_list = mesh_obj.get_coordinate()
+        coordinate = tuple(coord_list[names.index(n)] if n in names else 0 for n in MESH_DIMS)
+        grid = mesh_obj.mesh.reshape(dp, tp, pp) if names == list(MESH_DIMS) else None
+    else:
+        mesh_obj, groups, coordinate, grid = None, {n: None for n in MESH_DIMS}, (0, 0, 0), None
+    dp_i, tp_i, pp_i = coordinate
+
+    # ---- cut: analyse on every rank (cheap), profile on rank 0, plan everywhere from rank 0's numbers ----
+    micro = tuple(a.tensor_split(microbatches)[0] for a in example)
+    analysis, problem = _attempt(lambda: part.analyze(model, micro, blocks))
+    if problem is None and pp > analysis.num_blocks:
+        problem = (f"{pp} pipeline stages but {type(model).__name__} has only {analysis.num_blocks} blocks in "
+                   f"{analysis.blocks_path}: use at most {analysis.num_blocks} stages")
+    _agree("cutting the model", problem, None)
+    if balance == "time" and split_points is None and pp > 1:
+        costs = part.profile_pieces(analysis, reps=profile_reps) if dist.get_rank() == 0 or world == 1 else None
+        if world > 1:
+            box = [costs]
+            dist.broadcast_object_list(box, src=0)
+            costs = box[0]
+    else:
+        costs = part._param_costs(analysis)
+    ratios = [_recompute_ratio(recompute, recompute_ratio, s, pp, schedule) for s in range(pp)]
+    plan, problem = _attempt(lambda: part.make_plan(
+        analysis, costs, pp, balance, split_points, ratios, mesh=shape, schedule=schedule if pp > 1 else "none",
+        microbatches=microbatches, recompute=str(recompute), boundaries=_describe_compress(compress)))
+    _agree("planning the stages", problem, None)
+    if distributed and world > 1:
+        check_same("fastdist.parallelize plan", plan)
+    mine = plan.stages[pp_i]
+
+    # ---- this rank's stage, checked against the whole model on a second batch ----
+    keys = list(model.state_dict().keys())
+    stage = part.build_stage(analysis, mine.first_block, mine.last_block, pp_i, pp)
+    second = _second_batch(micro)
+    problem = part.check_stage(analysis, stage, part.cut_activations(analysis, second), second)
+    if problem:
+        problem += (f". Cut elsewhere with split_points=[...] (block indices of {analysis.blocks_path}), or name "
+                    "another block list with blocks=")
+    _agree("checking the stages", problem, None)
+
+    # ---- tied parameters: held by several stages, their gradients summed ----
+    tied = []
+    if pp > 1:
+        canonical = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical.setdefault(id(p), name)
+        by_id = {id(p): canonical[id(p)] for _, p in model.named_parameters(remove_duplicate=False)}
+        names_of = dict(model.named_parameters(remove_duplicate=False))
+        held = {by_id[id(names_of[n])]: p for n, p in stage.named_parameters() if n in names_of}
+        everyone: list[Any] = [None] * pp
+        dist.all_gather_object(everyone, sorted(held), group=groups["pp"])
+        holders: dict[str, tuple[int, ...]] = {}
+        for s, names in enumerate(everyone):
+            for n in names:
+                holders[n] = holders.get(n, ()) + (s,)
+        shared = {n: h for n, h in holders.items() if len(h) > 1}
+        for h in sorted(set(shared.values())):
+            for d in range(dp):
+                for t in range(tp):
+                    ranks = [int(grid[d, t, s]) for s in h]
+                    g = dist.new_group(ranks)
+                    if (d, t) == (dp_i, tp_i) and pp_i in h:
+                        tied.append((g, [held[n] for n in sorted(shared) if shared[n] == h]))
+
+    # ---- tensor parallel, data parallel, pipeline ----
+    layouts = {}
+    if tp > 1:
+        layouts = _tp_shard(stage, groups["tp"], _expand_tp_plan(stage, tp_plan), tp_overlap)
+    runner: nn.Module = stage
+    ddp = None
+    if dp > 1:
+        ddp = runner = DistributedDataParallel(stage, process_group=groups["dp"])
+        if dp_comm_hook is not None:
+            hook = dp_comm_hook(groups["dp"]) if callable(dp_comm_hook) else dp_comm_hook
+            ddp.register_comm_hook(*hook)
+    opt = optimizer(runner.parameters())
+    pipelined = pp > 1 or recompute != "none" or compress is not None
+    pipe_stage, sched = None, None
+    if pipelined:
+        from fastdist.parallel.schedule import build_schedule
+        cuts = analysis.cut_shapes
+        in_args = micro if pp_i == 0 else (torch.empty(cuts[mine.first_block][0], dtype=cuts[mine.first_block][1],
+                                                       device=device, requires_grad=True),)
+        out_shape = analysis.output_shape if pp_i == pp - 1 else cuts[mine.last_block]
+        out_args = (torch.empty(out_shape[0], dtype=out_shape[1], device=device,
+                                requires_grad=out_shape[1].is_floating_point),)
+        pipe_stage = _make_pipeline_stage(stage, runner, pp_i, pp, device, groups["pp"], in_args, out_args,
+                                          recompute != "none", compress, stage.pipeline_blocks)
+        sched = build_schedule(schedule, pipe_stage, microbatches, loss_fn, recompute=recompute,
+                               recompute_ratio=recompute_ratio)
+    return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
+                  _runner=runner, _ddp=ddp, _schedule=sched, _pipe_stage=pipe_stage, _tied=tied, _layouts=layouts,
+                  _groups=groups, _world=world, _keys=keys, _steps=0,
+                  _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
+
+
+def _schedule_names() -> tuple[str, ...]:
+    from fastdist.parallel.schedule import SCHEDULES
+    return tuple(SCHEDULES)
+
+
+def _recompute_ratio(recompute: Any, r0: float, stage: int, stages: int, schedule: str) -> float:
+    from fastdist.parallel.schedule import resolve_recompute
+    return resolve_recompute(recompute, r0, stage, stages, schedule)

@@ -1,0 +1,176 @@
+"""What the engine's tests run on each rank, and the single-process references they compare with: the models (a GPT
+TransformerLM, a nanoGPT GPT with its embedding tied to the head, Hugging Face's GPT2LMHeadModel from a small config),
+their seeded data, and training loops. Nothing is asserted here; the test bodies compare."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fastdist
+from fastdist.testing.models import TransformerLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tp"))
+import user_models as um  # noqa: E402  (nanoGPT's blocks as nanoGPT writes them)
+
+VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 5
+# fastdist.tp recognises nanoGPT/GPT-2/LLaMA blocks by name; TransformerLM's nn.MultiheadAttention it does not, so
+# its MLPs are named (attention stays replicated on the tensor-parallel ranks).
+TRANSFORMER_LM_TP = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT (model.py): token and position embeddings, dropout, blocks, final LayerNorm, an LM head whose
+    weight is the token embedding's; the forward returns every position's logits."""
+
+    def __init__(self, config: um.GPTConfig, vocab: int):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([um.Block(config) for _ in range(config.n_layer)]),
+            ln_f=um.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def make_model(name: str, layers: int = 4) -> nn.Module:
+    """The seeded model ``name`` ("transformer_lm", "nanogpt", "gpt2")."""
+    torch.manual_seed(0)
+    if name == "transformer_lm":
+        return TransformerLM(VOCAB, 32, 4, layers, seq=SEQ)
+    if name == "nanogpt":
+        return NanoGPT(um.GPTConfig(block_size=SEQ, n_layer=layers, n_head=4, n_embd=32), VOCAB)
+    if name == "gpt2":
+        import transformers
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config)
+    raise KeyError(name)
+
+
+def batches(steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, next tokens) for every step, seeded."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        seq = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def reference(name: str, steps: int = STEPS, layers: int = 4) -> tuple[list[float], dict]:
+    """Single-process training: the losses of every step and the state dict after."""
+    model = make_model(name, layers)
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for tokens, target in batches(steps):
+        opt.zero_grad()
+        out = model(tokens)
+        loss = loss_fn(out.logits if hasattr(out, "logits") else out, target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(name: str, mesh: tuple[int, int, int], microbatches: int = 2, steps: int = STEPS, layers: int = 4,
+          **options) -> dict:
+    """parallelize + ``steps`` steps on this rank: losses, the gathered state dict (rank 0 only), the plan."""
+    model = make_model(name, layers)
+    dp = mesh[0]
+    d = dist.get_rank() // (mesh[1] * mesh[2]) if dist.is_initialized() else 0  # this rank's dp index
+    data = [(x.chunk(dp)[d], y.chunk(dp)[d]) for x, y in batches(steps)]
+    if name == "transformer_lm" and mesh[1] > 1:
+        options.setdefault("tp_plan", TRANSFORMER_LM_TP)
+    engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
+                                           optimizer=make_optimizer, microbatches=microbatches, **options)
+    losses = [engine.step(x, y).item() for x, y in data]
+    state = engine.state_dict()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return {"losses": losses, "state": state if rank == 0 else None, "plan": str(engine.plan),
+            "split_points": engine.plan.split_points, "coordinate": engine.coordinate}
+
+
+def error_of(fn, *args, **kwargs) -> str | None:
+    """The text of the exception ``fn`` raises (its type first), or None."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test compares the message
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def bad_input(case: str) -> str | None:
+    """The error parallelize raises on this rank for a bad configuration ``case``."""
+    model = make_model("transformer_lm")
+    tokens, _ = batches(1)[0]
+    kwargs = dict(mesh=(1, 1, dist.get_world_size()), example_inputs=(tokens,), loss_fn=loss_fn,
+                  optimizer=make_optimizer, microbatches=2)
+    if case == "mesh_product":
+        kwargs["mesh"] = (1, 1, 3)
+    elif case == "more_stages_than_blocks":
+        model = make_model("transformer_lm", layers=1)
+    elif case == "microbatches":
+        kwargs["microbatches"] = 3
+    elif case == "no_blocks":
+        model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    elif case == "different_models":
+        if dist.get_rank() == 1:
+            torch.manual_seed(1)
+            model = TransformerLM(VOCAB, 32, 4, 4, seq=SEQ)
+    elif case == "different_plans":
+        kwargs["split_points"] = [1 + dist.get_rank() % 2]
+    else:
+        raise KeyError(case)
+    return error_of(fastdist.parallel.parallelize, model, **kwargs)
+
+
+def overhead(steps: int = 12) -> dict:
+    """Per-step seconds of a plain training loop and of parallelize on mesh (1, 1, 1), interleaved, one process."""
+    data = batches(steps)
+    plain_model, engine_model = make_model("transformer_lm"), make_model("transformer_lm")
+    opt = make_optimizer(plain_model.parameters())
+    engine = fastdist.parallel.parallelize(engine_model, mesh=(1, 1, 1), example_inputs=(data[0][0],),
+                                           loss_fn=loss_fn, optimizer=make_optimizer)
+
+    def plain(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(plain_model(x), y)
+        loss.backward()
+        opt.step()
+
+    samples = {"plain": [], "engine": []}
+    for i, (x, y) in enumerate(data):
+        for name, fn in (("plain", plain), ("engine", engine.step)) if i % 2 else (("engine", engine.step),
+                                                                                   ("plain", plain)):
+            start = time.perf_counter()
+            fn(x, y)
+            samples[name].append(time.perf_counter() - start)
+    return samples
