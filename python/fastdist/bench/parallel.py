@@ -1,0 +1,749 @@
+"""`fastdist-bench parallel`: a GPT trained pipeline-parallel (pp=2) by torch's and DeepSpeed's engines and by
+fastdist.parallelize; partition balance; the tensor-parallel dimension against torch's DTensor.
+
+The model is fastdist.testing.models.TransformerLM as a GPT (--gpt vocab,dim,heads,layers,seq) whose large
+vocabulary makes the embedding and the LM head heavy, cut into pieces the way every engine here sees it: the
+embedding (+ positions), one piece per block, the final norm + head. Ranks are pinned to a core each (one torch
+thread, gloo's threads included). Parts (--parts):
+
+  pipeline  one optimizer step (AdamW) over --batch sequences in --microbatches microbatches, per variant, on the
+            same weights and the same batches (batch i at every variant's i-th step):
+              torch-1f1b+recompute  torch.distributed.pipelining Schedule1F1B over PipelineStage, every block
+                                    under torch.utils.checkpoint (full activation checkpointing)
+              torch-1f1b            the same without recompute
+              deepspeed+recompute   DeepSpeed's PipelineModule + train_batch engine, activation_checkpoint_interval
+                                    1 over the blocks (checkpointable_layers), a torch AdamW
+              deepspeed             the same without recompute
+            and fastdist.parallelize's engine (schedule 1f1b, and shifted_critical_path + stage_aware recompute)
+            once fastdist.parallel is installed (the rows say when it is not). The peers split by layer count
+            (DeepSpeed's "uniform"); ours uses its own partitioner. Every variant's first loss is checked against
+            the unpipelined model's loss on the same batch before timing (CHECK_TOLERANCE), and every loss it
+            reports is kept. Interleaved (the order rotated every repetition), --warmup untimed steps first,
+            median of --reps of the slowest rank's step; per stage, the peak resident memory during a step above
+            the resident memory before it (VmHWM reset before every step; glibc told to return large blocks, so
+            it follows the live tensors: saved activations, gradients, receive buffers).
+  balance   each stage's forward + backward on one microbatch, timed on its own rank (interleaved, median of
+            --reps), for the uniform layer split and for fastdist's balanced partition: max/mean stage time.
+  tp        forward + backward of one GPT block (--tp-block hidden,heads,seq,batch) on 2 ranks at each
+            --tp-nets network: fastdist.tp's Megatron-style, chunked and Oases mappings (what parallelize's tp
+            dimension builds) against torch's DTensor parallelize_module (Colwise/RowwiseParallel); the variants
+            and their check against the unsharded block are bench/tp.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import gc
+import importlib.util
+import io
+import logging
+import os
+import re
+import statistics
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastdist.bench import report
+from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
+from fastdist.bench.report import MIB, col, fixed, percent, scientific, times
+from fastdist.bench.toolkit import all_max, all_sum, at_least, comma_list, interleave, progress, shape_type, together
+
+PEERS = ["torch-1f1b+recompute", "torch-1f1b", "deepspeed+recompute", "deepspeed"]
+"""The pipeline peers a user would pick instead, on the same model, data and microbatches."""
+SCHEDULE_ONLY = "scp+stage-aware/uniform"
+"""fastdist's shifted-critical-path schedule with stage-aware recompute on the peers' (uniform) stages."""
+OURS = [SCHEDULE_ONLY, "fastdist-1f1b", "fastdist-scp+stage-aware"]
+"""fastdist's pipeline rows: the schedule alone, then fastdist.parallelize's engine (partitioner included)."""
+BASELINE = "torch-1f1b+recompute"
+"""The row every speed-up is measured against (the issue's target: Schedule1F1B with full recompute)."""
+TP_VARIANTS = ["megatron", "chunked", "oases", "dtensor"]
+"""bench/tp.py's GPT-block variants this suite times (its +recompute variants are left to that suite)."""
+PARALLELIZE_TP = "parallelize tp=2"
+"""The tp row of fastdist.parallelize: the stage module its mesh (1, 2, 1) builds for the block."""
+PARTS = ["pipeline", "balance", "tp"]
+CHECK_TOLERANCE = 1e-4
+"""Largest |first loss - unpipelined model's loss| / unpipelined loss a variant may show (float32)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
+    add_launch_arguments(p, timeout=1800.0)
+    p.set_defaults(ranks=2)
+    p.add_argument("--parts", type=comma_list(choices=PARTS), default=",".join(PARTS),
+                   help="which parts to run, a comma list of " + ",".join(PARTS) + " (default all)")
+    p.add_argument("--variants", type=comma_list(choices=PEERS + OURS), default=",".join(PEERS + OURS),
+                   help="pipeline rows, a comma list of " + ",".join(PEERS + OURS) + " (default all)")
+    p.add_argument("--gpt", type=shape_type(5), default="16384,256,4,8,64",
+                   help="GPT vocab,dim,heads,layers,seq (default 16384,256,4,8,64: the vocabulary makes the ends "
+                        "heavy)")
+    p.add_argument("--batch", type=at_least(1), default=16, help="sequences per optimizer step (default 16)")
+    p.add_argument("--microbatches", type=at_least(1), default=4, help="microbatches per step (default 4)")
+    p.add_argument("--recompute-ratio", type=float, default=0.5,
+                   help="r0 of stage-aware recompute for fastdist's shifted-critical-path row (default 0.5)")
+    p.add_argument("--tp-block", type=shape_type(4), default="256,4,64,8",
+                   help="tp part: GPT block hidden,heads,seq,batch (default 256,4,64,8)")
+    p.add_argument("--tp-nets", type=comma_list(), default="loopback,1gbit",
+                   help="tp part: networks, 'loopback' or link rates (default loopback,1gbit)")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions per variant, >= 5 for a claim")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions of every variant first")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of every variant (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---- the model, cut into the pieces every engine sees ----
+
+class Embedding(nn.Module):
+    """The GPT's token embedding plus learned positions: ids [B, T] -> [B, T, dim]."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.embed, self.pos = lm.embed, lm.pos
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) + self.pos[:tokens.shape[1]]
+
+
+class BlockLayer(nn.Module):
+    """One transformer block with the causal mask it needs, as a one-tensor-in, one-tensor-out layer."""
+
+    def __init__(self, block: nn.Module, causal: torch.Tensor):
+        super().__init__()
+        self.block = block
+        self.register_buffer("causal", causal.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return self.block(x, self.causal[:t, :t])
+
+
+class Head(nn.Module):
+    """The final LayerNorm and the LM head: [B, T, dim] -> logits [B, T, vocab]."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.norm, self.head = lm.norm, lm.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+class Checkpointed(nn.Module):
+    """`inner` under torch.utils.checkpoint (non-reentrant): its activations are recomputed in backward."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def build_gpt(gpt: Sequence[int], seed: int) -> nn.Module:
+    """The benchmark's GPT (TransformerLM with positions and a causal mask), seeded; the positions are drawn too,
+    so that they take part in the check."""
+    from fastdist.testing.models import TransformerLM
+
+    vocab, dim, heads, layers, seq = gpt
+    torch.manual_seed(seed)
+    lm = TransformerLM(vocab, dim, heads, layers, seq=seq)
+    with torch.no_grad():
+        lm.pos.normal_(std=0.02)
+    return lm
+
+
+def pieces(lm: nn.Module) -> list[nn.Module]:
+    """`lm` as a list of layers: the embedding, one BlockLayer per block, the head (sharing `lm`'s parameters)."""
+    return [Embedding(lm), *(BlockLayer(b, lm.causal) for b in lm.blocks), Head(lm)]
+
+
+def uniform_bounds(n: int, stages: int) -> list[int]:
+    """Stage boundaries of `n` layers split by layer count, as DeepSpeed's partition_method="uniform" does: the
+    first n % stages stages one layer more."""
+    chunk, extra = divmod(n, stages)
+    return [s * chunk + min(s, extra) for s in range(stages + 1)]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [B, T, vocab] against ids [B, T]."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def batch_for(step: int, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of step `step`: [batch, seq] random ids, targets the inputs shifted by one."""
+    vocab, _, _, _, seq = config["gpt"]
+    g = torch.Generator().manual_seed(config["seed"] * 1_000_003 + step)
+    ids = torch.randint(vocab, (config["batch"], seq + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+# ---- resident memory of a step ----
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return 1024 * int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.MULTILINE).group(1))
+
+
+def _trim() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reset_peak() -> int:
+    """Frees what can be freed, sets the process's peak resident size (VmHWM) to its current one; returns that
+    (bytes). Where /proc/self/clear_refs cannot be written the peak keeps earlier history (the caller sees a
+    larger figure, never a smaller one)."""
+    _trim()
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_above(base: int) -> int:
+    """Peak resident bytes since `reset_peak` above what was resident then."""
+    return max(_status_bytes("VmHWM") - base, 0)
+
+
+@contextlib.contextmanager
+def _large_blocks_returned() -> Iterator[None]:
+    """Ranks started inside give freed blocks over 64 KiB back to the OS at once (glibc's mmap threshold), so
+    their resident size follows the live tensors."""
+    before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = before
+
+
+# ---- the pipeline variants (one rank = one stage) ----
+
+def _stage_module(lm: nn.Module, bounds: Sequence[int], stage: int, recompute: bool) -> nn.Sequential:
+    layers = pieces(lm)[bounds[stage]:bounds[stage + 1]]
+    return nn.Sequential(*(Checkpointed(m) if recompute and isinstance(m, BlockLayer) else m for m in layers))
+
+
+def _stage_args(config: dict) -> dict:
+    """PipelineStage's input_args/output_args for this rank's stage of the GPT (one microbatch)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab, dim, _, _, seq = config["gpt"]
+    mb = config["batch"] // config["microbatches"]
+    # Shapes given, not inferred (inference would run the first stage on uninitialized ids); the activations'
+    # requires_grad is what tells the stages to exchange their gradients.
+    inputs = torch.zeros(mb, seq, dtype=torch.long) if rank == 0 else torch.zeros(mb, seq, dim, requires_grad=True)
+    outputs = torch.zeros(mb, seq, vocab if rank == world - 1 else dim, requires_grad=True)
+    return {"input_args": (inputs,), "output_args": (outputs,)}
+
+
+def _schedule_step(module: nn.Module, schedule: Any, config: dict):
+    """One optimizer step (AdamW over `module`) driven by a torch-style pipeline schedule: a callable(step) ->
+    loss (the mean over microbatches on the last stage, None elsewhere), with the tensors it owns as `.owned`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=config["lr"])
+
+    def step(i: int) -> float | None:
+        x, y = batch_for(i, config)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if losses else None
+    step.owned = [*module.parameters(), *module.buffers()]
+    return step
+
+
+def _torch_variant(lm: nn.Module, config: dict, recompute: bool):
+    """torch's Schedule1F1B over this rank's PipelineStage (uniform split), every block checkpointed when
+    `recompute`."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = _stage_module(lm, uniform_bounds(len(lm.blocks) + 2, world), rank, recompute)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), **_stage_args(config))
+    return _schedule_step(module, Schedule1F1B(stage, n_microbatches=config["microbatches"], loss_fn=lm_loss),
+                          config)
+
+
+def _schedule_variant(lm: nn.Module, config: dict):
+    """fastdist's shifted-critical-path schedule with stage-aware recompute (fastdist.parallel.schedule and
+    .recompute) on the peers' stages (uniform split): the schedule and recompute policy alone, no partitioner."""
+    from fastdist.parallel.recompute import make_stage
+    from fastdist.parallel.schedule import build_schedule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = _stage_module(lm, uniform_bounds(len(lm.blocks) + 2, world), rank, recompute=False)
+    blocks = [m for m in module if isinstance(m, BlockLayer)]
+    stage = make_stage(module, rank, world, "cpu", blocks=blocks, **_stage_args(config))
+    schedule = build_schedule("shifted_critical_path", stage, config["microbatches"], lm_loss,
+                              recompute="stage_aware", recompute_ratio=config["recompute_ratio"])
+    return _schedule_step(module, schedule, config)
+
+
+def _deepspeed_variant(lm: nn.Module, config: dict, recompute: bool):
+    """One optimizer step of DeepSpeed's pipeline engine (train_batch) on the same layers, split by layer count:
+    a callable(step) -> loss (train_batch's mean over microbatches, on every rank)."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    world = dist.get_world_size()
+    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    mb = config["batch"] // config["microbatches"]
+    ds_config = {"train_batch_size": config["batch"], "train_micro_batch_size_per_gpu": mb,
+                 "gradient_accumulation_steps": config["microbatches"], "steps_per_print": 1 << 30,
+                 "gradient_clipping": 0.0}
+    with contextlib.redirect_stdout(io.StringIO()):  # its partition printout would land among the results
+        module = PipelineModule(pieces(lm), num_stages=world, loss_fn=lm_loss, partition_method="uniform",
+                                activation_checkpoint_interval=1 if recompute else 0,
+                                checkpointable_layers=[BlockLayer.__name__])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=config["lr"])
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+
+    def step(i: int) -> float:
+        x, y = batch_for(i, config)
+        data = iter([(x[j:j + mb], y[j:j + mb]) for j in range(0, config["batch"], mb)])
+        return float(engine.train_batch(data_iter=data))
+    step.owned = [*engine.module.parameters(), *engine.module.buffers()]
+    return step
+
+
+def _ours_variant(lm: nn.Module, config: dict, name: str):
+    """One optimizer step of fastdist.parallelize's engine on the whole GPT (pp = ranks; its partitioner
+    balances the stages by profiled time)."""
+    from fastdist.parallel import parallelize
+
+    schedule, recompute = ("1f1b", "none") if name == "fastdist-1f1b" else ("shifted_critical_path", "stage_aware")
+    x, _ = batch_for(0, config)
+    engine = parallelize(lm, mesh=(1, 1, dist.get_world_size()), example_inputs=(x,), loss_fn=lm_loss,
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=config["lr"]),
+                         microbatches=config["microbatches"], schedule=schedule, recompute=recompute,
+                         recompute_ratio=config["recompute_ratio"])
+
+    def step(i: int) -> float:
+        return float(engine.step(*batch_for(i, config)))
+    step.plan = str(engine.plan)
+    step.owned = [*engine.module.parameters(), *engine.module.buffers()]
+    return step
+
+
+def ours_available() -> bool:
+    """Whether fastdist.parallelize (the engine this suite's own rows run) is installed."""
+    try:
+        from fastdist.parallel import parallelize  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def missing(variant: str) -> str | None:
+    """Why pipeline row `variant` cannot run here (a package not installed), None when it can."""
+    if variant.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not installed"
+    if variant == SCHEDULE_ONLY:
+        return None if importlib.util.find_spec("fastdist.parallel.schedule") else "fastdist.parallel not installed"
+    if variant in OURS and not ours_available():
+        return "fastdist.parallelize not available"
+    return None
+
+
+def _reference_loss(config: dict) -> float:
+    lm = build_gpt(config["gpt"], config["seed"])
+    x, y = batch_for(0, config)
+    with torch.no_grad():
+        return float(lm_loss(lm(x), y))
+
+
+def _pipeline_rank(config: dict) -> dict | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    core = pin_to_core(rank)
+    variants, plans = {}, {}
+    for name in config["variants"]:
+        lm = build_gpt(config["gpt"], config["seed"])  # every variant from the same weights
+        if name.startswith("torch"):
+            variants[name] = _torch_variant(lm, config, recompute=name.endswith("+recompute"))
+        elif name.startswith("deepspeed"):
+            variants[name] = _deepspeed_variant(lm, config, recompute=name.endswith("+recompute"))
+        elif name == SCHEDULE_ONLY:
+            variants[name] = _schedule_variant(lm, config)
+        else:
+            variants[name] = _ours_variant(lm, config, name)
+            plans[name] = variants[name].plan
+    names = list(variants)
+    reps, warmup = config["reps"], max(config["warmup"], 1)  # step 0 is the checked one, never timed
+    meters = {n: _meter(variants[n].owned) for n in names}
+    seconds = {n: [] for n in names}
+    saved = {n: [] for n in names}
+    resident = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    bar = progress((warmup + reps) * len(names), "parallel pipeline", enabled=rank == 0)
+    for it, name, phase in interleave(names, warmup, reps):
+        base = reset_peak()
+        meter = meters[name]
+        meter.reset_peak()
+        with together() as watch, meter:
+            loss = variants[name](it)
+        losses[name].append(loss)
+        if it >= warmup:
+            seconds[name].append(watch.seconds)
+            saved[name].append(meter.peak)
+            resident[name].append(peak_above(base))
+        bar.step(f"{phase} {name}")
+    # A step lasts until its slowest rank is done; every stage's memory is its own (one slot per rank).
+    slowest = all_max([t for n in names for t in seconds[n]])
+    per_stage = all_sum([v if r == rank else 0.0 for table in (saved, resident) for n in names for v in table[n]
+                         for r in range(world)])
+    losses_seen = all_sum([v if (v is not None and rank == world - 1) else 0.0 for n in names for v in losses[n]])
+    if rank != 0:
+        return None
+    reference = _reference_loss(config)
+    steps, width = warmup + reps, reps * world
+    rows = []
+    for i, n in enumerate(names):
+        samples = slowest[i * reps:(i + 1) * reps]
+        by_stage = {}
+        for k, key in enumerate(("saved", "resident")):
+            flat = per_stage[(k * len(names) + i) * width:(k * len(names) + i + 1) * width]
+            by_stage[key] = [[flat[j * world + st] for j in range(reps)] for st in range(world)]
+        trajectory = losses_seen[i * steps:(i + 1) * steps]
+        rows.append({"variant": n, "time_ms": statistics.median(samples) * 1e3,
+                     "samples_ms": [t * 1e3 for t in samples],
+                     "stage_saved_bytes": [statistics.median(v) for v in by_stage["saved"]],
+                     "stage_saved_samples": by_stage["saved"],
+                     "stage_peak_bytes": [statistics.median(v) for v in by_stage["resident"]],
+                     "stage_peak_samples": by_stage["resident"],
+                     "losses": trajectory, "first_loss_error": abs(trajectory[0] - reference) / reference,
+                     "plan": plans.get(n)})
+    return {"rows": rows, "reference_loss": reference, "core": core}
+
+
+def _meter(owned: Sequence[torch.Tensor]) -> Any:
+    """A meter of the activation bytes autograd keeps for the backward (fastdist.parallel.recompute's), not
+    counting `owned` (the variant's parameters and buffers); a stand-in reading 0 where it is not installed."""
+    try:
+        from fastdist.parallel.recompute import SavedActivationMeter
+    except ImportError:
+        return _NoMeter()
+    return SavedActivationMeter(exclude=owned)
+
+
+class _NoMeter(contextlib.nullcontext):
+    peak = 0
+
+    def reset_peak(self) -> None:
+        pass
+
+
+def check_losses(rows: list[dict], tolerance: float = CHECK_TOLERANCE) -> None:
+    """Raises RuntimeError naming every pipeline row whose first loss is off the unpipelined model's."""
+    bad = {r["variant"]: r["first_loss_error"] for r in rows if not r["first_loss_error"] <= tolerance}
+    if bad:
+        raise RuntimeError(f"fastdist-bench parallel: first loss differs from the unpipelined model's by more than "
+                           f"{tolerance:g} (relative): " + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
+
+
+# ---- partition balance ----
+
+def _stage_step(module: nn.Module, x: torch.Tensor, target: torch.Tensor | None):
+    def call():
+        module.zero_grad(set_to_none=True)
+        out = module(x)
+        (lm_loss(out, target) if target is not None else out.float().pow(2).mean()).backward()
+    return call
+
+
+def balanced_bounds(lm: nn.Module, config: dict, stages: int) -> tuple[list[int], str] | None:
+    """Stage boundaries over `pieces(lm)` from fastdist's partitioner (balanced by profiled time on one
+    microbatch) and its plan as text; None while the partitioner is not installed."""
+    try:
+        from fastdist.parallel.partition import partition
+    except ImportError:
+        return None
+    mb = config["batch"] // config["microbatches"]
+    x, _ = batch_for(0, config)
+    plan = partition(lm, stages, (x[:mb],))
+    n = len(lm.blocks)
+    # the partitioner cuts between blocks; the embedding stays on the first stage, the head on the last
+    return [0, *(b + 1 for b in plan.split_points), n + 2], str(plan)
+
+
+def _balance_rank(config: dict) -> dict | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pin_to_core(rank)
+    lm = build_gpt(config["gpt"], config["seed"])
+    _, dim, _, _, seq = config["gpt"]
+    mb = config["batch"] // config["microbatches"]
+    x, y = (t[:mb] for t in batch_for(0, config))
+    splits = {"uniform": uniform_bounds(len(lm.blocks) + 2, world)}
+    # One rank profiles and plans; every rank then times its stage of that plan (profiles taken on two ranks
+    # could disagree by their noise).
+    shared = [balanced_bounds(copy.deepcopy(lm), config, world) if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    balanced, plan = shared[0], None
+    if balanced is not None:
+        splits["balanced"], plan = balanced
+    calls = {}
+    for name, bounds in splits.items():
+        module = _stage_module(copy.deepcopy(lm), bounds, rank, recompute=False)
+        inp = x if rank == 0 else torch.randn(mb, seq, dim, requires_grad=True)
+        calls[name] = _stage_step(module, inp, y if rank == world - 1 else None)
+    samples = {n: [] for n in calls}
+    for it, name, _ in interleave(list(calls), config["warmup"], config["reps"]):
+        with together() as watch:  # the ranks time their own stage at once, as they would run in the pipeline
+            calls[name]()
+        if it >= config["warmup"]:
+            samples[name].append(watch.seconds)
+    mine = [statistics.median(samples[n]) for n in calls]
+    every = all_sum([t if r == rank else 0.0 for t in mine for r in range(world)])
+    if rank != 0:
+        return None
+    rows = []
+    for i, (name, bounds) in enumerate(splits.items()):
+        stage_s = every[i * world:(i + 1) * world]
+        rows.append({"split": name, "bounds": bounds, "stage_ms": [t * 1e3 for t in stage_s],
+                     "max_over_mean": max(stage_s) / statistics.mean(stage_s)})
+    return {"rows": rows, "plan": plan}
+
+
+# ---- tensor parallel: bench/tp.py's block variants, and parallelize's tp dimension ----
+
+class OneBlock(nn.Module):
+    """A model whose blocks are one GPT block, as parallelize takes it: [B, T, hidden] -> [B, T, hidden]."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.blocks = nn.ModuleList([block])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+def _parallelized_block(config: dict):
+    """(the tp=2 module fastdist.parallelize builds for bench/tp.py's GPT block, the block, its input): the same
+    block and input as bench/tp.py's variants (its seeds)."""
+    from fastdist.parallel import parallelize
+    from fastdist.tp import GPTBlock
+
+    hidden, heads, seq, batch = config["tp_block"]
+    torch.manual_seed(1)
+    ref = GPTBlock(hidden, heads)
+    x = torch.randn(batch, seq, hidden)
+    engine = parallelize(OneBlock(copy.deepcopy(ref)), mesh=(1, dist.get_world_size(), 1), example_inputs=(x,),
+                         loss_fn=lambda out, target: out.float().pow(2).mean(),
+                         optimizer=lambda params: torch.optim.AdamW(params), tp_overlap="auto")
+    return engine.module, ref, x
+
+
+def _tp_rank(config: dict) -> dict | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastdist.bench import tp
+    from fastdist.tp import CostModel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pin_to_core(rank)
+    tp_config = {"block": config["tp_block"], "part": "block"}
+    model = CostModel.calibrate(None, shapes=(tp._part_shape(tp_config),), reps=5)
+    variants, errors, chunks = tp._block_variants(tp_config, model, init_device_mesh("cpu", (world,)))
+    variants = {n: variants[n] for n in TP_VARIANTS if n in variants}
+    if ours_available():
+        module, ref, x = _parallelized_block(config)
+        variants[PARALLELIZE_TP] = tp._step(module, x)
+        errors.update(tp._check_against(tp._step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
+    names = list(variants)
+    bar = progress((config["warmup"] + config["reps"]) * len(names), f"parallel tp {config['net']}",
+                   enabled=rank == 0)
+    samples = tp._interleaved(variants, config["reps"], config["warmup"], bar, "tp")
+    rows = tp._rows(samples, names, "variant", errors, chunks)
+    return {"rows": rows} if rank == 0 else None
+
+
+# ---- driver ----
+
+_PART_RANKS = {"pipeline": _pipeline_rank, "balance": _balance_rank, "tp": _tp_rank}
+
+
+def _parts_rank(config: dict) -> dict | None:
+    """Runs config["run_parts"] on this rank, one after another; rank 0 returns {part: its result}, with the
+    host's load average when the part ended."""
+    out = {}
+    for part in config["run_parts"]:
+        got = _PART_RANKS[part](config)
+        if got is not None:
+            out[part] = {**got, "load_average": list(os.getloadavg())}
+    return out if dist.get_rank() == 0 else None
+
+def _config_from(args: argparse.Namespace) -> dict:
+    return {"gpt": list(args.gpt), "batch": args.batch, "microbatches": args.microbatches,
+            "recompute_ratio": args.recompute_ratio, "tp_block": list(args.tp_block), "reps": args.reps,
+            "warmup": args.warmup, "lr": args.lr, "seed": args.seed}
+
+
+def _validate(args: argparse.Namespace) -> None:
+    vocab, dim, heads, layers, seq = args.gpt
+    if args.batch % args.microbatches:
+        raise SystemExit(f"fastdist-bench parallel: --microbatches {args.microbatches} does not divide --batch "
+                         f"{args.batch}")
+    if dim % heads:
+        raise SystemExit(f"fastdist-bench parallel: --gpt heads {heads} does not divide dim {dim}")
+    if layers + 2 < args.ranks:
+        raise SystemExit(f"fastdist-bench parallel: {layers} blocks + embedding + head cannot make {args.ranks} "
+                         "stages")
+    hidden, tp_heads, _, batch = args.tp_block
+    if hidden % tp_heads or tp_heads % args.ranks or batch < 2:
+        raise SystemExit("fastdist-bench parallel: --tp-block heads must divide hidden and divide by --ranks; "
+                         "batch >= 2")
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
+    other torchrun ranks)."""
+    _validate(args)
+    config = _config_from(args)
+    config["variants"] = [v for v in args.variants if missing(v) is None]
+    skipped = {v: missing(v) for v in args.variants if missing(v) is not None}
+    result: dict[str, Any] = {"suite": "parallel", "config": config, "not_run": skipped}
+    launches: dict[str, list[str]] = {}  # network -> the parts run on it, in one launch
+    for part in PARTS:
+        if part in args.parts:
+            for net in (args.tp_nets if part == "tp" else [args.net]):
+                launches.setdefault(net, []).append(part)
+    env = None
+    with _large_blocks_returned():
+        for net, parts in launches.items():
+            launch = run_ranks(_parts_rank, {**config, "net": net, "run_parts": parts}, ranks=args.ranks, net=net,
+                               delay=args.delay, timeout=args.timeout, backend="gloo")
+            if launch.result is None:
+                return None
+            env = env or report.environment(backend=launch.backend, device="cpu", ranks=launch.world,
+                                            network=launch.network)
+            where = {"network": launch.network, "link_gbps": launch.link_gbps}
+            for part, out in launch.result.items():
+                if part == "pipeline":
+                    check_losses(out["rows"])
+                if part == "tp":
+                    result.setdefault("tp", []).append({"net": net, **where, **out})
+                else:
+                    result[part] = {**where, **out}
+    result["env"] = env
+    print(report.format_environment(env))
+    print(f"# ranks pinned to one core each, 1 torch thread; medians of {args.reps} interleaved repetitions after "
+          f"{args.warmup} warm-up")
+    print(report.text_parts(tables(result)))
+    return result
+
+
+def _load(r: dict | None) -> str:
+    load = (r or {}).get("load_average")
+    return f"; load average {load[0]:.1f} at the end" if load else ""
+
+
+def _stage_mib(stage: int, key: str):
+    def value(r: dict) -> float | None:
+        mem = r.get(key) or []
+        return mem[stage] / MIB if stage < len(mem) else None
+    return value
+
+
+def tables(result: dict) -> list[report.Part]:
+    """The pipeline, balance and tp tables of `result` (its JSON payload), printed by `run` and shown in the docs."""
+    c = result["config"]
+    parts = []
+    pipe = result.get("pipeline")
+    if pipe:
+        rows = pipe["rows"]
+        base = next((r["time_ms"] for r in rows if r["variant"] == BASELINE), None)
+        stages = max(len(r["stage_peak_bytes"]) for r in rows)
+        saved = any(any(r.get("stage_saved_bytes") or []) for r in rows)
+        columns = [col("pipeline (pp=%d)" % stages, "variant"), col("step (ms)", "time_ms", fixed(1)),
+                   col("vs torch 1F1B+recompute", lambda r: base / r["time_ms"] if base else None, times(2))]
+        if saved:
+            columns += [col(f"stage {s} saved act. (MiB)", _stage_mib(s, "stage_saved_bytes"), fixed(1))
+                        for s in range(stages)]
+        columns += [col(f"stage {s} RSS peak (MiB)", _stage_mib(s, "stage_peak_bytes"), fixed(1))
+                    for s in range(stages)]
+        columns += [col("first loss vs unpipelined", "first_loss_error", scientific(1)),
+                    col("last loss", lambda r: r["losses"][-1], fixed(4))]
+        vocab, dim, heads, layers, seq = c["gpt"]
+        caption = (f"GPT vocab {vocab}, dim {dim}, {heads} heads, {layers} blocks, seq {seq}; {c['batch']} sequences "
+                   f"in {c['microbatches']} microbatches per AdamW step; {pipe['network']}; median of {c['reps']} "
+                   f"steps{_load(pipe)}.")
+        notes = ["saved act.: peak bytes autograd kept for the backward during a step (each storage once, "
+                 "parameters not counted); RSS peak: resident memory during a step above that before it; per "
+                 "stage, median over the timed steps."]
+        if result.get("not_run"):
+            notes.append("not run: " + ", ".join(f"{v} ({why})" for v, why in result["not_run"].items()))
+        parts.append(report.Part("pipeline", columns, rows, caption, notes))
+    bal = result.get("balance")
+    if bal:
+        columns = [col("partition", "split"), col("bounds", lambda r: ",".join(map(str, r["bounds"])), numeric=False),
+                   col("stage times (ms)", lambda r: ", ".join(f"{t:.1f}" for t in r["stage_ms"]), numeric=False),
+                   col("max/mean", "max_over_mean", fixed(2))]
+        parts.append(report.Part("balance", columns, bal["rows"],
+                                 "Stage forward + backward on one microbatch, each on its own pinned rank, median of "
+                                 f"{c['reps']}; bounds over [embedding, blocks..., head]{_load(bal)}."))
+    for run_ in result.get("tp") or []:
+        rows = run_["rows"]
+        peer = next((r["time_ms"] for r in rows if r["variant"] == "dtensor"), None)
+        columns = [col("GPT block (tp=2)", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+                   col("vs DTensor", lambda r, peer=peer: peer / r["time_ms"] if peer else None, times(2)),
+                   col("error vs unsharded", "max_error", scientific(1))]
+        hidden, heads, seq, batch = c["tp_block"]
+        parts.append(report.Part(f"tp-{run_['net']}", columns, rows,
+                                 f"GPT block hidden {hidden}, {heads} heads, seq {seq}, batch {batch}; "
+                                 f"{run_['network']}; median of {c['reps']}{_load(run_)}."))
+    return parts
+
+
+def plot(result: dict, path: str) -> None:
+    """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
+    panels = [k for k in ("pipeline", "balance", "tp") if result.get(k)]
+    _, fig, axes = report.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "pipeline":
+            rows = result["pipeline"]["rows"]
+            ax.bar([r["variant"] for r in rows], [r["time_ms"] for r in rows], color="tab:blue")
+            ax.set_ylabel("optimizer step (ms, median)")
+            ax.set_title("pp=2 GPT step")
+            ax.tick_params(axis="x", labelrotation=25, labelsize=7)
+        elif key == "balance":
+            rows = result["balance"]["rows"]
+            width = 0.8 / len(rows)
+            for i, r in enumerate(rows):
+                ax.bar([s + i * width for s in range(len(r["stage_ms"]))], r["stage_ms"], width,
+                       label=f"{r['split']} (max/mean {r['max_over_mean']:.2f})")
+            ax.set_xlabel("stage")
+            ax.set_ylabel("fwd+bwd per microbatch (ms)")
+            ax.set_title("partition balance")
+            ax.legend(fontsize=8)
+        else:
+            runs = result["tp"]
+            width = 0.8 / len(runs)
+            for i, r in enumerate(runs):
+                ax.bar([j + i * width for j in range(len(r["rows"]))], [row["time_ms"] for row in r["rows"]], width,
+                       label=r["net"])
+            ax.set_xticks(range(len(runs[0]["rows"])))
+            ax.set_xticklabels([row["variant"] for row in runs[0]["rows"]], fontsize=8)
+            ax.set_ylabel("block fwd+bwd (ms, median)")
+            ax.set_title("tp=2 GPT block")
+            ax.legend(fontsize=8)
+    env = result["env"]
+    fig.suptitle(f"fastdist-bench parallel: {env['ranks']} ranks, one core each, load {env['load_average']}",
+                 fontsize=9)
+    report.save_figure(fig, path)
