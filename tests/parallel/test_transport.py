@@ -20,8 +20,10 @@ RUNS = [("identity", "1f1b", 1), ("identity", "gpipe", 1), ("topk+quant", "1f1b"
 @pytest.fixture(scope="module")
 def pipelined():
     """{(config, schedule): (rank 0's result, rank 1's result)} of every run, from one spawn."""
-    results = spawn(tr.cases, 2, RUNS, backend="gloo", timeout=TIMEOUT)
-    return {run[:2]: (results[0][i], results[1][i]) for i, run in enumerate(RUNS)}
+    results = spawn(tr.cases, 2, RUNS, (0.1, 0.2), backend="gloo", timeout=TIMEOUT)
+    out = {run[:2]: (results[0]["runs"][i], results[1]["runs"][i]) for i, run in enumerate(RUNS)}
+    out["mismatch"] = [r["mismatch"] for r in results]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +78,8 @@ def test_aqsgd_over_two_epochs_equals_the_one_process_boundary_and_sends_less_on
     assert fwd[0] > dense > fwd[2] and fwd[2] < fwd[0] / 2  # epoch 0: every sample in full; then 4-bit changes
 
 
-def test_mismatched_compressor_configs_raise_on_both_ranks_naming_the_field():
-    messages = spawn(tr.mismatched, 2, (0.1, 0.2), backend="gloo", timeout=TIMEOUT)
-    for message in messages:
+def test_mismatched_compressor_configs_raise_on_both_ranks_naming_the_field(pipelined):
+    for message in pipelined["mismatch"]:  # TopK(0.1) on rank 0, TopK(0.2) on rank 1
         assert "fwd.ratio" in message and "stage 0->1" in message
 
 

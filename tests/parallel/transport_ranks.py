@@ -136,10 +136,11 @@ def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
     return {"losses": losses, "grads": grads, "params": _params(part), "wire_bytes": wire}
 
 
-def cases(runs: list) -> list:
-    """pipeline(*run) for each run in turn, in one process group (one spawn for many cases)."""
+def cases(runs: list, ratio_by_rank: tuple) -> dict:
+    """pipeline(*run) for each run in turn, then mismatched(ratio_by_rank), in one process group (one spawn for
+    many cases)."""
     torch.set_num_threads(1)  # the reference runs on one thread too: equal float sums
-    return [pipeline(*run) for run in runs]
+    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank)}
 
 
 def mismatched(ratio_by_rank: tuple) -> str:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-import time
+import math
 from typing import Any
 
 import torch
@@ -415,3 +415,207 @@ def make_stage(submod: nn.Module, stage_index: int, num_stages: int, device: tor
     """
     return CompressedPipelineStage(submod, stage_index, num_stages, torch.device(device), group=group, fwd=fwd,
                                    bwd=bwd, backward_mask=backward_mask, store=store, **options)
+
+
+# ---- measurement: this transport against the ways a user can compress pipeline boundaries today ----
+
+BOUNDARY_METHODS = ["dense-1f1b", "naive-topk-1f1b", "stageboundary-gpipe", "transport-gpipe", "transport-1f1b"]
+"""dense-1f1b: torch's PipelineStage and Schedule1F1B, uncompressed (torch as it is).
+naive-topk-1f1b: what a user can do with torch's schedules today: the first stage's module ends in TopK and packs
+    values and indices (as floats) in one tensor, the next unpacks them; the gradient of the packed tensor goes back
+    uncompressed.
+stageboundary-gpipe: fastdist.compress.StageBoundary (its own P2P) under a hand-written GPipe loop.
+transport-gpipe / transport-1f1b: this module's stage under torch's ScheduleGPipe / Schedule1F1B.
+Every compressed method: TopK(ratio) per sample forward; the compressed ones with mask reuse send the gradient's
+k values per row as 8-bit codes."""
+
+
+class _Block(nn.Module):
+    """A stage of the measured pipeline: hidden -> expand x hidden -> hidden MLP, GELU, residual."""
+
+    def __init__(self, hidden: int, expand: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, expand * hidden), nn.Linear(expand * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class _PackTopK(nn.Module):
+    """The naive sender: the k largest magnitudes of each sample and their indices, as one float tensor [B, 2k]."""
+
+    def __init__(self, ratio: float):
+        super().__init__()
+        self.ratio = ratio
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(x.shape[0], -1)
+        k = max(1, int(self.ratio * rows.shape[1] + 0.999999))
+        idx = rows.abs().topk(k, dim=1).indices
+        return torch.cat([rows.gather(1, idx), idx.to(rows.dtype)], dim=1)
+
+
+class _UnpackTopK(nn.Module):
+    """The naive receiver: scatters the packed values back into a dense tensor of ``shape`` (per sample)."""
+
+    def __init__(self, shape: tuple):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        k = packed.shape[1] // 2
+        values, idx = packed[:, :k], packed[:, k:].detach().long()
+        dense = values.new_zeros(packed.shape[0], math.prod(self.shape))
+        return dense.scatter(1, idx, values).reshape(packed.shape[0], *self.shape)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).pow(2).mean()
+
+
+class _Method:
+    """One method's pipeline on this rank (a stage of 2): its module, optimizer, and schedule or link."""
+
+    def __init__(self, method: str, config: dict, rank: int):
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        from fastdist.compress import Quantize, StageBoundary, TopK
+
+        torch.manual_seed(0)
+        self.method, self.rank, self.n = method, rank, config["microbatches"]
+        shape = (config["seq"], config["hidden"])
+        block = _Block(config["hidden"], config["expand"])
+        self.opt = torch.optim.SGD(block.parameters(), lr=1e-3)
+        self.link = self.stage = self.schedule = None
+        module = block
+        if method == "naive-topk-1f1b":
+            module = nn.Sequential(block, _PackTopK(config["ratio"])) if rank == 0 else \
+                nn.Sequential(_UnpackTopK(shape), block)
+        if method == "stageboundary-gpipe":
+            self.block = block
+            self.link = StageBoundary(0, 1, fwd=TopK(config["ratio"]), bwd=Quantize(8), backward_mask="reuse")
+            return
+        if method.startswith("transport"):
+            self.stage = make_stage(module, rank, 2, "cpu", fwd=TopK(config["ratio"]), bwd=Quantize(8))
+        elif method == "naive-topk-1f1b":  # static shapes: torch's shape inference would unpack uninitialized indices
+            mb = torch.zeros(config["batch"] // self.n, *shape)
+            packed = _PackTopK(config["ratio"])(mb).requires_grad_()
+            self.stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=mb if rank == 0 else packed,
+                                       output_args=packed if rank == 0 else mb.clone().requires_grad_())
+        else:
+            self.stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+        kind = ScheduleGPipe if method.endswith("gpipe") else Schedule1F1B
+        self.schedule = kind(self.stage, self.n, loss_fn=_mse)
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> int:
+        """One training step; returns the bytes this rank sent (frames, or the tensors torch sent)."""
+        self.opt.zero_grad()
+        if self.link is not None:
+            sent = self._gpipe_loop(x, target)
+        else:
+            before = sum(getattr(self.stage, "wire_bytes", {}).values())
+            if self.rank == 0:
+                self.schedule.step(x)
+            else:
+                self.schedule.step(target=target)
+            sent = sum(getattr(self.stage, "wire_bytes", {}).values()) - before
+            if not hasattr(self.stage, "wire_bytes"):  # torch sends the tensors as they are
+                cache = self.stage._stage_meta.outputs if self.rank == 0 else self.stage._stage_meta.inputs
+                sent = self.n * math.prod(cache[0].shape) * cache[0].dtype.itemsize
+        self.opt.step()
+        return sent
+
+    def _gpipe_loop(self, x, target):
+        """StageBoundary as its docs show it, in a GPipe loop: every forward, then every backward in order."""
+        sent, pending = 0, []
+        if self.rank == 0:
+            for mb in x.tensor_split(self.n):
+                pending.append(self.link.send(self.block(mb)))
+                sent += self.link.stats["fwd_wire_bytes"]
+            for token in pending:
+                token.backward()
+        else:
+            for y in target.tensor_split(self.n):
+                pending.append(_mse(self.block(self.link.recv()), y) / self.n)
+            for loss in pending:
+                loss.backward()
+                sent += self.link.stats["bwd_wire_bytes"]
+        return sent
+
+
+def boundary_bench_rank(config: dict) -> list | None:
+    """Runs the boundary comparison on this rank of 2 (a collective); the rows on rank 0, None on rank 1.
+
+    Args:
+        config: batch, seq, hidden, expand, microbatches, ratio, steps, warmup, methods (BOUNDARY_METHODS' names).
+    """
+    import statistics
+
+    from fastdist.bench.launch import pin_local_rank
+    from fastdist.bench.toolkit import all_max, all_sum, rounds, together
+
+    rank = dist.get_rank()
+    if dist.get_world_size() != 2:
+        raise ValueError("fastdist.parallel.transport: the boundary comparison runs on 2 ranks (one stage each)")
+    pin_local_rank()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(config["batch"], config["seq"], config["hidden"], generator=g)
+    target = torch.randn(x.shape, generator=g)
+    methods = {m: _Method(m, config, rank) for m in config["methods"]}
+    times = {m: [] for m in methods}
+    wire = {m: [] for m in methods}
+    for _, m, timed in rounds(list(methods), config["warmup"], config["steps"], "boundaries", enabled=rank == 0):
+        with together() as watch:
+            sent = methods[m].step(x, target)
+        seconds, = all_max([watch.seconds])
+        sent, = all_sum([sent])
+        if timed:
+            times[m].append(seconds)
+            wire[m].append(sent)
+    if rank != 0:
+        return None
+    return [{"method": m, "time_ms": statistics.median(times[m]) * 1e3, "samples_ms": [t * 1e3 for t in times[m]],
+             "wire_bytes": statistics.median(wire[m])} for m in methods]
+
+
+def compare_boundaries(net: str = "100mbit", *, batch: int = 8, seq: int = 1024, hidden: int = 64, expand: int = 1,
+                       microbatches: int = 4, ratio: float = 0.1, steps: int = 7, warmup: int = 2,
+                       methods: list | None = None, timeout: float = 900.0) -> dict:
+    """The boundary comparison on 2 local ranks (a simulated cluster at ``net``, or loopback): this transport under
+    torch's schedules against StageBoundary in a GPipe loop, naive TopK packing and uncompressed 1F1B.
+
+    Returns:
+        The payload: ``env``, ``config``, ``rows`` (method, time_ms (median step), samples_ms, wire_bytes per step,
+        speedup over naive-topk-1f1b), ``load_average``.
+    """
+    import os
+
+    from fastdist.bench import report
+    from fastdist.bench.launch import run_ranks
+
+    config = {"batch": batch, "seq": seq, "hidden": hidden, "expand": expand, "microbatches": microbatches,
+              "ratio": ratio, "steps": steps, "warmup": warmup, "methods": list(methods or BOUNDARY_METHODS)}
+    unknown = sorted(set(config["methods"]) - set(BOUNDARY_METHODS))
+    if unknown:
+        raise ValueError(f"fastdist.parallel.transport: unknown methods {unknown}; choose from {BOUNDARY_METHODS}")
+    load = os.getloadavg()
+    launch = run_ranks(boundary_bench_rank, config, ranks=2, net=net, timeout=timeout, backend="gloo")
+    rows = launch.result
+    report.set_speedups(rows, "naive-topk-1f1b")
+    return {"env": report.launch_environment(launch), "config": config, "rows": rows,
+            "load_average": [load, os.getloadavg()]}
+
+
+def boundary_tables(result: dict) -> list:
+    """The comparison's table (a fastdist.bench.report Part list) of what :func:`compare_boundaries` returned."""
+    from fastdist.bench import report
+    from fastdist.bench.report import col, fixed, integer, times
+
+    c = result["config"]
+    caption = (f"2 stages (one rank each), activation [{c['batch']}, {c['seq']}, {c['hidden']}] float32 per step in "
+               f"{c['microbatches']} microbatches, TopK {c['ratio']:g} per sample (+ 8-bit gradient with mask reuse "
+               f"where compressed); median of {c['steps']} steps after {c['warmup']} warm-up; "
+               f"{result['env'].get('network')}.")
+    columns = [col("method", "method"), col("step (ms)", "time_ms", fixed(1)),
+               col("vs naive", "speedup", times(2)), col("wire (B/step, both ways)", "wire_bytes", integer)]
+    return [report.Part("boundaries", columns, result["rows"], caption)]
