@@ -4,11 +4,14 @@ the pipeline's stages meet, microbatch by microbatch as the schedules run them."
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from fastdist.compress import AQSGD, Boundary, Chain, Identity, MemoryStore, Quantize, TopK, batch
 from fastdist.distributed import MismatchError
-from fastdist.parallel.transport import make_stage
+from fastdist.parallel.recompute import RecomputeStageMixin
+from fastdist.parallel.schedule import build_schedule
+from fastdist.parallel import transport
+from fastdist.parallel.transport import CompressedTransportMixin, make_stage
 from fastdist.testing.models import TransformerLM
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 32, 16, 2, 4, 8
@@ -92,7 +95,7 @@ def reference(config: str, epochs: int = 1) -> dict:
     fwd, bwd, mask = compressors(config)
     model = gpt(Boundary(fwd, bwd, mask))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses, grads = [], []
+    losses, grads, evaluated = [], [], []
     for epoch, ids, tokens, target in batches(epochs):
         opt.zero_grad()
         for mb, (x, y, i) in enumerate(zip(tokens.tensor_split(MICROBATCHES), target.tensor_split(MICROBATCHES),
@@ -105,7 +108,13 @@ def reference(config: str, epochs: int = 1) -> dict:
             p.grad.div_(MICROBATCHES)
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
         opt.step()
-    return {"losses": losses, "grads": grads, "params": _params(model)}
+        if epochs > 1 and len(grads) == SAMPLES // BATCH:  # the end of epoch 0: an evaluation
+            model.eval()
+            with torch.no_grad():
+                evaluated = [loss_fn(model(x), y) for x, y in zip(tokens.tensor_split(MICROBATCHES),
+                                                                  target.tensor_split(MICROBATCHES))]
+            model.train()
+    return {"losses": losses, "grads": grads, "params": _params(model), "eval_losses": evaluated}
 
 
 def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
@@ -116,10 +125,16 @@ def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
     fwd, bwd, mask = compressors(config)
     model = gpt()
     part = Head(model) if rank == 0 else Tail(model)
-    stage = make_stage(part, rank, 2, "cpu", fwd=fwd, bwd=bwd, backward_mask=mask)
-    sched = SCHEDULES[schedule](stage, MICROBATCHES, loss_fn=loss_fn)
+    if schedule == "shifted+recompute":  # composed with fastdist.parallel's recompute, as the engine composes them
+        blocks = list(part.blocks) if rank == 0 else list(part.blocks.values())
+        stage_class = type("Stage", (RecomputeStageMixin, CompressedTransportMixin, PipelineStage), {})
+        stage = stage_class(part, rank, 2, torch.device("cpu"), blocks=blocks, fwd=fwd, bwd=bwd, backward_mask=mask)
+        sched = build_schedule("shifted_critical_path", stage, MICROBATCHES, loss_fn, recompute="full")
+    else:
+        stage = make_stage(part, rank, 2, "cpu", fwd=fwd, bwd=bwd, backward_mask=mask)
+        sched = SCHEDULES[schedule](stage, MICROBATCHES, loss_fn=loss_fn)
     opt = torch.optim.SGD(part.parameters(), lr=0.5)
-    losses, grads, wire = [], [], []
+    losses, grads, wire, evaluated = [], [], [], []
     for epoch, ids, tokens, target in batches(epochs):
         opt.zero_grad()
         step_losses = []
@@ -133,14 +148,18 @@ def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
         grads.append({name: p.grad.clone() for name, p in part.named_parameters()})
         wire.append({d: stage.wire_bytes[d] - before[d] for d in before})
         opt.step()
-    return {"losses": losses, "grads": grads, "params": _params(part), "wire_bytes": wire}
+        if epochs > 1 and len(grads) == SAMPLES // BATCH:  # forward only (dense frames), then training goes on
+            sched.eval(tokens) if rank == 0 else sched.eval(target=target, losses=evaluated)
+    return {"losses": losses, "grads": grads, "params": _params(part), "wire_bytes": wire,
+            "eval_losses": evaluated}
 
 
 def cases(runs: list, ratio_by_rank: tuple) -> dict:
-    """pipeline(*run) for each run in turn, then mismatched(ratio_by_rank), in one process group (one spawn for
-    many cases)."""
+    """pipeline(*run) for each run in turn, then mismatched(ratio_by_rank), then diverged(), in one process group
+    (one spawn for many cases)."""
     torch.set_num_threads(1)  # the reference runs on one thread too: equal float sums
-    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank)}
+    transport.MISMATCH_SEND_WAIT_S = 1.0  # the wait for frames the other end never sends, shortened for the test
+    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank), "diverged": diverged()}
 
 
 def mismatched(ratio_by_rank: tuple) -> str:
@@ -156,3 +175,23 @@ def mismatched(ratio_by_rank: tuple) -> str:
     except MismatchError as e:
         return str(e)
     return "no error"
+
+
+def diverged() -> tuple:
+    """After one step, rank 1 restores its transport state from before that step (as a resume of one rank only
+    would): its activation count goes back by a step's microbatches. Returns what each rank raised in the next
+    step: (exception type, message)."""
+    rank = dist.get_rank()
+    fwd, bwd, mask = compressors("topk+quant")
+    part = Head(gpt()) if rank == 0 else Tail(gpt())
+    stage = make_stage(part, rank, 2, "cpu", fwd=fwd, bwd=bwd, backward_mask=mask)
+    sched = Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn)
+    state = stage.transport_state_dict()
+    for step, (epoch, ids, tokens, target) in enumerate(batches(1)):
+        if step == 1 and rank == 1:
+            stage.load_transport_state_dict(state)
+        try:
+            sched.step(tokens) if rank == 0 else sched.step(target=target)
+        except Exception as e:  # noqa: BLE001 -- the test reads which error each rank saw
+            return type(e).__name__, str(e), isinstance(e, MismatchError)
+    return "no error", "", False

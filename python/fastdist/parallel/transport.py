@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import time
 from typing import Any
 
 import torch
@@ -277,22 +278,29 @@ class CompressedTransportMixin:
         except _ReportedMismatch:
             raise
         except MismatchError as e:
-            raise self._tell(link, "bwd" if direction == "fwd" else "fwd", e) from None
+            later = range(chunk + 1, len(self.args_recv_info))
+            raise self._tell(link, "bwd" if direction == "fwd" else "fwd", e, direction, later) from None
         return packet, number, out
 
-    def _tell(self, link: _Link, direction: str, error: MismatchError) -> MismatchError:
-        """Sends the other end of ``link`` a mismatch frame carrying ``error`` and returns ``error`` to raise (waits
-        at most MISMATCH_SEND_WAIT_S for it to leave: the other end may never post the receive)."""
+    def _tell(self, link: _Link, direction: str, error: MismatchError, drain: str, chunks: range) -> MismatchError:
+        """Sends the other end of ``link`` a mismatch frame carrying ``error`` on ``direction`` and returns
+        ``error`` to raise. The frames of this step's later ``chunks`` that the other end may be sending on ``drain``
+        are received (and dropped), so that a schedule waiting for those sends reaches the receive where the mismatch
+        frame waits. Waits at most MISMATCH_SEND_WAIT_S in all: the other end may never post its receive."""
         cap = link.capacity[direction] or _MIN_CAPACITY
         packet = Packet(_MISMATCH, (), torch.float32, {}, {"name": error.name, "values_by_rank": error.values_by_rank})
         buf = torch.zeros(cap, dtype=torch.uint8, device=self.device)
         frame = encode_frame(packet, self.device, 0, 0, None, lambda n: buf[:n])
-        handle = dist.isend(buf if _exact_sizes(self.device) else frame, self._peer(link), group=self.group)
-        link.mismatch_sends.append((buf, handle))
-        try:
-            handle.wait(timeout=datetime.timedelta(seconds=MISMATCH_SEND_WAIT_S))
-        except RuntimeError:  # not taken in time, or the other end is gone: raise the error anyway
-            pass
+        handles = [dist.isend(buf if _exact_sizes(self.device) else frame, self._peer(link), group=self.group)]
+        handles += [dist.irecv(link.buffer(drain, "recv", chunk, self.device), self._peer(link), group=self.group)
+                    for chunk in chunks]
+        link.mismatch_sends.append((buf, handles))
+        deadline = time.monotonic() + MISMATCH_SEND_WAIT_S
+        for handle in handles:
+            try:
+                handle.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:  # not taken in time, or the other end is gone: raise the error anyway
+                break
         return error
 
     # -- forward: activations
