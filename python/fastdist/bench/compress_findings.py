@@ -50,23 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def boundary_for(row: str, samples: int) -> Boundary:
     """A fresh Boundary of a row (each boundary owns its compressors and their state)."""
-    if row == "none":
-        return Boundary()
+    fixed = {"none": lambda: Boundary(), "quant2-act": lambda: Boundary(fwd=Quantize(2)),
+             "quant2-grad": lambda: Boundary(bwd=Quantize(2)),
+             "topk10+ef": lambda: Boundary(fwd=ErrorFeedback(TopK(0.1)), backward_mask="reuse"),
+             "topk10-independent": lambda: Boundary(fwd=TopK(0.1), bwd=TopK(0.1), backward_mask="independent"),
+             "aqsgd-q4": lambda: Boundary(fwd=AQSGD(Quantize(4), MemoryStore(samples)), bwd=Quantize(8))}
+    if row in fixed:
+        return fixed[row]()
     if row.startswith("topk") and row[4:].isdigit():
         return Boundary(fwd=TopK(int(row[4:]) / 100), backward_mask="reuse")
     if row in ("quant2", "quant4", "quant8"):
-        bits = int(row[5:])
-        return Boundary(fwd=Quantize(bits), bwd=Quantize(bits))
-    if row == "quant2-act":
-        return Boundary(fwd=Quantize(2))
-    if row == "quant2-grad":
-        return Boundary(bwd=Quantize(2))
-    if row == "topk10+ef":
-        return Boundary(fwd=ErrorFeedback(TopK(0.1)), backward_mask="reuse")
-    if row == "topk10-independent":
-        return Boundary(fwd=TopK(0.1), bwd=TopK(0.1), backward_mask="independent")
-    if row == "aqsgd-q4":
-        return Boundary(fwd=AQSGD(Quantize(4), MemoryStore(samples)), bwd=Quantize(8))
+        return Boundary(fwd=Quantize(int(row[5:])), bwd=Quantize(int(row[5:])))
     if row.startswith("aqsgd-topk"):
         return Boundary(fwd=AQSGD(TopK(int(row[10:]) / 100), MemoryStore(samples)), bwd=Quantize(8))
     raise ValueError(f"unknown row {row!r}")
@@ -213,18 +207,13 @@ def plot(result: dict, path: str) -> None:
     _, fig, axes = report.subplots(len(tasks), 1, figsize=(12, 3.8 * len(tasks)), squeeze=False)
     for ax, task in zip(axes[:, 0], tasks):
         rows = [r for r in result["rows"] if r["task"] == task]
-        xs = range(len(rows))
-        ax.bar([i - 0.2 for i in xs], [r["compressed"] for r in rows], 0.4, label="compressed inference")
-        ax.bar([i + 0.2 for i in xs], [r["uncompressed"] for r in rows], 0.4, label="uncompressed inference")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([r["row"] for r in rows], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("test accuracy" if task == "cnn" else "held-out loss (nats)")
+        what = "3-stage CNN on generated shapes" if task == "cnn" else "4-block GPT on the Zipf-Markov corpus"
+        report.grouped_bars(ax, [r["row"] for r in rows], {f"{kind} inference": [r[kind] for r in rows]
+                                                           for kind in ("compressed", "uncompressed")},
+                            "test accuracy" if task == "cnn" else "held-out loss (nats)", f"{task}: {what}", rotation=30)
         base = next((r["uncompressed"] for r in rows if r["row"] == "none"), None)
         if base is not None:
             ax.axhline(base, color="gray", lw=0.8, ls="--")
         if task == "cnn":
             ax.set_ylim(0, 1)
-        what = "3-stage CNN on generated shapes" if task == "cnn" else "4-block GPT on the Zipf-Markov corpus"
-        ax.set_title(f"{task}: {what}", fontsize=9)
-        ax.legend(fontsize=8)
     report.save_figure(fig, path)

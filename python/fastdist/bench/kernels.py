@@ -39,7 +39,8 @@ import functools
 import math
 import statistics
 import time
-from typing import Callable, NamedTuple
+from functools import partial
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,7 +48,7 @@ from torch import Tensor
 import fastdist
 from fastdist.bench import report
 from fastdist.bench.report import MIB, col, fixed, scaled, times
-from fastdist.bench.toolkit import comma_list, parse_size, progress, shape_type
+from fastdist.bench.toolkit import at_least, comma_list, parse_size, progress, shape_type
 from fastdist.ops import (bias_epilogue, bitwise_or_reduce, count_sketch, count_sketch_decode,
                           count_sketch_decode_units, dequantize, moe_layout, nonzero_bitmap, pack_bits, quantize,
                           sketch_hash, topk_compress, topk_decompress, unpack_bits)
@@ -107,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=float, default=0.1, help="TopK keeps ceil(ratio * cols) per row (default 0.1)")
     p.add_argument("--layout-size", type=parse_size, default=None,
                    help="T * k assignments for moe_layout (default 2^20; --quick 2^18)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per case, >= 5 (default 7)")
+    p.add_argument("--repeats", type=at_least(5), default=7,
+                   help="timed repetitions per case, >= 5: speeds are medians of >= 5 samples (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per case (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current)")
     p.add_argument("--quick", action="store_true", help="small inputs (see each option), 5 repetitions")
@@ -240,23 +242,30 @@ class Case(NamedTuple):
     agree: Callable  # agree(ours(), theirs()) -> bool
 
 
+def _case(op: str, label: str, config: dict, nbytes: int, ours: Callable, theirs: Callable, *args: Any,
+          agree: Callable = torch.equal) -> Case:
+    """A Case whose op and torch path take the same arguments."""
+    return Case(op, label, config, partial(ours, *args), partial(theirs, *args), nbytes, agree)
+
+
+def _close(tolerance: float) -> Callable:
+    return partial(torch.allclose, rtol=tolerance, atol=tolerance)
+
+
 def _bitpack_cases(op, inputs, device):
     for size in inputs["sizes"]:
         g = torch.Generator().manual_seed(size)
         nbytes = (size + 7) // 8
         if op == "pack_bits":
             mask = (torch.rand(size, generator=g) < 0.5).to(device)
-            yield Case(op, f"{size} bits", {"size": size}, lambda m=mask: pack_bits(m),
-                       lambda m=mask: torch_pack_bits(m), size + nbytes, torch.equal)
+            yield _case(op, f"{size} bits", {"size": size}, size + nbytes, pack_bits, torch_pack_bits, mask)
         elif op == "unpack_bits":
             packed = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).to(device)
-            yield Case(op, f"{size} bits", {"size": size}, lambda p=packed, s=size: unpack_bits(p, s),
-                       lambda p=packed, s=size: torch_unpack_bits(p, s), nbytes + size, torch.equal)
+            yield _case(op, f"{size} bits", {"size": size}, nbytes + size, unpack_bits, torch_unpack_bits, packed, size)
         else:
             packed = torch.randint(0, 256, (inputs["rows"], nbytes), generator=g, dtype=torch.uint8).to(device)
-            yield Case(op, f"{inputs['rows']} x {size} bits", {"size": size, "rows": inputs["rows"]},
-                       lambda p=packed: bitwise_or_reduce(p), lambda p=packed: torch_bitwise_or_reduce(p),
-                       (inputs["rows"] + 1) * nbytes, torch.equal)
+            yield _case(op, f"{inputs['rows']} x {size} bits", {"size": size, "rows": inputs["rows"]},
+                        (inputs["rows"] + 1) * nbytes, bitwise_or_reduce, torch_bitwise_or_reduce, packed)
 
 
 def _gradient(shape, density, granularity, device, seed=0):
@@ -281,8 +290,7 @@ def _sketch_cases(op, inputs, device):
         config = {"shape": f"{shape[0]}x{shape[1]}", "granularity": granularity, "density": density, "cols": None}
         label = f"{config['shape']} {granularity} {100 * density:g}%"
         if op == "nonzero_bitmap":
-            yield Case(op, label, config, lambda x=x, gr=granularity: nonzero_bitmap(x, gr),
-                       lambda x=x, gr=granularity: torch_nonzero_bitmap(x, gr), x.numel() * 4, torch.equal)
+            yield _case(op, label, config, x.numel() * 4, nonzero_bitmap, torch_nonzero_bitmap, x, granularity)
             continue
         units = torch_unpack_bits(support, n).nonzero().flatten()
         values = units.numel() * m
@@ -291,23 +299,16 @@ def _sketch_cases(op, inputs, device):
         if op == "count_sketch":
             # Row granularity: the row support is given. Element granularity: no support, the non-zeros are sketched.
             sup = support if granularity == "row" else None
-            yield Case(op, label, config,
-                       lambda x=x, c=cols, s=sup, gr=granularity: count_sketch(x, SKETCH_ROWS, c, SKETCH_SEED, s, gr),
-                       lambda x=x, c=cols, s=sup, gr=granularity: torch_count_sketch(x, SKETCH_ROWS, c, SKETCH_SEED,
-                                                                                     s, gr),
-                       (values if sup is not None else x.numel()) * x.element_size(),
-                       lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4))
+            yield _case(op, label, config, (values if sup is not None else x.numel()) * x.element_size(), count_sketch,
+                        torch_count_sketch, x, SKETCH_ROWS, cols, SKETCH_SEED, sup, granularity, agree=_close(1e-4))
             continue
         table = count_sketch(x, SKETCH_ROWS, cols, SKETCH_SEED, support, granularity)
         if op == "count_sketch_decode_units":
-            yield Case(op, label, config, lambda t=table, u=units, m=m: count_sketch_decode_units(t, u, m, SKETCH_SEED),
-                       lambda t=table, u=units, m=m: torch_count_sketch_decode_units(t, u, m, SKETCH_SEED),
-                       values * 4, torch.equal)
+            yield _case(op, label, config, values * 4, count_sketch_decode_units, torch_count_sketch_decode_units,
+                        table, units, m, SKETCH_SEED)
         else:
-            yield Case(op, label, config,
-                       lambda t=table, s=support, n=n, m=m: count_sketch_decode(t, s, n, m, SKETCH_SEED),
-                       lambda t=table, s=support, n=n, m=m: torch_count_sketch_decode(t, s, n, m, SKETCH_SEED),
-                       values * 4, torch.equal)
+            yield _case(op, label, config, values * 4, count_sketch_decode, torch_count_sketch_decode, table, support,
+                        n, m, SKETCH_SEED)
 
 
 def _matrix(inputs, device):
@@ -323,12 +324,12 @@ def _topk_cases(op, inputs, device):
         def agree(ours, theirs):  # ours come in ascending index order, torch's in descending magnitude
             idx, order = theirs[1].sort(1)
             return torch.equal(ours[1].long(), idx) and torch.equal(ours[0], theirs[0].gather(1, order))
-        yield Case(op, label, config, lambda: topk_compress(x, k), lambda: torch_topk(x, k), nbytes, agree)
+        yield _case(op, label, config, nbytes, topk_compress, torch_topk, x, k, agree=agree)
     else:
         values, indices = topk_compress(x, k)
         indices64 = indices.long()  # torch's scatter_ takes int64 only
-        yield Case(op, label, config, lambda: topk_decompress(values, indices, d),
-                   lambda: torch_topk_decompress(values, indices64, d), nbytes, torch.equal)
+        yield Case(op, label, config, partial(topk_decompress, values, indices, d),
+                   partial(torch_topk_decompress, values, indices64, d), nbytes, torch.equal)
 
 
 def _quantize_cases(op, inputs, device):
@@ -343,14 +344,13 @@ def _quantize_cases(op, inputs, device):
                 y = dequantize(packed, scales, zeros, bits, "minmax", d, x.shape)
                 return torch.equal(scales, theirs[1].flatten()) and bool(
                     ((y - x).abs() <= scales[:, None] * 0.5001 + 1e-6).all())
-            yield Case(op, label, config, lambda b=bits: quantize(x, b, "minmax", d),
-                       lambda b=bits: torch_quantize_rows(x, b), nbytes, agree)
+            yield Case(op, label, config, partial(quantize, x, bits, "minmax", d), partial(torch_quantize_rows, x, bits),
+                       nbytes, agree)
         else:
             packed, scales, zeros = quantize(x, bits, "minmax", d)
-            yield Case(op, label, config,
-                       lambda p=packed, s=scales, z=zeros, b=bits: dequantize(p, s, z, b, "minmax", d, x.shape),
-                       lambda p=packed, s=scales[:, None], z=zeros[:, None], b=bits: torch_dequantize_rows(
-                           p, s, z, b, x.shape), nbytes, lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+            yield Case(op, label, config, partial(dequantize, packed, scales, zeros, bits, "minmax", d, x.shape),
+                       partial(torch_dequantize_rows, packed, scales[:, None], zeros[:, None], bits, x.shape), nbytes,
+                       _close(1e-6))
 
 
 def _moe_cases(op, inputs, device):
@@ -364,7 +364,7 @@ def _moe_cases(op, inputs, device):
         return all(map(torch.equal, (counts, permutation, row_of_slot, position), theirs))
     yield Case(op, f"{tokens * MOE_K} assignments, {MOE_EXPERTS} experts",
                {"assignments": tokens * MOE_K, "k": MOE_K, "experts": MOE_EXPERTS},
-               lambda: moe_layout(ids, MOE_EXPERTS, 1, -1), lambda: torch_moe_layout(ids, MOE_EXPERTS),
+               partial(moe_layout, ids, MOE_EXPERTS, 1, -1), partial(torch_moe_layout, ids, MOE_EXPERTS),
                33 * tokens * MOE_K + 16 * MOE_EXPERTS, agree)
 
 
@@ -377,7 +377,7 @@ def _epilogue_cases(op, inputs, device):
         yield Case(op, f"{rows}x{d} {activation} +bias +residual",
                    {"shape": f"{rows}x{d}", "activation": activation},
                    lambda a=activation: bias_epilogue(x, bias, residual, a), lambda f=act: f(x + bias) + residual,
-                   12 * x.numel() + 4 * d, lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+                   12 * x.numel() + 4 * d, _close(1e-5))
 
 
 CASES = {"bitpack": _bitpack_cases, "sketch": _sketch_cases, "topk": _topk_cases, "quantize": _quantize_cases,
@@ -451,8 +451,6 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("fastdist-bench kernels: --device cuda needs a CUDA device and fastdist built with CUDA "
                          f"kernels (built with CUDA: {fastdist.cuda_kernels_built()}, "
                          f"device visible: {torch.cuda.is_available()})")
-    if args.repeats < 5:
-        raise SystemExit("fastdist-bench kernels: --repeats must be >= 5 (speeds are medians of >= 5 samples)")
     ops = [op for op in OPS if op in (args.ops or OPS) and FAMILY_OF[op] in (args.family or FAMILIES)]
     if not ops:
         raise SystemExit(f"fastdist-bench kernels: none of --ops {','.join(args.ops)} is in --family "

@@ -114,21 +114,20 @@ def run_ranks(fn: Callable[[dict], Any], config: dict, *, ranks: int, net: str =
     config["measure_tx"] = False
     if under_torchrun():
         return _torchrun(fn, config, backend)
-    if net == "loopback":
-        results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout)
-        return Launch(results[0][0], *results[0][1], "loopback (one host, no shaping)")
-    rate = netsim.parse_rate(net)
-    ok, why = netsim.available()
-    if not ok:
+    label = "loopback (one host, no shaping)"
+    if net != "loopback":
+        rate = netsim.parse_rate(net)
+        ok, why = netsim.available()
+        if ok:
+            config["measure_tx"] = True
+            with netsim.Cluster(ranks, rate=net, delay=delay) as cluster:
+                results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout, cluster=cluster)
+            return Launch(results[0][0], *results[0][1], cluster.label, rate / 8e9)
         print(f"fastdist-bench: cannot simulate a {net} network here ({why}); running on loopback instead",
               flush=True)
-        results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout)
-        return Launch(results[0][0], *results[0][1], f"loopback (requested {net}: netsim unavailable: {why})")
-    config["measure_tx"] = True
-    with netsim.Cluster(ranks, rate=net, delay=delay) as cluster:
-        label = cluster.label
-        results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout, cluster=cluster)
-    return Launch(results[0][0], *results[0][1], label, rate / 8e9)
+        label = f"loopback (requested {net}: netsim unavailable: {why})"
+    results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout)
+    return Launch(results[0][0], *results[0][1], label)
 
 
 def run_suite(suite: str, args: argparse.Namespace, bench_rank: Callable[[dict], Any], config: dict,

@@ -28,6 +28,7 @@ bisection; fastdist plans are made at the default batch and kept) and reports th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -44,7 +45,7 @@ from torch import nn
 from fastdist.bench import report
 from fastdist.bench.report import KIB, MIB, col, fixed, integer, percent
 from fastdist.testing.models import ResidualCNN, ResNet50, TransformerLM
-from fastdist.bench.toolkit import at_least, comma_list, progress, time_fn, up_to
+from fastdist.bench.toolkit import at_least, comma_list, progress, sync, time_fn, up_to
 
 CONFIGS = ["none", "checkpoint", "save_on_cpu", "swap", "fastdist"]
 MODELS = ["transformer", "cnn", "resnet50"]
@@ -73,9 +74,6 @@ def build(model: str, scale: str, device: torch.device | str, seed: int = 0) -> 
         def make_batch(b):
             tokens = torch.randint(0, dims["vocab"], (b, dims["seq"] + 1), generator=gen)
             return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-
-        def loss_fn(out, targets):
-            return nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
     else:
         net = ResidualCNN(dims["channels"], dims["blocks"]) if model == "cnn" else ResNet50()
         classes = 10 if model == "cnn" else 1000
@@ -84,8 +82,8 @@ def build(model: str, scale: str, device: torch.device | str, seed: int = 0) -> 
             return (torch.randn(b, 3, dims["image"], dims["image"], generator=gen).to(device),
                     torch.randint(0, classes, (b,), generator=gen).to(device))
 
-        def loss_fn(out, targets):
-            return nn.functional.cross_entropy(out, targets)
+    def loss_fn(out, targets):  # per token for the transformer, per image for the CNNs
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
     return net.to(device), make_batch, dims["batch"], loss_fn
 
 
@@ -135,8 +133,7 @@ def run_config(spec: dict) -> dict:
     net, make_batch, batch_size, loss_fn = build(spec["model"], spec["scale"], device)
     config = spec["config"]
     out = {"model": spec["model"], "config": spec["name"], "memory_capped": bool(spec.get("memory_cap_bytes"))}
-    context = None
-    prefetcher = None
+    context, prefetcher = contextlib.nullcontext, None
     inputs, targets = make_batch(batch_size)
     if config == "checkpoint":
         _checkpoint_every_block(net)
@@ -160,22 +157,16 @@ def run_config(spec: dict) -> dict:
                        "copy_model": {k: v for k, v in copy.to_dict().items() if k != "samples"}}
 
     def step(batch):
-        x, y = batch
-        if context is None:
-            loss = loss_fn(net(x), y)
-        else:
-            with context():
-                loss = loss_fn(net(x), y)
+        with context():
+            loss = loss_fn(net(batch[0]), batch[1])
         loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
 
     if spec.get("memory_cap_bytes"):  # GPU: the largest batch that fits under the cap, then time that batch
         batch_size = _largest_fitting_batch(spec, device, net, make_batch, step)
-        out["batch"] = batch_size
         if batch_size == 0:
-            out.update(step_ms=float("nan"), samples_ms=[], base_bytes=0, peak_bytes=0, activation_peak_bytes=0,
-                       samples_per_s=0.0)
+            out.update(batch=0, step_ms=float("nan"), samples_ms=[], base_bytes=0, peak_bytes=0,
+                       activation_peak_bytes=0, samples_per_s=0.0)
             return out
         inputs, targets = make_batch(batch_size)
     out["batch"] = batch_size
@@ -269,13 +260,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _configurations(args):
     """(name, configuration, budget fraction or None) of every run: fastdist once per budget."""
-    out = []
-    for c in args.configs:
-        if c == "fastdist":
-            out += [(f"fastdist-{b}", c, b / 100) for b in args.budgets]
-        else:
-            out.append((c, c, None))
-    return out
+    return [(f"fastdist-{b}", c, b / 100) if c == "fastdist" else (c, c, None)
+            for c in args.configs for b in (args.budgets if c == "fastdist" else [None])]
 
 
 def _run_child(spec, timeout):

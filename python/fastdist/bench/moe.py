@@ -127,21 +127,6 @@ def tokens_for(step: int, rank: int, config: dict, device: torch.device) -> torc
 
 # ---- the ranks ----
 
-class _EqualAllToAll(torch.autograd.Function):
-    """all_to_all_single in equal splits; backward sends the gradient back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _EqualAllToAll.apply(grad.contiguous(), ctx.group), None
-
-
 class PaddedDroplessMoE(torch.nn.Module):
     """Tutel's dropless MoE layer (``capacity_factor=0``), re-implemented on torch ops as the benchmark's
     equivalent of the peer (Tutel is not in the package registry and its source is not at hand).
@@ -192,6 +177,8 @@ class PaddedDroplessMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on this rank's tokens ``x [..., d_model]`` (a collective over the group)."""
+        from torch.distributed.nn.functional import all_to_all_single  # differentiable; imports rpc: not at start
+
         shape = x.shape
         x = x.reshape(-1, self.d_model)
         tokens, experts, e_local = x.shape[0], self.num_experts, self.num_experts // self.world
@@ -206,12 +193,12 @@ class PaddedDroplessMoE(torch.nn.Module):
         capacity = max(int(every.max()), 1)
         slot = choice_major * capacity + location
         padded = x.new_zeros(experts * capacity, self.d_model).index_add(0, slot, x.repeat(self.k, 1))
-        received = _EqualAllToAll.apply(padded, self.group)
+        received = all_to_all_single(torch.empty_like(padded), padded, group=self.group)  # equal splits
         rows = received.view(self.world, e_local, capacity, self.d_model).transpose(0, 1) \
             .reshape(e_local, self.world * capacity, self.d_model)
         y = torch.baddbmm(self.b2[:, None], self.act(torch.baddbmm(self.b1[:, None], rows, self.w1)), self.w2)
         back = y.view(e_local, self.world, capacity, self.d_model).transpose(0, 1).reshape(-1, self.d_model)
-        returned = _EqualAllToAll.apply(back, self.group)
+        returned = all_to_all_single(torch.empty_like(back), back, group=self.group)
         out = (returned.index_select(0, slot).view(self.k, tokens, self.d_model)
                * gates.t().to(x.dtype)[..., None]).sum(0)
         self._record(every.numpy(), capacity, x.element_size())

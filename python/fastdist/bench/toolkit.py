@@ -90,30 +90,27 @@ def shape_type(ndim: int) -> Callable[[str], tuple[int, ...]]:
     return shape
 
 
-def at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
-    """An argparse `type`: `kind(text)`, which must be >= `low` (e.g. repetitions >= 1)."""
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], name: str, fails: str) -> Callable[[str], Any]:
+    """An argparse `type`: `kind(text)`, which `ok` must accept; else an error saying `text` `fails`."""
 
     def parse(text: str) -> Any:
         value = kind(text)
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"{text!r} is below {low}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} {fails}")
         return value
 
-    parse.__name__ = f"{kind.__name__} >= {low}"
+    parse.__name__ = f"{kind.__name__} {name}"
     return parse
+
+
+def at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    """An argparse `type`: `kind(text)`, which must be >= `low` (e.g. repetitions >= 1)."""
+    return _checked(kind, lambda v: v >= low, f">= {low}", f"is below {low}")
 
 
 def up_to(high: float, kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
     """An argparse `type`: `kind(text)`, which must lie in (0, `high`] (a fraction, a percentage)."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not 0 < value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r} is not in (0, {high}]")
-        return value
-
-    parse.__name__ = f"{kind.__name__} in (0, {high}]"
-    return parse
+    return _checked(kind, lambda v: 0 < v <= high, f"in (0, {high}]", f"is not in (0, {high}]")
 
 
 def network(text: str) -> str:

@@ -111,22 +111,14 @@ def _interleaved(variants, reps, warmup, bar, label):
     return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
 
 
-def _dtensor_mesh():
-    """A one-dimensional CPU device mesh over the run's (default, gloo) process group, for torch's DTensor TP."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (dist.get_world_size(),))
-
-
 def _dtensor(module, plan, mesh):
-    """`module` made tensor-parallel by torch's parallelize_module: `plan` maps submodule paths (or "" for the
-    module itself) to "colwise" / "rowwise"."""
+    """`module` made tensor-parallel by torch's parallelize_module on `mesh`: `plan` maps submodule paths (or ""
+    for the module itself) to "colwise" / "rowwise"."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    if "" in plan:
-        return parallelize_module(module, mesh, styles[plan[""]]())
-    return parallelize_module(module, mesh, {path: styles[kind]() for path, kind in plan.items()})
+    plan = styles[plan[""]]() if "" in plan else {path: styles[kind]() for path, kind in plan.items()}
+    return parallelize_module(module, mesh, plan)
 
 
 def _ready(t):
@@ -189,7 +181,7 @@ def _op_variants(config, model, mesh):
                 torch.matmul(x[start:stop], weight_t, out=out[start:stop])
         return call
 
-    variants = {f"k={k}": forward_of(layer) for k, layer in layers.items()}
+    variants = {str(k): forward_of(layer) for k, layer in layers.items()}
     variants[OP_PEER] = forward_of(peer)
     with torch.no_grad():
         reference = (full(x.repeat(1, dist.get_world_size())),)
@@ -304,6 +296,8 @@ def _rows(samples, names, key, errors, chunks=None):
 
 def bench_rank(config: dict) -> Any:
     """Runs the suite's measurements on this rank (a collective); returns the results on rank 0, None elsewhere."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from fastdist.tp import CostModel, TPOp
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -311,7 +305,7 @@ def bench_rank(config: dict) -> Any:
     part = config["part"]
     shape = _part_shape(config)
     model = CostModel.calibrate(None, shapes=(shape,), reps=5)
-    mesh = _dtensor_mesh()
+    mesh = init_device_mesh("cpu", (world,))  # over the run's (default, gloo) group, for torch's DTensor TP
     reps = config["op_reps"] if part == "op" else config["reps"]
     op_rows, mlp_rows, block_rows, gemm_rows = [], [], [], []
     if part == "op":
@@ -322,22 +316,18 @@ def bench_rank(config: dict) -> Any:
         variants, errors, chunks = _block_variants(config, model, mesh)
     bar = progress((config["warmup"] + reps) * len(variants), f"tp {part} {config['label']}", enabled=rank == 0)
     samples = _interleaved(variants, reps, config["warmup"], bar, part)
+    m, k_local, n = shape
     if part == "op":
-        m, k_local, n = shape
-        for k in OP_KS:
-            kk = auto_k if k == "auto" else k
-            op_rows.append({"k": str(k), "chunks": kk, "samples_ms": [s * 1e3 for s in samples[f"k={k}"]],
-                            "time_ms": statistics.median(samples[f"k={k}"]) * 1e3,
-                            "predicted_ms": model.predict(TPOp("row", m, k_local, n, world), kk) * 1e3,
-                            "max_error": errors[f"k={k}"]})
-        op_rows += [{**r, "chunks": None, "predicted_ms": None} for r in _rows(samples, [OP_PEER], "k", errors)]
+        chunks = {str(k): auto_k if k == "auto" else k for k in OP_KS}
+        op = TPOp("row", m, k_local, n, world)
+        op_rows = [{**r, "predicted_ms": model.predict(op, r["chunks"]) * 1e3 if r["chunks"] else None}
+                   for r in _rows(samples, [*chunks, OP_PEER], "k", errors, chunks)]
         gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in samples[f"gemm k={k}"]],
                       "time_ms": statistics.median(samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
     elif part == "mlp":
         mlp_rows = _rows(samples, MLP_VARIANTS, "variant", errors, chunks)
     else:
         block_rows = _rows(samples, BLOCK_VARIANTS, "variant", errors, chunks)
-    m, k_local, n = shape
     result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "mlp_rows": mlp_rows, "block_rows": block_rows,
               "core": core, "calibration_shape": list(shape), "cost_model": model.state_dict(),
               "cost_model_repr": repr(model), "gemm_ms": model.gemm_time(m, k_local, n) * 1e3,
@@ -460,8 +450,7 @@ def run(args: argparse.Namespace) -> dict | None:
     env = None
     for part, label, net in plan:
         config = {"op_shape": op_shape, "block": block, "mlp": mlp, "reps": args.reps, "op_reps": args.op_reps,
-                  "warmup": args.warmup, "part": part,
-                  "label": label}
+                  "warmup": args.warmup, "part": part, "label": label}
         launch = run_ranks(bench_rank, config, ranks=world, net=net, delay=args.delay, timeout=args.timeout,
                            backend="gloo")
         if launch.result is None:
@@ -489,13 +478,13 @@ def _network_rate(net: str) -> str:
     return m.group(1) if m else (net or "-")
 
 
-def _vs(rows: list[dict], key: str, name: str) -> float | None:
-    """The time of the row whose `key` is `name` (None when the recording has no such row)."""
-    return next((r["time_ms"] for r in rows if r[key] == name), None)
-
-
-def _ratio(numerator: float | None, r: dict) -> float | None:
-    return None if numerator is None else numerator / r["time_ms"]
+def _against(rows: list[dict], key: str, name: str):
+    """r -> the time of the row whose `key` is `name` (for a +recompute variant: name+recompute) over r's; None
+    when the recording has no such row."""
+    def ratio(r: dict) -> float | None:
+        base = next((b["time_ms"] for b in rows if b[key] == name + ("+recompute" if "+" in r[key] else "")), None)
+        return None if base is None else base / r["time_ms"]
+    return ratio
 
 
 ERROR_COLUMN = col("error vs unsharded", lambda r: r.get("max_error"), report.scientific(1))
@@ -526,15 +515,13 @@ def tables(result: dict) -> list[report.Part]:
         where = _where(run)
         if run.get("op_rows"):
             rows = run["op_rows"]
-            base, peer = rows[0]["time_ms"], _vs(rows, "k", OP_PEER)
 
             def chunks(r: dict) -> str:
                 return {"auto": f"auto ({r['chunks']})", OP_PEER: "DTensor (torch)"}.get(r["k"], r["k"])
 
-            columns = [col("chunks k", chunks, numeric=False),
-                       col("time (ms)", "time_ms", fixed(1)),
-                       col("vs k=1", lambda r, base=base: base / r["time_ms"], times(2)),
-                       col("vs DTensor", lambda r, peer=peer: _ratio(peer, r), times(2)),
+            columns = [col("chunks k", chunks, numeric=False), col("time (ms)", "time_ms", fixed(1)),
+                       col("vs k=1", _against(rows, "k", "1"), times(2)),
+                       col("vs DTensor", _against(rows, "k", OP_PEER), times(2)),
                        col("predicted (ms)", "predicted_ms", fixed(1)),
                        col("model error (%)", lambda r: None if r["predicted_ms"] is None
                            else r["predicted_ms"] / r["time_ms"] - 1, percent(0, signed=True)),
@@ -544,32 +531,25 @@ def tables(result: dict) -> list[report.Part]:
             parts.append(report.Part(f"op-{run['net']}", columns, rows,
                                      f"Row-parallel op {shape}, {where}; median of {result['op_reps']}.",
                                      [f"the GEMMs alone (no collective): {gemm}"] if gemm else []))
-        if run.get("mlp_rows"):
-            rows = run["mlp_rows"]
-            base, peer = _vs(rows, "variant", "megatron"), _vs(rows, "variant", "dtensor")
-            columns = [col("column -> row MLP", _variant_name), col("fwd+bwd (ms)", "time_ms", fixed(1)),
-                       col("vs Megatron", lambda r, base=base: base / r["time_ms"], times(2)),
-                       col("vs DTensor", lambda r, peer=peer: peer / r["time_ms"], times(2)), ERROR_COLUMN]
-            tokens, hidden, ffn = result["mlp"]
-            parts.append(report.Part(f"mlp-{run['net']}", columns, rows,
-                                     f"Column -> row MLP ({tokens} tokens, hidden {hidden}, ffn {ffn}, GeLU), {where}; "
-                                     f"median of {result['reps']}."))
-        if run.get("block_rows"):
-            rows = run["block_rows"]
-
-            def against(name: str, rows: list[dict] = rows):
-                def ratio(r: dict) -> float | None:
-                    return _ratio(_vs(rows, "variant", name + ("+recompute" if "+" in r["variant"] else "")), r)
-                return ratio
-
-            columns = [col("GPT block", _variant_name), col("fwd+bwd (ms)", "time_ms", fixed(1)),
-                       col("vs Megatron", against("megatron"), times(2)),
-                       col("vs DTensor", against("dtensor"), times(2)), ERROR_COLUMN]
-            shape = ", ".join(f"{k} {v}" for k, v in zip(("hidden", "heads", "seq", "batch"), result["block"]))
-            peer = " (DTensor)" if _vs(rows, "variant", "dtensor") is not None else ""
-            parts.append(report.Part(f"block-{run['net']}", columns, rows,
-                                     f"GPT block ({shape}), {where}; median of {result['reps']}; +recompute rows "
-                                     f"against Megatron{peer} with checkpointing."))
+        for part in ("mlp", "block"):
+            rows = run.get(f"{part}_rows")
+            if not rows:
+                continue
+            median = f"median of {result['reps']}"
+            if part == "mlp":
+                tokens, hidden, ffn = result["mlp"]
+                what = "column -> row MLP"
+                caption = f"Column -> row MLP ({tokens} tokens, hidden {hidden}, ffn {ffn}, GeLU), {where}; {median}."
+            else:
+                shape = ", ".join(f"{k} {v}" for k, v in zip(("hidden", "heads", "seq", "batch"), result["block"]))
+                peer = " (DTensor)" if any(r["variant"] == "dtensor" for r in rows) else ""
+                what = "GPT block"
+                caption = (f"GPT block ({shape}), {where}; {median}; +recompute rows against Megatron{peer} with "
+                           "checkpointing.")
+            columns = [col(what, _variant_name), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+                       col("vs Megatron", _against(rows, "variant", "megatron"), times(2)),
+                       col("vs DTensor", _against(rows, "variant", "dtensor"), times(2)), ERROR_COLUMN]
+            parts.append(report.Part(f"{part}-{run['net']}", columns, rows, caption))
     return parts
 
 
