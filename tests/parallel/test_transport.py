@@ -14,7 +14,8 @@ from helpers import randn
 
 TIMEOUT = 120
 RUNS = [("identity", "1f1b", 1), ("identity", "gpipe", 1), ("topk+quant", "1f1b", 1), ("topk+quant", "gpipe", 1),
-        ("topk+quant", "shifted+recompute", 1), ("topk-independent", "1f1b", 1), ("aqsgd", "1f1b", 2)]
+        ("topk+quant", "shifted+recompute", 1), ("topk+quant", "1f1b-exact", 1), ("topk-independent", "1f1b", 1),
+        ("aqsgd", "1f1b", 2), ("aqsgd", "1f1b-resumed", 2)]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,12 @@ def test_composes_with_recompute_under_the_shifted_critical_path_schedule(pipeli
                               "topk+quant, RecomputeStageMixin + CompressedTransportMixin, shifted critical path")
 
 
+def test_frames_padded_to_the_agreed_size_as_nccl_needs_decode_alike(pipelined, references):
+    _assert_matches_reference(pipelined["topk+quant", "1f1b-exact"], references["topk+quant"], "padded frames")
+    padded = pipelined["topk+quant", "1f1b-exact"][0]["wire_bytes"][0]["fwd"]
+    assert padded > pipelined["topk+quant", "1f1b"][0]["wire_bytes"][0]["fwd"] and padded % tr.MICROBATCHES == 0
+
+
 def test_gradient_with_mask_reuse_sends_k_values_per_row_fewer_bytes_than_independent(pipelined, references):
     _assert_matches_reference(pipelined["topk-independent", "1f1b"], references["topk-independent"], "independent")
     reuse = pipelined["topk+quant", "1f1b"][1]["wire_bytes"][0]["bwd"]
@@ -82,6 +89,10 @@ def test_aqsgd_over_two_epochs_equals_the_one_process_boundary_and_sends_less_on
     fwd = [step["fwd"] for step in pipelined["aqsgd", "1f1b"][0]["wire_bytes"]]
     dense = tr.BATCH * tr.SEQ * tr.DIM * 4
     assert fwd[0] > dense > fwd[2] and fwd[2] < fwd[0] / 2  # epoch 0: every sample in full; then 4-bit changes
+
+
+def test_stages_rebuilt_from_their_state_dicts_resume_aqsgd_training_exactly(pipelined, references):
+    _assert_matches_reference(pipelined["aqsgd", "1f1b-resumed"], references["aqsgd"], "aqsgd resumed")
 
 
 def test_forward_only_steps_between_training_steps_send_dense_and_leave_the_aqsgd_state_alone(pipelined, references):

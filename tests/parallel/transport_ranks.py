@@ -11,7 +11,7 @@ from fastdist.distributed import MismatchError
 from fastdist.parallel.recompute import RecomputeStageMixin
 from fastdist.parallel.schedule import build_schedule
 from fastdist.parallel import transport
-from fastdist.parallel.transport import CompressedTransportMixin, make_stage
+from fastdist.parallel.transport import CompressedTransportMixin, _exact_sizes, make_stage
 from fastdist.testing.models import TransformerLM
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 32, 16, 2, 4, 8
@@ -117,14 +117,11 @@ def reference(config: str, epochs: int = 1) -> dict:
     return {"losses": losses, "grads": grads, "params": _params(model), "eval_losses": evaluated}
 
 
-def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
-    """Two ranks, one stage each, through torch's schedule with compressed boundaries; SGD steps. Returns this
-    rank's part: the losses (last stage), the gradients of each step and the final parameters, named as in the
-    whole model."""
+def _build(config: str, schedule: str) -> tuple:
+    """This rank's (stage module, stage, schedule, optimizer), fresh from the seeded model."""
     rank = dist.get_rank()
     fwd, bwd, mask = compressors(config)
-    model = gpt()
-    part = Head(model) if rank == 0 else Tail(model)
+    part = Head(gpt()) if rank == 0 else Tail(gpt())
     if schedule == "shifted+recompute":  # composed with fastdist.parallel's recompute, as the engine composes them
         blocks = list(part.blocks) if rank == 0 else list(part.blocks.values())
         stage_class = type("Stage", (RecomputeStageMixin, CompressedTransportMixin, PipelineStage), {})
@@ -132,10 +129,29 @@ def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
         sched = build_schedule("shifted_critical_path", stage, MICROBATCHES, loss_fn, recompute="full")
     else:
         stage = make_stage(part, rank, 2, "cpu", fwd=fwd, bwd=bwd, backward_mask=mask)
-        sched = SCHEDULES[schedule](stage, MICROBATCHES, loss_fn=loss_fn)
-    opt = torch.optim.SGD(part.parameters(), lr=0.5)
+        sched = SCHEDULES[schedule.split("-")[0]](stage, MICROBATCHES, loss_fn=loss_fn)
+    return part, stage, sched, torch.optim.SGD(part.parameters(), lr=0.5)
+
+
+def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
+    """Two ranks, one stage each, through torch's schedule with compressed boundaries; SGD steps. Returns this
+    rank's part: the losses (last stage), the gradients of each step and the final parameters, named as in the
+    whole model.
+
+    Schedules: "gpipe", "1f1b", "shifted+recompute" (fastdist.parallel's, with RecomputeStageMixin), and
+    "1f1b-exact" (frames padded to the agreed size, as on NCCL), "1f1b-resumed" (at the second epoch every rank
+    rebuilds its stage, model and optimizer and loads the state dicts saved just before)."""
+    rank = dist.get_rank()
+    transport._exact_sizes = (lambda device: True) if schedule == "1f1b-exact" else _exact_sizes
+    part, stage, sched, opt = _build(config, schedule)
     losses, grads, wire, evaluated = [], [], [], []
-    for epoch, ids, tokens, target in batches(epochs):
+    for step, (epoch, ids, tokens, target) in enumerate(batches(epochs)):
+        if schedule == "1f1b-resumed" and step == SAMPLES // BATCH:
+            saved = (part.state_dict(), stage.transport_state_dict(), opt.state_dict())
+            part, stage, sched, opt = _build(config, schedule)
+            part.load_state_dict(saved[0])
+            stage.load_transport_state_dict(saved[1])
+            opt.load_state_dict(saved[2])
         opt.zero_grad()
         step_losses = []
         before = dict(stage.wire_bytes)
@@ -148,8 +164,9 @@ def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
         grads.append({name: p.grad.clone() for name, p in part.named_parameters()})
         wire.append({d: stage.wire_bytes[d] - before[d] for d in before})
         opt.step()
-        if epochs > 1 and len(grads) == SAMPLES // BATCH:  # forward only (dense frames), then training goes on
+        if epochs > 1 and step + 1 == SAMPLES // BATCH:  # forward only (dense frames), then training goes on
             sched.eval(tokens) if rank == 0 else sched.eval(target=target, losses=evaluated)
+    transport._exact_sizes = _exact_sizes
     return {"losses": losses, "grads": grads, "params": _params(part), "wire_bytes": wire,
             "eval_losses": evaluated}
 
