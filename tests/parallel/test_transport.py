@@ -25,6 +25,7 @@ def pipelined():
     out = {run[:2]: (results[0]["runs"][i], results[1]["runs"][i]) for i, run in enumerate(RUNS)}
     out["mismatch"] = [r["mismatch"] for r in results]
     out["diverged"] = [r["diverged"] for r in results]
+    out["two_stages_per_rank"] = [r["two_stages_per_rank"] for r in results]
     return out
 
 
@@ -113,6 +114,11 @@ def test_a_rank_resumed_alone_raises_mismatch_on_both_ranks_at_its_next_activati
     for name, message, is_mismatch in pipelined["diverged"]:
         assert is_mismatch, f"{name}: {message}"
         assert "stage 0->1 activation call number" in message and "rank 0: 4; rank 1: 0" in message
+
+
+def test_several_stages_per_rank_are_refused_with_a_clear_error(pipelined):
+    for message in pipelined["two_stages_per_rank"]:
+        assert "one stage per rank" in message and "4 stages on 2 ranks" in message
 
 
 def test_the_capacity_both_ends_compute_bounds_every_frame_whatever_the_values():

@@ -176,7 +176,17 @@ def cases(runs: list, ratio_by_rank: tuple) -> dict:
     (one spawn for many cases)."""
     torch.set_num_threads(1)  # the reference runs on one thread too: equal float sums
     transport.MISMATCH_SEND_WAIT_S = 1.0  # the wait for frames the other end never sends, shortened for the test
-    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank), "diverged": diverged()}
+    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank), "diverged": diverged(),
+            "two_stages_per_rank": two_stages_per_rank()}
+
+
+def two_stages_per_rank() -> str:
+    """The error of a stage of a 4-stage pipeline on 2 ranks (or "no error")."""
+    try:
+        make_stage(nn.Linear(DIM, DIM), dist.get_rank(), 4, "cpu", fwd=TopK(0.5))
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
 
 
 def mismatched(ratio_by_rank: tuple) -> str:

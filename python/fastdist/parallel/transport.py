@@ -153,7 +153,7 @@ class CompressedTransportMixin:
 
     Put it before ``PipelineStage`` (and after mixins that override the compute, e.g. recompute):
     ``type("Stage", (CompressedTransportMixin, PipelineStage), {})``. Every stage of the pipeline must use it
-    with the same compressor configuration.
+    with the same compressor configuration, one stage per rank (GPipe, 1F1B, fastdist.parallel's schedules).
 
     Args (keyword, besides PipelineStage's):
         fwd: the activation's compressor (None: uncompressed).
@@ -178,6 +178,12 @@ class CompressedTransportMixin:
         if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
             raise ValueError(f"fastdist.parallel.{who}: 'check_every' must be an int >= 0, got {check_every!r}")
         super().__init__(*args, **kwargs)
+        if self.num_stages != self.group_size:
+            # several stages per rank (interleaved, V-shaped schedules): torch's set-up then interleaves the stages'
+            # blocking P2P in an order the pair checks here do not follow
+            raise NotImplementedError(f"fastdist.parallel.{who}: one stage per rank of the pipeline group (got "
+                                      f"{self.num_stages} stages on {self.group_size} ranks): GPipe, 1F1B and "
+                                      "fastdist.parallel's single-stage schedules")
         fwd = fwd if fwd is not None else Identity()
         bwd = bwd if bwd is not None else Identity()
         self.backward_mask, self.at_inference, self.check_every = backward_mask, bool(at_inference), check_every
