@@ -107,6 +107,7 @@ def train(name: str, mesh: tuple[int, int, int], microbatches: int = 2, steps: i
     dp = mesh[0]
     d = dist.get_rank() // (mesh[1] * mesh[2]) if dist.is_initialized() else 0  # this rank's dp index
     data = [(x.chunk(dp)[d], y.chunk(dp)[d]) for x, y in batches(steps)]
+    options.setdefault("tp_overlap", 2)  # the default "auto" warns on an uncalibrated machine
     if name == "transformer_lm" and mesh[1] > 1:
         options.setdefault("tp_plan", TRANSFORMER_LM_TP)
     engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
@@ -174,3 +175,27 @@ def overhead(steps: int = 12) -> dict:
             fn(x, y)
             samples[name].append(time.perf_counter() - start)
     return samples
+
+
+def case(name: str):
+    """The rank function of one named case: "train:<model>:<dp>,<tp>,<pp>", "bad:<case>"."""
+    kind, _, rest = name.partition(":")
+    if kind == "train":
+        model, _, mesh = rest.partition(":")
+        return train(model, tuple(int(d) for d in mesh.split(",")))
+    if kind == "bad":
+        return bad_input(rest)
+    raise KeyError(name)
+
+
+def run_on_ranks(names: list[str]) -> dict:
+    """Every case of ``names`` on this rank, in order: {name: ("ok", value) | ("error", traceback)}. A case that
+    raises does not stop the others (every case raises on all ranks or on none, so the ranks stay in step)."""
+    import traceback
+    out = {}
+    for name in names:
+        try:
+            out[name] = ("ok", case(name))
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            out[name] = ("error", traceback.format_exc())
+    return out

@@ -3,6 +3,6 @@ mesh, cutting it into balanced pipeline stages (:mod:`fastdist.parallel.partitio
 fastdist.tp and driving the stages with torch.distributed.pipelining's schedules and Merak's
 (:mod:`fastdist.parallel.schedule`)."""
 from fastdist.parallel.engine import Engine, ParallelizeError, parallelize
-from fastdist.parallel.partition import Plan, StagePlan, partition
+from fastdist.parallel.partition import Plan, StagePlan, plan_stages
 
-__all__ = ["Engine", "ParallelizeError", "Plan", "StagePlan", "parallelize", "partition"]
+__all__ = ["Engine", "ParallelizeError", "Plan", "StagePlan", "parallelize", "plan_stages"]

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 __all__ = ["Analysis", "PieceCost", "Plan", "StagePlan", "analyze", "build_stage", "check_stage", "cut_activations",
-           "make_plan", "partition", "profile_pieces", "split", "stage_output"]
+           "make_plan", "plan_stages", "profile_pieces", "split", "stage_output"]
 
 BALANCES = ("time", "params")
 
@@ -651,7 +651,7 @@ def make_plan(analysis: Analysis, costs: Sequence[PieceCost], num_stages: int, b
                 boundary_bytes=cut_bytes, **engine)
 
 
-def partition(model: nn.Module, num_stages: int, example_args: Sequence[torch.Tensor], balance: str = "time",
+def plan_stages(model: nn.Module, num_stages: int, example_args: Sequence[torch.Tensor], balance: str = "time",
               split_points: Sequence[int | str] | None = None, blocks: str | None = None, reps: int = 5) -> Plan:
     """The plan for cutting ``model`` into ``num_stages`` pipeline stages, on one process (nothing distributed).
 

@@ -1,0 +1,91 @@
+"""fastdist.parallelize trains like one process: on every (dp, tp, pp) mesh of 2 and 4 ranks, a GPT (TransformerLM;
+nanoGPT with its embedding tied to the head across pipeline stages; Hugging Face GPT-2 with its Conv1D layers
+sharded) gives the single-process losses for 5 steps and the same parameters after, gathered by
+Engine.state_dict(). Bad configurations raise a clear error on every rank. What runs on the ranks is in
+engine_ranks.py."""
+import pytest
+import torch
+from engine_ranks import STEPS, reference
+from helpers import assert_close
+
+import fastdist
+
+# Pipelining splits the batch into microbatches and data parallelism averages gradients across ranks: the same
+# sums in another order, so float32 rounding (a few ulp of the loss) is all that may differ.
+LOSS_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+PARAM_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _assert_trains_like_one_process(engine_ranks, world, model, mesh):
+    want_losses, want_state = reference(model)
+    ranks = engine_ranks(world, f"train:{model}:{mesh}")
+    for rank, got in enumerate(ranks):
+        assert len(got["losses"]) == STEPS
+        assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"{model} on {mesh}, rank {rank}: "
+                     "losses", **LOSS_TOLERANCE)
+        assert got["losses"] == ranks[0]["losses"], f"rank {rank} returned another loss than rank 0"
+    state = ranks[0]["state"]
+    assert list(state) == list(want_state), "the gathered state dict is keyed as the user's model"
+    for key, want in want_state.items():
+        assert_close(state[key], want, f"{model} on {mesh}: {key} after {STEPS} steps", **PARAM_TOLERANCE)
+
+
+@pytest.mark.parametrize("mesh", ["1,1,2", "1,2,1", "2,1,1"])
+def test_transformer_lm_trains_like_one_process_on_two_ranks(engine_ranks, mesh):
+    _assert_trains_like_one_process(engine_ranks, 2, "transformer_lm", mesh)
+
+
+def test_nanogpt_with_its_embedding_tied_to_the_head_across_two_stages_trains_like_one_process(engine_ranks):
+    _assert_trains_like_one_process(engine_ranks, 2, "nanogpt", "1,1,2")
+
+
+def test_hugging_face_gpt2_sharded_over_two_tensor_parallel_ranks_trains_like_one_process(engine_ranks):
+    _assert_trains_like_one_process(engine_ranks, 2, "gpt2", "1,2,1")
+
+
+@pytest.mark.parametrize("mesh", ["1,2,2", "2,1,2", "2,2,1"])
+def test_transformer_lm_trains_like_one_process_on_four_ranks(engine_ranks, mesh):
+    _assert_trains_like_one_process(engine_ranks, 4, "transformer_lm", mesh)
+
+
+def test_the_plan_is_a_table_of_stages_with_their_layers(engine_ranks):
+    got = engine_ranks(2, "train:transformer_lm:1,1,2")[0]
+    lines = got["plan"].splitlines()
+    assert lines[0].startswith("pipeline plan: mesh dp=1 tp=1 pp=2, schedule 1f1b, 2 microbatches")
+    assert lines[1].split() == ["stage", "layers", "params", "time", "(ms)", "memory", "recompute"]
+    first, second = lines[2], lines[3]
+    assert "embed" in first and "head" in second
+    split = got["split_points"][0]
+    assert f"blocks.0-{split - 1} " in first if split > 1 else "blocks.0 " in first
+    assert f"blocks.{split}-3 " in second if split < 3 else "blocks.3 " in second
+
+
+BAD = {
+    "mesh_product": "the mesh (dp, tp, pp) = (1, 1, 3) has 3 ranks but the world has 2",
+    "more_stages_than_blocks": "2 pipeline stages but TransformerLM has only 1 blocks in blocks",
+    "microbatches": "does not split into 3 equal microbatches",
+    "no_blocks": "Sequential has no nn.ModuleList of blocks to cut between",
+    "different_models": "'fastdist.parallelize model",
+    "different_plans": "split_points",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_configuration_raises_the_same_clear_error_on_every_rank(engine_ranks, case):
+    errors = [e for e in engine_ranks(2, f"bad:{case}")]
+    assert all(e is not None for e in errors), f"{case}: some rank did not raise: {errors}"
+    for rank, e in enumerate(errors):
+        assert BAD[case] in e, f"{case}, rank {rank}: {e}"
+
+
+def test_parallelize_on_one_process_is_plain_training():
+    want_losses, want_state = reference("transformer_lm")
+    from engine_ranks import train
+    got = train("transformer_lm", (1, 1, 1), microbatches=1)
+    assert got["losses"] == want_losses
+    for key, want in want_state.items():
+        assert torch.equal(got["state"][key], want), key
+
+
+def test_fastdist_parallelize_is_the_engine_entry_point():
+    assert fastdist.parallelize is fastdist.parallel.parallelize

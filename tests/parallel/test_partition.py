@@ -1,0 +1,149 @@
+"""The partitioner on one process: its stages, run one after the other, compute the user's model (forward and every
+gradient) for models written as fastdist, nanoGPT and Hugging Face write them; the split it chooses is the best
+contiguous one; ``split_points=`` overrides it; a model it cannot cut is refused with what to do."""
+import itertools
+
+import pytest
+import torch
+from engine_ranks import VOCAB, make_model
+from torch import nn
+
+from fastdist.parallel import partition as P
+
+
+def _tokens(seed, batch=2, seq=16):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _stages(model, starts, tokens):
+    analysis = P.analyze(model, (tokens,))
+    bounds = list(starts) + [analysis.num_blocks]
+    return analysis, [P.build_stage(analysis, bounds[s], bounds[s + 1], s, len(starts)) for s in range(len(starts))]
+
+
+def _output(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("name", ["transformer_lm", "nanogpt", "gpt2"])
+def test_three_stages_run_in_turn_give_the_models_output_and_gradients(name):
+    model = make_model(name)
+    _, stages = _stages(model, [0, 1, 3], _tokens(0))
+    tokens = _tokens(1)  # another batch than the one the stages were built on
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    want = _output(model(tokens))
+    torch.testing.assert_close(h, want, rtol=0, atol=0)
+    weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    (h * weight).sum().backward()
+    (want * weight).sum().backward()
+    got = {}
+    for stage in stages:  # a parameter held by two stages (a tied embedding) gets both stages' gradients
+        for n, p in stage.named_parameters():
+            got[id(dict(model.named_parameters(remove_duplicate=False))[n])] = \
+                got.get(id(dict(model.named_parameters(remove_duplicate=False))[n]), 0) + p.grad
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[id(p)], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+
+
+def test_every_parameter_is_on_a_stage_under_the_models_own_name():
+    model = make_model("gpt2")
+    _, stages = _stages(model, [0, 2], _tokens(0))
+    names = [set(s.state_dict()) for s in stages]
+    assert names[0] | names[1] == set(model.state_dict())
+    assert "transformer.wte.weight" in names[0] and "lm_head.weight" in names[1]   # tied: both ends hold it
+    assert not any(k.startswith("transformer.h.2") for k in names[0])
+    assert not any(k.startswith("transformer.h.1") for k in names[1])
+
+
+def _brute_force(costs, stages):
+    n = len(costs) - 2
+    best = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        worst = max(P._stage_costs(costs, [0, *cuts], n))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_split_minimizes_the_largest_stage_exactly(seed):
+    g = torch.Generator().manual_seed(seed)
+    costs = (torch.rand(9, generator=g) * 10).tolist()
+    for stages in (2, 3, 4):
+        starts = P.split(costs, stages)
+        assert starts[0] == 0 and len(starts) == stages
+        assert max(P._stage_costs(costs, starts, 7)) == pytest.approx(_brute_force(costs, stages))
+
+
+def test_heavy_ends_get_fewer_blocks_than_a_uniform_split_gives_them():
+    costs = [3.0] + [1.0] * 8 + [3.0]   # embedding and LM head each cost three blocks
+    starts = P.split(costs, 2)
+    assert starts == [0, 4]
+    assert max(P._stage_costs(costs, starts, 8)) == 7.0
+    four = P.split(costs, 4)
+    assert max(P._stage_costs(costs, four, 8)) <= max(P._stage_costs(costs, [0, 2, 4, 6], 8))
+
+
+def test_split_points_override_the_balancing_and_are_shown_in_the_plan():
+    model = make_model("transformer_lm")
+    plan = P.plan_stages(model, 2, (_tokens(0),), split_points=["blocks.3"])
+    assert plan.split_points == [3] and plan.balance == "split_points"
+    assert [s.layers for s in plan.stages] == ["embed, pos + blocks.0-2", "blocks.3 + norm, head"]
+    by_params = P.plan_stages(model, 2, (_tokens(0),), balance="params")
+    assert by_params.balance == "params"
+    assert sum(s.params for s in by_params.stages) == sum(p.numel() for p in model.parameters())
+
+
+def test_profiled_pieces_have_positive_times_and_the_blocks_save_activations():
+    model = make_model("transformer_lm")
+    analysis = P.analyze(model, (_tokens(0),))
+    costs = P.profile_pieces(analysis, reps=3)
+    assert [c.name for c in costs] == ["pre: embed, pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3",
+                                       "post: norm, head"]
+    assert all(c.forward_ms > 0 and c.backward_ms > 0 and len(c.samples_ms) == 3 for c in costs)
+    assert all(c.activation_bytes > 0 for c in costs[1:-1])
+    assert all(p.grad is None for p in model.parameters())  # profiling left no gradients behind
+
+
+@pytest.mark.parametrize("split_points, message", [
+    ([0], "must be increasing block indices in 1..3"),
+    ([2, 1], "make 3 stages; the mesh has 2"),
+    (["layers.1"], "is not a block (blocks.<i>)"),
+])
+def test_bad_split_points_are_refused(split_points, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        P.plan_stages(make_model("transformer_lm"), 2, (_tokens(0),), split_points=split_points)
+
+
+def test_a_model_without_a_block_list_is_refused_with_what_to_do():
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    with pytest.raises(ValueError, match="has no nn.ModuleList of blocks.*blocks='path.to.list'"):
+        P.plan_stages(model, 2, (_tokens(0),))
+
+
+class _DataDependentMask(nn.Module):
+    """Blocks whose mask hides the padding tokens (id 0) of the batch: a later stage cannot know it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        keep = (tokens != 0).unsqueeze(-1).float()
+        for block in self.blocks:
+            x = block(x) * keep
+        return x
+
+
+def test_a_stage_whose_block_inputs_depend_on_the_batchs_values_is_caught():
+    model = _DataDependentMask()
+    tokens = _tokens(0)
+    analysis, stages = _stages(model, [0, 1], tokens)
+    second = _tokens(5)
+    second[:, :4] = 0
+    problem = P.check_stage(analysis, stages[1], P.cut_activations(analysis, (second,)), (second,))
+    assert problem is not None and "depend on the batch's values" in problem
+    assert P.check_stage(analysis, stages[0], P.cut_activations(analysis, (second,)), (second,)) is None
