@@ -9,7 +9,8 @@ import transport_ranks as tr
 from fastdist.compress import AQSGD, Chain, Identity, MemoryStore, Quantize, TopK
 from fastdist.compress.p2p import _digest_of, encode_frame
 from fastdist.distributed import spawn
-from fastdist.parallel.transport import frame_capacities, make_stage
+from fastdist.bench import report
+from fastdist.parallel.transport import BOUNDARY_METHODS, boundary_tables, frame_capacities, make_stage
 from helpers import randn
 
 TIMEOUT = 120
@@ -26,6 +27,7 @@ def pipelined():
     out["mismatch"] = [r["mismatch"] for r in results]
     out["diverged"] = [r["diverged"] for r in results]
     out["two_stages_per_rank"] = [r["two_stages_per_rank"] for r in results]
+    out["bench"] = results[0]["bench"]
     return out
 
 
@@ -119,6 +121,19 @@ def test_a_rank_resumed_alone_raises_mismatch_on_both_ranks_at_its_next_activati
 def test_several_stages_per_rank_are_refused_with_a_clear_error(pipelined):
     for message in pipelined["two_stages_per_rank"]:
         assert "one stage per rank" in message and "4 stages on 2 ranks" in message
+
+
+def test_the_boundary_comparison_runs_every_method_and_the_transport_sends_what_stageboundary_sends(pipelined):
+    rows = {r["method"]: r for r in pipelined["bench"]}
+    assert list(rows) == BOUNDARY_METHODS
+    wire = {m: r["wire_bytes"] for m, r in rows.items()}
+    assert wire["transport-1f1b"] == wire["transport-gpipe"] == wire["stageboundary-gpipe"]
+    assert wire["dense-1f1b"] > wire["naive-topk-1f1b"] > wire["transport-1f1b"]
+    payload = {"env": {"network": "loopback"}, "rows": pipelined["bench"],
+               "config": {"batch": 4, "seq": 64, "hidden": 8, "microbatches": 2, "ratio": 0.1, "steps": 1, "warmup": 1}}
+    for r in payload["rows"]:
+        r["speedup"] = r["vs_stageboundary"] = 1.0
+    assert "transport-1f1b" in report.text_parts(boundary_tables(payload))
 
 
 def test_the_capacity_both_ends_compute_bounds_every_frame_whatever_the_values():

@@ -172,12 +172,16 @@ def pipeline(config: str, schedule: str, epochs: int = 1) -> dict:
 
 
 def cases(runs: list, ratio_by_rank: tuple) -> dict:
-    """pipeline(*run) for each run in turn, then mismatched(ratio_by_rank), then diverged(), in one process group
-    (one spawn for many cases)."""
+    """pipeline(*run) for each run in turn, then mismatched(ratio_by_rank), two_stages_per_rank(), a tiny boundary
+    comparison and diverged(), in one process group (one spawn for many cases)."""
     torch.set_num_threads(1)  # the reference runs on one thread too: equal float sums
     transport.MISMATCH_SEND_WAIT_S = 1.0  # the wait for frames the other end never sends, shortened for the test
-    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank), "diverged": diverged(),
-            "two_stages_per_rank": two_stages_per_rank()}
+    return {"runs": [pipeline(*run) for run in runs], "mismatch": mismatched(ratio_by_rank),
+            "two_stages_per_rank": two_stages_per_rank(),
+            "bench": transport.boundary_bench_rank({"batch": 4, "seq": 64, "hidden": 8, "expand": 1, "microbatches": 2,
+                                                    "ratio": 0.1, "steps": 1, "warmup": 1,
+                                                    "methods": transport.BOUNDARY_METHODS}),
+            "diverged": diverged()}  # last: it leaves receives posted that the other rank never matches
 
 
 def two_stages_per_rank() -> str:
