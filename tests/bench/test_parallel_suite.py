@@ -55,7 +55,7 @@ def test_cli_runs_every_pipeline_peer_beside_fastdist_with_losses_checked_and_ta
     out, png = tmp_path / "parallel.json", tmp_path / "parallel.png"
     cmd = [sys.executable, "-m", "fastdist.bench", "parallel", "--net", "loopback", "--gpt", "256,16,2,2,8",
            "--batch", "4", "--microbatches", "2", "--reps", "1", "--warmup", "1", "--tp-block", "16,2,8,2",
-           "--tp-nets", "loopback", "--json", str(out), "--plot", str(png)]
+           "--tp-nets", "loopback", "--parts", "pipeline,balance,tp", "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vs torch 1F1B+recompute" in proc.stdout and "max/mean" in proc.stdout and "vs DTensor" in proc.stdout

@@ -1,33 +1,42 @@
 """`fastdist-bench parallel`: a GPT trained pipeline-parallel (pp=2) by torch's and DeepSpeed's engines and by
-fastdist.parallelize; partition balance; the tensor-parallel dimension against torch's DTensor.
+fastdist.parallelize; partition balance; the tensor-parallel dimension against torch's DTensor; compressed stage
+boundaries inside the schedules.
 
 The model is fastdist.testing.models.TransformerLM as a GPT (--gpt vocab,dim,heads,layers,seq) whose large
 vocabulary makes the embedding and the LM head heavy, cut into pieces the way every engine here sees it: the
 embedding (+ positions), one piece per block, the final norm + head. Ranks are pinned to a core each (one torch
 thread, gloo's threads included). Parts (--parts):
 
-  pipeline  one optimizer step (AdamW) over --batch sequences in --microbatches microbatches, per variant, on the
-            same weights and the same batches (batch i at every variant's i-th step):
-              torch-1f1b+recompute  torch.distributed.pipelining Schedule1F1B over PipelineStage, every block
-                                    under torch.utils.checkpoint (full activation checkpointing)
-              torch-1f1b            the same without recompute
-              deepspeed+recompute   DeepSpeed's PipelineModule + train_batch engine, activation_checkpoint_interval
-                                    1 over the blocks (checkpointable_layers), a torch AdamW
-              deepspeed             the same without recompute
-            and fastdist.parallelize's engine (schedule 1f1b, and shifted_critical_path + stage_aware recompute)
-            once fastdist.parallel is installed (the rows say when it is not). The peers split by layer count
-            (DeepSpeed's "uniform"); ours uses its own partitioner. Every variant's first loss is checked against
-            the unpipelined model's loss on the same batch before timing (CHECK_TOLERANCE), and every loss it
-            reports is kept. Interleaved (the order rotated every repetition), --warmup untimed steps first,
-            median of --reps of the slowest rank's step; per stage, the peak resident memory during a step above
-            the resident memory before it (VmHWM reset before every step; glibc told to return large blocks, so
-            it follows the live tensors: saved activations, gradients, receive buffers).
-  balance   each stage's forward + backward on one microbatch, timed on its own rank (interleaved, median of
-            --reps), for the uniform layer split and for fastdist's balanced partition: max/mean stage time.
-  tp        forward + backward of one GPT block (--tp-block hidden,heads,seq,batch) on 2 ranks at each
-            --tp-nets network: fastdist.tp's Megatron-style, chunked and Oases mappings (what parallelize's tp
-            dimension builds) against torch's DTensor parallelize_module (Colwise/RowwiseParallel); the variants
-            and their check against the unsharded block are bench/tp.py's.
+  pipeline    one optimizer step (AdamW) over --batch sequences in --microbatches microbatches, per variant, on
+              the same weights and the same batches (batch i at every variant's i-th step):
+                torch-1f1b+recompute  torch.distributed.pipelining Schedule1F1B over PipelineStage, every block
+                                      under torch.utils.checkpoint (full activation checkpointing)
+                torch-1f1b            the same without recompute
+                deepspeed+recompute   DeepSpeed's PipelineModule + train_batch engine, activation checkpointing
+                                      of every block (interval 1, checkpointable_layers), a torch AdamW
+                deepspeed             the same without recompute
+                fastdist-1f1b, fastdist-scp+stage-aware  fastdist.parallelize's engine (its partitioner balances
+                                      the stages by profiled time), schedule 1f1b without recompute /
+                                      shifted_critical_path with stage-aware recompute
+              The peers split by layer count (DeepSpeed's "uniform"). Every variant's first loss is checked against
+              the unpipelined model's on the same batch (CHECK_TOLERANCE) and every loss is kept. Interleaved (the
+              order rotated every repetition), --warmup untimed steps first (at least one: the checked step),
+              median of --reps of the slowest rank's step. Per stage: the peak bytes autograd keeps for the
+              backward during a step (fastdist.parallel.recompute.SavedActivationMeter, parameters excluded), and
+              the peak resident memory above that before the step (VmHWM reset before every step; glibc told to
+              return large blocks). The memory cap is set as fastdist.parallel.cost sets it: --cap-fraction of the
+              way from what fastdist's stage-aware recompute needs at r0 = 1 (the last stage never recomputes) to
+              what torch's 1F1B without recompute needs; fastdist's r0 is the smallest that keeps every stage
+              under it (--recompute-ratio auto); each row says whether its stages stay under it.
+  balance     each stage's forward + backward on one microbatch, timed on its own rank at once (interleaved,
+              median of --reps), for the uniform split and for fastdist's partitioner's: max/mean stage time.
+  tp          forward + backward of one GPT block (--tp-block hidden,heads,seq,batch) on 2 ranks at each
+              --tp-nets network: bench/tp.py's variants (fastdist.tp's Megatron-style, chunked and Oases
+              mappings, and torch's DTensor parallelize_module with Colwise/RowwiseParallel, each checked against
+              the unsharded block) and the tp=2 module fastdist.parallelize builds for the same block.
+  boundaries  fastdist.parallel.transport's comparison at --boundary-net: compressed activations and gradients
+              inside torch's schedules against StageBoundary in a GPipe loop, TopK packing through Schedule1F1B,
+              and uncompressed 1F1B.
 """
 from __future__ import annotations
 
@@ -53,23 +62,31 @@ from torch import nn
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.report import MIB, col, fixed, percent, scientific, times
-from fastdist.bench.toolkit import all_max, all_sum, at_least, comma_list, interleave, progress, shape_type, together
+from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, interleave, network, progress,
+                                     shape_type, together)
 
 PEERS = ["torch-1f1b+recompute", "torch-1f1b", "deepspeed+recompute", "deepspeed"]
 """The pipeline peers a user would pick instead, on the same model, data and microbatches."""
-SCHEDULE_ONLY = "scp+stage-aware/uniform"
-"""fastdist's shifted-critical-path schedule with stage-aware recompute on the peers' (uniform) stages."""
-OURS = [SCHEDULE_ONLY, "fastdist-1f1b", "fastdist-scp+stage-aware"]
-"""fastdist's pipeline rows: the schedule alone, then fastdist.parallelize's engine (partitioner included)."""
+OURS = ["fastdist-1f1b", "fastdist-scp+stage-aware"]
+"""fastdist.parallelize's engine (its partitioner, fastdist.parallel's schedules and recompute)."""
 BASELINE = "torch-1f1b+recompute"
 """The row every speed-up is measured against (the issue's target: Schedule1F1B with full recompute)."""
 TP_VARIANTS = ["megatron", "chunked", "oases", "dtensor"]
 """bench/tp.py's GPT-block variants this suite times (its +recompute variants are left to that suite)."""
 PARALLELIZE_TP = "parallelize tp=2"
 """The tp row of fastdist.parallelize: the stage module its mesh (1, 2, 1) builds for the block."""
-PARTS = ["pipeline", "balance", "tp"]
+PARTS = ["pipeline", "balance", "tp", "boundaries"]
 CHECK_TOLERANCE = 1e-4
 """Largest |first loss - unpipelined model's loss| / unpipelined loss a variant may show (float32)."""
+
+
+def _ratio_or_auto(text: str) -> float | str:
+    if text == "auto":
+        return text
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a number in [0, 1]")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,12 +102,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "heavy)")
     p.add_argument("--batch", type=at_least(1), default=16, help="sequences per optimizer step (default 16)")
     p.add_argument("--microbatches", type=at_least(1), default=4, help="microbatches per step (default 4)")
-    p.add_argument("--recompute-ratio", type=float, default=0.5,
-                   help="r0 of stage-aware recompute for fastdist's shifted-critical-path row (default 0.5)")
+    p.add_argument("--recompute-ratio", type=_ratio_or_auto, default="auto",
+                   help="r0 of stage-aware recompute for fastdist's shifted-critical-path row: a number in [0, 1], "
+                        "or 'auto' (default): the smallest under the memory cap")
     p.add_argument("--tp-block", type=shape_type(4), default="256,4,64,8",
                    help="tp part: GPT block hidden,heads,seq,batch (default 256,4,64,8)")
     p.add_argument("--tp-nets", type=comma_list(), default="loopback,1gbit",
                    help="tp part: networks, 'loopback' or link rates (default loopback,1gbit)")
+    p.add_argument("--cap-fraction", type=float, default=0.5,
+                   help="pipeline rows: the per-stage memory cap lies this fraction of the way from what "
+                        "fastdist's stage-aware recompute needs at r0 = 1 to what torch's 1F1B without recompute "
+                        "needs (default 0.5)")
+    p.add_argument("--boundary-net", type=network, default="100mbit",
+                   help="boundaries part: the link of fastdist.parallel.transport's comparison (default 100mbit)")
     p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions per variant, >= 5 for a claim")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions of every variant first")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of every variant (default 1e-3)")
@@ -281,21 +305,6 @@ def _torch_variant(lm: nn.Module, config: dict, recompute: bool):
                           config)
 
 
-def _schedule_variant(lm: nn.Module, config: dict):
-    """fastdist's shifted-critical-path schedule with stage-aware recompute (fastdist.parallel.schedule and
-    .recompute) on the peers' stages (uniform split): the schedule and recompute policy alone, no partitioner."""
-    from fastdist.parallel.recompute import make_stage
-    from fastdist.parallel.schedule import build_schedule
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = _stage_module(lm, uniform_bounds(len(lm.blocks) + 2, world), rank, recompute=False)
-    blocks = [m for m in module if isinstance(m, BlockLayer)]
-    stage = make_stage(module, rank, world, "cpu", blocks=blocks, **_stage_args(config))
-    schedule = build_schedule("shifted_critical_path", stage, config["microbatches"], lm_loss,
-                              recompute="stage_aware", recompute_ratio=config["recompute_ratio"])
-    return _schedule_step(module, schedule, config)
-
-
 def _deepspeed_variant(lm: nn.Module, config: dict, recompute: bool):
     """One optimizer step of DeepSpeed's pipeline engine (train_batch) on the same layers, split by layer count:
     a callable(step) -> loss (train_batch's mean over microbatches, on every rank)."""
@@ -324,9 +333,10 @@ def _deepspeed_variant(lm: nn.Module, config: dict, recompute: bool):
     return step
 
 
-def _ours_variant(lm: nn.Module, config: dict, name: str):
-    """One optimizer step of fastdist.parallelize's engine on the whole GPT (pp = ranks; its partitioner
-    balances the stages by profiled time)."""
+def _ours_variant(lm: nn.Module, config: dict, name: str, r0: float = 0.5,
+                  split_points: Sequence[int] | None = None):
+    """One optimizer step of fastdist.parallelize's engine on the whole GPT (pp = ranks; its partitioner balances
+    the stages by profiled time unless `split_points` are given)."""
     from fastdist.parallel import parallelize
 
     schedule, recompute = ("1f1b", "none") if name == "fastdist-1f1b" else ("shifted_critical_path", "stage_aware")
@@ -334,13 +344,56 @@ def _ours_variant(lm: nn.Module, config: dict, name: str):
     engine = parallelize(lm, mesh=(1, 1, dist.get_world_size()), example_inputs=(x,), loss_fn=lm_loss,
                          optimizer=lambda params: torch.optim.AdamW(params, lr=config["lr"]),
                          microbatches=config["microbatches"], schedule=schedule, recompute=recompute,
-                         recompute_ratio=config["recompute_ratio"])
+                         recompute_ratio=r0, split_points=split_points)
 
     def step(i: int) -> float:
         return float(engine.step(*batch_for(i, config)))
-    step.plan = str(engine.plan)
+    step.plan = engine.plan
     step.owned = [*engine.module.parameters(), *engine.module.buffers()]
     return step
+
+
+def _stage_peaks(step: Any) -> list[float]:
+    """Every stage's saved-activation peak (bytes) over one step of `step` (a fresh variant: a first step sets
+    the pipeline up, outside the meter, then one metered step). A collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step(0)
+    meter = _meter(step.owned)
+    with meter:
+        step(1)
+    return all_max([meter.peak if r == rank else 0.0 for r in range(world)])
+
+
+def memory_cap(config: dict) -> dict:
+    """The per-stage memory cap and fastdist's first-stage recompute ratio under it, as fastdist.parallel.cost
+    sets them: the cap lies --cap-fraction of the way from the least memory fastdist's stage-aware recompute runs
+    in (r0 = 1; the last stage never recomputes) to the most torch's 1F1B without recompute needs; r0 (with
+    --recompute-ratio auto) is the smallest multiple of 1 / (the first stage's blocks) whose stages all stay
+    under it. The partition is fixed by the first engine built (profiled once). A collective.
+
+    Returns:
+        cap_bytes, r0, split_points, plan (the profiled plan, as text), plain and floor per-stage peaks, and the
+        peaks of every r0 tried.
+    """
+    plain = _stage_peaks(_torch_variant(build_gpt(config["gpt"], config["seed"]), config, recompute=False))
+    scp = "fastdist-scp+stage-aware"
+    probe = _ours_variant(build_gpt(config["gpt"], config["seed"]), config, scp, r0=1.0)
+    plan, split = probe.plan, probe.plan.split_points
+    floor = _stage_peaks(probe)
+    cap = max(floor) + config["cap_fraction"] * max(0.0, max(plain) - max(floor))
+    tried, r0 = {1.0: floor}, 1.0
+    if config["recompute_ratio"] == "auto":
+        first_blocks = plan.stages[0].last_block - plan.stages[0].first_block
+        for k in range(first_blocks - 1, -1, -1):
+            r = k / first_blocks
+            tried[r] = _stage_peaks(_ours_variant(build_gpt(config["gpt"], config["seed"]), config, scp, r, split))
+            if max(tried[r]) > cap * (1 + 1e-9):
+                break
+            r0 = r
+    else:
+        r0 = float(config["recompute_ratio"])
+    return {"cap_bytes": cap, "r0": r0, "split_points": list(split), "plan": str(plan), "plain_peaks": plain,
+            "floor_peaks": floor, "r0_tried": {str(k): v for k, v in tried.items()}}
 
 
 def ours_available() -> bool:
@@ -356,8 +409,6 @@ def missing(variant: str) -> str | None:
     """Why pipeline row `variant` cannot run here (a package not installed), None when it can."""
     if variant.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed not installed"
-    if variant == SCHEDULE_ONLY:
-        return None if importlib.util.find_spec("fastdist.parallel.schedule") else "fastdist.parallel not installed"
     if variant in OURS and not ours_available():
         return "fastdist.parallelize not available"
     return None
@@ -373,6 +424,8 @@ def _reference_loss(config: dict) -> float:
 def _pipeline_rank(config: dict) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     core = pin_to_core(rank)
+    ours = [n for n in config["variants"] if n in OURS]
+    cap = memory_cap(config) if ours else None
     variants, plans = {}, {}
     for name in config["variants"]:
         lm = build_gpt(config["gpt"], config["seed"])  # every variant from the same weights
@@ -380,11 +433,9 @@ def _pipeline_rank(config: dict) -> dict | None:
             variants[name] = _torch_variant(lm, config, recompute=name.endswith("+recompute"))
         elif name.startswith("deepspeed"):
             variants[name] = _deepspeed_variant(lm, config, recompute=name.endswith("+recompute"))
-        elif name == SCHEDULE_ONLY:
-            variants[name] = _schedule_variant(lm, config)
         else:
-            variants[name] = _ours_variant(lm, config, name)
-            plans[name] = variants[name].plan
+            variants[name] = _ours_variant(lm, config, name, cap["r0"], cap["split_points"])
+            plans[name] = str(variants[name].plan)
     names = list(variants)
     reps, warmup = config["reps"], max(config["warmup"], 1)  # step 0 is the checked one, never timed
     meters = {n: _meter(variants[n].owned) for n in names}
@@ -430,7 +481,7 @@ def _pipeline_rank(config: dict) -> dict | None:
                      "stage_peak_samples": by_stage["resident"],
                      "losses": trajectory, "first_loss_error": abs(trajectory[0] - reference) / reference,
                      "plan": plans.get(n)})
-    return {"rows": rows, "reference_loss": reference, "core": core}
+    return {"rows": rows, "reference_loss": reference, "core": core, "cap": cap}
 
 
 def _meter(owned: Sequence[torch.Tensor]) -> Any:
@@ -566,6 +617,7 @@ def _tp_rank(config: dict) -> dict | None:
         module, ref, x = _parallelized_block(config)
         variants[PARALLELIZE_TP] = tp._step(module, x)
         errors.update(tp._check_against(tp._step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
+        chunks[PARALLELIZE_TP] = tp._chosen_chunks(module)  # "auto" chooses at the first call
     names = list(variants)
     bar = progress((config["warmup"] + config["reps"]) * len(names), f"parallel tp {config['net']}",
                    enabled=rank == 0)
@@ -591,7 +643,8 @@ def _parts_rank(config: dict) -> dict | None:
 
 def _config_from(args: argparse.Namespace) -> dict:
     return {"gpt": list(args.gpt), "batch": args.batch, "microbatches": args.microbatches,
-            "recompute_ratio": args.recompute_ratio, "tp_block": list(args.tp_block), "reps": args.reps,
+            "recompute_ratio": args.recompute_ratio, "cap_fraction": args.cap_fraction,
+            "tp_block": list(args.tp_block), "reps": args.reps,
             "warmup": args.warmup, "lr": args.lr, "seed": args.seed}
 
 
@@ -620,7 +673,7 @@ def run(args: argparse.Namespace) -> dict | None:
     skipped = {v: missing(v) for v in args.variants if missing(v) is not None}
     result: dict[str, Any] = {"suite": "parallel", "config": config, "not_run": skipped}
     launches: dict[str, list[str]] = {}  # network -> the parts run on it, in one launch
-    for part in PARTS:
+    for part in _PART_RANKS:
         if part in args.parts:
             for net in (args.tp_nets if part == "tp" else [args.net]):
                 launches.setdefault(net, []).append(part)
@@ -641,12 +694,29 @@ def run(args: argparse.Namespace) -> dict | None:
                     result.setdefault("tp", []).append({"net": net, **where, **out})
                 else:
                     result[part] = {**where, **out}
+    if "boundaries" in args.parts:
+        compare = _boundary_comparison()
+        if compare is None:
+            result["not_run"]["boundaries"] = "fastdist.parallel.transport's comparison not available"
+        else:
+            result["boundaries"] = compare(net=args.boundary_net, steps=args.reps, warmup=args.warmup,
+                                           timeout=args.timeout)
+            env = env or result["boundaries"]["env"]
     result["env"] = env
     print(report.format_environment(env))
     print(f"# ranks pinned to one core each, 1 torch thread; medians of {args.reps} interleaved repetitions after "
           f"{args.warmup} warm-up")
     print(report.text_parts(tables(result)))
     return result
+
+
+def _boundary_comparison() -> Any:
+    """fastdist.parallel.transport's compressed-boundary comparison (compare_boundaries), None where absent."""
+    try:
+        from fastdist.parallel.transport import compare_boundaries
+    except ImportError:
+        return None
+    return compare_boundaries
 
 
 def _load(r: dict | None) -> str:
@@ -678,6 +748,10 @@ def tables(result: dict) -> list[report.Part]:
                         for s in range(stages)]
         columns += [col(f"stage {s} RSS peak (MiB)", _stage_mib(s, "stage_peak_bytes"), fixed(1))
                     for s in range(stages)]
+        cap = (pipe.get("cap") or {}).get("cap_bytes")
+        if cap:
+            columns.append(col(f"under cap ({cap / MIB:.1f} MiB)", lambda r: report.yes_no(
+                max(r["stage_saved_bytes"]) <= cap), numeric=False))
         columns += [col("first loss vs unpipelined", "first_loss_error", scientific(1)),
                     col("last loss", lambda r: r["losses"][-1], fixed(4))]
         vocab, dim, heads, layers, seq = c["gpt"]
@@ -687,6 +761,13 @@ def tables(result: dict) -> list[report.Part]:
         notes = ["saved act.: peak bytes autograd kept for the backward during a step (each storage once, "
                  "parameters not counted); RSS peak: resident memory during a step above that before it; per "
                  "stage, median over the timed steps."]
+        if pipe.get("cap"):
+            k = pipe["cap"]
+            notes.append(f"memory cap {k['cap_bytes'] / MIB:.1f} MiB per stage: {c['cap_fraction']:g} of the way from "
+                         f"fastdist's stage-aware recompute at r0 = 1 ({max(k['floor_peaks']) / MIB:.1f} MiB) to "
+                         f"torch's 1F1B without recompute ({max(k['plain_peaks']) / MIB:.1f} MiB); fastdist's r0 "
+                         f"{k['r0']:g} (the last stage never recomputes); its partition starts stage 1 at block "
+                         f"{', '.join(map(str, k['split_points']))}.")
         if result.get("not_run"):
             notes.append("not run: " + ", ".join(f"{v} ({why})" for v, why in result["not_run"].items()))
         parts.append(report.Part("pipeline", columns, rows, caption, notes))
@@ -701,13 +782,19 @@ def tables(result: dict) -> list[report.Part]:
     for run_ in result.get("tp") or []:
         rows = run_["rows"]
         peer = next((r["time_ms"] for r in rows if r["variant"] == "dtensor"), None)
-        columns = [col("GPT block (tp=2)", "variant"), col("fwd+bwd (ms)", "time_ms", fixed(1)),
+        columns = [col("GPT block (tp=2)", "variant"),
+                   col("chunks", lambda r: ",".join(map(str, r["chunks"])) if r.get("chunks") else None, numeric=False),
+                   col("fwd+bwd (ms)", "time_ms", fixed(1)),
                    col("vs DTensor", lambda r, peer=peer: peer / r["time_ms"] if peer else None, times(2)),
                    col("error vs unsharded", "max_error", scientific(1))]
         hidden, heads, seq, batch = c["tp_block"]
         parts.append(report.Part(f"tp-{run_['net']}", columns, rows,
                                  f"GPT block hidden {hidden}, {heads} heads, seq {seq}, batch {batch}; "
                                  f"{run_['network']}; median of {c['reps']}{_load(run_)}."))
+    if result.get("boundaries"):
+        from fastdist.parallel.transport import boundary_tables
+
+        parts += boundary_tables(result["boundaries"])
     return parts
 
 
