@@ -116,7 +116,8 @@ def train(name: str, mesh: tuple[int, int, int], microbatches: int = 2, steps: i
     state = engine.state_dict()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return {"losses": losses, "state": state if rank == 0 else None, "plan": str(engine.plan),
-            "split_points": engine.plan.split_points, "coordinate": engine.coordinate}
+            "split_points": engine.plan.split_points, "coordinate": engine.coordinate,
+            "wire_bytes": getattr(engine.pipeline_stage, "wire_bytes", None), "engine": engine}
 
 
 def error_of(fn, *args, **kwargs) -> str | None:
@@ -182,10 +183,41 @@ def case(name: str):
     kind, _, rest = name.partition(":")
     if kind == "train":
         model, _, mesh = rest.partition(":")
-        return train(model, tuple(int(d) for d in mesh.split(",")))
+        return _plain(train(model, tuple(int(d) for d in mesh.split(","))))
     if kind == "bad":
         return bad_input(rest)
+    if kind == "compose":
+        return compose(rest)
     raise KeyError(name)
+
+
+def _plain(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "engine"}
+
+
+def compose(kind: str) -> dict:
+    """Trainings that combine the engine with the other parts of fastdist.parallel / fastdist.comm."""
+    if kind == "recompute_compress":
+        from fastdist.compress import Quantize
+        options = dict(schedule="shifted_critical_path",
+                       compress_boundaries={"fwd": Quantize(8), "bwd": Quantize(8)})
+        with_recompute = train("transformer_lm", (1, 1, 2), recompute="stage_aware", recompute_ratio=1.0, **options)
+        without = train("transformer_lm", (1, 1, 2), **options)
+        ratios = [s.recompute_ratio for s in with_recompute["engine"].plan.stages]
+        stage = with_recompute["engine"].pipeline_stage
+        return {"recompute": _plain(with_recompute), "plain": _plain(without), "ratios": ratios,
+                "mixins": [b.__name__ for b in type(stage).__mro__], "recomputed_blocks": stage.recompute_blocks}
+    if kind == "sketch_hook":
+        from fastdist.comm.hooks import SketchState, sketch_hook
+        states = []
+
+        def hook(group):
+            states.append(SketchState(group, mode="exact"))
+            return states[-1], sketch_hook
+        result = _plain(train("transformer_lm", (2, 1, 1), dp_comm_hook=hook))
+        result["hook_steps"] = states[0].iter
+        return result
+    raise KeyError(kind)
 
 
 def run_on_ranks(names: list[str]) -> dict:

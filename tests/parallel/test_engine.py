@@ -89,3 +89,31 @@ def test_parallelize_on_one_process_is_plain_training():
 
 def test_fastdist_parallelize_is_the_engine_entry_point():
     assert fastdist.parallelize is fastdist.parallel.parallelize
+
+
+def test_stage_aware_recompute_with_compressed_boundaries_trains_as_the_same_pipeline_without_recompute(
+        engine_ranks):
+    ranks = engine_ranks(2, "compose:recompute_compress")
+    want_losses, _ = reference("transformer_lm")
+    for rank, got in enumerate(ranks):
+        assert {"RecomputeStageMixin", "CompressedTransportMixin", "PipelineStage"} <= set(got["mixins"])
+        assert got["ratios"] == [1.0, 0.0]  # stage-aware from r0 = 1: the last stage recomputes nothing
+        # recompute is exact: the same losses as the same compressed pipeline that keeps its activations
+        assert got["recompute"]["losses"] == got["plain"]["losses"], f"rank {rank}"
+        # 8-bit activations and gradients at the boundary: close to uncompressed training, not equal to it
+        diff = (torch.tensor(got["recompute"]["losses"]) - torch.tensor(want_losses)).abs().max().item()
+        assert 0 < diff < 5e-3, f"rank {rank}: compressed training is {diff} from uncompressed"
+    assert ranks[0]["recomputed_blocks"] > 0 and ranks[1]["recomputed_blocks"] == 0
+    sent_activations = ranks[0]["recompute"]["wire_bytes"]["fwd"]
+    dense = STEPS * 2 * (4 * 16 * 32 * 4)  # 5 steps x 2 microbatches of [4, 16, 32] float32
+    assert 0 < sent_activations < dense / 3, "the activations crossed compressed"
+    assert ranks[1]["recompute"]["wire_bytes"]["bwd"] < dense / 3, "the gradients crossed compressed"
+
+
+def test_a_fastdist_comm_hook_reduces_the_data_parallel_gradients(engine_ranks):
+    ranks = engine_ranks(2, "compose:sketch_hook")
+    want_losses, _ = reference("transformer_lm")
+    for rank, got in enumerate(ranks):
+        assert got["hook_steps"] == STEPS, "the sketch hook ran once per step"
+        assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"rank {rank}: losses",
+                     **LOSS_TOLERANCE)

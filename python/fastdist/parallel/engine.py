@@ -199,6 +199,8 @@ class Engine:
     Attributes:
         plan: the :class:`~fastdist.parallel.partition.Plan` (``print(engine.plan)`` shows the stages).
         module: this rank's stage module (tensor-parallel layers in it when tp > 1; not DDP-wrapped).
+        pipeline_stage: the torch ``PipelineStage`` the schedule drives (with the recompute and compressed-transport
+            mixins when asked for); None when one stage trains without a schedule.
         optimizer: the optimizer over this stage's parameters.
         mesh: the DeviceMesh (None on one process without torch.distributed).
         coordinate: this rank's (dp, tp, pp) indices.
@@ -257,7 +259,7 @@ class Engine:
         return total / m
 
     def _pipeline_step(self, inputs, target):
-        stage = self._pipe_stage
+        stage = self.pipeline_stage
         losses: list[torch.Tensor] = []
         kwargs = {"target": target, "losses": losses} if stage.is_last else {}
         if stage.is_first:
@@ -559,7 +561,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         sched = build_schedule(schedule, pipe_stage, microbatches, loss_fn, recompute=recompute,
                                recompute_ratio=recompute_ratio)
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
-                  _runner=runner, _ddp=ddp, _schedule=sched, _pipe_stage=pipe_stage, _tied=tied, _layouts=layouts,
+                  _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
                   _groups=groups, _world=world, _keys=keys, _steps=0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
 
