@@ -78,3 +78,19 @@ def test_cli_runs_every_pipeline_peer_beside_fastdist_with_losses_checked_and_ta
     assert [r["variant"] for r in tp_run["rows"]][:len(parallel.TP_VARIANTS)] == parallel.TP_VARIANTS
     assert all(0 <= r["max_error"] <= 1e-4 for r in tp_run["rows"])
     assert {p.name for p in parallel.tables(result)} == {"pipeline", "balance", "tp-loopback"}
+
+
+def test_the_cost_tables_show_each_measured_point_beside_its_prediction_and_the_sweep_per_depth():
+    measured = {"rows": [{"variant": "torch-1f1b+ckpt", "time_ms": 100.0, "predicted_ms": 110.0, "error": 0.1,
+                          "speedup": 1.0, "stage_saved_bytes": [2 ** 20, 2 ** 21], "fits_cap": True}],
+                "cap_bytes": 3 * 2 ** 20, "r0": 0.5, "link": {"latency": 1e-4, "bandwidth": 1e9}}
+    sweep = [{"pp": 4, "microbatches": 8, "schedule": schedule, "recompute": recompute, "step_time": t,
+              "ideal": 1.0, "bubble_fraction": 0.25}
+             for (schedule, recompute), t in zip(parallel.SWEEP_CONFIGS.values(), [2.0, 1.5, 2.5, 2.0, 1.8, 2.1])]
+    result = {"config": {"reps": 5}, "cost": {"measured": measured, "sweep": sweep}}
+    measured_part, sweep_part = parallel.tables(result)
+    assert (measured_part.name, sweep_part.name) == ("cost-measured", "cost-sweep")
+    assert "| 100.0 | 110.0 | 10.0 |" in measured_part.table and "1.0, 2.0" in measured_part.table
+    (row,) = sweep_part.rows
+    assert row["1f1b+full"] / row["scp+stage-aware"] == pytest.approx(2.5 / 1.8)
+    assert "1.39x" in sweep_part.table and "| 4 | 8 | 2.00 | 1.50 |" in sweep_part.table

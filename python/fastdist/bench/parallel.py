@@ -30,6 +30,10 @@ thread, gloo's threads included). Parts (--parts):
               under it (--recompute-ratio auto); each row says whether its stages stay under it.
   balance     each stage's forward + backward on one microbatch, timed on its own rank at once (interleaved,
               median of --reps), for the uniform split and for fastdist's partitioner's: max/mean stage time.
+  cost        fastdist.parallel.cost's measurement of its schedules on the same GPT (the peers' uniform stages:
+              torch's 1F1B with and without checkpointing, GPipe with it, 1F1B and shifted critical path with
+              stage-aware recompute, at its own memory cap) with the cost model's prediction and error for each,
+              then the model's simulation of pp 4..64 and 8..64 microbatches (a projection, not measured).
   tp          forward + backward of one GPT block (--tp-block hidden,heads,seq,batch) on 2 ranks at each
               --tp-nets network: bench/tp.py's variants (fastdist.tp's Megatron-style, chunked and Oases
               mappings, and torch's DTensor parallelize_module with Colwise/RowwiseParallel, each checked against
@@ -43,13 +47,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
-import gc
 import importlib.util
 import io
 import logging
 import os
-import re
 import statistics
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -75,7 +76,9 @@ TP_VARIANTS = ["megatron", "chunked", "oases", "dtensor"]
 """bench/tp.py's GPT-block variants this suite times (its +recompute variants are left to that suite)."""
 PARALLELIZE_TP = "parallelize tp=2"
 """The tp row of fastdist.parallelize: the stage module its mesh (1, 2, 1) builds for the block."""
-PARTS = ["pipeline", "balance", "tp", "boundaries"]
+PARTS = ["pipeline", "balance", "cost", "tp", "boundaries"]
+SWEEP_STAGES = (4, 8, 16, 32, 64)
+SWEEP_MICROBATCHES = (8, 16, 32, 64)
 CHECK_TOLERANCE = 1e-4
 """Largest |first loss - unpipelined model's loss| / unpipelined loss a variant may show (float32)."""
 
@@ -211,30 +214,23 @@ def batch_for(step: int, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- resident memory of a step ----
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return 1024 * int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.MULTILINE).group(1))
-
-
-def _trim() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def reset_peak() -> int:
     """Frees what can be freed, sets the process's peak resident size (VmHWM) to its current one; returns that
     (bytes). Where /proc/self/clear_refs cannot be written the peak keeps earlier history (the caller sees a
     larger figure, never a smaller one)."""
+    from fastdist.bench.memory import _status_kib, _trim
+
     _trim()
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
+        f.write("5")  # VmHWM := VmRSS
+    return _status_kib("VmRSS") * 1024
 
 
 def peak_above(base: int) -> int:
     """Peak resident bytes since `reset_peak` above what was resident then."""
-    return max(_status_bytes("VmHWM") - base, 0)
+    from fastdist.bench.memory import _status_kib
+
+    return max(_status_kib("VmHWM") * 1024 - base, 0)
 
 
 @contextlib.contextmanager
@@ -572,6 +568,34 @@ def _balance_rank(config: dict) -> dict | None:
     return {"rows": rows, "plan": plan}
 
 
+# ---- the schedules' cost model: measured points, then the paper's scale ----
+
+def _cost_rank(config: dict) -> dict | None:
+    """fastdist.parallel.cost's measured schedules on this pipeline (its own variants, cap and r0, the model
+    checked against every measured step), then its simulation of pp 4..64 and 8..64 microbatches with every stage
+    costing what the measured first stage did, over the measured link."""
+    from fastdist.parallel.cost import Link, StageTimes, measure_schedules, sweep
+
+    measured = measure_schedules({"gpt": config["gpt"], "batch": config["batch"],
+                                  "microbatches": config["microbatches"], "reps": config["reps"],
+                                  "warmup": max(config["warmup"], 1), "seed": config["seed"],
+                                  "cap_fraction": config["cap_fraction"]})
+    if dist.get_rank() != 0:
+        return None
+    first = StageTimes(**measured["stage_times"][0])
+    rows = sweep(first, stages=SWEEP_STAGES, microbatches=SWEEP_MICROBATCHES, link=Link(**measured["link"]))
+    return {"measured": measured, "sweep": rows}
+
+
+def cost_available() -> bool:
+    """Whether fastdist.parallel.cost (the schedules' cost model and its measurement) is installed."""
+    try:
+        from fastdist.parallel.cost import measure_schedules, sweep  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 # ---- tensor parallel: bench/tp.py's block variants, and parallelize's tp dimension ----
 
 class OneBlock(nn.Module):
@@ -628,7 +652,7 @@ def _tp_rank(config: dict) -> dict | None:
 
 # ---- driver ----
 
-_PART_RANKS = {"pipeline": _pipeline_rank, "balance": _balance_rank, "tp": _tp_rank}
+_PART_RANKS = {"pipeline": _pipeline_rank, "balance": _balance_rank, "cost": _cost_rank, "tp": _tp_rank}
 
 
 def _parts_rank(config: dict) -> dict | None:
@@ -673,8 +697,10 @@ def run(args: argparse.Namespace) -> dict | None:
     skipped = {v: missing(v) for v in args.variants if missing(v) is not None}
     result: dict[str, Any] = {"suite": "parallel", "config": config, "not_run": skipped}
     launches: dict[str, list[str]] = {}  # network -> the parts run on it, in one launch
+    if "cost" in args.parts and not cost_available():
+        result["not_run"]["cost"] = "fastdist.parallel.cost not available"
     for part in _PART_RANKS:
-        if part in args.parts:
+        if part in args.parts and part not in result["not_run"]:
             for net in (args.tp_nets if part == "tp" else [args.net]):
                 launches.setdefault(net, []).append(part)
     env = None
@@ -708,6 +734,56 @@ def run(args: argparse.Namespace) -> dict | None:
           f"{args.warmup} warm-up")
     print(report.text_parts(tables(result)))
     return result
+
+
+SWEEP_CONFIGS = {"gpipe+full": ("gpipe", "full"), "1f1b": ("1f1b", "none"), "1f1b+full": ("1f1b", "full"),
+                 "1f1b+stage-aware": ("1f1b", "stage_aware"),
+                 "scp+stage-aware": ("shifted_critical_path", "stage_aware"),
+                 "scp+full": ("shifted_critical_path", "full")}
+"""The sweep's columns: (schedule, recompute) of fastdist.parallel.cost.sweep's configurations."""
+
+
+def _cost_tables(result: dict) -> list[report.Part]:
+    cost = result.get("cost")
+    if not cost:
+        return []
+    m, c = cost["measured"], result["config"]
+    columns = [col("schedule (measured)", "variant"), col("step (ms)", "time_ms", fixed(1)),
+               col("predicted (ms)", "predicted_ms", fixed(1)), col("model error (%)", "error", percent(1)),
+               col("vs torch 1F1B+ckpt", "speedup", times(2)),
+               col("saved act. per stage (MiB)", lambda r: ", ".join(f"{b / MIB:.1f}" for b in r["stage_saved_bytes"]),
+                   numeric=False),
+               col("under cap", lambda r: report.yes_no(r["fits_cap"]), numeric=False)]
+    worst = max(r["error"] for r in m["rows"])
+    link = m["link"]
+    parts = [report.Part("cost-measured", columns, m["rows"],
+                         f"fastdist.parallel.cost's measured schedules (the peers' uniform stages, SGD), median of "
+                         f"{c['reps']}; memory cap {m['cap_bytes'] / MIB:.1f} MiB per stage, stage-aware r0 "
+                         f"{m['r0']:g}; predicted: the cost model's simulation from the stage times and the link "
+                         f"measured in the same run{_load(m)}.",
+                         [f"largest model error {100 * worst:.1f}% (target <= 15%); link: latency "
+                          f"{link['latency'] * 1e6:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s."])]
+    by_point: dict[tuple[int, int], dict] = {}
+    for r in cost["sweep"]:
+        point = by_point.setdefault((r["pp"], r["microbatches"]), {"pp": r["pp"], "microbatches": r["microbatches"]})
+        for name, (schedule, recompute) in SWEEP_CONFIGS.items():
+            if (r["schedule"], r["recompute"]) == (schedule, recompute):
+                point[name] = r["step_time"]
+                point["ideal"] = r["ideal"]
+                if name == "scp+stage-aware":
+                    point["bubble"] = r["bubble_fraction"]
+    rows = list(by_point.values())
+    columns = [col("pp", "pp", report.integer), col("microbatches", "microbatches", report.integer)]
+    columns += [col(f"{name} (x ideal)", lambda r, n=name: r[n] / r["ideal"] if n in r else None, fixed(2))
+                for name in SWEEP_CONFIGS]
+    columns += [col("scp+stage-aware vs 1f1b+full", lambda r: r["1f1b+full"] / r["scp+stage-aware"]
+                    if "scp+stage-aware" in r and "1f1b+full" in r else None, times(2)),
+                col("scp+stage-aware bubble (%)", "bubble", percent(1))]
+    parts.append(report.Part("cost-sweep", columns, rows,
+                             "Cost-model simulation (not measured): every stage costs what the measured first stage "
+                             "did, over the measured link; step time over the ideal n (F + B); stage-aware at the "
+                             "sweep's r0 = 0.5."))
+    return parts
 
 
 def _boundary_comparison() -> Any:
@@ -779,6 +855,7 @@ def tables(result: dict) -> list[report.Part]:
         parts.append(report.Part("balance", columns, bal["rows"],
                                  "Stage forward + backward on one microbatch, each on its own pinned rank, median of "
                                  f"{c['reps']}; bounds over [embedding, blocks..., head]{_load(bal)}."))
+    parts += _cost_tables(result)
     for run_ in result.get("tp") or []:
         rows = run_["rows"]
         peer = next((r["time_ms"] for r in rows if r["variant"] == "dtensor"), None)
