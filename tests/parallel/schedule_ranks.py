@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from fastdist.parallel.cost import measure_schedules
 from fastdist.parallel.recompute import SavedActivationMeter, make_stage
 from fastdist.parallel.schedule import build_schedule
 from fastdist.testing.models import Block
@@ -93,16 +94,18 @@ class LoggedStage:
         stage.submod.blocks[0].register_forward_pre_hook(first_block_ran)
 
 
-def train(schedule: str, recompute, r0: float, microbatches: int, steps: int = 2, torch_reference: bool = False):
-    """`steps` SGD steps of the pipelined GPT on this rank: losses (last stage), gradients of the first step,
-    parameters after, the stage's F/R/B log of the last step, and its recompute ratio."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+def train(schedule: str, recompute, r0: float, microbatches: int, steps: int = 2, torch_reference: bool = False,
+          group=None):
+    """`steps` SGD steps of the GPT pipelined over `group` (default: all ranks) on this rank: losses (last
+    stage), gradients of the first step, parameters after, the stage's F/R/B log of the last step, and its
+    recompute ratio."""
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     module = stage_module(rank, world)
     if torch_reference:
-        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        stage = PipelineStage(module, rank, world, torch.device("cpu"), group=group)
         sched = Schedule1F1B(stage, microbatches, loss_fn=loss_fn)
     else:
-        stage = make_stage(module, rank, world, "cpu")
+        stage = make_stage(module, rank, world, "cpu", group)
         sched = build_schedule(schedule, stage, microbatches, loss_fn, recompute=recompute, recompute_ratio=r0)
     logged = LoggedStage(stage)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
@@ -138,23 +141,30 @@ CASES = {
 
 
 def run_cases(names: list[str]) -> dict:
-    """Every case in `names` on this rank (see CASES): name -> `train`'s result."""
+    """Every case in `names` on this rank (see CASES): name -> `train`'s result; then a tiny
+    `measure_schedules` under "measure", and, on rank 0 alone (a group of its own), `single_stage` under
+    "single"."""
     out = {}
     for name in names:
         schedule, recompute, r0, microbatches, reference = CASES[name]
         out[name] = train(schedule, recompute, r0, microbatches, torch_reference=reference)
+    out["measure"] = measure_schedules({"gpt": (64, 16, 2, 4, 8), "batch": 4, "microbatches": 2, "reps": 1,
+                                        "warmup": 0, "calibration_reps": 1, "pin": False})
+    alone = torch.distributed.new_group([0])
+    if torch.distributed.get_rank() == 0:
+        out["single"] = single_stage(alone)
     return out
 
 
-def single_stage() -> dict:
-    """One rank, one stage (the degenerate pipeline): each schedule's losses and gradients, the saved-activation
-    peak at ratios 0, 0.5 and 1, and the errors for bad arguments."""
-    out = {name: train(*CASES[name][:4], steps=2, torch_reference=CASES[name][4])
+def single_stage(group) -> dict:
+    """One rank, one stage (the degenerate pipeline, over `group` of one rank): each schedule's losses and
+    gradients, the saved-activation peak at ratios 0, 0.5 and 1, and the errors for bad arguments."""
+    out = {name: train(*CASES[name][:4], steps=2, torch_reference=CASES[name][4], group=group)
            for name in ("torch", "1f1b_full", "gpipe_half", "scp_full")}
     out["peaks"] = {}
     for ratio in (0.0, 0.5, 1.0):
         module = stage_module(0, 1)
-        stage = make_stage(module, 0, 1, "cpu", recompute_ratio=ratio)
+        stage = make_stage(module, 0, 1, "cpu", group, recompute_ratio=ratio)
         sched = build_schedule("gpipe", stage, 4, loss_fn, recompute=ratio)
         tokens, target = batch(0)
         with SavedActivationMeter(exclude=[*module.parameters(), *module.buffers()]) as meter:
@@ -162,8 +172,8 @@ def single_stage() -> dict:
         out["peaks"][ratio] = (meter.peak, meter.current)
     errors = {}
     module = stage_module(0, 1)
-    plain = PipelineStage(module, 0, 1, torch.device("cpu"))
-    ours = make_stage(module, 0, 1, "cpu")
+    plain = PipelineStage(module, 0, 1, torch.device("cpu"), group=group)
+    ours = make_stage(module, 0, 1, "cpu", group)
     bad = {"name": lambda: build_schedule("zero_bubble", ours, 4, loss_fn),
            "microbatches": lambda: build_schedule("1f1b", ours, 0, loss_fn),
            "recompute_mode": lambda: build_schedule("1f1b", ours, 4, loss_fn, recompute="some"),
@@ -171,7 +181,7 @@ def single_stage() -> dict:
            "stage_aware_r0": lambda: build_schedule("1f1b", ours, 4, loss_fn, recompute="stage_aware",
                                                     recompute_ratio=-0.1),
            "plain_stage": lambda: build_schedule("1f1b", plain, 4, loss_fn, recompute="full"),
-           "stage_ratio": lambda: make_stage(module, 0, 1, "cpu", recompute_ratio=float("nan"))}
+           "stage_ratio": lambda: make_stage(module, 0, 1, "cpu", group, recompute_ratio=float("nan"))}
     for what, call in bad.items():
         try:
             call()

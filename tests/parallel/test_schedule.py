@@ -6,22 +6,28 @@ on the ranks is in schedule_ranks.py."""
 import pytest
 import torch
 from helpers import assert_close
-from schedule_ranks import CASES, run_cases, single_stage
+from schedule_ranks import CASES, run_cases
 
 from fastdist.distributed import spawn
+from fastdist.parallel.cost import BASELINE, MEASURED_VARIANTS
 from fastdist.parallel.schedule import SCHEDULES, resolve_recompute, stage_recompute_ratios
 
 EXACT = {"atol": 1e-6, "rtol": 1e-6}
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return spawn(run_cases, 2, list(CASES), backend="gloo", timeout=300)
+def job():
+    return spawn(run_cases, 2, list(CASES), backend="gloo", timeout=300, threads_per_rank=1)
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    return spawn(single_stage, 1, backend="gloo", timeout=300)[0]
+def two_ranks(job):
+    return job
+
+
+@pytest.fixture(scope="module")
+def one_rank(job):
+    return job[0]["single"]
 
 
 def test_schedule_names_are_torchs_two_and_the_shifted_critical_path():
@@ -115,3 +121,16 @@ def test_bad_schedule_arguments_are_clear_errors(one_rank):
     assert "'some'" in errors["recompute_mode"] and "1.5" in errors["recompute_float"]
     assert "r0" in errors["stage_aware_r0"] and "nan" in errors["stage_ratio"]
     assert "make_stage" in errors["plain_stage"] and one_rank["plain_ok"] == "Schedule1F1B"
+
+
+def test_the_measured_comparison_runs_every_variant_at_one_cap_and_predicts_each(two_ranks):
+    got = two_ranks[0]["measure"]
+    rows = {r["variant"]: r for r in got["rows"]}
+    assert set(rows) == set(MEASURED_VARIANTS) and got["r0"] in (0.0, 0.5, 1.0)
+    assert rows[BASELINE]["speedup"] == pytest.approx(1.0) and rows[BASELINE]["fits_cap"]
+    assert not rows["torch-1f1b"]["fits_cap"] and rows["scp+stage-aware"]["fits_cap"]
+    assert rows["scp+stage-aware"]["ratios"] == [got["r0"], 0.0]
+    assert rows[BASELINE]["stage_saved_bytes"][0] < rows["torch-1f1b"]["stage_saved_bytes"][0]
+    for r in rows.values():
+        assert r["time_ms"] > 0 and r["predicted_ms"] > 0 and len(r["samples_ms"]) == 1
+    assert two_ranks[1]["measure"]["rows"] == got["rows"]  # every rank returns the same figures
