@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from fastdist.distributed import MismatchError
 from fastdist.parallel.cost import measure_schedules
 from fastdist.parallel.recompute import SavedActivationMeter, make_stage
 from fastdist.parallel.schedule import build_schedule
@@ -150,6 +151,13 @@ def run_cases(names: list[str]) -> dict:
         out[name] = train(schedule, recompute, r0, microbatches, torch_reference=reference)
     out["measure"] = measure_schedules({"gpt": (64, 16, 2, 4, 8), "batch": 4, "microbatches": 2, "reps": 1,
                                         "warmup": 0, "calibration_reps": 1, "pin": False})
+    try:  # the ranks disagree on the schedule
+        rank = torch.distributed.get_rank()
+        build_schedule("gpipe" if rank == 0 else "1f1b", make_stage(stage_module(rank, 2), rank, 2, "cpu"), 4,
+                       loss_fn)
+        out["mismatch"] = None
+    except MismatchError as e:
+        out["mismatch"] = str(e)
     alone = torch.distributed.new_group([0])
     if torch.distributed.get_rank() == 0:
         out["single"] = single_stage(alone)

@@ -134,3 +134,10 @@ def test_the_measured_comparison_runs_every_variant_at_one_cap_and_predicts_each
     for r in rows.values():
         assert r["time_ms"] > 0 and r["predicted_ms"] > 0 and len(r["samples_ms"]) == 1
     assert two_ranks[1]["measure"]["rows"] == got["rows"]  # every rank returns the same figures
+
+
+def test_ranks_that_disagree_on_the_schedule_fail_on_every_rank_naming_it(two_ranks):
+    for rank in range(2):
+        message = two_ranks[rank]["mismatch"]
+        assert message is not None and "pipeline schedule" in message and "schedule" in message
+        assert "gpipe" in message and "1f1b" in message

@@ -24,6 +24,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
 
+from fastdist.distributed import check_same
+
 __all__ = ["SCHEDULES", "RECOMPUTE_MODES", "ScheduleShiftedCriticalPath", "build_schedule", "resolve_recompute",
            "stage_recompute_ratios"]
 
@@ -186,6 +188,10 @@ def build_schedule(name: str, stage: PipelineStage, n_microbatches: int,
 
     Returns:
         The schedule.
+
+    Raises:
+        MismatchError: the stage group's ranks differ in schedule, microbatches or stages (on every rank: this is
+            a collective over the stage's group, once per schedule built).
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
@@ -195,6 +201,8 @@ def build_schedule(name: str, stage: PipelineStage, n_microbatches: int,
         raise ValueError(f"schedule {name!r} needs n_microbatches >= the number of stages ({stage.num_stages}), "
                          f"got {n_microbatches}")
     ratio = resolve_recompute(recompute, recompute_ratio, stage.stage_index, stage.num_stages, name)
+    check_same("pipeline schedule", {"schedule": name, "n_microbatches": n_microbatches,
+                                     "num_stages": stage.num_stages}, stage.group)
     if hasattr(stage, "set_recompute_ratio"):
         stage.set_recompute_ratio(ratio)
     elif ratio > 0:
