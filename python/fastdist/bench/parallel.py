@@ -877,7 +877,7 @@ def tables(result: dict) -> list[report.Part]:
 
 def plot(result: dict, path: str) -> None:
     """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
-    panels = [k for k in ("pipeline", "balance", "tp") if result.get(k)]
+    panels = [k for k in ("pipeline", "balance", "cost", "tp", "boundaries") if result.get(k)]
     _, fig, axes = report.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4.5), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "pipeline":
@@ -896,6 +896,22 @@ def plot(result: dict, path: str) -> None:
             ax.set_ylabel("fwd+bwd per microbatch (ms)")
             ax.set_title("partition balance")
             ax.legend(fontsize=8)
+        elif key == "cost":
+            measured = result["cost"]["measured"]["rows"]
+            ax.bar([r["variant"] for r in measured], [r["time_ms"] for r in measured], color="tab:blue",
+                   label="measured")
+            ax.scatter([r["variant"] for r in measured], [r["predicted_ms"] for r in measured], color="black",
+                       marker="_", s=300, zorder=3, label="cost model")
+            ax.set_ylabel("pp=2 step (ms, median)")
+            ax.set_title("cost model vs measured")
+            ax.tick_params(axis="x", labelrotation=25, labelsize=7)
+            ax.legend(fontsize=8)
+        elif key == "boundaries":
+            rows = result["boundaries"]["rows"]
+            ax.bar([r["method"] for r in rows], [r["time_ms"] for r in rows], color="tab:green")
+            ax.set_ylabel("step (ms, median)")
+            ax.set_title(f"compressed boundaries, {result['boundaries']['env'].get('network')}", fontsize=8)
+            ax.tick_params(axis="x", labelrotation=25, labelsize=7)
         else:
             runs = result["tp"]
             width = 0.8 / len(runs)
