@@ -62,8 +62,9 @@ _MIN_CAPACITY = 1024  # room for a mismatch frame on every direction
 _PROBE_NUMBER = 2**40
 
 
-def _probe_frames(c: Compressor, shape: tuple, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Frames whose sizes bound those ``c`` sends for a tensor of ``shape`` (made on copies: ``c`` is untouched)."""
+def _probe_frames(c: Compressor, shape: tuple, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """(packet, frame) pairs whose frame sizes bound those ``c`` sends for a tensor of ``shape`` (made on copies:
+    ``c`` is untouched)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     if isinstance(c, AQSGD):
         rows = x.shape[0] if x.dim() > 1 else 1
