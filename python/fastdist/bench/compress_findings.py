@@ -208,9 +208,9 @@ def plot(result: dict, path: str) -> None:
     for ax, task in zip(axes[:, 0], tasks):
         rows = [r for r in result["rows"] if r["task"] == task]
         what = "3-stage CNN on generated shapes" if task == "cnn" else "4-block GPT on the Zipf-Markov corpus"
-        report.grouped_bars(ax, [r["row"] for r in rows], {f"{kind} inference": [r[kind] for r in rows]
-                                                           for kind in ("compressed", "uncompressed")},
-                            "test accuracy" if task == "cnn" else "held-out loss (nats)", f"{task}: {what}", rotation=30)
+        metric = "test accuracy" if task == "cnn" else "held-out loss (nats)"
+        series = {f"{kind} inference": [r[kind] for r in rows] for kind in ("compressed", "uncompressed")}
+        report.grouped_bars(ax, [r["row"] for r in rows], series, metric, f"{task}: {what}", rotation=30)
         base = next((r["uncompressed"] for r in rows if r["row"] == "none"), None)
         if base is not None:
             ax.axhline(base, color="gray", lw=0.8, ls="--")

@@ -344,8 +344,8 @@ def _quantize_cases(op, inputs, device):
                 y = dequantize(packed, scales, zeros, bits, "minmax", d, x.shape)
                 return torch.equal(scales, theirs[1].flatten()) and bool(
                     ((y - x).abs() <= scales[:, None] * 0.5001 + 1e-6).all())
-            yield Case(op, label, config, partial(quantize, x, bits, "minmax", d), partial(torch_quantize_rows, x, bits),
-                       nbytes, agree)
+            yield Case(op, label, config, partial(quantize, x, bits, "minmax", d),
+                       partial(torch_quantize_rows, x, bits), nbytes, agree)
         else:
             packed, scales, zeros = quantize(x, bits, "minmax", d)
             yield Case(op, label, config, partial(dequantize, packed, scales, zeros, bits, "minmax", d, x.shape),

@@ -131,7 +131,8 @@ def run_ranks(fn: Callable[[dict], Any], config: dict, *, ranks: int, net: str =
 
 
 def run_suite(suite: str, args: argparse.Namespace, bench_rank: Callable[[dict], Any], config: dict,
-              collect: Callable[[Any, dict, Launch], dict], tables: Callable[[dict], list], backend: str = "auto") -> dict | None:
+              collect: Callable[[Any, dict, Launch], dict], tables: Callable[[dict], list],
+              backend: str = "auto") -> dict | None:
     """The multi-rank suite's `run`: `bench_rank(config)` on the ranks `args` asks for (add_launch_arguments'
     options), then on the printing process the environment header, the payload and its tables.
 

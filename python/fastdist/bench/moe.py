@@ -53,7 +53,8 @@ from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, percent, scientific, times
 from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_suite
 from fastdist.distributed.compat import all_gather_single
-from fastdist.bench.toolkit import all_max, at_least, comma_list, rank_device, rounds, together
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, rank_device, relative_error, rounds, together,
+                                     worst_errors)
 
 METHODS = {
     "static": {"balance": "none", "dropless": False},
@@ -255,7 +256,6 @@ def _check_peer(layers, config, device):
     """The peer's largest deviation from dropless MoELayer on step 0's tokens (relative to dropless's largest
     value, the worst rank's), after undoing the gates' normalization: each token's output times the sum of its
     top-k gate probabilities. Raises on every rank when it exceeds CHECK_TOLERANCE; None without a peer."""
-    from fastdist.bench.tp import relative_error, worst_errors
     from fastdist.moe import MoELayer
 
     peers = [n for n in config["methods"] if n in PEERS]
@@ -333,20 +333,16 @@ def _summarise(samples, method):
     median_predicted = statistics.median(predicted) if modelled else None
     before = [s["std_tokens_per_rank_before"] for s in samples]
     after = [s["std_tokens_per_rank_after"] for s in samples]
+    median = statistics.median
     return {
-        "method": method,
-        "time_ms": median_time * 1e3,
-        "samples_ms": [t * 1e3 for t in times],
-        "tokens_max_over_mean": statistics.median(s["tokens_max_over_mean"] for s in samples),
-        "tokens_max_over_mean_unbalanced": statistics.median(s["tokens_max_over_mean_unbalanced"] for s in samples),
-        "a2a_bytes_max": statistics.median(max(s["a2a_bytes_per_rank"]) for s in samples),
-        "a2a_max_over_mean": statistics.median(a2a),
-        "std_before": statistics.median(before),
-        "std_after": statistics.median(after),
-        "std_ratio": statistics.median(b / a if a > 0 else float("inf") for b, a in zip(before, after)),
-        "dropped": int(sum(s["dropped"] for s in samples)),
-        "replicas": statistics.median(len(s["replicas"]) for s in samples),
-        "rows_computed_over_routed": statistics.median(_computed_over_routed(s) for s in samples),
+        "method": method, "time_ms": median_time * 1e3, "samples_ms": [t * 1e3 for t in times],
+        "tokens_max_over_mean": median(s["tokens_max_over_mean"] for s in samples),
+        "tokens_max_over_mean_unbalanced": median(s["tokens_max_over_mean_unbalanced"] for s in samples),
+        "a2a_bytes_max": median(max(s["a2a_bytes_per_rank"]) for s in samples), "a2a_max_over_mean": median(a2a),
+        "std_before": median(before), "std_after": median(after),
+        "std_ratio": median(b / a if a > 0 else float("inf") for b, a in zip(before, after)),
+        "dropped": int(sum(s["dropped"] for s in samples)), "replicas": median(len(s["replicas"]) for s in samples),
+        "rows_computed_over_routed": median(_computed_over_routed(s) for s in samples),
         "predicted_ms": median_predicted * 1e3 if modelled else None,
         "model_error": statistics.mean(abs(p - t) / t for p, t in zip(predicted, times)) if modelled else None,
         # the configuration's typical step: the median prediction against the median measurement

@@ -1,4 +1,5 @@
-"""What every benchmark suite shares: argument types for sizes, shapes and comma lists, the timers, progress.
+"""What every benchmark suite shares: argument types for sizes, shapes and comma lists, the timers, progress, the
+interleaved order of a suite's methods, and the check of their outputs against a reference across ranks.
 
 The timers live in `fastdist.distributed.timing` (the library's calibrations use them too, without importing
 the bench package) and are re-exported here. Each argument type raises `argparse.ArgumentTypeError` with the
@@ -20,8 +21,8 @@ import tqdm
 from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, sync, time_fn, time_ranks, together
 
 __all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "at_least",
-           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "rounds", "shape_type",
-           "sync", "time_fn", "time_ranks", "together", "up_to"]
+           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "relative_error", "rounds",
+           "shape_type", "sync", "time_fn", "time_ranks", "together", "up_to", "worst_errors"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")
@@ -254,3 +255,20 @@ def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *,
     for it, name, phase in interleave(names, warmup, reps):
         yield it, name, it >= warmup
         bar.step(f"{phase} {name}")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want|."""
+    return float((got.detach() - want.detach()).abs().max() / want.detach().abs().max().clamp_min(1e-30))
+
+
+def worst_errors(errors: dict[str, float], tolerance: float, what: str,
+                 device: torch.device | str | None = None) -> dict[str, float]:
+    """{name: the largest of the ranks' errors}; raises RuntimeError on every rank, naming `what` and the
+    variants, when one exceeds `tolerance` (or is NaN). A collective."""
+    errors = dict(zip(errors, all_max(list(errors.values()), device)))
+    bad = {n: e for n, e in errors.items() if not e <= tolerance}
+    if bad:
+        raise RuntimeError(f"fastdist-bench: {what} by more than {tolerance:g} (relative): "
+                           + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
+    return errors

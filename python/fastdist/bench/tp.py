@@ -51,7 +51,8 @@ from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import all_max, at_least, comma_list, progress, shape_type, time_fn, together, up_to
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, progress, relative_error, shape_type, time_fn,
+                                     together, up_to, worst_errors)
 from fastdist.comm.wire import ring_allreduce_bytes
 
 OP_KS = [1, 2, 4, 8, "auto"]
@@ -127,23 +128,6 @@ def _ready(t):
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over max |want|."""
-    return float((got.detach() - want.detach()).abs().max() / want.detach().abs().max().clamp_min(1e-30))
-
-
-def worst_errors(errors: dict[str, float], tolerance: float, what: str,
-                 device: torch.device | str | None = None) -> dict[str, float]:
-    """{name: the largest of the ranks' errors}; raises RuntimeError on every rank, naming `what` and the
-    variants, when one exceeds `tolerance` (or is NaN). A collective."""
-    errors = dict(zip(errors, all_max(list(errors.values()), device)))
-    bad = {n: e for n, e in errors.items() if not e <= tolerance}
-    if bad:
-        raise RuntimeError(f"fastdist-bench: {what} by more than {tolerance:g} (relative): "
-                           + ", ".join(f"{n} {e:.2e}" for n, e in bad.items()))
-    return errors
 
 
 def _check_against(reference, outputs):
@@ -425,27 +409,21 @@ def run(args: argparse.Namespace) -> dict | None:
         raise SystemExit("fastdist-bench tp: K, heads and the MLP's ffn must divide by --ranks; hidden by heads; "
                          "block batch >= 2")
     parts = [p for p in PARTS if p in args.parts and not (p == "block" and args.skip_block)]
-    plan = []  # (part, label, net)
+    plan = [(part, args.net, args.net) for part in parts]  # (part, label, net)
     if args.net == "auto":
         op_rate, gemm_s = op_balanced_rate(op_shape, world)
         print(f"# op balanced rate {netsim.format_rate(op_rate)}: the all-reduce of the {op_shape[0]}x{op_shape[2]} "
               f"float32 output takes as long as its GEMM ({gemm_s * 1e3:.2f} ms on one core)")
         rates = {"op": op_rate}
-        if "mlp" in parts:
-            mlp_rate, compute_s = mlp_balanced_rate(mlp, world)
-            print(f"# MLP balanced rate {netsim.format_rate(mlp_rate)}: 2 all-reduces of the MLP's activation take "
-                  f"as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per rank on one core)")
-            rates["mlp"] = mlp_rate
-        if "block" in parts:
-            block_rate, compute_s = block_balanced_rate(block, world)
-            print(f"# block balanced rate {netsim.format_rate(block_rate)}: 4 all-reduces of the block's activation "
-                  f"take as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per rank on one core)")
-            rates["block"] = block_rate
-        for part in parts:
-            for mult in args.rate_multipliers:
-                plan.append((part, f"{mult:g}x balanced", f"{max(int(rates[part] * mult / 1e6), 1)}mbit"))
-    else:
-        plan = [(part, args.net, args.net) for part in parts]
+        for part, name, reduces, measure, shape in (("mlp", "MLP", 2, mlp_balanced_rate, mlp),
+                                                    ("block", "block", 4, block_balanced_rate, block)):
+            if part in parts:
+                rates[part], compute_s = measure(shape, world)
+                print(f"# {name} balanced rate {netsim.format_rate(rates[part])}: {reduces} all-reduces of the "
+                      f"{name}'s activation take as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per rank "
+                      "on one core)")
+        plan = [(part, f"{mult:g}x balanced", f"{max(int(rates[part] * mult / 1e6), 1)}mbit")
+                for part in parts for mult in args.rate_multipliers]
     runs = []
     env = None
     for part, label, net in plan:
