@@ -392,21 +392,10 @@ def memory_cap(config: dict) -> dict:
             "floor_peaks": floor, "r0_tried": {str(k): v for k, v in tried.items()}}
 
 
-def ours_available() -> bool:
-    """Whether fastdist.parallelize (the engine this suite's own rows run) is installed."""
-    try:
-        from fastdist.parallel import parallelize  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def missing(variant: str) -> str | None:
     """Why pipeline row `variant` cannot run here (a package not installed), None when it can."""
     if variant.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed not installed"
-    if variant in OURS and not ours_available():
-        return "fastdist.parallelize not available"
     return None
 
 
@@ -481,20 +470,11 @@ def _pipeline_rank(config: dict) -> dict | None:
 
 
 def _meter(owned: Sequence[torch.Tensor]) -> Any:
-    """A meter of the activation bytes autograd keeps for the backward (fastdist.parallel.recompute's), not
-    counting `owned` (the variant's parameters and buffers); a stand-in reading 0 where it is not installed."""
-    try:
-        from fastdist.parallel.recompute import SavedActivationMeter
-    except ImportError:
-        return _NoMeter()
+    """A meter of the activation bytes autograd keeps for the backward, not counting `owned` (the variant's
+    parameters and buffers)."""
+    from fastdist.parallel.recompute import SavedActivationMeter
+
     return SavedActivationMeter(exclude=owned)
-
-
-class _NoMeter(contextlib.nullcontext):
-    peak = 0
-
-    def reset_peak(self) -> None:
-        pass
 
 
 def check_losses(rows: list[dict], tolerance: float = CHECK_TOLERANCE) -> None:
@@ -515,16 +495,14 @@ def _stage_step(module: nn.Module, x: torch.Tensor, target: torch.Tensor | None)
     return call
 
 
-def balanced_bounds(lm: nn.Module, config: dict, stages: int) -> tuple[list[int], str] | None:
+def balanced_bounds(lm: nn.Module, config: dict, stages: int) -> tuple[list[int], str]:
     """Stage boundaries over `pieces(lm)` from fastdist's partitioner (balanced by profiled time on one
-    microbatch) and its plan as text; None while the partitioner is not installed."""
-    try:
-        from fastdist.parallel.partition import partition
-    except ImportError:
-        return None
+    microbatch) and its plan as text."""
+    from fastdist.parallel import plan_stages
+
     mb = config["batch"] // config["microbatches"]
     x, _ = batch_for(0, config)
-    plan = partition(lm, stages, (x[:mb],))
+    plan = plan_stages(lm, stages, (x[:mb],))
     n = len(lm.blocks)
     # the partitioner cuts between blocks; the embedding stays on the first stage, the head on the last
     return [0, *(b + 1 for b in plan.split_points), n + 2], str(plan)
@@ -542,9 +520,7 @@ def _balance_rank(config: dict) -> dict | None:
     # could disagree by their noise).
     shared = [balanced_bounds(copy.deepcopy(lm), config, world) if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
-    balanced, plan = shared[0], None
-    if balanced is not None:
-        splits["balanced"], plan = balanced
+    splits["balanced"], plan = shared[0]
     calls = {}
     for name, bounds in splits.items():
         module = _stage_module(copy.deepcopy(lm), bounds, rank, recompute=False)
@@ -637,11 +613,10 @@ def _tp_rank(config: dict) -> dict | None:
     model = CostModel.calibrate(None, shapes=(tp._part_shape(tp_config),), reps=5)
     variants, errors, chunks = tp._block_variants(tp_config, model, init_device_mesh("cpu", (world,)))
     variants = {n: variants[n] for n in TP_VARIANTS if n in variants}
-    if ours_available():
-        module, ref, x = _parallelized_block(config)
-        variants[PARALLELIZE_TP] = tp._step(module, x)
-        errors.update(tp._check_against(tp._step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
-        chunks[PARALLELIZE_TP] = tp._chosen_chunks(module)  # "auto" chooses at the first call
+    module, ref, x = _parallelized_block(config)
+    variants[PARALLELIZE_TP] = tp._step(module, x)
+    errors.update(tp._check_against(tp._step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
+    chunks[PARALLELIZE_TP] = tp._chosen_chunks(module)  # "auto" chooses at the first call
     names = list(variants)
     bar = progress((config["warmup"] + config["reps"]) * len(names), f"parallel tp {config['net']}",
                    enabled=rank == 0)
@@ -721,13 +696,11 @@ def run(args: argparse.Namespace) -> dict | None:
                 else:
                     result[part] = {**where, **out}
     if "boundaries" in args.parts:
-        compare = _boundary_comparison()
-        if compare is None:
-            result["not_run"]["boundaries"] = "fastdist.parallel.transport's comparison not available"
-        else:
-            result["boundaries"] = compare(net=args.boundary_net, steps=args.reps, warmup=args.warmup,
-                                           timeout=args.timeout)
-            env = env or result["boundaries"]["env"]
+        from fastdist.parallel.transport import compare_boundaries
+
+        result["boundaries"] = compare_boundaries(net=args.boundary_net, steps=args.reps, warmup=args.warmup,
+                                                  timeout=args.timeout)
+        env = env or result["boundaries"]["env"]
     result["env"] = env
     print(report.format_environment(env))
     print(f"# ranks pinned to one core each, 1 torch thread; medians of {args.reps} interleaved repetitions after "
@@ -784,15 +757,6 @@ def _cost_tables(result: dict) -> list[report.Part]:
                              "did, over the measured link; step time over the ideal n (F + B); stage-aware at the "
                              "sweep's r0 = 0.5."))
     return parts
-
-
-def _boundary_comparison() -> Any:
-    """fastdist.parallel.transport's compressed-boundary comparison (compare_boundaries), None where absent."""
-    try:
-        from fastdist.parallel.transport import compare_boundaries
-    except ImportError:
-        return None
-    return compare_boundaries
 
 
 def _load(r: dict | None) -> str:
