@@ -154,9 +154,10 @@ def bad_input(case: str) -> str | None:
     return error_of(fastdist.parallel.parallelize, model, **kwargs)
 
 
-def overhead(steps: int = 12) -> dict:
-    """Per-step seconds of a plain training loop and of parallelize on mesh (1, 1, 1), interleaved, one process."""
-    data = batches(steps)
+def overhead(steps: int = 40) -> dict:
+    """CPU seconds per step of a plain training loop and of parallelize on mesh (1, 1, 1), interleaved, one process,
+    one thread (CPU time of this process: other processes' load on the machine does not count)."""
+    data = batches(steps, batch=16)
     plain_model, engine_model = make_model("transformer_lm"), make_model("transformer_lm")
     opt = make_optimizer(plain_model.parameters())
     engine = fastdist.parallel.parallelize(engine_model, mesh=(1, 1, 1), example_inputs=(data[0][0],),
@@ -167,16 +168,21 @@ def overhead(steps: int = 12) -> dict:
         loss = loss_fn(plain_model(x), y)
         loss.backward()
         opt.step()
+        return loss.detach()
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     samples = {"plain": [], "engine": []}
-    for i, (x, y) in enumerate(data):
-        for name, fn in (("plain", plain), ("engine", engine.step)) if i % 2 else (("engine", engine.step),
-                                                                                   ("plain", plain)):
-            start = time.perf_counter()
-            fn(x, y)
-            samples[name].append(time.perf_counter() - start)
+    try:
+        for i, (x, y) in enumerate(data):
+            order = (("plain", plain), ("engine", engine.step))
+            for name, fn in order if i % 2 else order[::-1]:
+                start = time.process_time()
+                fn(x, y)
+                samples[name].append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
     return samples
-
 
 def case(name: str):
     """The rank function of one named case: "train:<model>:<dp>,<tp>,<pp>", "bad:<case>"."""

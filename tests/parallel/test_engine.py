@@ -3,6 +3,8 @@ nanoGPT with its embedding tied to the head across pipeline stages; Hugging Face
 sharded) gives the single-process losses for 5 steps and the same parameters after, gathered by
 Engine.state_dict(). Bad configurations raise a clear error on every rank. What runs on the ranks is in
 engine_ranks.py."""
+import statistics
+
 import pytest
 import torch
 from engine_ranks import STEPS, reference
@@ -117,3 +119,12 @@ def test_a_fastdist_comm_hook_reduces_the_data_parallel_gradients(engine_ranks):
         assert got["hook_steps"] == STEPS, "the sketch hook ran once per step"
         assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"rank {rank}: losses",
                      **LOSS_TOLERANCE)
+
+
+@pytest.mark.timing
+def test_parallelize_on_one_process_costs_at_most_3_percent_more_than_a_plain_loop():
+    from engine_ranks import overhead
+    samples = overhead(steps=80)
+    plain, engine = statistics.median(samples["plain"]), statistics.median(samples["engine"])
+    assert engine <= 1.03 * plain, f"parallelize (1, 1, 1): {engine * 1e3:.2f} ms of CPU per step, a plain loop " \
+                                   f"{plain * 1e3:.2f} ms"

@@ -500,7 +500,7 @@ class StagePlan:
         index: the stage.
         layers: its pieces, named by the model's module paths.
         params: its parameters (a parameter shared with another stage counts on both).
-        time_ms: predicted forward+backward milliseconds per microbatch, recompute included.
+        time_ms: predicted forward+backward milliseconds per microbatch, recompute included (None: not profiled).
         memory_bytes: predicted peak bytes: parameters and gradients, plus the activations of the microbatches
             it holds under 1F1B (S - s of them) less the recomputed share.
         recompute_ratio: the share of its blocks it recomputes.
@@ -509,7 +509,7 @@ class StagePlan:
     index: int
     layers: str
     params: int
-    time_ms: float
+    time_ms: float | None
     memory_bytes: int
     recompute_ratio: float
     first_block: int
@@ -525,7 +525,7 @@ class Plan:
         stages: one :class:`StagePlan` per pipeline stage.
         blocks: the path of the block list.
         balance: "time", "params", or "split_points" (given).
-        max_over_mean: the largest predicted stage time over the mean.
+        max_over_mean: the largest predicted stage time over the mean (None: not profiled).
         mesh: (dp, tp, pp).
         schedule, microbatches, recompute: how the engine runs it.
         boundaries: the compressors at the stage boundaries (their configurations), or None.
@@ -534,7 +534,7 @@ class Plan:
     stages: list[StagePlan]
     blocks: str
     balance: str
-    max_over_mean: float
+    max_over_mean: float | None
     mesh: tuple[int, int, int] = (1, 1, 1)
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -554,9 +554,14 @@ class Plan:
                    col("recompute", "recompute_ratio", fixed(2))]
         rows = [{**dataclasses.asdict(s), "memory": human_bytes(s.memory_bytes)} for s in self.stages]
         dp, tp, pp = self.mesh
+        if len(self.stages) == 1:
+            how = "one stage"
+        elif self.max_over_mean is None:
+            how = f"balanced by {self.balance}"
+        else:
+            how = f"balanced by {self.balance} (max/mean stage time {self.max_over_mean:.2f})"
         head = (f"pipeline plan: mesh dp={dp} tp={tp} pp={pp}, schedule {self.schedule}, {self.microbatches} "
-                f"microbatches, recompute {self.recompute}, balanced by {self.balance} (max/mean stage time "
-                f"{self.max_over_mean:.2f})")
+                f"microbatches, recompute {self.recompute}, {how}")
         tail = ""
         if self.boundary_bytes:
             tail = "\nactivation per cut: " + ", ".join(human_bytes(b) for b in self.boundary_bytes)
@@ -644,11 +649,14 @@ def make_plan(analysis: Analysis, costs: Sequence[PieceCost], num_stages: int, b
         memory = int(2 * params[s] * elem + acts[s] * in_flight * (1 - r))
         stages.append(StagePlan(s, _compact([analysis.piece_names[p] for p in pieces], analysis.blocks_path),
                                 int(params[s]), times[s] + r * fwd[s], memory, r, bounds[s], bounds[s + 1]))
-    mean = statistics.mean(st.time_ms for st in stages)
-    worst = max(st.time_ms for st in stages)
+    ratio = None
+    if any(c.time_ms > 0 for c in costs):
+        ratio = max(st.time_ms for st in stages) / statistics.mean(st.time_ms for st in stages)
+    else:  # not profiled: no time to predict
+        for st in stages:
+            st.time_ms = None
     cut_bytes = [analysis.cut_shapes[b][0].numel() * analysis.cut_shapes[b][1].itemsize for b in starts[1:]]
-    return Plan(stages, analysis.blocks_path, balance, worst / mean if mean > 0 else 1.0,
-                boundary_bytes=cut_bytes, **engine)
+    return Plan(stages, analysis.blocks_path, balance, ratio, boundary_bytes=cut_bytes, **engine)
 
 
 def plan_stages(model: nn.Module, num_stages: int, example_args: Sequence[torch.Tensor], balance: str = "time",
