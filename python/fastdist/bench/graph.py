@@ -189,8 +189,9 @@ def run(args: argparse.Namespace) -> dict:
                 accs = [r["test_acc"] for r in runs[pooler]]
                 epochs = [t for r in runs[pooler] for t in r["epoch_s"]]
                 rows.append({"dataset": name, "pooler": pooler, "acc_mean": statistics.mean(accs),
-                             "acc_std": statistics.pstdev(accs), "accs": accs, "epoch_ms": 1e3 * statistics.median(epochs),
-                             "params": runs[pooler][0]["params"], "epochs_run": [r["epochs"] for r in runs[pooler]],
+                             "acc_std": statistics.pstdev(accs), "accs": accs,
+                             "epoch_ms": 1e3 * statistics.median(epochs), "params": runs[pooler][0]["params"],
+                             "epochs_run": [r["epochs"] for r in runs[pooler]],
                              "best_epochs": [r["best_epoch"] for r in runs[pooler]], "epoch_s": epochs,
                              "graphs": len(graphs), "classes": classes, "mean_nodes": num_nodes})
             ref = _degree_reference(graphs, fold_splits)
@@ -286,21 +287,20 @@ def plot(result: dict, path: str) -> None:
     poolers = list(dict.fromkeys(r["pooler"] for r in rows))
     by = {(r["dataset"], r["pooler"]): r for r in rows}
     refs = {r["dataset"]: r for r in result.get("references", [])}
-    plt, fig, ax = report.subplots(figsize=(max(6.0, 1.6 * len(datasets) * math.sqrt(len(poolers))), 4.5))
-    width = 0.8 / len(poolers)
-    cmap = plt.get_cmap("tab10")
-    for i, p in enumerate(poolers):
-        xs = [j + (i - (len(poolers) - 1) / 2) * width for j in range(len(datasets))]
-        means = [100 * by[(d, p)]["acc_mean"] if (d, p) in by else 0 for d in datasets]
-        stds = [100 * by[(d, p)]["acc_std"] if (d, p) in by else 0 for d in datasets]
-        ax.bar(xs, means, width, yerr=stds, capsize=2, color=cmap(i % 10), label=p,
-               edgecolor="black" if p == "hap" else None)
+    _, fig, ax = report.subplots(figsize=(max(6.0, 1.6 * len(datasets) * math.sqrt(len(poolers))), 4.5))
+
+    def percent(key):
+        return {p: [100 * by[(d, p)][key] if (d, p) in by else 0 for d in datasets] for p in poolers}
+
+    means = percent("acc_mean")
+    positions = report.grouped_bars(ax, datasets, means, "test accuracy (%), mean ± std over folds",
+                                    errors=percent("acc_std"))
+    if "hap" in poolers:  # HAP's bars outlined
+        ax.bar(positions[poolers.index("hap")], means["hap"], 0.8 / len(poolers), fill=False, edgecolor="black")
     for j, d in enumerate(datasets):
         if d in refs:
             ax.hlines(100 * refs[d]["acc_mean"], j - 0.45, j + 0.45, colors="gray", linestyles="dashed",
                       label="degree-histogram LR" if j == 0 else None)
-    ax.set_xticks(range(len(datasets)), datasets)
-    ax.set_ylabel("test accuracy (%), mean ± std over folds")
     ax.set_ylim(0, 105)
     ax.legend(fontsize=7, ncol=min(5, len(poolers) + 1))
     ax.grid(True, axis="y", alpha=0.3)

@@ -275,7 +275,8 @@ def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
 
 
 def grouped_bars(ax: Any, groups: Sequence[Any], series: Mapping[str | None, Sequence[float]], ylabel: str,
-                 title: str = "", rotation: float = 0, **style: Any) -> list[list[float]]:
+                 title: str = "", rotation: float = 0, errors: Mapping[str | None, Sequence[float]] | None = None,
+                 **style: Any) -> list[list[float]]:
     """Bars of each series ({label: a value per group}) side by side in one group per entry of `groups`.
 
     Args:
@@ -284,6 +285,7 @@ def grouped_bars(ax: Any, groups: Sequence[Any], series: Mapping[str | None, Seq
         series: The bars; a legend is drawn when a label is not None.
         ylabel, title: The axes' labels.
         rotation: Of the tick labels, in degrees.
+        errors: Per series, the error bars' half-lengths.
         style: Passed to every `ax.bar` (color, ...).
 
     Returns:
@@ -293,7 +295,7 @@ def grouped_bars(ax: Any, groups: Sequence[Any], series: Mapping[str | None, Seq
     positions = []
     for i, (label, values) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(values))]
-        ax.bar(xs, values, width, label=label, **style)
+        ax.bar(xs, values, width, label=label, **({"yerr": errors[label], "capsize": 2} if errors else {}), **style)
         positions.append(xs)
     ax.set_xticks(range(len(groups)), [str(g) for g in groups], rotation=rotation, fontsize=8,
                   ha="right" if rotation else "center")

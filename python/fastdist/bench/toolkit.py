@@ -21,8 +21,8 @@ import tqdm
 from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, sync, time_fn, time_ranks, together
 
 __all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "at_least",
-           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "relative_error", "rounds",
-           "shape_type", "sync", "time_fn", "time_ranks", "together", "up_to", "worst_errors"]
+           "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "relative_error",
+           "rounds", "shape_type", "sync", "time_fn", "time_ranks", "together", "up_to", "worst_errors"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")
