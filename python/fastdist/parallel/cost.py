@@ -507,6 +507,7 @@ def measure_schedules(config: dict) -> dict:
     bounds = _stage_bounds(layers, world, config.get("split"))
     first, last = bounds[rank], bounds[rank + 1]
     names = list(config.get("variants") or MEASURED_VARIANTS)
+    names = names if "torch-1f1b" in names else ["torch-1f1b", *names]  # the calibration
 
     def build() -> LMStage:
         torch.manual_seed(config.get("seed", 0))
@@ -562,32 +563,40 @@ def measure_schedules(config: dict) -> dict:
 
     steps = {name: variant(name, r0) for name in names}
     saved = {name: stage_peaks(steps[name]) for name in names}
-    # calibration in the same run: the plain stage's forward and backward of every microbatch, and its blocks'
-    # forward (what recompute at ratio 1 costs), timed inside the timed steps of torch's 1F1B
-    calibration = variant("torch-1f1b", 0.0)
-    timer = _ActionTimer(calibration)
+    # every stage action timed inside the timed steps (the calibration: torch's 1F1B's)
+    timers = {name: _ActionTimer(steps[name]) for name in names}
     seconds: dict[str, list[float]] = {name: [] for name in names}
     reps, warmup = config.get("reps", 5), config.get("warmup", 1)
     for it in range(warmup + reps):
         shift = it % len(names)
-        for name in [*names[shift:], *names[:shift], "calibration"]:
-            if name == "calibration":
-                timer.active = it >= warmup
-                calibration()
-                timer.active = False
-                continue
+        for name in names[shift:] + names[:shift]:
+            timers[name].active = it >= warmup
             with together() as watch:
                 steps[name]()
+            timers[name].active = False
             if it >= warmup:
                 seconds[name].append(watch.seconds)
     slowest = all_max([t for name in names for t in seconds[name]])
     every: list = [None] * world
-    dist.all_gather_object(every, dataclasses.asdict(timer.stage_times(last - first)))
-    times = [StageTimes(**t) for t in every]
+    dist.all_gather_object(every, {name: timer.medians() for name, timer in timers.items()})
     mb = batch // n
-    link = measure_link(int(mb * seq * dim * 4)) if world > 1 else Link()
-    times = [dataclasses.replace(t, send_bytes=float(mb * seq * dim * 4) if s < world - 1 else 0.0)
-             for s, t in enumerate(times)]
+    send = float(mb * seq * dim * 4)
+    link = measure_link(int(send)) if world > 1 else Link()
+
+    def stage_times(name: str, own: bool) -> list[StageTimes]:
+        """Every stage's StageTimes from variant `name`'s actions; `own`: the backward as timed (a recompute
+        inside it included), the early recompute as timed."""
+        out = []
+        for s, by_name in enumerate(every):
+            m = by_name[name]
+            ratio = resolve_recompute(MEASURED_VARIANTS[name][1], r0, s, world, MEASURED_VARIANTS[name][0])
+            recompute = (m["early"] / ratio if ratio and m["early"] else 0.0) if own else m["span"]
+            out.append(StageTimes(forward=m["forward"] + m["loss"], backward=m["backward"], recompute=recompute,
+                                  blocks=0 if own else bounds[s + 1] - bounds[s],
+                                  send_bytes=send if s < world - 1 else 0.0))
+        return out
+
+    times = stage_times("torch-1f1b", own=False)
 
     rows = []
     base = statistics.median(slowest[names.index(BASELINE) * reps:(names.index(BASELINE) + 1) * reps]) \
@@ -597,31 +606,37 @@ def measure_schedules(config: dict) -> dict:
         samples = slowest[i * reps:(i + 1) * reps]
         measured = statistics.median(samples)
         predicted = simulate(schedule, times, n, recompute=recompute, recompute_ratio=r0, link=link).step_time
+        own = simulate(schedule, stage_times(name, own=True), n, link=link, recompute_ratio=r0,
+                       recompute=recompute if schedule == "shifted_critical_path" else "none").step_time
         rows.append({"variant": name, "schedule": schedule, "recompute": recompute,
                      "r0": r0 if recompute == "stage_aware" else None,
                      "ratios": stage_recompute_ratios(r0, world) if recompute == "stage_aware" else None,
                      "time_ms": measured * 1e3, "samples_ms": [t * 1e3 for t in samples],
                      "predicted_ms": predicted * 1e3, "error": abs(predicted - measured) / measured,
+                     "predicted_own_ms": own * 1e3, "error_own": abs(own - measured) / measured,
                      "stage_saved_bytes": saved[name], "fits_cap": max(saved[name]) <= cap,
                      "speedup": base / measured})
     return {"rows": rows, "cap_bytes": cap, "cap_fraction": config.get("cap_fraction", 0.5), "r0": r0,
-            "r0_search": {str(k): v for k, v in peaks.items()}, "stage_times": every,
+            "r0_search": {str(k): v for k, v in peaks.items()},
+            "stage_times": [dataclasses.asdict(t) for t in times], "actions": every,
             "link": dataclasses.asdict(link), "bounds": bounds, "config": {k: v for k, v in config.items()},
             "load_average": list(os.getloadavg())}
 
 
 class _ActionTimer:
     """Times a pipeline step function's stage while `active`: each forward_one_chunk and backward_one_chunk, the
-    loss (the last stage's), and the span from the first block's start to the last block's end inside each
-    forward (what recompute at ratio 1 costs)."""
+    loss (the last stage's), each early recompute (`recompute_chunk`), and the span from the first block's start
+    to the last block's end inside each forward (what recompute at ratio 1 costs)."""
 
     def __init__(self, step: Callable[..., None]):
         stage, blocks = step.stage, step.module.blocks
         self.active = False
-        self.samples: dict[str, list[float]] = {"forward": [], "backward": [], "recompute": [], "loss": []}
+        self.samples: dict[str, list[float]] = {"forward": [], "backward": [], "loss": [], "early": [], "span": []}
         self._span_start = 0.0
         for kind in ("forward", "backward"):
             setattr(stage, f"{kind}_one_chunk", self._timed(kind, getattr(stage, f"{kind}_one_chunk")))
+        if hasattr(stage, "recompute_chunk"):
+            stage.recompute_chunk = self._timed("early", stage.recompute_chunk)
         step.schedule._compute_loss = self._timed("loss", step.schedule._compute_loss)
 
         def start(*_: Any) -> None:
@@ -629,7 +644,7 @@ class _ActionTimer:
 
         def end(*_: Any) -> None:
             if self.active:
-                self.samples["recompute"].append(time.perf_counter() - self._span_start)
+                self.samples["span"].append(time.perf_counter() - self._span_start)
 
         blocks[0].register_forward_pre_hook(start)
         blocks[-1].register_forward_hook(end)
@@ -644,8 +659,6 @@ class _ActionTimer:
                     self.samples[kind].append(time.perf_counter() - start)
         return timed
 
-    def stage_times(self, blocks: int) -> StageTimes:
-        """The medians as StageTimes (the loss counted in the forward)."""
-        median = {k: statistics.median(v) if v else 0.0 for k, v in self.samples.items()}
-        return StageTimes(forward=median["forward"] + median["loss"], backward=median["backward"],
-                          recompute=median["recompute"], blocks=blocks)
+    def medians(self) -> dict[str, float]:
+        """Seconds per action, the median of each kind (0 for a kind never timed)."""
+        return {k: statistics.median(v) if v else 0.0 for k, v in self.samples.items()}
