@@ -2,6 +2,7 @@
 every sample and take the median; the multi-rank timer keeps the slowest rank's time."""
 import argparse
 import io
+import os
 import time
 
 import pytest
@@ -184,3 +185,24 @@ def test_a_disabled_progress_bar_writes_nothing():
     for _ in range(3):
         bar.step("x")
     assert log.getvalue() == ""
+
+
+def test_rounds_runs_every_method_once_per_repetition_marks_the_warm_up_and_counts_every_step(monkeypatch):
+    log = _Log()
+    monkeypatch.setattr(toolkit, "progress", lambda total, desc, enabled=True: toolkit.Bar(
+        total=total, desc=desc, file=log, disable=not enabled))
+    seen = list(toolkit.rounds(["a", "b", "c"], warmup=1, reps=2, desc="suite"))
+    assert seen == [(it, name, it >= 1) for it, name, _ in toolkit.interleave(["a", "b", "c"], 1, 2)]
+    assert [name for it, name, _ in seen if it == 1] == ["b", "c", "a"]  # the order rotates every repetition
+    assert "9/9" in log.getvalue()
+
+
+def test_grouped_bars_puts_each_series_side_by_side_in_one_group_per_label():
+    _, fig, ax = report.subplots()
+    positions = report.grouped_bars(ax, ["x", "y"], {"s1": [1.0, 2.0], "s2": [3.0, 4.0]}, "ms",
+                                    errors={"s1": [0.1, 0.1], "s2": [0.2, 0.2]})
+    assert positions == [pytest.approx([-0.2, 0.8]), pytest.approx([0.2, 1.2])]  # 0.8 wide groups, 0.4 a bar
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["x", "y"]
+    assert [b.get_height() for b in ax.patches] == [1.0, 2.0, 3.0, 4.0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["s1", "s2"]
+    report.save_figure(fig, os.devnull)
