@@ -1,5 +1,8 @@
-"""Spawned gloo jobs run the rank side of the engine's tests (engine_ranks.py): one job per group of cases, so the
-suite pays a multi-process start-up a few times rather than once per test."""
+"""Spawned gloo jobs run the rank side of the engine's tests (engine_ranks.py): one job per world size, so the suite
+pays a multi-process start-up twice rather than once per test (a bad configuration raises on every rank, so the
+cases after it still run in step)."""
+import functools
+
 import pytest
 from engine_ranks import run_on_ranks
 
@@ -7,30 +10,28 @@ from fastdist.distributed import spawn
 
 JOBS = {
     2: [["train:transformer_lm:1,1,2", "train:transformer_lm:1,2,1", "train:transformer_lm:2,1,1",
-         "train:nanogpt:1,1,2", "train:gpt2:1,2,1"],
-        ["bad:mesh_product", "bad:more_stages_than_blocks", "bad:microbatches", "bad:no_blocks",
-         "bad:different_models", "bad:different_plans"],
-        ["compose:recompute_compress", "compose:sketch_hook"]],
+         "train:nanogpt:1,1,2", "train:gpt2:1,2,1",
+         "bad:mesh_product", "bad:more_stages_than_blocks", "bad:microbatches", "bad:no_blocks",
+         "bad:different_models", "bad:different_plans",
+         "compose:recompute_compress", "compose:sketch_hook", "checkpoint:transformer_lm", "checkpoint:gpt2"]],
     4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1"]],
 }
+
+
+@functools.cache
+def _job(world, names):
+    return spawn(run_on_ranks, world, list(names), backend="gloo", timeout=600)
 
 
 @pytest.fixture(scope="session")
 def engine_ranks():
     """``engine_ranks(world, name)``: every rank's value of case ``name`` on ``world`` ranks, in rank order; a rank
     on which it raised fails the test with that rank's traceback. The job holding ``name`` runs once, on first use."""
-    results = {}
-
     def values(world, name):
-        job = next(tuple(names) for names in JOBS[world] if name in names)
-        if (world, job) not in results:
-            results[world, job] = spawn(run_on_ranks, world, list(job), backend="gloo", timeout=600)
-        per_rank = []
-        for rank, by_name in enumerate(results[world, job]):
-            status, value = by_name[name]
-            if status != "ok":
-                pytest.fail(f"{name!r} raised on rank {rank} of {world}:\n{value}", pytrace=False)
-            per_rank.append(value)
-        return per_rank
+        ranks = _job(world, next(tuple(job) for job in JOBS[world] if name in job))
+        failed = [(rank, by_name[name][1]) for rank, by_name in enumerate(ranks) if by_name[name][0] != "ok"]
+        if failed:
+            pytest.fail(f"{name!r} raised on rank {failed[0][0]} of {world}:\n{failed[0][1]}", pytrace=False)
+        return [by_name[name][1] for by_name in ranks]
 
     return values

@@ -194,7 +194,28 @@ def case(name: str):
         return bad_input(rest)
     if kind == "compose":
         return compose(rest)
+    if kind == "checkpoint":
+        return checkpoint(rest)
     raise KeyError(name)
+
+
+def checkpoint(name: str) -> dict:
+    """A state dict saved by parallelize on mesh (1, 2, 1) after 2 steps, loaded into an engine on (1, 1, 2) built
+    from other values, and gathered back from it."""
+    trained = train(name, (1, 2, 1), steps=2)
+    saved = trained["engine"].state_dict()
+    torch.manual_seed(3)
+    other = make_model(name)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # far from the saved values
+    tokens, target = batches(1)[0]
+    engine = fastdist.parallel.parallelize(other, mesh=(1, 1, 2), example_inputs=(tokens,), loss_fn=loss_fn,
+                                           optimizer=make_optimizer, microbatches=2)
+    engine.load_state_dict(saved)
+    reloaded = engine.state_dict()  # a collective: every rank gathers
+    first = dist.get_rank() == 0
+    return {"saved": saved if first else None, "reloaded": reloaded if first else None}
 
 
 def _plain(result: dict) -> dict:

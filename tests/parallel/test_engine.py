@@ -128,3 +128,15 @@ def test_parallelize_on_one_process_costs_at_most_3_percent_more_than_a_plain_lo
     plain, engine = statistics.median(samples["plain"]), statistics.median(samples["engine"])
     assert engine <= 1.03 * plain, f"parallelize (1, 1, 1): {engine * 1e3:.2f} ms of CPU per step, a plain loop " \
                                    f"{plain * 1e3:.2f} ms"
+
+
+@pytest.mark.parametrize("model", ["transformer_lm", "gpt2"])
+def test_a_state_dict_saved_on_one_mesh_loads_on_another_and_into_the_plain_model(engine_ranks, model):
+    got = engine_ranks(2, f"checkpoint:{model}")[0]
+    saved, reloaded = got["saved"], got["reloaded"]
+    assert list(reloaded) == list(saved)
+    for key in saved:  # tensor-parallel shards (GPT-2's transposed Conv1D too) re-sharded into pipeline stages
+        assert torch.equal(reloaded[key], saved[key]), key
+    from engine_ranks import make_model
+    plain = make_model(model)
+    plain.load_state_dict(saved)  # strict: exactly the plain model's keys and shapes
