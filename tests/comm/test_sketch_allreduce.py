@@ -464,3 +464,64 @@ def test_bad_arguments_are_rejected_before_any_communication(kwargs, error, text
     args.update(kwargs)
     with pytest.raises(error, match=text):
         sketch_allreduce(args.pop("tensor"), **args)
+
+
+def _channel_calls():
+    """Calls through one Channel, each against a dense all-reduce of the same input: (what each call used, results,
+    references). The inputs: disjoint-enough supports (the gather of own rows is chosen), then one rank's support
+    growing past the folded gather's capacity, then a new shape on every rank, then row-sparse COO tensors."""
+    rank = dist.get_rank()
+    channel = sketch.Channel()
+    used, results, refs = [], [], []
+    inputs = [_embedding_grad(rank, seed=s) for s in range(4)]
+    inputs.append(_embedding_grad(rank, seed=4, density=0.05 + 0.25 * rank))  # rank 1: 4x its rows: past capacity
+    inputs += [_embedding_grad(rank, vocab=600, seed=s) for s in (5, 6)]  # a new layout on every rank alike
+    inputs += [_embedding_grad(rank, vocab=600, seed=s).to_sparse(1) for s in (7, 8)]
+    for x in inputs:
+        ref = _dense_sum(x.to_dense())
+        y = sketch_allreduce(x.clone() if not x.is_sparse else x, mode="exact", channel=channel)
+        s = last_stats()
+        used.append((s.union_method, s.exact_collective, s.wire_bytes))
+        results.append(y.to_dense())
+        refs.append(ref)
+    return used, results, refs
+
+
+def test_a_channel_folds_the_header_into_the_gather_of_own_rows_and_stays_exact():
+    for used, results, refs in spawn(_channel_calls, 2, timeout=120):
+        for i, (y, ref) in enumerate(zip(results, refs)):
+            assert_close(y, ref, f"call {i}", **EXACT)
+        methods = [u[0] for u in used]
+        assert [u[1] for u in used] == ["allgather-local"] * len(used)
+        # first call: a header of its own; then one collective per call; a new layout (another shape, sparse
+        # instead of dense) on every rank: a header again, then folded
+        assert methods == ["header", "folded", "folded", "folded", "folded", "header", "folded", "header", "folded"]
+        assert used[4][2] > used[3][2]  # rows past the capacity went in a second gather
+
+
+def _channel_disagreement(kind):
+    """Two folded calls, then one rank changes `kind` in the third: every rank must raise, never hang."""
+    rank = dist.get_rank()
+    channel = sketch.Channel()
+    try:
+        for call in range(4):
+            kwargs = dict(mode="exact", ratio=0.1, channel=channel, step=call)
+            x = _embedding_grad(rank, seed=call)
+            if call >= 2 and rank == 1:
+                if kind == "ratio":
+                    kwargs["ratio"] = 0.2
+                elif kind == "shape":
+                    x = torch.cat([x, x[:3]])
+                elif kind == "call number":
+                    kwargs["step"] = call + 1
+            sketch_allreduce(x, **kwargs)
+            assert call < 2 or last_stats().union_method == "folded"
+    except MismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["ratio", "shape", "call number"])
+def test_a_folded_call_still_raises_on_every_rank_naming_what_one_rank_changed(kind):
+    for msg in spawn(_channel_disagreement, 2, kind, timeout=120):
+        assert msg is not None and kind in msg and "rank 1" in msg, msg

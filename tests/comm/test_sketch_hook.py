@@ -266,3 +266,110 @@ def test_the_hook_times_its_exact_collectives_in_its_state_not_in_the_groups_def
         runs = out["exact_runs"]
         assert sum(runs["state"].values()) > 0, runs  # the sparse buckets went exact (the others dense)
         assert runs["group default"] == {"allreduce-union": 0, "allgather-local": 0}, runs
+
+
+class BagModel(torch.nn.Module):
+    """A recommendation-style model: a sparse EmbeddingBag, then dense layers (several parameters per bucket)."""
+
+    def __init__(self, rows=4096, dim=16):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        self.head = torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def forward(self, ids, offsets):
+        return self.head(self.emb(ids, offsets)).squeeze(1)
+
+
+def _train_bags(hook, background=False, steps=4):
+    """Trains BagModel under DDP, plain (hook None) or with sketch_hook(mode="auto", dense_hook=hook); returns the
+    parameters, every step's gradients, and which buckets' parameter shapes the dense hook was handed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(BagModel())
+    seen, state = [], None
+
+    def counting(dense_state, bucket):  # the user's hook, as DDP would call it
+        seen.append(sorted(tuple(p.shape) for p in bucket.parameters()))
+        return {"allreduce": allreduce_hook, "fp16": fp16_compress_hook}[hook](dense_state, bucket)
+
+    if hook is not None:
+        state = SketchState(mode="auto", dense_hook=counting, background=background)
+        model.register_comm_hook(state, sketch_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    grads = []
+    for _ in range(steps):
+        ids = torch.randint(0, 300 + 200 * rank, (64,), generator=g)  # a few percent of the rows per rank
+        offsets = torch.arange(0, 64, 4)
+        loss = (model(ids, offsets) - 1).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        grads.append([p.grad.to_dense().clone() for p in model.parameters()])
+        opt.step()
+    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "grads": grads, "seen": seen,
+            "stats": None if state is None else state.stats()}
+
+
+def _dense_hook_variants():
+    return {"ddp": _train_bags(None), "allreduce": _train_bags("allreduce"),
+            "allreduce, background": _train_bags("allreduce", background=True), "fp16": _train_bags("fp16")}
+
+
+@pytest.fixture(scope="module")
+def dense_hook_runs():
+    return spawn(_dense_hook_variants, 2, timeout=300)
+
+
+def test_dense_buckets_go_to_the_dense_hook_and_the_sparse_embedding_does_not(dense_hook_runs):
+    head_shapes = sorted([(1,), (1, 32), (32,), (32, 16)])
+    for r in dense_hook_runs:
+        for name in ("allreduce", "allreduce, background", "fp16"):
+            seen, stats = r[name]["seen"], r[name]["stats"]
+            assert seen and all(shapes == head_shapes or set(shapes) <= set(head_shapes) for shapes in seen), seen
+            assert sorted(s for shapes in seen[-len(seen) // 4:] for s in shapes) == head_shapes  # the last step
+            methods = {b["last_method"] for b in stats.values()}
+            assert methods == {"hook", "exact"}, (name, stats)  # the embedding went the sparse exact way
+            # after its first call, the embedding's header rode in its gather of own rows: one collective a step
+            assert max(b["folded_calls"] for b in stats.values()) >= 2, stats
+
+
+def test_with_a_plain_allreduce_dense_hook_every_gradient_equals_ddps(dense_hook_runs):
+    for r in dense_hook_runs:
+        for name in ("allreduce", "allreduce, background"):
+            for step, (ours, ddp) in enumerate(zip(r[name]["grads"], r["ddp"]["grads"])):
+                for a, b in zip(ours, ddp):
+                    assert torch.equal(a, b), (name, step)
+            assert torch.equal(r[name]["params"], r["ddp"]["params"]), name
+        # fp16 compresses the dense layers only: close, and the embedding's rows still exact
+        assert torch.allclose(r["fp16"]["params"], r["ddp"]["params"], atol=1e-3)
+        assert torch.equal(r["fp16"]["grads"][0][0], r["ddp"]["grads"][0][0])
+    assert torch.equal(dense_hook_runs[0]["fp16"]["params"], dense_hook_runs[1]["fp16"]["params"])
+
+
+def test_a_state_with_a_dense_hook_pickles_with_it_and_names_it_in_its_configuration():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    state = SketchState(dense_hook=allreduce_hook)
+    assert state.config()["dense_hook"].endswith("default_hooks.allreduce_hook")
+    assert pickle.loads(pickle.dumps(state)).dense_hook is allreduce_hook
+    assert state.state_dict()["dense_hook"] == state.config()["dense_hook"]  # a checkpoint holds its name only
+    with pytest.raises(TypeError, match="dense_hook"):
+        SketchState(dense_hook="allreduce")
+
+
+def _dense_hook_on_one_rank():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from fastdist.distributed import MismatchError
+    torch.manual_seed(0)
+    model = DDP(BagModel())
+    model.register_comm_hook(SketchState(dense_hook=allreduce_hook if dist.get_rank() == 1 else None), sketch_hook)
+    try:
+        model(torch.arange(8), torch.arange(0, 8, 4)).sum().backward()
+    except MismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dense_hook_on_one_rank_only_raises_on_every_rank_naming_it():
+    for message in spawn(_dense_hook_on_one_rank, 2, timeout=120):
+        assert "dense_hook" in message and "rank 1" in message, message

@@ -27,6 +27,19 @@ median over the method's; wire B/rank is the method's model of what a rank sends
 rank's interface really sent during the call (simulated network only); rel.err is ||g_hat - g|| / ||g||
 against the exact sum, which every rank computes locally (the synthetic values make every float32 sum
 exact, so lossless methods show exactly 0); eff.algbw is the uncompressed size / time.
+Part "ddp" (`--parts ddp`, or `collectives,ddp`): training steps of DDP on 2+ ranks over a model with an
+nn.EmbeddingBag(--ddp-table, sparse=True) and a small MLP head, each rank's bags holding --ddp-density percent of
+the table's rows per step (distinct Zipf-drawn ids, as above), every method from the same weights on the same
+batches, interleaved step by step, warm-up first:
+
+  ddp-sparse  DDP's own reduction: gloo's sparse all-reduce of the table's gradient, the head all-reduced
+  auto        sketch_hook(SketchState(mode="auto", dense_hook=allreduce_hook)): the head's bucket through torch's
+              plain all-reduce hook, the table through sketch_allreduce
+  auto-bg     the same with background=True
+  auto-nodh   auto without dense_hook (the head's bucket through the bitmap path too, as before dense_hook)
+Time is the median of the slowest rank's step (forward, backward with its reductions, SGD step); every method's
+parameters after the run are compared with ddp-sparse's (max |difference|: lossless methods show 0).
+
 powersgd keeps its warm-start matrices across repetitions, as in training; its error-feedback residual
 is zeroed before every call (outside the timing), so that each call compresses the same gradient as
 every other method and its error is the compression error of one call (the hook still adds and
@@ -35,7 +48,9 @@ updates the residual, at full cost).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
+import os
 import statistics
 from typing import Any
 
@@ -44,11 +59,13 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.report import MIB, col, fixed, percent, scaled, scientific, times
-from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, rank_device, shape_type,
-                                     together, up_to)
+from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_ranks, tx_counter
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, rank_device, rounds,
+                                     shape_type, together, up_to)
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
+DDP_METHODS = ["ddp-sparse", "auto", "auto-bg", "auto-nodh"]
+PARTS = ["collectives", "ddp"]
 EXTRA_METHODS = ["bf16"]
 SKETCH_METHODS = {"omnireduce", "sketch", "auto"}
 LOSSLESS = {"dense", "agsparse", "omnireduce"}
@@ -74,6 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank (default 4)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the token distribution (default 1.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients and the sketch hashes")
+    p.add_argument("--parts", type=comma_list(choices=PARTS), default=["collectives"],
+                   help="collectives (the reductions above), ddp (DDP training steps), or both (default collectives)")
+    p.add_argument("--ddp-table", type=shape_type(2), default="65536x128",
+                   help="part ddp: EmbeddingBag rows x dim (default 65536x128)")
+    p.add_argument("--ddp-density", type=up_to(100), default=3.9,
+                   help="part ddp: percent of the table's rows each rank's batch touches per step (default 3.9)")
+    p.add_argument("--ddp-methods", type=comma_list(choices=DDP_METHODS), default=DDP_METHODS,
+                   help="part ddp: comma-separated subset of " + ",".join(DDP_METHODS))
 
 
 def _config_from(args):
@@ -81,7 +106,8 @@ def _config_from(args):
     return {"methods": args.methods, "rows": rows, "dim": dim, "densities": densities, "reps": args.reps,
             "warmup": args.warmup, "sketch_size": args.sketch_size, "sketch_rows": args.sketch_rows,
             "topk_ratio": args.topk_ratio, "powersgd_rank": args.powersgd_rank, "zipf": args.zipf,
-            "seed": args.seed, "measure_tx": False}
+            "seed": args.seed, "measure_tx": False, "parts": args.parts, "ddp_table": list(args.ddp_table),
+            "ddp_density": args.ddp_density / 100, "ddp_methods": args.ddp_methods}
 
 
 # --- one rank --------------------------------------------------------------------------------------
@@ -216,18 +242,100 @@ def _bench_density(config, density, world, rank, device, bar):
     return rows, gradient
 
 
+class _BagModel(torch.nn.Module):
+    """Part ddp's model: a sparse EmbeddingBag and a small MLP head (its parameters share one DDP bucket)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        self.head = torch.nn.Sequential(torch.nn.Linear(dim, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids, offsets)).squeeze(1)
+
+
+DDP_BAG = 8  # ids per bag
+
+
+def _ddp_batch(config, rank, step):
+    """Rank `rank`'s bags at `step`: its distinct Zipf-drawn rows (fastdist.testing.synthetic) in a shuffled order,
+    DDP_BAG per bag, and regression targets."""
+    from fastdist.testing import synthetic
+    rows, dim = config["ddp_table"]
+    spec = synthetic.GradientSpec(rows=rows, dim=dim, density=config["ddp_density"], exponent=config["zipf"],
+                                  seed=config["seed"])
+    ids = synthetic.zipf_rows(spec, rank, step)
+    g = torch.Generator().manual_seed(config["seed"] * 1000003 + step * 1009 + rank)
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    offsets = torch.arange(0, ids.numel(), DDP_BAG)
+    return ids, offsets, torch.randn(offsets.numel(), generator=g)
+
+
+def _ddp_method(name, config):
+    """(DDP model, optimizer, hook state or None) of part ddp's method `name`, from the same initial weights (seed)
+    as every other."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fastdist.comm.hooks import SketchState, sketch_hook
+    torch.manual_seed(config["seed"])
+    model, state = DDP(_BagModel(*config["ddp_table"])), None
+    if name != "ddp-sparse":
+        state = SketchState(mode="auto", seed=config["seed"], background=name == "auto-bg",
+                            dense_hook=None if name == "auto-nodh" else allreduce_hook)
+        model.register_comm_hook(state, sketch_hook)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), state
+
+
+def _bench_ddp(config, rank, device):
+    """Part ddp on this rank: rows of (method, step time, parameter difference from ddp-sparse) on rank 0."""
+    methods = config["ddp_methods"]
+    built = {name: _ddp_method(name, config) for name in methods}
+    samples = {name: [] for name in methods}
+    for it, name, phase in rounds(methods, config["warmup"], config["reps"], "sparse ddp", enabled=rank == 0):
+        model, opt, _ = built[name]
+        ids, offsets, target = _ddp_batch(config, rank, it)
+        with together(device) as watch:
+            opt.zero_grad(set_to_none=True)
+            (model(ids, offsets) - target).square().mean().backward()
+            opt.step()
+        if it >= config["warmup"]:
+            samples[name].append(watch.seconds)
+    params = {name: torch.cat([p.detach().flatten() for p in built[name][0].parameters()]) for name in methods}
+    reference = params[methods[0]]
+    rows = []
+    for name in methods:
+        times = all_max(samples[name], device)
+        rows.append({"method": name, "time_ms": statistics.median(times) * 1e3,
+                     "samples_ms": [t * 1e3 for t in times],
+                     "param_diff": float((params[name] - reference).abs().max()),
+                     "methods": [] if built[name][2] is None else
+                     [b["last_method"] for b in built[name][2].stats().values()]})
+    if "ddp-sparse" in methods:
+        report.set_speedups(rows, "ddp-sparse", "vs_ddp_sparse")
+        for r in rows:
+            r["ratio"] = r["time_ms"] / next(q["time_ms"] for q in rows if q["method"] == "ddp-sparse")
+    del built, params
+    gc.collect()  # DDP's and gloo's threads gone before the process group is destroyed
+    return rows
+
+
 def bench_rank(config: dict) -> Any:
-    """Runs every density on this rank; returns (rows, gradients) on rank 0, None elsewhere. A collective."""
+    """Runs the asked parts on this rank; returns (rows, gradients, ddp rows) on rank 0, None elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    steps = len(config["densities"]) * (config["warmup"] + config["reps"]) * len(config["methods"])
-    bar = progress(steps, "sparse", enabled=rank == 0)
-    rows, gradients = [], []
-    for density in config["densities"]:
-        r, g = _bench_density(config, density, world, rank, device, bar)
-        rows += r
-        gradients.append(g)
-    return (rows, gradients) if rank == 0 else None
+    rows, gradients, ddp_rows = [], [], []
+    if "collectives" in config["parts"]:
+        steps = len(config["densities"]) * (config["warmup"] + config["reps"]) * len(config["methods"])
+        bar = progress(steps, "sparse", enabled=rank == 0)
+        for density in config["densities"]:
+            r, g = _bench_density(config, density, world, rank, device, bar)
+            rows += r
+            gradients.append(g)
+    if "ddp" in config["parts"]:
+        pin_local_rank(device)
+        ddp_rows = _bench_ddp(config, rank, device)
+    return (rows, gradients, ddp_rows) if rank == 0 else None
 
 
 # --- driver ----------------------------------------------------------------------------------------
@@ -238,13 +346,15 @@ def run(args: argparse.Namespace) -> dict | None:
     launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
     if launch.result is None:
         return None
-    rows, gradients = launch.result
+    rows, gradients, ddp_rows = launch.result
     result = {"suite": "sparse", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
-              "config": config, "gradients": gradients, "rows": rows}
+              "config": config, "gradients": gradients, "rows": rows, "ddp_rows": ddp_rows,
+              "load_average": list(os.getloadavg())}
     print(report.text_parts(tables(result)))
-    bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
-           if r["method"] in LOSSLESS and r["rel_error"] != 0]
-    print("# lossless methods (dense, agsparse, omnireduce) exact: " + ("yes" if not bad else f"NO: {bad}"))
+    if rows:
+        bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
+               if r["method"] in LOSSLESS and r["rel_error"] != 0]
+        print("# lossless methods (dense, agsparse, omnireduce) exact: " + ("yes" if not bad else f"NO: {bad}"))
     return result
 
 
@@ -274,12 +384,32 @@ def tables(result: dict) -> list[report.Part]:
                col("vs dense", "speedup", times(2)), col("wire (MiB/rank)", "wire_bytes", scaled(MIB, 2)),
                col("tx (MiB/rank)", "tx_bytes", scaled(MIB, 2)), col("rel. error", "rel_error", scientific(2)),
                col("eff. algbw (GB/s)", "algbw", fixed(3)), col("note", _note, numeric=False)]
-    return [report.Part("sparse", columns, result["rows"], caption)]
+    parts = [report.Part("sparse", columns, result["rows"], caption)] if result["rows"] else []
+    if result.get("ddp_rows"):
+        rows_, dim = c["ddp_table"]
+        load = result.get("load_average")
+        caption = (f"DDP steps: EmbeddingBag({rows_}, {dim}, sparse=True) + MLP head, {c['ddp_density'] * 100:g}% "
+                   f"of the rows per rank per step, Zipf({c['zipf']}); median of {c['reps']} steps after "
+                   f"{c['warmup']} warm-up, interleaved" + (f"; load average {load[0]:.1f} at the end" if load else ""))
+        ddp_columns = [col("method", "method"), col("step (ms)", "time_ms", fixed(1)),
+                       col("time / ddp-sparse", "ratio", fixed(3)), col("vs ddp-sparse", "vs_ddp_sparse", times(2)),
+                       col("max |param - ddp-sparse|", "param_diff", scientific(1)),
+                       col("buckets went", lambda r: ", ".join(sorted(set(r["methods"]))) or "-", numeric=False)]
+        parts.append(report.Part("sparse-ddp", ddp_columns, result["ddp_rows"], caption))
+    return parts
 
 
 def plot(result: dict, path: str) -> None:
     """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows, config, env = result["rows"], result["config"], result["env"]
+    if not rows:  # part ddp alone: its step times
+        plt, fig, ax = report.subplots(1, 1, figsize=(6, 4))
+        ddp = result["ddp_rows"]
+        ax.bar([r["method"] for r in ddp], [r["time_ms"] for r in ddp])
+        ax.set_ylabel("step time (ms, median)")
+        fig.suptitle(f"fastdist-bench sparse, part ddp: {env['ranks']} ranks, {env['network']}", fontsize=9)
+        report.save_figure(fig, path)
+        return
     methods, densities = config["methods"], config["densities"]
     plt, fig, (ax_t, ax_e) = report.subplots(1, 2, figsize=(13, 5))
     width = 0.8 / len(methods)

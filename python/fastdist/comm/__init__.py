@@ -12,6 +12,7 @@ from fastdist.comm.baselines import (
     topk_allgather,
 )
 from fastdist.comm.sketch import (
+    Channel,
     ExactTimings,
     SketchStats,
     default_call_counter,
@@ -21,7 +22,7 @@ from fastdist.comm.sketch import (
 )
 
 __all__ = [
-    "BaselineStats", "ExactTimings", "SketchStats", "agsparse_allreduce", "bf16_allreduce", "default_call_counter",
+    "BaselineStats", "Channel", "ExactTimings", "SketchStats", "agsparse_allreduce", "bf16_allreduce", "default_call_counter",
     "default_exact_timings",
     "dense_allreduce", "fp16_allreduce", "hooks", "last_baseline_stats", "last_stats", "make_powersgd_state",
     "powersgd_allreduce", "sketch_allreduce", "topk_allgather",

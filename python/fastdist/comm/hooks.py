@@ -9,6 +9,14 @@ bucket goes dense, exact or sketched is decided after the bitmap exchange, from 
 rank takes the same path. The hash seed changes per (bucket, step), identically on every rank, so the same
 coordinates do not collide step after step.
 
+A bucket whose last call summed exactly by gathering each rank's own rows sends its next call's header in that
+gather (sketch_allreduce's Channel, one per bucket index): one collective per call instead of two.
+
+With dense_hook set, buckets that hold neither a sparse gradient nor one 2-D parameter alone (those the hook would
+reduce per element: biases, norms, a bucket of several layers) go to that hook instead (e.g. torch's allreduce_hook,
+fp16_compress_hook or powerSGD_hook), without the bitmap exchange; with background=True it is still called on
+the backward thread, over the state's process group.
+
 With background=True the hook returns at once and the bucket's whole reduction (header, union, payload,
 write-back) runs on a thread of the state's own, one bucket at a time in bucket order, over a process group of its
 own: the header's collective no longer holds up backward.
@@ -18,11 +26,14 @@ import queue
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fastdist.comm.sketch import ExactTimings, sketch_allreduce, sketch_width
+from fastdist.comm.sketch import Channel, ExactTimings, sketch_allreduce, sketch_width
+from fastdist.comm.wire import ring_allreduce_bytes
 from fastdist.distributed.fingerprint import CallCounter, check_same, fingerprint
 
 
@@ -36,6 +47,7 @@ class BucketState:
     ef_calls: int = 0       # calls that applied error feedback (a sketch narrower than the union skips it)
     wire_bytes: int = 0
     dense_wire_bytes: int = 0
+    folded_calls: int = 0   # calls whose header rode in the gather of own rows (see sketch_allreduce's Channel)
     parameters: tuple = ()  # the bucket's parameters, by their numbers (see SketchState.parameter_key)
 
 
@@ -89,17 +101,24 @@ class SketchState:
             process_group must be the default group or span every rank.
         lossless_slack: mode "auto": see sketch_allreduce.
         max_sketch_load: mode "auto": see sketch_allreduce.
+        dense_hook: a DDP comm hook, called as dense_hook(dense_state, bucket), for the buckets the hook would
+            reduce per element (see the module docstring); None: those go through sketch_allreduce too. Checked
+            across ranks by its qualified name.
+        dense_state: the state dense_hook is called with (e.g. torch's PowerSGDState); pickled with this state.
     """
 
     _CONFIG = ("ratio", "rows", "seed", "mode", "density_threshold", "start_iter", "error_feedback",
-               "exact_collective", "background", "lossless_slack", "max_sketch_load")
-    _DEFAULTS = {"background": False, "lossless_slack": 2.0, "max_sketch_load": 1.0}  # states saved before them
+               "exact_collective", "background", "lossless_slack", "max_sketch_load", "dense_hook")
+    _DEFAULTS = {"background": False, "lossless_slack": 2.0, "max_sketch_load": 1.0,  # states saved before them
+                 "dense_hook": None}
     _RESIDUAL_SPACE = ("ratio", "rows", "seed", "error_feedback")  # what a saved residual is only valid under
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, ratio: float = 0.05, rows: int = 3,
                  seed: int = 0, mode: str = "auto", density_threshold: float = 0.5, start_iter: int = 0,
                  error_feedback: bool = False, exact_collective: str = "auto", background: bool = False,
-                 lossless_slack: float = 2.0, max_sketch_load: float = 1.0) -> None:
+                 lossless_slack: float = 2.0, max_sketch_load: float = 1.0,
+                 dense_hook: Callable[[Any, dist.GradBucket], torch.futures.Future] | None = None,
+                 dense_state: Any = None) -> None:
         self.process_group = process_group
         self.ratio, self.rows, self.seed, self.mode = float(ratio), int(rows), int(seed), mode
         self.density_threshold, self.start_iter = float(density_threshold), int(start_iter)
@@ -107,6 +126,9 @@ class SketchState:
         self.exact_collective = exact_collective
         self.background = bool(background)
         self.lossless_slack, self.max_sketch_load = float(lossless_slack), float(max_sketch_load)
+        if dense_hook is not None and not callable(dense_hook):
+            raise TypeError(f"SketchState: dense_hook must be a DDP comm hook (a callable), got {dense_hook!r}")
+        self.dense_hook, self.dense_state = dense_hook, dense_state
         self._reset()
 
     def _reset(self):
@@ -115,13 +137,15 @@ class SketchState:
         self.buckets = {}
         self.residuals = {}  # parameter key -> residual sketch
         self.exact_timings = ExactTimings()
+        self.channels = {}  # bucket index -> Channel: what the bucket's last call agreed for its next
         self._numbers = _ParameterNumbers()
         self._worker = None
         self._checked = False  # whether the ranks' configurations have been checked since construction or restore
 
     def config(self) -> dict:
-        """The settings every rank must share: {name: value} of the constructor's arguments but the group."""
-        return {k: getattr(self, k) for k in self._CONFIG}
+        """The settings every rank must share: {name: value} of the constructor's arguments but the group and
+        dense_state (dense_hook by its qualified name)."""
+        return {k: _hook_name(self.dense_hook) if k == "dense_hook" else getattr(self, k) for k in self._CONFIG}
 
     def bucket_state(self, index: int, buffer: torch.Tensor) -> BucketState:
         """The state of bucket `index`, new when the bucket is new or DDP rebuilt it with another size or dtype."""
@@ -167,8 +191,8 @@ class SketchState:
         are then restored only if it agrees on what they depend on (ratio, rows, seed, error_feedback). The ranks
         check each other again at the next hook call.
         """
-        saved = {k: state.get(k, self._DEFAULTS.get(k)) for k in self._CONFIG}
-        differing = [k for k in self._CONFIG if saved[k] != getattr(self, k)]
+        saved, mine = {k: state.get(k, self._DEFAULTS.get(k)) for k in self._CONFIG}, self.config()
+        differing = [k for k in self._CONFIG if saved[k] != mine[k]]
         residuals = {tuple(k): v for k, v in state.get("residuals", {}).items()}
         if any(k in differing for k in self._RESIDUAL_SPACE):
             residuals = {}
@@ -183,17 +207,19 @@ class SketchState:
         self.buckets = {int(i): BucketState(**{k: v for k, v in b.items() if k != "residual"})
                         for i, b in state["buckets"].items()}
         self.residuals = residuals
+        self.channels = {}
         self._checked = False
 
     def __getstate__(self):
-        return self.state_dict()
+        return {**self.state_dict(), "dense_hook": self.dense_hook, "dense_state": self.dense_state}
 
     def __setstate__(self, state):
         self.process_group = None
         for k in self._CONFIG:
             setattr(self, k, state.get(k, self._DEFAULTS.get(k)))
+        self.dense_state = state.get("dense_state")
         self._reset()
-        self.load_state_dict(state)
+        self.load_state_dict({**state, "dense_hook": _hook_name(self.dense_hook)})
 
     def worker(self) -> "_BackgroundReducer":
         """The background reducer, created at first use (see `background`)."""
@@ -208,6 +234,14 @@ class SketchState:
             check_same("SketchState", {**self.config(), "iter": self.iter, "calls": self.calls.calls},
                        self.process_group)
             self._checked = True
+
+
+def _hook_name(hook) -> str | None:
+    """A comm hook as the ranks compare it: its qualified name (functools.partial: its function's)."""
+    if hook is None:
+        return None
+    fn = getattr(hook, "func", hook)
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 class _BackgroundReducer:
@@ -284,6 +318,19 @@ def _canonical_layout(params, buffer, key_order):
     return view, write_back
 
 
+def _dense_hook_call(state, bucket, bucket_state):
+    """A bucket handed to state.dense_hook: counted in the bucket's totals (method "hook", ring model bytes of a
+    dense all-reduce for both, since the hook's own bytes are not known here)."""
+    buffer = bucket.buffer()
+    world = dist.get_world_size(state.process_group)
+    nbytes = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
+    bucket_state.calls += 1
+    bucket_state.last_method = "hook"
+    bucket_state.wire_bytes += nbytes
+    bucket_state.dense_wire_bytes += nbytes
+    return state.dense_hook(state.dense_state, bucket)
+
+
 def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: averages the bucket with sketch_allreduce; returns a future of the buffer (of the reduced
     sparse gradient for a sparse bucket, e.g. nn.Embedding(sparse=True), which is never densified)."""
@@ -299,6 +346,9 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
     params = bucket.parameters()
     key = state.parameter_key(params)
     bucket_state.parameters = key
+    by_row = buffer.is_sparse or (len(params) == 1 and params[0].dim() == 2)
+    if state.dense_hook is not None and not by_row:
+        return _dense_hook_call(state, bucket, bucket_state)
     write_back = None
     if buffer.is_sparse:  # nn.Embedding(sparse=True): DDP hands over the row-sparse gradient itself
         view, granularity = buffer, "row"
@@ -314,6 +364,7 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
                   lossless_slack=state.lossless_slack, max_sketch_load=state.max_sketch_load,
                   residual=state.residual_for(key, buffer.numel(), buffer.device),
                   exact_collective=state.exact_collective, timings=state.exact_timings, step=state.calls.take(),
+                  channel=state.channels.setdefault(index, Channel()),
                   agreed={"iter": step, "bucket parameters": key,
                           **{k: getattr(state, k) for k in ("density_threshold", "start_iter", "error_feedback",
                                                             "background")}})
@@ -324,6 +375,7 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
         bucket_state.calls += 1
         bucket_state.last_method = stats.method + ("+ef" if stats.error_feedback else "")
         bucket_state.ef_calls += int(stats.error_feedback)
+        bucket_state.folded_calls += int(stats.union_method == "folded")
         bucket_state.wire_bytes += stats.wire_bytes
         bucket_state.dense_wire_bytes += stats.dense_wire_bytes
         return result if buffer.is_sparse else buffer  # sparse: a new tensor holding U's rows

@@ -18,6 +18,9 @@ Per call, on every rank of the group, in this order:
      "sketch" sums an r x c count-sketch and decodes the union's coordinates from it; "dense" is a plain
      all-reduce; "auto" picks one from |U| — lossless whenever it costs at most `lossless_slack` times the sketch.
   4. the payload collective (asynchronous with async_op=True), then write-back into the tensor.
+A call given a Channel (a sequence of calls every rank makes in the same order, e.g. one DDP bucket's) whose previous
+call gathered own rows sends steps 1 and 4 as one all-gather instead: the header words and bitmap ahead of its rows
+(see Channel).
 NaN/Inf count as non-zero: they are in U and propagate as a dense all-reduce would propagate them
 (for "sketch" also into the coordinates that share their buckets).
 """
@@ -62,6 +65,13 @@ EXACT_REPROBE_EVERY = 32
 # calls at a new union size class until auto has timed both exact collectives there (the first decides with the
 # previous class's figures; then three runs of each, the first of each untimed)
 EXACT_EXPLORE_CALLS = 2 * (EXACT_COUNTED_RUNS + 1) + 1
+# A Channel's folded gather (see Channel): header words, then the bitmap, then up to `capacity` rows per rank, the
+# capacity this much above the largest support of the channel's previous call (a larger one costs a second gather);
+# every FOLD_RECHECK_EVERY-th call of a channel sends a header of its own again, so that auto re-decides with fresh
+# timings.
+FOLD_HEADER_INTS = 4  # fingerprint, call number, local support size, layout-changed flag
+FOLD_CAPACITY_SLACK = 1 / 16
+FOLD_RECHECK_EVERY = 32
 
 
 # --- what a call reports ----------------------------------------------------------------------------------------
@@ -75,7 +85,8 @@ class SketchStats:
     unit_size: int           # m: values per unit
     local_units: int         # |support| on this rank
     union_units: int         # |U|
-    union_method: str        # "header" (bitmaps in the header), "allgather-or" or "allreduce-max"
+    union_method: str        # "header" (bitmaps in the header), "allgather-or", "allreduce-max" or "folded" (in
+                             # the gather of own rows, see Channel)
     sketch_shape: tuple      # (rows, cols) of the table (also when not used)
     wire_bytes: int          # bytes this rank sends, all steps (ring model for all-reduces)
     dense_wire_bytes: int    # what a dense ring all-reduce of the tensor would send
@@ -83,7 +94,8 @@ class SketchStats:
     error_feedback: bool = False  # the residual sketch was used and updated by this call
     exact_collective: str = ""    # method "exact": "allreduce-union" or "allgather-local"
     exact_by: str = ""            # how exact_collective="auto" chose it: "bytes", "explore" (timing the other
-                                  # once) or "timed" (see TIMED_COLLECTIVES); "" when the caller named one
+                                  # once), "timed" (see TIMED_COLLECTIVES) or "folded" (a Channel's folded gather);
+                                  # "" when the caller named one
 
     @property
     def union_fraction(self) -> float:
@@ -191,6 +203,36 @@ def _of_group(registry, group, make):
         if found is None:
             found = registry[key] = make()
         return found
+
+
+class Channel:
+    """A sequence of sketch_allreduce calls that every rank makes in the same order (one DDP bucket's calls), so
+    that what one call agreed on can shape the next call's collectives on every rank alike.
+
+    After a call that summed exactly by gathering each rank's own rows with the bitmaps in its header, the next
+    call sends its header words and bitmap in that gather, ahead of its rows ("folded"): one collective instead of
+    two. Its size comes from what the previous call agreed (the layout, and a row capacity from the largest support
+    then), never from this call's arguments, so a rank whose arguments changed still meets the others in it: the
+    header's fingerprint and call number are checked as in a header of its own (MismatchError on every rank, naming
+    the fields), and a tensor of another layout on every rank alike sends the call through the plain header path.
+    Rows beyond the capacity follow in a second gather. The result is the lossless sum whatever |U| came out; a call
+    whose union would have chosen another method, or every FOLD_RECHECK_EVERY-th, ends the folding.
+
+    The caller owns it (SketchState holds one per bucket index); it holds nothing a restart needs.
+    """
+
+    def __init__(self) -> None:
+        self.layout: tuple | None = None  # (n, m, dtype, sparse, granularity) agreed by the last call; None: unfolded
+        self.capacity = 0                 # rows per rank the folded gather carries
+        self.folded_calls = 0             # since the last header of its own
+
+    def _agree(self, layout, counts, folded):
+        """After a call, on every rank alike: fold the next call (with this call's largest support) or not."""
+        self.folded_calls = self.folded_calls + 1 if folded else 0
+        if layout is None or self.folded_calls >= FOLD_RECHECK_EVERY:
+            self.layout, self.capacity, self.folded_calls = None, 0, 0
+        else:
+            self.layout, self.capacity = layout, math.ceil(max(counts) * (1 + FOLD_CAPACITY_SLACK))
 
 
 # --- arguments and this rank's view of the tensor ---------------------------------------------------------------
@@ -517,14 +559,107 @@ class _GatherOwnRows(_Reduction):
                                         async_op=async_op)
 
     def finish(self):
-        local, union = self.local, self.union
-        rows_of = self.gathered.view(self.world, self.max_local, local.m).to(local.device)
-        position = union.position()
-        total = torch.zeros(union.units, local.m, dtype=local.dtype, device=local.device)
-        for r in range(self.world):
-            own = ops.unpack_bits(union.bitmaps[r], local.n).nonzero().flatten()
-            total.index_add_(0, position[own], rows_of[r, :self.counts[r]])
-        return self._divided(total)
+        rows_of = self.gathered.view(self.world, self.max_local, self.local.m).to(self.local.device)
+        return self._divided(_sum_own_rows(self.local, self.union, self.counts, rows_of))
+
+
+def _sum_own_rows(local, union, counts, rows_of):
+    """U's rows summed from every rank's own rows ([world, >= its count, m]), in rank order: the same on every rank."""
+    position = union.position()
+    total = torch.zeros(union.units, local.m, dtype=local.dtype, device=local.device)
+    for r in range(len(counts)):
+        own = ops.unpack_bits(union.bitmaps[r], local.n).nonzero().flatten()
+        total.index_add_(0, position[own], rows_of[r, :counts[r]])
+    return total
+
+
+def _layout(local):
+    return (local.n, local.m, str(local.dtype), local.sparse, local.granularity)
+
+
+def _own_rows(local, count):
+    """This rank's support rows, [count, m] (zero rows past its own)."""
+    mine = torch.zeros(count, local.m, dtype=local.dtype, device=local.device)
+    k = min(count, local.units)
+    if local.sparse:
+        mine[:k] = local.rows[:k]
+    elif k:
+        torch.index_select(local.rows2d, 0, local.idx[:k], out=mine[:k])
+    return mine
+
+
+def _folded_call(channel, config, step, local, group, world, device, divisor, timings, timed_config, start, choice):
+    """sketch_allreduce through the channel's folded gather: the result, with last_stats() set, or None when the
+    call must go the plain way (see _folded_gather)."""
+    global _last
+    issued = time.perf_counter()
+    folded = _folded_gather(channel, config, step, local, group, world, device, divisor)
+    if folded is None:
+        channel._agree(None, [0], folded=False)
+        return None
+    total, union, counts, wire = folded
+    n, m, esize = local.n, local.m, local.esize
+    union_ring_bytes = ring_allreduce_bytes(union.units * m * esize, world)
+    timings.for_union(timed_config, union_ring_bytes).record("allgather-local", time.perf_counter() - issued, 0.0,
+                                                             wire)
+    # what a call with a header of its own would choose from this union: still the gather, or the end of folding
+    method = _choose(choice["mode"], union.units * m, n * m, choice["rows"], choice["c"], choice["lossless_slack"],
+                     choice["dense_fraction"], choice["max_sketch_load"])
+    gather_bytes = ring_allgather_bytes(max(counts) * m * esize, world)
+    keep = method == "exact" and (choice["exact_collective"] == "allgather-local" or (
+        choice["exact_collective"] == "auto" and gather_bytes <= GATHER_MAX_BYTES_FRACTION * union_ring_bytes))
+    channel._agree(_layout(local) if keep else None, counts, folded=True)
+    result = local.write_back(union, total)
+    _last = SketchStats(
+        method="exact", mode=choice["mode"], units=n, unit_size=m, local_units=local.units, union_units=union.units,
+        union_method="folded", sketch_shape=(choice["rows"], choice["c"]), wire_bytes=wire,
+        dense_wire_bytes=ring_allreduce_bytes(n * m * esize, world), seconds=time.perf_counter() - start,
+        exact_collective="allgather-local", exact_by="folded")
+    return result
+
+
+def _folded_gather(channel, config, step, local, group, world, device, divisor):
+    """One call through the channel's folded gather (see Channel): (U's summed rows, union, counts, wire bytes), or
+    None when every rank's tensor left the agreed layout (the call then goes the plain way). Raises MismatchError on
+    every rank when the fingerprints or call numbers differ."""
+    n, m, dtype, _, _ = channel.layout
+    esize = torch.empty(0, dtype=getattr(torch, dtype.split(".")[-1])).element_size()
+    bitmap_bytes = -(-n // 8)
+    slot = -(-bitmap_bytes // 8) * 8
+    ints = 8 * FOLD_HEADER_INTS
+    cap = channel.capacity
+    stale = _layout(local) != channel.layout
+    mine = torch.zeros(ints + slot + cap * m * esize, dtype=torch.uint8)
+    mine[:ints] = torch.tensor([fingerprint(config), step, 0 if stale else local.units, int(stale)],
+                               dtype=torch.int64).view(torch.uint8)
+    if not stale:
+        mine[ints:ints + bitmap_bytes] = local.bits.cpu()
+        mine[ints + slot:] = _own_rows(local, cap).cpu().view(-1).view(torch.uint8)
+    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+    compat.all_gather_single(out, mine.to(device), group=group)
+    out = out.view(world, mine.numel()).cpu()
+    head = out[:, :ints].contiguous().view(torch.int64)
+    if len(set(head[:, 0].tolist())) > 1:
+        raise_mismatch("sketch_allreduce configuration", config, group)
+    CallCounter.check("sketch_allreduce", dict(zip(global_ranks(group), head[:, 1].tolist())))
+    if int(head[:, 3].max()):  # the same configuration, a new layout on every rank (e.g. DDP's rebuilt buckets)
+        return None
+    counts = head[:, 2].tolist()
+    bitmaps = out[:, ints:ints + bitmap_bytes].contiguous().to(local.bits.device)
+    union = _union(local.bits, bitmaps, n, group, world, device)
+    wire = ring_allgather_bytes(mine.numel(), world)
+    rows_of = out[:, ints + slot:].contiguous().view(getattr(torch, dtype.split(".")[-1])).view(world, cap, m)
+    extra = max(counts) - cap
+    if extra > 0:  # a support beyond the capacity: its remaining rows in a second gather
+        rest = _own_rows(local, local.units)[cap:] if local.units > cap else torch.empty(0, m, dtype=local.dtype)
+        block = torch.zeros(extra, m, dtype=local.dtype)
+        block[:rest.shape[0]] = rest.cpu()
+        more = torch.empty(world * extra * m, dtype=local.dtype, device=device)
+        compat.all_gather_single(more, block.view(-1).to(device), group=group)
+        rows_of = torch.cat([rows_of, more.view(world, extra, m).cpu()], 1)
+        wire += ring_allgather_bytes(extra * m * esize, world)
+    total = _sum_own_rows(local, union, counts, rows_of.to(local.device))
+    return (total.div_(divisor) if divisor != 1 else total), union, counts, wire
 
 
 class _SketchAllReduce(_Reduction):
@@ -622,7 +757,7 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
                      group: dist.ProcessGroup | None = None, async_op: bool = False, lossless_slack: float = 2.0,
                      dense_fraction: float = 0.5, max_sketch_load: float = 1.0, residual: torch.Tensor | None = None,
                      exact_collective: str = "auto", timings: ExactTimings | None = None,
-                     step: int | None = None, agreed: dict | None = None):
+                     step: int | None = None, agreed: dict | None = None, channel: Channel | None = None):
     """Sums `tensor` over the ranks of `group`, sending only its union support (exact) or a sketch of it.
 
     Args:
@@ -667,6 +802,8 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
             own, since every rank's k-th call then meets the others' k-th.
         agreed: more settings that must be identical on every rank, checked with the call's own (a caller's
             configuration, e.g. the DDP hook's state and the bucket's parameters): {field name: value}.
+        channel: the Channel of a sequence of calls every rank makes in the same order (e.g. one DDP bucket's):
+            a call after one that gathered own rows folds its header into that gather (see Channel).
 
     Returns:
         The result tensor (the input itself when dense), or, with async_op, a handle with wait(), result(),
@@ -704,6 +841,14 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
         if set(agreed) & set(config):
             raise ValueError(f"sketch_allreduce: 'agreed' may not redefine {sorted(set(agreed) & set(config))}")
         config.update(agreed)
+    divisor = world if op == "avg" else 1
+    if channel is not None and channel.layout is not None:
+        folded = _folded_call(channel, config, int(step), local, group, world, device, divisor, timings,
+                              timed_config, start, dict(mode=mode, rows=rows, c=c, lossless_slack=lossless_slack,
+                                                        dense_fraction=dense_fraction, max_sketch_load=max_sketch_load,
+                                                        exact_collective=exact_collective))
+        if folded is not None:
+            return _Pending(None, lambda: (folded, _last)) if async_op else folded
     decided_with = timings.for_header(timed_config)
     header_start = time.perf_counter()
     header = _exchange_header(config, int(step), local.units, decided_with.timed_choices, decided_with.header(),
@@ -713,7 +858,7 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
     union = _union(local.bits, header.bitmaps, n, group, world, device)
 
     method = _choose(mode, union.units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
-    common = (local, union, world, device, world if op == "avg" else 1)
+    common = (local, union, world, device, divisor)
     exact_by, filed = "", None  # filed: where this call's exact timing goes (its own union's size class)
     if method == "exact":
         reduction, exact_by, union_ring_bytes = _exact_reduction(common, exact_collective, header, decided_with)
@@ -722,6 +867,9 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
         reduction = _SketchAllReduce(*common, rows, c, seed, residual)
     else:
         reduction = _DenseAllReduce(*common)
+    if channel is not None:  # fold the next call only after a gather chosen by bytes or by timings
+        gathers = isinstance(reduction, _GatherOwnRows) and union.method == "header" and exact_by != "explore"
+        channel._agree(_layout(local) if gathers else None, header.counts, folded=False)
 
     payload_bytes = reduction.prepare()
     issued = time.perf_counter()
