@@ -8,6 +8,7 @@ offending text and the grammar it expected, so a bad flag ends in argparse's usa
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -229,9 +230,13 @@ def rank_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def interleave(names: Sequence[Any], warmup: int, reps: int) -> Iterator[tuple[int, Any, str]]:
+def interleave(names: Sequence[Any], warmup: int, reps: int, shuffle: bool = False) -> Iterator[tuple[int, Any, str]]:
     """The order in which a suite runs its methods: every name once per repetition, the order rotated each time
     (no method always runs first or after the same one), `warmup` untimed repetitions first.
+
+    Args:
+        shuffle: A fresh order every repetition instead (seeded by it: the same on every rank), where a method's
+            time depends a little on what ran before it: a rotation gives it the same predecessor every time.
 
     Yields:
         (repetition, name, phase): phase is "warm-up" or "rep N" (N from 1), for the progress note.
@@ -239,12 +244,13 @@ def interleave(names: Sequence[Any], warmup: int, reps: int) -> Iterator[tuple[i
     names = list(names)
     for it in range(warmup + reps):
         shift = it % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = random.Random(it).sample(names, len(names)) if shuffle else names[shift:] + names[:shift]
+        for name in order:
             yield it, name, "warm-up" if it < warmup else f"rep {it - warmup + 1}"
 
 
-def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *,
-           enabled: bool = True) -> Iterator[tuple[int, Any, bool]]:
+def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *, enabled: bool = True,
+           shuffle: bool = False) -> Iterator[tuple[int, Any, bool]]:
     """`interleave` with a progress bar over the whole run, for a suite's loop over its methods.
 
     Yields:
@@ -252,7 +258,7 @@ def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *,
         its phase and name) when the loop's body is done with it.
     """
     bar = progress((warmup + reps) * len(names), desc, enabled=enabled)
-    for it, name, phase in interleave(names, warmup, reps):
+    for it, name, phase in interleave(names, warmup, reps, shuffle):
         yield it, name, it >= warmup
         bar.step(f"{phase} {name}")
 

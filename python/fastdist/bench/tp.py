@@ -38,7 +38,6 @@ import argparse
 import copy
 import math
 import os
-import random
 import re
 import statistics
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ from fastdist import netsim
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, progress, relative_error, shape_type, time_fn,
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, relative_error, rounds, shape_type, time_fn,
                                      together, up_to, worst_errors)
 from fastdist.comm.wire import ring_allreduce_bytes
 
@@ -94,22 +93,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # --- one rank --------------------------------------------------------------------------------------
 
-def _interleaved(variants, reps, warmup, bar, label):
-    """{name: [seconds per rep]} of the slowest rank; `variants` maps name -> callable."""
-    names = list(variants)
-    samples = {n: [] for n in names}
-    for it in range(warmup + reps):
-        # A fresh order every repetition (the same on every rank): a variant's time depends a little on what ran
-        # before it, and a fixed rotation would give each variant the same predecessor every time.
-        order = random.Random(it).sample(names, len(names))
-        for name in order:
-            with together() as watch:
-                variants[name]()
-            if it >= warmup:
-                samples[name].append(watch.seconds)
-            bar.step(f"{label} {name}")
-    slowest = all_max([t for n in names for t in samples[n]])  # a step lasts until its slowest rank is done
-    return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
+def _interleaved(variants, reps, warmup, desc):
+    """{name: [seconds per rep]} of the slowest rank; `variants` maps name -> callable, run in a fresh order every
+    repetition."""
+    samples = {n: [] for n in variants}
+    for _, name, timed in rounds(variants, warmup, reps, desc, enabled=dist.get_rank() == 0, shuffle=True):
+        with together() as watch:
+            variants[name]()
+        if timed:
+            samples[name].append(watch.seconds)
+    slowest = all_max([t for n in variants for t in samples[n]])  # a step lasts until its slowest rank is done
+    return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(variants)}
 
 
 def _dtensor(module, plan, mesh):
@@ -298,8 +292,7 @@ def bench_rank(config: dict) -> Any:
         variants, errors, chunks = _mlp_variants(config, model, mesh)
     else:
         variants, errors, chunks = _block_variants(config, model, mesh)
-    bar = progress((config["warmup"] + reps) * len(variants), f"tp {part} {config['label']}", enabled=rank == 0)
-    samples = _interleaved(variants, reps, config["warmup"], bar, part)
+    samples = _interleaved(variants, reps, config["warmup"], f"tp {part} {config['label']}")
     m, k_local, n = shape
     if part == "op":
         chunks = {str(k): auto_k if k == "auto" else k for k in OP_KS}
