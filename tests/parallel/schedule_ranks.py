@@ -143,8 +143,8 @@ CASES = {
 
 def run_cases(names: list[str]) -> dict:
     """Every case in `names` on this rank (see CASES): name -> `train`'s result; then a tiny
-    `measure_schedules` under "measure", and, on rank 0 alone (a group of its own), `single_stage` under
-    "single"."""
+    `measure_schedules` under "measure", a schedule mismatch's message under "mismatch", `ddp_stage` without and
+    with recompute under "ddp", and, on rank 0 alone (a group of its own), `single_stage` under "single"."""
     out = {}
     for name in names:
         schedule, recompute, r0, microbatches, reference = CASES[name]
@@ -158,6 +158,7 @@ def run_cases(names: list[str]) -> dict:
         out["mismatch"] = None
     except MismatchError as e:
         out["mismatch"] = str(e)
+    out["ddp"] = {ratio: ddp_stage(ratio) for ratio in (0.0, 1.0)}
     alone = torch.distributed.new_group([0])
     if torch.distributed.get_rank() == 0:
         out["single"] = single_stage(alone)
@@ -199,3 +200,19 @@ def single_stage(group) -> dict:
     out["errors"] = errors
     out["plain_ok"] = type(build_schedule("1f1b", plain, 4, loss_fn)).__name__
     return out
+
+
+def ddp_stage(ratio: float) -> dict:
+    """Data parallel over both ranks, each rank a one-stage pipeline (a group of its own) over its DDP-wrapped
+    GPT: the gradients after one step on this rank's own batch, with the stage recomputing `ratio` of its
+    blocks."""
+    rank = torch.distributed.get_rank()
+    alone = [torch.distributed.new_group([r]) for r in range(2)][rank]
+    module = stage_module(0, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(module)
+    stage = make_stage(ddp, 0, 1, "cpu", alone, blocks=list(module.blocks))
+    sched = build_schedule("1f1b", stage, 2, loss_fn, recompute=ratio)
+    tokens, target = batch(rank)
+    torch.manual_seed(rank)
+    sched.step(tokens, target=target)
+    return {n: p.grad.clone() for n, p in module.named_parameters()}

@@ -141,3 +141,11 @@ def test_ranks_that_disagree_on_the_schedule_fail_on_every_rank_naming_it(two_ra
         message = two_ranks[rank]["mismatch"]
         assert message is not None and "pipeline schedule" in message and "schedule" in message
         assert "gpipe" in message and "1f1b" in message
+
+
+def test_a_ddp_wrapped_stage_recomputes_to_the_same_reduced_gradients(two_ranks):
+    for rank in range(2):
+        plain, recomputed = two_ranks[rank]["ddp"][0.0], two_ranks[rank]["ddp"][1.0]
+        for name in plain:
+            assert_close(recomputed[name], plain[name], f"rank {rank}, DDP stage, {name}", **EXACT)
+            assert_close(plain[name], two_ranks[0]["ddp"][0.0][name], f"rank {rank} vs 0 (reduced), {name}", **EXACT)
