@@ -63,8 +63,7 @@ from torch import nn
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.report import MIB, col, fixed, percent, scientific, times
-from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, interleave, network, progress,
-                                     shape_type, together)
+from fastdist.bench.toolkit import all_max, all_sum, at_least, comma_list, network, rounds, shape_type, together
 
 PEERS = ["torch-1f1b+recompute", "torch-1f1b", "deepspeed+recompute", "deepspeed"]
 """The pipeline peers a user would pick instead, on the same model, data and microbatches."""
@@ -428,19 +427,17 @@ def _pipeline_rank(config: dict) -> dict | None:
     saved = {n: [] for n in names}
     resident = {n: [] for n in names}
     losses = {n: [] for n in names}
-    bar = progress((warmup + reps) * len(names), "parallel pipeline", enabled=rank == 0)
-    for it, name, phase in interleave(names, warmup, reps):
+    for it, name, timed in rounds(names, warmup, reps, "parallel pipeline", enabled=rank == 0):
         base = reset_peak()
         meter = meters[name]
         meter.reset_peak()
         with together() as watch, meter:
             loss = variants[name](it)
         losses[name].append(loss)
-        if it >= warmup:
+        if timed:
             seconds[name].append(watch.seconds)
             saved[name].append(meter.peak)
             resident[name].append(peak_above(base))
-        bar.step(f"{phase} {name}")
     # A step lasts until its slowest rank is done; every stage's memory is its own (one slot per rank).
     slowest = all_max([t for n in names for t in seconds[n]])
     per_stage = all_sum([v if r == rank else 0.0 for table in (saved, resident) for n in names for v in table[n]
@@ -487,6 +484,18 @@ def check_losses(rows: list[dict], tolerance: float = CHECK_TOLERANCE) -> None:
 
 # ---- partition balance ----
 
+def interleaved(calls: dict[str, Any], reps: int, warmup: int, desc: str) -> dict[str, list[float]]:
+    """{name: this rank's seconds per timed repetition} of `calls` (name -> callable) run interleaved, every
+    rank starting each call together. A collective."""
+    samples: dict[str, list[float]] = {n: [] for n in calls}
+    for _, name, timed in rounds(list(calls), warmup, reps, desc, enabled=dist.get_rank() == 0):
+        with together() as watch:
+            calls[name]()
+        if timed:
+            samples[name].append(watch.seconds)
+    return samples
+
+
 def _stage_step(module: nn.Module, x: torch.Tensor, target: torch.Tensor | None):
     def call():
         module.zero_grad(set_to_none=True)
@@ -526,12 +535,8 @@ def _balance_rank(config: dict) -> dict | None:
         module = _stage_module(copy.deepcopy(lm), bounds, rank, recompute=False)
         inp = x if rank == 0 else torch.randn(mb, seq, dim, requires_grad=True)
         calls[name] = _stage_step(module, inp, y if rank == world - 1 else None)
-    samples = {n: [] for n in calls}
-    for it, name, _ in interleave(list(calls), config["warmup"], config["reps"]):
-        with together() as watch:  # the ranks time their own stage at once, as they would run in the pipeline
-            calls[name]()
-        if it >= config["warmup"]:
-            samples[name].append(watch.seconds)
+    # the ranks time their own stage at once, as they would run in the pipeline
+    samples = interleaved(calls, config["reps"], config["warmup"], "parallel balance")
     mine = [statistics.median(samples[n]) for n in calls]
     every = all_sum([t if r == rank else 0.0 for t in mine for r in range(world)])
     if rank != 0:
@@ -618,9 +623,10 @@ def _tp_rank(config: dict) -> dict | None:
     errors.update(tp._check_against(tp._step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
     chunks[PARALLELIZE_TP] = tp._chosen_chunks(module)  # "auto" chooses at the first call
     names = list(variants)
-    bar = progress((config["warmup"] + config["reps"]) * len(names), f"parallel tp {config['net']}",
-                   enabled=rank == 0)
-    samples = tp._interleaved(variants, config["reps"], config["warmup"], bar, "tp")
+    mine = interleaved(variants, config["reps"], config["warmup"], f"parallel tp {config['net']}")
+    slowest = all_max([t for n in names for t in mine[n]])  # a step lasts until its slowest rank is done
+    reps = config["reps"]
+    samples = {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
     rows = tp._rows(samples, names, "variant", errors, chunks)
     return {"rows": rows} if rank == 0 else None
 
