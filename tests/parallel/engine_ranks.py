@@ -100,15 +100,17 @@ def reference(name: str, steps: int = STEPS, layers: int = 4) -> tuple[list[floa
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(name: str, mesh: tuple[int, int, int], microbatches: int = 2, steps: int = STEPS, layers: int = 4,
-          **options) -> dict:
-    """parallelize + ``steps`` steps on this rank: losses, the gathered state dict (rank 0 only), the plan."""
+def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: int = 4, **options) -> dict:
+    """parallelize on ``mesh`` ((dp, tp, pp) or a DeviceMesh) + ``steps`` steps on this rank: losses, the gathered
+    state dict (rank 0 only), the plan."""
     model = make_model(name, layers)
-    dp = mesh[0]
-    d = dist.get_rank() // (mesh[1] * mesh[2]) if dist.is_initialized() else 0  # this rank's dp index
+    shape = mesh if isinstance(mesh, tuple) else tuple(
+        mesh.mesh.shape[mesh.mesh_dim_names.index(n)] if n in mesh.mesh_dim_names else 1 for n in ("dp", "tp", "pp"))
+    dp = shape[0]
+    d = dist.get_rank() // (shape[1] * shape[2]) if dist.is_initialized() else 0  # this rank's dp index
     data = [(x.chunk(dp)[d], y.chunk(dp)[d]) for x, y in batches(steps)]
     options.setdefault("tp_overlap", 2)  # the default "auto" warns on an uncalibrated machine
-    if name == "transformer_lm" and mesh[1] > 1:
+    if name == "transformer_lm" and shape[1] > 1:
         options.setdefault("tp_plan", TRANSFORMER_LM_TP)
     engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
                                            optimizer=make_optimizer, microbatches=microbatches, **options)
@@ -196,6 +198,10 @@ def case(name: str):
         return compose(rest)
     if kind == "checkpoint":
         return checkpoint(rest)
+    if kind == "device_mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("pp", "tp"))
+        return _plain(train("transformer_lm", mesh))
     raise KeyError(name)
 
 

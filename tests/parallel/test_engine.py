@@ -18,9 +18,9 @@ LOSS_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 PARAM_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def _assert_trains_like_one_process(engine_ranks, world, model, mesh):
+def _assert_trains_like_one_process(engine_ranks, world, model, mesh, case=None):
     want_losses, want_state = reference(model)
-    ranks = engine_ranks(world, f"train:{model}:{mesh}")
+    ranks = engine_ranks(world, case or f"train:{model}:{mesh}")
     for rank, got in enumerate(ranks):
         assert len(got["losses"]) == STEPS
         assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"{model} on {mesh}, rank {rank}: "
@@ -48,6 +48,10 @@ def test_hugging_face_gpt2_sharded_over_two_tensor_parallel_ranks_trains_like_on
 @pytest.mark.parametrize("mesh", ["1,2,2", "2,1,2", "2,2,1"])
 def test_transformer_lm_trains_like_one_process_on_four_ranks(engine_ranks, mesh):
     _assert_trains_like_one_process(engine_ranks, 4, "transformer_lm", mesh)
+
+
+def test_a_device_mesh_with_named_dimensions_in_any_order_is_a_mesh(engine_ranks):
+    _assert_trains_like_one_process(engine_ranks, 2, "transformer_lm", "DeviceMesh(pp=2, tp=1)", "device_mesh")
 
 
 def test_the_plan_is_a_table_of_stages_with_their_layers(engine_ranks):

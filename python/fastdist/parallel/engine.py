@@ -378,7 +378,9 @@ def _compress_options(compress_boundaries: Any) -> dict | None:
 def _describe_compress(options: dict | None) -> str | None:
     if options is None:
         return None
-    return ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+    def shown(v):  # a compressor by its configuration (its repr may carry an address)
+        return f"{type(v).__name__}({v.config()})" if callable(getattr(v, "config", None)) else repr(v)
+    return ", ".join(f"{k}={shown(v)}" for k, v in sorted(options.items()))
 
 
 def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 1, 1),
@@ -455,6 +457,9 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         problem = f"schedule must be one of {sorted(_schedule_names())}, got {schedule!r}"
     if problem is None and shape[2] > 1 and schedule != "gpipe" and microbatches < shape[2]:
         problem = f"schedule {schedule!r} needs at least as many microbatches as stages ({shape[2]}), got {microbatches}"
+    if problem is None and shape[2] == 1 and (recompute != "none" or compress_boundaries is not None):
+        problem = ("recompute and compress_boundaries act on pipeline stages: they need pp > 1 (recompute on one "
+                   "stage is not supported yet)")
     _agree("arguments", problem, None)
     dp, tp, pp = shape
     compress = _compress_options(compress_boundaries)
@@ -475,7 +480,9 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         names = list(mesh_obj.mesh_dim_names)
         coord_list = mesh_obj.get_coordinate()
         coordinate = tuple(coord_list[names.index(n)] if n in names else 0 for n in MESH_DIMS)
-        grid = mesh_obj.mesh.reshape(dp, tp, pp) if names == list(MESH_DIMS) else None
+        # global ranks indexed [dp, tp, pp], whatever the order (and presence) of the DeviceMesh's dimensions
+        grid = mesh_obj.mesh.permute(*[names.index(n) for n in MESH_DIMS if n in names])
+        grid = grid.reshape(dp, tp, pp)
     else:
         mesh_obj, groups, coordinate, grid = None, {n: None for n in MESH_DIMS}, (0, 0, 0), None
     dp_i, tp_i, pp_i = coordinate
@@ -550,9 +557,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             hook = dp_comm_hook(groups["dp"]) if callable(dp_comm_hook) else dp_comm_hook
             ddp.register_comm_hook(*hook)
     opt = optimizer(runner.parameters())
-    pipelined = pp > 1 or recompute != "none" or compress is not None
     pipe_stage, sched = None, None
-    if pipelined:
+    if pp > 1:
         from fastdist.parallel.schedule import build_schedule
         cuts = analysis.cut_shapes
         in_args = micro if pp_i == 0 else (torch.empty(cuts[mine.first_block][0], dtype=cuts[mine.first_block][1],
