@@ -21,9 +21,9 @@ VOCAB, DIM, HEADS, SEQ, BATCH, LAYERS = 64, 32, 2, 16, 8, 4
 class DropBlock(nn.Module):
     """A transformer block followed by dropout, as nanoGPT's residual dropout."""
 
-    def __init__(self):
+    def __init__(self, p: float = 0.1):
         super().__init__()
-        self.block, self.drop = Block(DIM, HEADS), nn.Dropout(0.1)
+        self.block, self.drop = Block(DIM, HEADS), nn.Dropout(p)
 
     def forward(self, x, mask):
         return self.drop(self.block(x, mask))
@@ -32,10 +32,10 @@ class DropBlock(nn.Module):
 class GPTStage(nn.Module):
     """Blocks [first, last) of a GPT; the first stage also embeds, the last also norms and projects to logits."""
 
-    def __init__(self, first: int, last: int, embed: bool, head: bool):
+    def __init__(self, first: int, last: int, embed: bool, head: bool, dropout: float = 0.1):
         super().__init__()
         torch.manual_seed(0)
-        every = [DropBlock() for _ in range(LAYERS)]  # the whole model's blocks, so every cut holds the same ones
+        every = [DropBlock(dropout) for _ in range(LAYERS)]  # the whole model's blocks, so every cut holds the same ones
         self.embed = nn.Embedding(VOCAB, DIM) if embed else None
         self.pos = nn.Parameter(0.02 * torch.randn(SEQ, DIM)) if embed else None
         self.blocks = nn.ModuleList(every[first:last])
@@ -60,9 +60,48 @@ def batch(step: int):
     return tokens, torch.roll(tokens, -1, 1)
 
 
-def stage_module(rank: int, world: int) -> GPTStage:
+def stage_module(rank: int, world: int, dropout: float = 0.1) -> GPTStage:
     per = LAYERS // world
-    return GPTStage(rank * per, (rank + 1) * per, embed=rank == 0, head=rank == world - 1)
+    return GPTStage(rank * per, (rank + 1) * per, embed=rank == 0, head=rank == world - 1, dropout=dropout)
+
+
+def global_grads(module: GPTStage, first: int) -> dict:
+    """The stage's gradients named as in the whole model (its blocks numbered from `first`)."""
+    out = {}
+    for name, p in module.named_parameters():
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            name = f"blocks.{first + int(i)}.{rest}"
+        out[name] = p.grad.clone()
+    return out
+
+
+def interleaved(recompute) -> dict:
+    """One step of the GPT (no dropout) in 4 stages of one block, 2 per rank, under torch's interleaved 1F1B
+    through `build_schedule`, and in 2 stages under torch's 1F1B: losses and gradients named as in the whole
+    model, each way."""
+    rank = torch.distributed.get_rank()
+    tokens, target = batch(0)
+    out = {}
+    for way in ("interleaved", "torch"):
+        count = 4 if way == "interleaved" else 2
+        indices = [rank, rank + 2] if way == "interleaved" else [rank]
+        modules = [stage_module(i, count, dropout=0.0) for i in indices]
+        if way == "interleaved":
+            stages = [make_stage(m, i, count, "cpu") for m, i in zip(modules, indices)]
+            sched = build_schedule("interleaved", stages, 4, loss_fn, recompute=recompute)
+        else:
+            sched = Schedule1F1B(PipelineStage(modules[0], rank, 2, torch.device("cpu")), 4, loss_fn=loss_fn)
+        losses: list = []
+        if rank == 0:
+            sched.step(tokens)
+        else:
+            sched.step(target=target, losses=losses)
+        grads = {}
+        for m, i in zip(modules, indices):
+            grads.update(global_grads(m, i * LAYERS // count))
+        out[way] = {"losses": [x.item() for x in losses], "grads": grads}
+    return out
 
 
 class LoggedStage:
@@ -159,6 +198,7 @@ def run_cases(names: list[str]) -> dict:
     except MismatchError as e:
         out["mismatch"] = str(e)
     out["ddp"] = {ratio: ddp_stage(ratio) for ratio in (0.0, 1.0)}
+    out["interleaved"] = interleaved("full")
     alone = torch.distributed.new_group([0])
     if torch.distributed.get_rank() == 0:
         out["single"] = single_stage(alone)

@@ -30,10 +30,11 @@ def one_rank(job):
     return job[0]["single"]
 
 
-def test_schedule_names_are_torchs_two_and_the_shifted_critical_path():
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "shifted_critical_path"]
+def test_schedule_names_are_torchs_three_and_the_shifted_critical_path():
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "interleaved", "shifted_critical_path"]
     assert SCHEDULES["1f1b"] is torch.distributed.pipelining.Schedule1F1B
     assert SCHEDULES["gpipe"] is torch.distributed.pipelining.ScheduleGPipe
+    assert SCHEDULES["interleaved"] is torch.distributed.pipelining.ScheduleInterleaved1F1B
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 8, 64])
@@ -149,3 +150,14 @@ def test_a_ddp_wrapped_stage_recomputes_to_the_same_reduced_gradients(two_ranks)
         for name in plain:
             assert_close(recomputed[name], plain[name], f"rank {rank}, DDP stage, {name}", **EXACT)
             assert_close(plain[name], two_ranks[0]["ddp"][0.0][name], f"rank {rank} vs 0 (reduced), {name}", **EXACT)
+
+
+def test_interleaved_stages_with_recompute_train_as_two_stages_under_torchs_1f1b(two_ranks):
+    ways = {way: {"losses": two_ranks[1]["interleaved"][way]["losses"],
+                  "grads": {**two_ranks[0]["interleaved"][way]["grads"], **two_ranks[1]["interleaved"][way]["grads"]}}
+            for way in ("interleaved", "torch")}  # the whole model's gradients, from both ranks' stages
+    got, want = ways["interleaved"], ways["torch"]
+    assert len(want["losses"]) == 4 and got["losses"] == pytest.approx(want["losses"], abs=1e-5)
+    assert set(got["grads"]) == set(want["grads"])
+    for name in want["grads"]:
+        assert_close(got["grads"][name], want["grads"][name], f"interleaved, {name}", atol=1e-5, rtol=1e-5)

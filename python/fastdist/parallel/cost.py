@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 
-from fastdist.parallel.schedule import SCHEDULES, resolve_recompute
+from fastdist.parallel.schedule import resolve_recompute
 
-__all__ = ["BASELINE", "MEASURED_VARIANTS", "LMStage", "Link", "SimResult", "StageTimes", "measure_link", "measure_schedules",
+SIMULATED = ("gpipe", "1f1b", "shifted_critical_path")
+"""The schedules `simulate` replays (one stage per rank)."""
+
+__all__ = ["BASELINE", "SIMULATED", "MEASURED_VARIANTS", "LMStage", "Link", "SimResult", "StageTimes", "measure_link", "measure_schedules",
            "measure_stage", "simulate", "sweep"]
 
 
@@ -204,8 +207,8 @@ def simulate(schedule: str, stages: Sequence[StageTimes] | StageTimes, n_microba
     Returns:
         The predicted SimResult.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule not in SIMULATED:
+        raise ValueError(f"schedule must be one of {list(SIMULATED)}, got {schedule!r}")
     if isinstance(stages, StageTimes):
         if num_stages is None or num_stages < 1:
             raise ValueError(f"simulate: one StageTimes for every stage needs num_stages >= 1, got {num_stages!r}")

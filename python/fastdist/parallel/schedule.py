@@ -1,7 +1,9 @@
-"""Pipeline schedules for fastdist.parallel: torch's GPipe and 1F1B, and Merak's shifted critical path.
+"""Pipeline schedules for fastdist.parallel: torch's GPipe, 1F1B and interleaved 1F1B, and Merak's shifted
+critical path.
 
-`build_schedule` is the one way the engine makes a schedule for a stage. "gpipe" and "1f1b" are torch's own
-`ScheduleGPipe` / `Schedule1F1B`; "shifted_critical_path" is `ScheduleShiftedCriticalPath`, a `Schedule1F1B`
+`build_schedule` is the one way the engine makes a schedule for a stage. "gpipe", "1f1b" and "interleaved" are
+torch's own `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` (several stages per rank);
+"shifted_critical_path" is `ScheduleShiftedCriticalPath`, a `Schedule1F1B`
 whose stages recompute microbatch i's activations after posting the receive of i's gradient and before waiting
 for it, so the recompute runs while the stage would otherwise wait (it leaves the critical path), and whose last
 stage, which runs each backward right after its forward, does not recompute at all.
@@ -17,12 +19,12 @@ which stashes nothing, recomputes nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _batch_p2p, _PipelineSchedule, _wait_batch_p2p
 
 from fastdist.distributed import check_same
 
@@ -164,25 +166,28 @@ class ScheduleShiftedCriticalPath(Schedule1F1B):
         stage.perform_reduce_grad(n if self.scale_grads else 1)
 
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {
+SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
     "shifted_critical_path": ScheduleShiftedCriticalPath,
 }
 
 
-def build_schedule(name: str, stage: PipelineStage, n_microbatches: int,
+def build_schedule(name: str, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                    loss_fn: Callable[..., torch.Tensor] | None, *, recompute: str | float = "none",
-                   recompute_ratio: float = 0.5, **schedule_kwargs: Any) -> PipelineScheduleSingle:
+                   recompute_ratio: float = 0.5, **schedule_kwargs: Any) -> _PipelineSchedule:
     """A pipeline schedule driving `stage`, with `.step(*args, target=None, losses=None)` as torch's.
 
     Args:
-        name: One of `SCHEDULES`: "gpipe", "1f1b" (torch's own) or "shifted_critical_path".
-        stage: This rank's stage: a torch `PipelineStage`; recompute other than "none" needs a stage with
+        name: One of `SCHEDULES`: "gpipe", "1f1b", "interleaved" (torch's own) or "shifted_critical_path".
+        stage: This rank's stage: a torch `PipelineStage`; for "interleaved", this rank's stages (a list; torch
+            places stage i on rank i % ranks). Recompute other than "none" needs stages with
             `RecomputeStageMixin` (`fastdist.parallel.recompute.make_stage`).
         n_microbatches: Microbatches per step (1F1B-type schedules need at least as many as stages).
         loss_fn: `loss_fn(output, target)` on the last stage; None: forward only.
-        recompute: "none", "full", "stage_aware" or a ratio in [0, 1] for every stage (see `resolve_recompute`).
+        recompute: "none", "full", "stage_aware" or a ratio in [0, 1] for every stage (see `resolve_recompute`;
+            under "interleaved", stage-aware ratios go by the stage's index among all stages).
         recompute_ratio: The first stage's ratio r0 under "stage_aware".
         **schedule_kwargs: Passed on to the torch schedule (`scale_grads`, `args_chunk_spec`, ...).
 
@@ -190,23 +195,30 @@ def build_schedule(name: str, stage: PipelineStage, n_microbatches: int,
         The schedule.
 
     Raises:
-        MismatchError: the stage group's ranks differ in schedule, microbatches or stages (on every rank: this is
-            a collective over the stage's group, once per schedule built).
+        MismatchError: the stage group's ranks differ in schedule, microbatches, stages or stages per rank (on
+            every rank: this is a collective over the stage's group, once per schedule built).
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
-    if name != "gpipe" and n_microbatches < stage.num_stages:
-        raise ValueError(f"schedule {name!r} needs n_microbatches >= the number of stages ({stage.num_stages}), "
-                         f"got {n_microbatches}")
-    ratio = resolve_recompute(recompute, recompute_ratio, stage.stage_index, stage.num_stages, name)
-    check_same("pipeline schedule", {"schedule": name, "n_microbatches": n_microbatches,
-                                     "num_stages": stage.num_stages}, stage.group)
-    if hasattr(stage, "set_recompute_ratio"):
-        stage.set_recompute_ratio(ratio)
-    elif ratio > 0:
-        raise ValueError(f"recompute={recompute!r} gives stage {stage.stage_index} the ratio {ratio:g}, but its "
-                         f"stage ({type(stage).__name__}) cannot recompute: build it with "
-                         "fastdist.parallel.recompute.make_stage (RecomputeStageMixin)")
-    return SCHEDULES[name](stage, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
+    stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    if not stages or (name != "interleaved" and len(stages) != 1):
+        raise ValueError(f"schedule {name!r} drives one stage per rank, got {len(stages)} (several: 'interleaved')")
+    num_stages = stages[0].num_stages
+    if name != "gpipe" and n_microbatches < num_stages // len(stages):
+        raise ValueError(f"schedule {name!r} needs n_microbatches >= the number of ranks' stages "
+                         f"({num_stages // len(stages)}), got {n_microbatches}")
+    ratios = [resolve_recompute(recompute, recompute_ratio, st.stage_index, num_stages, name) for st in stages]
+    check_same("pipeline schedule", {"schedule": name, "n_microbatches": n_microbatches, "num_stages": num_stages,
+                                     "stages_per_rank": len(stages)}, stages[0].group)
+    for st, ratio in zip(stages, ratios):
+        if hasattr(st, "set_recompute_ratio"):
+            st.set_recompute_ratio(ratio)
+        elif ratio > 0:
+            raise ValueError(f"recompute={recompute!r} gives stage {st.stage_index} the ratio {ratio:g}, but its "
+                             f"stage ({type(st).__name__}) cannot recompute: build it with "
+                             "fastdist.parallel.recompute.make_stage (RecomputeStageMixin)")
+    if name == "interleaved":
+        return SCHEDULES[name](stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
+    return SCHEDULES[name](stages[0], n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
