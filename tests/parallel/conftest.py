@@ -15,7 +15,7 @@ JOBS = {
          "bad:different_models", "bad:different_plans",
          "compose:recompute_compress", "compose:sketch_hook", "checkpoint:transformer_lm", "checkpoint:gpt2",
          "device_mesh"]],
-    4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1"]],
+    4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1", "resume:2,1,2"]],
 }
 
 

@@ -156,6 +156,26 @@ def bad_input(case: str) -> str | None:
     return error_of(fastdist.parallel.parallelize, model, **kwargs)
 
 
+def resume(mesh: tuple[int, int, int]) -> dict:
+    """Losses of steps 3-5 after saving at step 2 (state_dict + local_state_dict) and resuming in a new engine built
+    from other values, beside the losses of the uninterrupted run."""
+    whole = train("transformer_lm", mesh)
+    first = train("transformer_lm", mesh, steps=2)
+    saved, local = first["engine"].state_dict(), first["engine"].local_state_dict()
+    d = dist.get_rank() // (mesh[1] * mesh[2])
+    data = [(x.chunk(mesh[0])[d], y.chunk(mesh[0])[d]) for x, y in batches()][2:]
+    model = make_model("transformer_lm")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    options = {"tp_plan": TRANSFORMER_LM_TP, "tp_overlap": 2} if mesh[1] > 1 else {}
+    engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
+                                           optimizer=make_optimizer, microbatches=2, **options)
+    engine.load_state_dict(saved)
+    engine.load_local_state_dict(local)
+    return {"whole": whole["losses"], "resumed": [engine.step(x, y).item() for x, y in data]}
+
+
 def overhead(steps: int = 40) -> dict:
     """CPU seconds per step of a plain training loop and of parallelize on mesh (1, 1, 1), interleaved, one process,
     one thread (CPU time of this process: other processes' load on the machine does not count)."""
@@ -198,6 +218,8 @@ def case(name: str):
         return compose(rest)
     if kind == "checkpoint":
         return checkpoint(rest)
+    if kind == "resume":
+        return resume(tuple(int(d) for d in rest.split(",")))
     if kind == "device_mesh":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("pp", "tp"))

@@ -50,6 +50,11 @@ def test_transformer_lm_trains_like_one_process_on_four_ranks(engine_ranks, mesh
     _assert_trains_like_one_process(engine_ranks, 4, "transformer_lm", mesh)
 
 
+def test_training_saved_after_two_steps_and_resumed_in_a_new_engine_goes_on_exactly(engine_ranks):
+    for rank, got in enumerate(engine_ranks(4, "resume:2,1,2")):
+        assert got["resumed"] == got["whole"][2:], f"rank {rank}"
+
+
 def test_a_device_mesh_with_named_dimensions_in_any_order_is_a_mesh(engine_ranks):
     _assert_trains_like_one_process(engine_ranks, 2, "transformer_lm", "DeviceMesh(pp=2, tp=1)", "device_mesh")
 

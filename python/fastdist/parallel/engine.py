@@ -329,6 +329,21 @@ class Engine:
                 full[r] = s
         return full.t() if layout.transposed else full
 
+    def local_state_dict(self) -> dict:
+        """This rank's training state besides the model: the optimizer's state (for this rank's stage and shards),
+        the step count and the compressed boundaries' state. Save one per rank with :meth:`state_dict`; with
+        :meth:`load_local_state_dict` on the same mesh and plan, training resumes exactly."""
+        transport = getattr(self.pipeline_stage, "transport_state_dict", None)
+        return {"optimizer": self.optimizer.state_dict(), "steps": self._steps,
+                "transport": transport() if transport is not None else None}
+
+    def load_local_state_dict(self, state: Mapping) -> None:
+        """Restores what :meth:`local_state_dict` returned on this rank (load the model's first)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._steps = int(state["steps"])
+        if state.get("transport") is not None:
+            self.pipeline_stage.load_transport_state_dict(state["transport"])
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Loads a full model's state dict (as :meth:`state_dict` returns, or the unparallelized model's), each
         rank taking its stage's entries and its tensor-parallel slices."""
