@@ -1,6 +1,6 @@
 """What the engine's tests run on each rank, and the single-process references they compare with: the models (a GPT
-TransformerLM, a nanoGPT GPT with its embedding tied to the head, Hugging Face's GPT2LMHeadModel from a small config),
-their seeded data, and training loops. Nothing is asserted here; the test bodies compare."""
+TransformerLM, a nanoGPT GPT with its embedding tied to the head, Hugging Face's GPT2LMHeadModel and LlamaForCausalLM
+from small configs), their seeded data, and training loops. Nothing is asserted here; the test bodies compare."""
 from __future__ import annotations
 
 import os
@@ -51,7 +51,8 @@ class NanoGPT(nn.Module):
 
 
 def make_model(name: str, layers: int = 4) -> nn.Module:
-    """The seeded model ``name`` ("transformer_lm", "nanogpt", "gpt2")."""
+    """The seeded model ``name`` ("transformer_lm", "nanogpt", "gpt2", "llama": Hugging Face's, small, built from a
+    config, nothing downloaded)."""
     torch.manual_seed(0)
     if name == "transformer_lm":
         return TransformerLM(VOCAB, 32, 4, layers, seq=SEQ)
@@ -64,6 +65,13 @@ def make_model(name: str, layers: int = 4) -> nn.Module:
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                          eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
+    if name == "llama":
+        import transformers
+        transformers.logging.set_verbosity_error()
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=SEQ)
+        return transformers.LlamaForCausalLM(config)
     raise KeyError(name)
 
 

@@ -1,6 +1,6 @@
 """fastdist.parallelize trains like one process: on every (dp, tp, pp) mesh of 2 and 4 ranks, a GPT (TransformerLM;
 nanoGPT with its embedding tied to the head across pipeline stages; Hugging Face GPT-2 with its Conv1D layers
-sharded) gives the single-process losses for 5 steps and the same parameters after, gathered by
+sharded; Hugging Face LLaMA) gives the single-process losses for 5 steps and the same parameters after, gathered by
 Engine.state_dict(). Bad configurations raise a clear error on every rank. What runs on the ranks is in
 engine_ranks.py."""
 import statistics
@@ -43,6 +43,10 @@ def test_nanogpt_with_its_embedding_tied_to_the_head_across_two_stages_trains_li
 
 def test_hugging_face_gpt2_sharded_over_two_tensor_parallel_ranks_trains_like_one_process(engine_ranks):
     _assert_trains_like_one_process(engine_ranks, 2, "gpt2", "1,2,1")
+
+
+def test_hugging_face_llama_with_grouped_query_heads_and_rotary_tables_trains_like_one_process(engine_ranks):
+    _assert_trains_like_one_process(engine_ranks, 2, "llama", "1,2,1")
 
 
 @pytest.mark.parametrize("mesh", ["1,2,2", "2,1,2", "2,2,1"])

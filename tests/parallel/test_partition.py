@@ -25,7 +25,7 @@ def _output(out):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("name", ["transformer_lm", "nanogpt", "gpt2"])
+@pytest.mark.parametrize("name", ["transformer_lm", "nanogpt", "gpt2", "llama"])
 def test_three_stages_run_in_turn_give_the_models_output_and_gradients(name):
     model = make_model(name)
     _, stages = _stages(model, [0, 1, 3], _tokens(0))
