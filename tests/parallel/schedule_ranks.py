@@ -47,6 +47,7 @@ class GPTStage(nn.Module):
             x = self.embed(x) + self.pos
         for block in self.blocks:
             x = block(x, self.mask)
+            x *= 1.0  # an in-place op on a block's output, as users' code may have
         return self.head(self.norm(x)) if self.head is not None else x
 
 

@@ -68,7 +68,8 @@ class _Checkpoint(torch.autograd.Function):
     def forward(ctx: Any, stage: RecomputeStageMixin, mb: int, h: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
         ctx.stage, ctx.mb = stage, mb
         ctx.save_for_backward(*xs)  # the kept inputs, so autograd-level memory meters count them
-        return h.view_as(h)
+        ctx.mark_dirty(h)  # h itself, no copy; as an output marked dirty (not a view) it may be modified in place
+        return h
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
