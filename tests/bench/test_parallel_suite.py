@@ -94,3 +94,16 @@ def test_the_cost_tables_show_each_measured_point_beside_its_prediction_and_the_
     (row,) = sweep_part.rows
     assert row["1f1b+full"] / row["scp+stage-aware"] == pytest.approx(2.5 / 1.8)
     assert "1.39x" in sweep_part.table and "| 4 | 8 | 2.00 | 1.50 |" in sweep_part.table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch", "6", "--microbatches", "4"], "does not divide --batch"),
+    (["--gpt", "64,16,3,2,8"], "does not divide dim"),
+    (["--gpt", "64,16,2,1,8"], "cannot make 2 stages"),
+    (["--microbatches", "1", "--batch", "4"], "needs --microbatches >= the stages"),
+    (["--cap-fraction", "1.5"], "must be in \\[0, 1\\]"),
+])
+def test_a_configuration_the_pipeline_cannot_run_is_refused_before_any_rank_starts(flags, message, capsys):
+    args = cli.build_parser().parse_args(["parallel", *flags])
+    with pytest.raises(SystemExit, match=message):
+        parallel.run(args)

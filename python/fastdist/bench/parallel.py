@@ -645,15 +645,20 @@ def _config_from(args: argparse.Namespace) -> dict:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    vocab, dim, heads, layers, seq = args.gpt
+    _, dim, heads, layers, _ = args.gpt
     if args.batch % args.microbatches:
         raise SystemExit(f"fastdist-bench parallel: --microbatches {args.microbatches} does not divide --batch "
                          f"{args.batch}")
     if dim % heads:
         raise SystemExit(f"fastdist-bench parallel: --gpt heads {heads} does not divide dim {dim}")
-    if layers + 2 < args.ranks:
-        raise SystemExit(f"fastdist-bench parallel: {layers} blocks + embedding + head cannot make {args.ranks} "
-                         "stages")
+    if layers < args.ranks:
+        raise SystemExit(f"fastdist-bench parallel: {layers} blocks cannot make {args.ranks} stages (fastdist's "
+                         "partitioner cuts between blocks)")
+    if args.microbatches < args.ranks:
+        raise SystemExit(f"fastdist-bench parallel: 1F1B needs --microbatches >= the stages ({args.ranks}), got "
+                         f"{args.microbatches}")
+    if not 0 <= args.cap_fraction <= 1:
+        raise SystemExit(f"fastdist-bench parallel: --cap-fraction must be in [0, 1], got {args.cap_fraction}")
     hidden, tp_heads, _, batch = args.tp_block
     if hidden % tp_heads or tp_heads % args.ranks or batch < 2:
         raise SystemExit("fastdist-bench parallel: --tp-block heads must divide hidden and divide by --ranks; "
