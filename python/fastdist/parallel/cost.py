@@ -472,10 +472,12 @@ def measure_schedules(config: dict) -> dict:
     needs, at `cap_fraction` of the way (default 0.5: torch's 1F1B without recompute does not fit, the last
     stage without recompute does: the regime stage-aware recompute is for). Stage-aware recompute takes the
     smallest r0 (in steps of 1 / the first stage's blocks) at which every stage stays under the cap under the
-    shifted critical path; every stage-aware row uses it. The cost model is calibrated in the same run: the
-    forward (with the loss on the last stage) and backward of every microbatch, and the span of the stage's
-    blocks in each forward (the recompute at ratio 1), timed inside extra steps of torch's 1F1B interleaved with
-    the timed ones; the link from a ping-pong (`measure_link`).
+    shifted critical path; every stage-aware row uses it. Every variant's stage actions are timed inside its
+    timed steps. Two predictions per row: `predicted_ms`, a priori, from torch 1F1B's actions (forward with the
+    loss, backward, and the span of the stage's blocks in a forward as the recompute at ratio 1), torch's
+    checkpointed variants scaled by what torch's checkpoint adds to a stage's forward and backward on one
+    microbatch alone; `predicted_own_ms`, the schedule simulation alone, from the variant's own actions. The link
+    comes from a ping-pong (`measure_link`).
 
     Args:
         config: gpt (vocab, dim, heads, layers, seq), batch, microbatches, split (blocks per stage, or None:
@@ -483,8 +485,10 @@ def measure_schedules(config: dict) -> dict:
             (each rank on its own core with one thread; default True).
 
     Returns:
-        On every rank: rows (variant, schedule, recompute, r0, time_ms, samples_ms, predicted_ms, error,
-        stage_saved_bytes, fits_cap, speedup vs BASELINE), cap_bytes, r0, stage_times, link, load_average.
+        On every rank: rows (variant, schedule, recompute, r0, ratios, time_ms, samples_ms, predicted_ms, error,
+        predicted_own_ms, error_own, stage_saved_bytes, fits_cap, speedup vs BASELINE), cap_bytes, cap_fraction,
+        r0, r0_search, stage_times (the calibration), actions (every variant's per stage),
+        torch_checkpoint_factors, link, bounds, config, load_average.
     """
     import contextlib
     import os
@@ -600,15 +604,31 @@ def measure_schedules(config: dict) -> dict:
         return out
 
     times = stage_times("torch-1f1b", own=False)
+    # torch's checkpoint costs more than a forward of the blocks: its stage's forward and backward against the plain
+    # stage's, on one microbatch alone (alternated, 5 each), scale the calibration for its variants
+    plain_module, ckpt_module = build(), build()
+    for i, block in enumerate(ckpt_module.blocks):
+        ckpt_module.blocks[i] = checkpoint_wrapper(block)
+    one = (x[:mb],) if rank == 0 else (torch.randn(mb, seq, dim, generator=g),)
+    alone = {"loss_fn": _lm_loss if rank == world - 1 else None, "target": y[:mb], "reps": 1, "warmup": 0}
+    measure_stage(plain_module, one, **alone), measure_stage(ckpt_module, one, **alone)  # warm-up
+    pairs = [(measure_stage(plain_module, one, **alone), measure_stage(ckpt_module, one, **alone)) for _ in range(5)]
+    forward_factor = statistics.median(c.forward for _, c in pairs) / statistics.median(p.forward for p, _ in pairs)
+    extra = statistics.median(c.backward for _, c in pairs) / statistics.median(p.backward for p, _ in pairs) - 1
+    factors: list = [None] * world
+    dist.all_gather_object(factors, (forward_factor, max(0.0, extra)))
+    torch_times = [dataclasses.replace(t, forward=t.forward * f, recompute=t.backward * e)
+                   for t, (f, e) in zip(times, factors)]
 
     rows = []
     base = statistics.median(slowest[names.index(BASELINE) * reps:(names.index(BASELINE) + 1) * reps]) \
         if BASELINE in names else math.nan
     for i, name in enumerate(names):
-        schedule, recompute, _ = MEASURED_VARIANTS[name]
+        schedule, recompute, torch_ckpt = MEASURED_VARIANTS[name]
         samples = slowest[i * reps:(i + 1) * reps]
         measured = statistics.median(samples)
-        predicted = simulate(schedule, times, n, recompute=recompute, recompute_ratio=r0, link=link).step_time
+        predicted = simulate(schedule, torch_times if torch_ckpt else times, n, recompute=recompute,
+                             recompute_ratio=r0, link=link).step_time
         own = simulate(schedule, stage_times(name, own=True), n, link=link, recompute_ratio=r0,
                        recompute=recompute if schedule == "shifted_critical_path" else "none").step_time
         rows.append({"variant": name, "schedule": schedule, "recompute": recompute,
@@ -622,6 +642,7 @@ def measure_schedules(config: dict) -> dict:
     return {"rows": rows, "cap_bytes": cap, "cap_fraction": config.get("cap_fraction", 0.5), "r0": r0,
             "r0_search": {str(k): v for k, v in peaks.items()},
             "stage_times": [dataclasses.asdict(t) for t in times], "actions": every,
+            "torch_checkpoint_factors": factors,
             "link": dataclasses.asdict(link), "bounds": bounds, "config": {k: v for k, v in config.items()},
             "load_average": list(os.getloadavg())}
 
