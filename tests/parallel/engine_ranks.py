@@ -167,9 +167,9 @@ def bad_input(case: str) -> str | None:
 def resume(mesh: tuple[int, int, int]) -> dict:
     """Losses of steps 3-5 after saving at step 2 (state_dict + local_state_dict) and resuming in a new engine built
     from other values, beside the losses of the uninterrupted run."""
-    whole = train("transformer_lm", mesh)
     first = train("transformer_lm", mesh, steps=2)
     saved, local = first["engine"].state_dict(), first["engine"].local_state_dict()
+    whole = train("transformer_lm", mesh, split_points=local["split_points"])
     d = dist.get_rank() // (mesh[1] * mesh[2])
     data = [(x.chunk(mesh[0])[d], y.chunk(mesh[0])[d]) for x, y in batches()][2:]
     model = make_model("transformer_lm")
@@ -177,8 +177,10 @@ def resume(mesh: tuple[int, int, int]) -> dict:
         for p in model.parameters():
             p.mul_(-1.0)
     options = {"tp_plan": TRANSFORMER_LM_TP, "tp_overlap": 2} if mesh[1] > 1 else {}
+    # a time-balanced plan is profiled anew: the saved optimizer state fits the saved split
     engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
-                                           optimizer=make_optimizer, microbatches=2, **options)
+                                           optimizer=make_optimizer, microbatches=2,
+                                           split_points=local["split_points"], **options)
     engine.load_state_dict(saved)
     engine.load_local_state_dict(local)
     return {"whole": whole["losses"], "resumed": [engine.step(x, y).item() for x, y in data]}

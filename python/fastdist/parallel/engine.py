@@ -229,10 +229,9 @@ class Engine:
         if shapes["inputs"] != self._input_shapes:
             problem = (f"step() got inputs {shapes['inputs']}; parallelize was built for {self._input_shapes} "
                        "(example_inputs: this rank's whole batch, which every step must match)")
-        if self._world > 1:
-            _agree("step inputs", problem, None)
+        if self._world > 1:  # after it every rank holds the same shapes, so the same problem or none
             check_same("fastdist.parallel Engine.step", shapes)
-        elif problem:
+        if problem:
             raise ValueError(f"fastdist.parallel: {problem}")
         self._steps += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -334,11 +333,21 @@ class Engine:
         the step count and the compressed boundaries' state. Save one per rank with :meth:`state_dict`; with
         :meth:`load_local_state_dict` on the same mesh and plan, training resumes exactly."""
         transport = getattr(self.pipeline_stage, "transport_state_dict", None)
-        return {"optimizer": self.optimizer.state_dict(), "steps": self._steps,
-                "transport": transport() if transport is not None else None}
+        return {"optimizer": self.optimizer.state_dict(), "steps": self._steps, "mesh": self.plan.mesh,
+                "split_points": self.plan.split_points, "transport": transport() if transport is not None else None}
 
     def load_local_state_dict(self, state: Mapping) -> None:
-        """Restores what :meth:`local_state_dict` returned on this rank (load the model's first)."""
+        """Restores what :meth:`local_state_dict` returned on this rank (load the model's first).
+
+        Raises:
+            ValueError: the state was saved on another mesh or with other split points (a time-balanced plan is
+                profiled anew: build the engine with ``split_points=`` the saved ones).
+        """
+        saved = (tuple(state["mesh"]), list(state["split_points"]))
+        if saved != (tuple(self.plan.mesh), self.plan.split_points):
+            raise ValueError(f"fastdist.parallel: load_local_state_dict: saved on mesh {saved[0]} with split points "
+                             f"{saved[1]}, this engine has {self.plan.mesh} and {self.plan.split_points}; build it "
+                             f"with mesh={saved[0]} and split_points={saved[1]}")
         self.optimizer.load_state_dict(state["optimizer"])
         self._steps = int(state["steps"])
         if state.get("transport") is not None:
@@ -471,7 +480,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     if problem is None and schedule not in _schedule_names():
         problem = f"schedule must be one of {sorted(_schedule_names())}, got {schedule!r}"
     if problem is None and shape[2] > 1 and schedule != "gpipe" and microbatches < shape[2]:
-        problem = f"schedule {schedule!r} needs at least as many microbatches as stages ({shape[2]}), got {microbatches}"
+        problem = (f"schedule {schedule!r} needs at least as many microbatches as stages ({shape[2]}), got "
+                   f"{microbatches}")
     if problem is None and shape[2] == 1 and (recompute != "none" or compress_boundaries is not None):
         problem = ("recompute and compress_boundaries act on pipeline stages: they need pp > 1 (recompute on one "
                    "stage is not supported yet)")

@@ -823,7 +823,8 @@ def build_stage(analysis: Analysis, first_block: int, last_block: int, index: in
         object.__setattr__(owner, leaf, tensor)
     stage_blocks = stage.get_submodule(analysis.blocks_path)
     mine = [stage_blocks[i] for i in range(first_block, last_block)]
-    state = _StageState(index, num_stages, first_block, last_block, first, last, type(model).forward, analysis.example_args, replays)
+    state = _StageState(index, num_stages, first_block, last_block, first, last, type(model).forward,
+                        analysis.example_args, replays)
     if not first:
         def entry(module, args, kwargs):
             if state.incoming is None:
