@@ -159,6 +159,12 @@ def bad_input(case: str) -> str | None:
             model = TransformerLM(VOCAB, 32, 4, 4, seq=SEQ)
     elif case == "different_plans":
         kwargs["split_points"] = [1 + dist.get_rank() % 2]
+    elif case == "step_batch":
+        engine = fastdist.parallel.parallelize(model, **kwargs)
+        target = batches(1)[0][1]
+        short = error_of(engine.step, tokens[:4], target[:4])  # every rank: a batch of another shape
+        one = error_of(engine.step, tokens[:4] if dist.get_rank() == 1 else tokens, target)  # rank 1 only
+        return f"{short} | {one}"
     else:
         raise KeyError(case)
     return error_of(fastdist.parallel.parallelize, model, **kwargs)
