@@ -61,7 +61,7 @@ def _brute_force(costs, stages):
     n = len(costs) - 2
     best = None
     for cuts in itertools.combinations(range(1, n), stages - 1):
-        worst = max(P._stage_costs(costs, [0, *cuts], n))
+        worst = max(P.stage_costs(costs, [0, *cuts], n))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -73,16 +73,16 @@ def test_the_split_minimizes_the_largest_stage_exactly(seed):
     for stages in (2, 3, 4):
         starts = P.split(costs, stages)
         assert starts[0] == 0 and len(starts) == stages
-        assert max(P._stage_costs(costs, starts, 7)) == pytest.approx(_brute_force(costs, stages))
+        assert max(P.stage_costs(costs, starts, 7)) == pytest.approx(_brute_force(costs, stages))
 
 
 def test_heavy_ends_get_fewer_blocks_than_a_uniform_split_gives_them():
     costs = [3.0] + [1.0] * 8 + [3.0]   # embedding and LM head each cost three blocks
     starts = P.split(costs, 2)
     assert starts == [0, 4]
-    assert max(P._stage_costs(costs, starts, 8)) == 7.0
+    assert max(P.stage_costs(costs, starts, 8)) == 7.0
     four = P.split(costs, 4)
-    assert max(P._stage_costs(costs, four, 8)) <= max(P._stage_costs(costs, [0, 2, 4, 6], 8))
+    assert max(P.stage_costs(costs, four, 8)) <= max(P.stage_costs(costs, [0, 2, 4, 6], 8))
 
 
 def test_split_points_override_the_balancing_and_are_shown_in_the_plan():

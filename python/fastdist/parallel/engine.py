@@ -526,7 +526,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             dist.broadcast_object_list(box, src=0)
             costs = box[0]
     else:
-        costs = part._param_costs(analysis)
+        costs = part.param_costs(analysis)
     ratios = [_recompute_ratio(recompute, recompute_ratio, s, pp, schedule) for s in range(pp)]
     plan, problem = _attempt(lambda: part.make_plan(
         analysis, costs, pp, balance, split_points, ratios, mesh=shape, schedule=schedule if pp > 1 else "none",

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 __all__ = ["Analysis", "PieceCost", "Plan", "StagePlan", "analyze", "build_stage", "check_stage", "cut_activations",
-           "make_plan", "plan_stages", "profile_pieces", "split", "stage_output"]
+           "make_plan", "param_costs", "plan_stages", "profile_pieces", "split", "stage_costs", "stage_output"]
 
 BALANCES = ("time", "params")
 
@@ -428,7 +428,7 @@ def profile_pieces(analysis: Analysis, reps: int = 5, warmup: int = 1) -> list[P
 
 # ---- choosing the cuts ----
 
-def _stage_costs(costs: Sequence[float], starts: Sequence[int], n: int) -> list[float]:
+def stage_costs(costs: Sequence[float], starts: Sequence[int], n: int) -> list[float]:
     """Costs of the stages whose first blocks are ``starts`` (block indices; stage 0 also runs pre, the last
     post): ``costs`` is per piece (pre, blocks, post)."""
     bounds = list(starts) + [n]
@@ -635,10 +635,10 @@ def make_plan(analysis: Analysis, costs: Sequence[PieceCost], num_stages: int, b
     else:
         starts = split([c.time_ms if balance == "time" else c.params for c in costs], num_stages)
     ratios = list(recompute_ratios) if recompute_ratios is not None else [0.0] * num_stages
-    times = _stage_costs([c.time_ms for c in costs], starts, n)
-    fwd = _stage_costs([c.forward_ms for c in costs], starts, n)
-    acts = _stage_costs([c.activation_bytes for c in costs], starts, n)
-    params = _stage_costs([c.params for c in costs], starts, n)
+    times = stage_costs([c.time_ms for c in costs], starts, n)
+    fwd = stage_costs([c.forward_ms for c in costs], starts, n)
+    acts = stage_costs([c.activation_bytes for c in costs], starts, n)
+    params = stage_costs([c.params for c in costs], starts, n)
     bounds = starts + [n]
     elem = analysis.cut_shapes[0][1].itemsize if analysis.cut_shapes[0] else 4
     stages = []
@@ -673,11 +673,12 @@ def plan_stages(model: nn.Module, num_stages: int, example_args: Sequence[torch.
     """
     analysis = analyze(model, example_args, blocks)
     costs = profile_pieces(analysis, reps=reps) if balance == "time" and split_points is None \
-        else _param_costs(analysis)
+        else param_costs(analysis)
     return make_plan(analysis, costs, num_stages, balance, split_points)
 
 
-def _param_costs(analysis: Analysis) -> list[PieceCost]:
+def param_costs(analysis: Analysis) -> list[PieceCost]:
+    """Every piece's parameter count as its cost, times left at 0 (what balancing by parameters reads)."""
     return [PieceCost(name, 0.0, 0.0, 0, params) for name, params in zip(analysis.piece_names,
                                                                            analysis.piece_params)]
 
