@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 'auto' (default): the smallest under the memory cap")
     p.add_argument("--tp-block", type=shape_type(4), default="256,4,64,8",
                    help="tp part: GPT block hidden,heads,seq,batch (default 256,4,64,8)")
-    p.add_argument("--tp-nets", type=comma_list(), default="loopback,1gbit",
+    p.add_argument("--tp-nets", type=comma_list(network), default="loopback,1gbit",
                    help="tp part: networks, 'loopback' or link rates (default loopback,1gbit)")
     p.add_argument("--cap-fraction", type=float, default=0.5,
                    help="pipeline rows: the per-stage memory cap lies this fraction of the way from what "
