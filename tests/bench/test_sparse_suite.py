@@ -77,3 +77,23 @@ def test_cli_run_has_every_method_and_density_exact_lossless_lossy_sketches_and_
             # topk's all-gather is sized to the sketch table's all-reduce: 2 ranks send r*c*4 bytes for it
             assert topk["wire_bytes"] <= 3 * r["sketch_shape"][1] * 4
     assert png.stat().st_size > 10_000
+
+
+def test_part_ddp_times_every_hook_against_ddp_sparse_from_the_same_weights(tmp_path):
+    out, png = tmp_path / "d.json", tmp_path / "d.png"
+    cmd = [sys.executable, "-m", "fastdist.bench", "--json", str(out), "--plot", str(png), "sparse", "--parts", "ddp",
+           "--ranks", "2", "--ddp-table", "2048x16", "--reps", "5", "--warmup", "2"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "time / ddp-sparse" in proc.stdout and "lossless methods" not in proc.stdout  # no collectives part
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and len(result["load_average"]) == 3
+    rows = {r["method"]: r for r in result["ddp_rows"]}
+    assert list(rows) == sparse.DDP_METHODS
+    for name, r in rows.items():
+        assert len(r["samples_ms"]) == 5 and r["time_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["time_ms"] / rows["ddp-sparse"]["time_ms"])
+        assert r["param_diff"] == 0, name  # every hook here is lossless: DDP-sparse's weights, bit for bit
+    assert set(rows["auto"]["methods"]) == {"exact", "hook"}  # the head through the dense hook
+    assert set(rows["auto-nodh"]["methods"]) == {"exact", "dense"}  # the head through the bitmap path
+    assert png.stat().st_size > 5_000

@@ -393,7 +393,7 @@ def tables(result: dict) -> list[report.Part]:
                    f"{c['warmup']} warm-up, interleaved" + (f"; load average {load[0]:.1f} at the end" if load else ""))
         ddp_columns = [col("method", "method"), col("step (ms)", "time_ms", fixed(1)),
                        col("time / ddp-sparse", "ratio", fixed(3)), col("vs ddp-sparse", "vs_ddp_sparse", times(2)),
-                       col("max |param - ddp-sparse|", "param_diff", scientific(1)),
+                       col("max. param. diff. vs ddp-sparse", "param_diff", scientific(1)),
                        col("buckets went", lambda r: ", ".join(sorted(set(r["methods"]))) or "-", numeric=False)]
         parts.append(report.Part("sparse-ddp", ddp_columns, result["ddp_rows"], caption))
     return parts

@@ -70,7 +70,7 @@ EXACT_EXPLORE_CALLS = 2 * (EXACT_COUNTED_RUNS + 1) + 1
 # every FOLD_RECHECK_EVERY-th call of a channel sends a header of its own again, so that auto re-decides with fresh
 # timings.
 FOLD_HEADER_INTS = 4  # fingerprint, call number, local support size, layout-changed flag
-FOLD_CAPACITY_SLACK = 1 / 16
+FOLD_CAPACITY_SLACK = 1 / 32
 FOLD_RECHECK_EVERY = 32
 
 
@@ -377,11 +377,41 @@ def _exchange_header(config, step, local_units, timed_choices, rates, local_bits
     inline = nbytes <= HEADER_BITMAP_BYTES
     ints = 8 * HEADER_INTS
     mine = torch.zeros(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, dtype=torch.uint8)
-    mine[:ints] = torch.tensor([fingerprint(config), step, local_units, timed_choices],
+    mine[:ints] = torch.tensor([_config_fingerprint(config), step, local_units, timed_choices],
                                dtype=torch.int64).view(torch.uint8)
     mine[ints:HEADER_FIXED_BYTES] = torch.tensor(rates, dtype=torch.float64).view(torch.uint8)
     if inline:
         mine[HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes] = local_bits.cpu()
+    out, head = _gather_checked(mine, ints, config, group, world, device)
+    all_rates = out[:, ints:HEADER_FIXED_BYTES].contiguous().view(torch.float64).tolist()
+    bitmaps = out[:, HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes].contiguous().to(local_bits.device) \
+        if inline else None
+    return _Header(head[:, 2].tolist(), all_rates, bitmaps, int(head[:, 3].max()))
+
+
+_PER_CALL_FIELDS = ("iter", "seed", "residual")  # configuration fields that change from call to call
+_static_fingerprints: dict = {}
+
+
+def _config_fingerprint(config):
+    """fingerprint(config), the fields that stay the same from call to call hashed once per process (a blake2b pass
+    over a few dozen fields costs as much as the rest of a small call)."""
+    static = tuple((k, type(v).__name__, v) for k, v in config.items() if k not in _PER_CALL_FIELDS)
+    try:
+        known = _static_fingerprints.get(static)
+    except TypeError:  # an unhashable value
+        return fingerprint(config)
+    if known is None:
+        if len(_static_fingerprints) >= 4096:
+            _static_fingerprints.clear()
+        known = _static_fingerprints[static] = fingerprint({k: v for k, _, v in static})
+    return fingerprint((known, [config.get(k) for k in _PER_CALL_FIELDS]))
+
+
+def _gather_checked(mine, ints, config, group, world, device):
+    """All-gathers every rank's uint8 buffer `mine`, led by int64 words (fingerprint of `config`, call number, ...);
+    raises MismatchError on every rank, naming the fields, when the fingerprints or the call numbers differ. Returns
+    the gathered buffers ([world, len(mine)], on the CPU) and their leading words ([world, ints / 8] int64)."""
     out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     compat.all_gather_single(out, mine.to(device), group=group)
     out = out.view(world, mine.numel()).cpu()
@@ -389,10 +419,7 @@ def _exchange_header(config, step, local_units, timed_choices, rates, local_bits
     if len(set(head[:, 0].tolist())) > 1:
         raise_mismatch("sketch_allreduce configuration", config, group)
     CallCounter.check("sketch_allreduce", dict(zip(global_ranks(group), head[:, 1].tolist())))
-    all_rates = out[:, ints:HEADER_FIXED_BYTES].contiguous().view(torch.float64).tolist()
-    bitmaps = out[:, HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + nbytes].contiguous().to(local_bits.device) \
-        if inline else None
-    return _Header(head[:, 2].tolist(), all_rates, bitmaps, int(head[:, 3].max()))
+    return out, head
 
 
 @dataclasses.dataclass
@@ -544,15 +571,12 @@ class _GatherOwnRows(_Reduction):
     def prepare(self):
         local = self.local
         self.mine = torch.empty(self.max_local, local.m, dtype=local.dtype, device=local.device)
-        if local.sparse:
-            self.mine[:local.units] = local.rows
-        else:
-            torch.index_select(local.rows2d, 0, local.idx, out=self.mine[:local.units])
-        self.mine[local.units:].zero_()
+        _own_rows(local, self.mine)
         self.gathered = torch.empty(self.world * self.max_local * local.m, dtype=local.dtype, device=self.device)
         return ring_allgather_bytes(self.max_local * local.m * local.esize, self.world)
 
     def collective(self, group, async_op):
+        self.rank = dist.get_rank(group)
         if not self.gathered.numel():
             return None
         return compat.all_gather_single(self.gathered, self.mine.view(-1).to(self.device), group=group,
@@ -560,16 +584,16 @@ class _GatherOwnRows(_Reduction):
 
     def finish(self):
         rows_of = self.gathered.view(self.world, self.max_local, self.local.m).to(self.local.device)
-        return self._divided(_sum_own_rows(self.local, self.union, self.counts, rows_of))
+        return self._divided(_sum_own_rows(self.local, self.union, self.counts, rows_of, self.rank))
 
 
-def _sum_own_rows(local, union, counts, rows_of):
-    """U's rows summed from every rank's own rows ([world, >= its count, m]), in rank order: the same on every rank."""
-    position = union.position()
+def _sum_own_rows(local, union, counts, rows_of, rank):
+    """U's rows summed from every rank's own rows (rows_of[r]: [>= its count, m]), in rank order: the same on every
+    rank. `rank`: this rank's place in the group, whose units are local.idx already."""
     total = torch.zeros(union.units, local.m, dtype=local.dtype, device=local.device)
     for r in range(len(counts)):
-        own = ops.unpack_bits(union.bitmaps[r], local.n).nonzero().flatten()
-        total.index_add_(0, position[own], rows_of[r, :counts[r]])
+        own = local.idx if r == rank else ops.unpack_bits(union.bitmaps[r], local.n).nonzero().flatten()
+        total.index_add_(0, torch.searchsorted(union.idx, own), rows_of[r][:counts[r]])
     return total
 
 
@@ -577,15 +601,15 @@ def _layout(local):
     return (local.n, local.m, str(local.dtype), local.sparse, local.granularity)
 
 
-def _own_rows(local, count):
-    """This rank's support rows, [count, m] (zero rows past its own)."""
-    mine = torch.zeros(count, local.m, dtype=local.dtype, device=local.device)
-    k = min(count, local.units)
+def _own_rows(local, out):
+    """Writes this rank's first len(out) support rows into out ([k, m]), zeros past its own; returns how many."""
+    k = min(out.shape[0], local.units)
     if local.sparse:
-        mine[:k] = local.rows[:k]
+        out[:k] = local.rows[:k]
     elif k:
-        torch.index_select(local.rows2d, 0, local.idx[:k], out=mine[:k])
-    return mine
+        torch.index_select(local.rows2d, 0, local.idx[:k], out=out[:k])
+    out[k:].zero_()
+    return k
 
 
 def _folded_call(channel, config, step, local, group, world, device, divisor, timings, timed_config, start, choice):
@@ -622,44 +646,48 @@ def _folded_gather(channel, config, step, local, group, world, device, divisor):
     """One call through the channel's folded gather (see Channel): (U's summed rows, union, counts, wire bytes), or
     None when every rank's tensor left the agreed layout (the call then goes the plain way). Raises MismatchError on
     every rank when the fingerprints or call numbers differ."""
-    n, m, dtype, _, _ = channel.layout
-    esize = torch.empty(0, dtype=getattr(torch, dtype.split(".")[-1])).element_size()
+    n, m, dtype_name, _, _ = channel.layout
+    dtype = getattr(torch, dtype_name.split(".")[-1])
+    esize = torch.empty(0, dtype=dtype).element_size()
     bitmap_bytes = -(-n // 8)
-    slot = -(-bitmap_bytes // 8) * 8
     ints = 8 * FOLD_HEADER_INTS
+    rows_at = ints + -(-bitmap_bytes // 8) * 8  # 8-byte aligned, so every rank's rows can be viewed in place
     cap = channel.capacity
     stale = _layout(local) != channel.layout
-    mine = torch.zeros(ints + slot + cap * m * esize, dtype=torch.uint8)
-    mine[:ints] = torch.tensor([fingerprint(config), step, 0 if stale else local.units, int(stale)],
+    mine = torch.empty(rows_at + cap * m * esize, dtype=torch.uint8)
+    mine[:ints] = torch.tensor([_config_fingerprint(config), step, 0 if stale else local.units, int(stale)],
                                dtype=torch.int64).view(torch.uint8)
-    if not stale:
+    mine[ints:rows_at].zero_()
+    if stale:
+        mine[rows_at:].zero_()
+    else:
         mine[ints:ints + bitmap_bytes] = local.bits.cpu()
-        mine[ints + slot:] = _own_rows(local, cap).cpu().view(-1).view(torch.uint8)
-    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-    compat.all_gather_single(out, mine.to(device), group=group)
-    out = out.view(world, mine.numel()).cpu()
-    head = out[:, :ints].contiguous().view(torch.int64)
-    if len(set(head[:, 0].tolist())) > 1:
-        raise_mismatch("sketch_allreduce configuration", config, group)
-    CallCounter.check("sketch_allreduce", dict(zip(global_ranks(group), head[:, 1].tolist())))
+        _own_rows(local, mine[rows_at:].view(dtype).view(cap, m))
+    out, head = _gather_checked(mine, ints, config, group, world, device)
     if int(head[:, 3].max()):  # the same configuration, a new layout on every rank (e.g. DDP's rebuilt buckets)
         return None
     counts = head[:, 2].tolist()
     bitmaps = out[:, ints:ints + bitmap_bytes].contiguous().to(local.bits.device)
     union = _union(local.bits, bitmaps, n, group, world, device)
     wire = ring_allgather_bytes(mine.numel(), world)
-    rows_of = out[:, ints + slot:].contiguous().view(getattr(torch, dtype.split(".")[-1])).view(world, cap, m)
+    rows_of = [out[r, rows_at:].view(dtype).view(cap, m) for r in range(world)]
     extra = max(counts) - cap
     if extra > 0:  # a support beyond the capacity: its remaining rows in a second gather
-        rest = _own_rows(local, local.units)[cap:] if local.units > cap else torch.empty(0, m, dtype=local.dtype)
         block = torch.zeros(extra, m, dtype=local.dtype)
-        block[:rest.shape[0]] = rest.cpu()
+        if local.units > cap:
+            block[:local.units - cap] = _own_rows_from(local, cap).cpu()
         more = torch.empty(world * extra * m, dtype=local.dtype, device=device)
         compat.all_gather_single(more, block.view(-1).to(device), group=group)
-        rows_of = torch.cat([rows_of, more.view(world, extra, m).cpu()], 1)
+        more = more.view(world, extra, m).cpu()
+        rows_of = [torch.cat([rows_of[r], more[r]]) for r in range(world)]
         wire += ring_allgather_bytes(extra * m * esize, world)
-    total = _sum_own_rows(local, union, counts, rows_of.to(local.device))
+    total = _sum_own_rows(local, union, counts, [r.to(local.device) for r in rows_of], dist.get_rank(group))
     return (total.div_(divisor) if divisor != 1 else total), union, counts, wire
+
+
+def _own_rows_from(local, start):
+    """This rank's support rows from the start-th on."""
+    return local.rows[start:] if local.sparse else local.rows2d.index_select(0, local.idx[start:])
 
 
 class _SketchAllReduce(_Reduction):
