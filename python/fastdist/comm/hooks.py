@@ -14,8 +14,9 @@ gather (sketch_allreduce's Channel, one per bucket index): one collective per ca
 
 With dense_hook set, buckets that hold neither a sparse gradient nor one 2-D parameter alone (those the hook would
 reduce per element: biases, norms, a bucket of several layers) go to that hook instead (e.g. torch's allreduce_hook,
-fp16_compress_hook or powerSGD_hook), without the bitmap exchange; with background=True it is still called on
-the backward thread, over the state's process group.
+fp16_compress_hook or powerSGD_hook), without the bitmap exchange; it is called on the backward thread in both
+modes, over the group its own state names, and the other buckets are then reduced over a group of the state's own
+(see SketchState.sketch_group), beside the dense hook's collectives instead of behind them.
 
 With background=True the hook returns at once and the bucket's whole reduction (header, union, payload,
 write-back) runs on a thread of the state's own, one bucket at a time in bucket order, over a process group of its
@@ -140,6 +141,7 @@ class SketchState:
         self.channels = {}  # bucket index -> Channel: what the bucket's last call agreed for its next
         self._numbers = _ParameterNumbers()
         self._worker = None
+        self._own_group = None  # with dense_hook on the backward thread: see sketch_group()
         self._checked = False  # whether the ranks' configurations have been checked since construction or restore
 
     def config(self) -> dict:
@@ -221,6 +223,20 @@ class SketchState:
         self._reset()
         self.load_state_dict({**state, "dense_hook": _hook_name(self.dense_hook)})
 
+    def sketch_group(self) -> dist.ProcessGroup | None:
+        """The group the backward-thread hook reduces sketch buckets over: with dense_hook, a group of the state's
+        own over every rank (created at the first hook call, like the background reducer's), so that a bucket's
+        collectives do not queue behind the dense hook's on the same group; else (or when process_group does not
+        span every rank) process_group."""
+        if self.dense_hook is None or self.background:
+            return self.process_group
+        if self._own_group is None:
+            world = dist.get_world_size()
+            if self.process_group is not None and dist.get_world_size(self.process_group) != world:
+                return self.process_group
+            self._own_group = dist.new_group(ranks=list(range(world)))
+        return self._own_group
+
     def worker(self) -> "_BackgroundReducer":
         """The background reducer, created at first use (see `background`)."""
         if self._worker is None:
@@ -234,6 +250,7 @@ class SketchState:
             check_same("SketchState", {**self.config(), "iter": self.iter, "calls": self.calls.calls},
                        self.process_group)
             self._checked = True
+            self.sketch_group()  # every rank at the same point: its first hook call
 
 
 def _hook_name(hook) -> str | None:
@@ -390,5 +407,5 @@ def sketch_hook(state: SketchState, bucket: dist.GradBucket) -> torch.futures.Fu
             return record(handle.stats, result)
 
         return worker.submit(reduce, buffer)
-    handle = sketch_allreduce(view, group=state.process_group, async_op=True, **kwargs)
+    handle = sketch_allreduce(view, group=state.sketch_group(), async_op=True, **kwargs)
     return handle.get_future().then(lambda fut: record(handle.stats, fut.value()))
