@@ -58,9 +58,13 @@ def test_every_parameter_is_on_a_stage_under_the_models_own_name():
 
 
 def _brute_force(costs, stages):
+    """The least largest stage cost over every split: middle stages hold a block; the first may hold only "pre",
+    the last only "post"."""
     n = len(costs) - 2
     best = None
-    for cuts in itertools.combinations(range(1, n), stages - 1):
+    for cuts in itertools.combinations_with_replacement(range(0, n + 1), stages - 1):
+        if any(a >= b for a, b in zip(cuts, cuts[1:])):
+            continue
         worst = max(P.stage_costs(costs, [0, *cuts], n))
         best = worst if best is None else min(best, worst)
     return best
@@ -74,6 +78,29 @@ def test_the_split_minimizes_the_largest_stage_exactly(seed):
         starts = P.split(costs, stages)
         assert starts[0] == 0 and len(starts) == stages
         assert max(P.stage_costs(costs, starts, 7)) == pytest.approx(_brute_force(costs, stages))
+
+
+@pytest.mark.parametrize("name", ["transformer_lm", "gpt2"])
+def test_a_stage_of_only_the_embedding_and_one_of_only_the_head_run_in_turn_give_the_models_output(name):
+    model = make_model(name)
+    analysis, stages = _stages(model, [0, 0, 4], _tokens(0))   # pre | blocks 0-3 | post
+    # what each stage runs in order: the embeddings; the 4 blocks; the final norm and the head
+    counts = [len(s.pipeline_blocks) for s in stages]
+    assert counts[1] == 4 and counts[0] >= 1 and counts[2] == 2
+    tokens = _tokens(1)
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, _output(model(tokens)), rtol=0, atol=0)
+    ref = P.cut_activations(analysis, (tokens,))
+    assert all(P.check_stage(analysis, s, ref, (tokens,)) is None for s in stages)
+
+
+def test_a_heavy_head_gets_a_stage_of_its_own_when_that_balances_best():
+    costs = [0.5] + [1.0] * 6 + [4.0]
+    starts = P.split(costs, 3)
+    assert starts == [0, 3, 6]   # pre + 3 blocks | 3 blocks | the head alone
+    assert max(P.stage_costs(costs, starts, 6)) == 4.0
 
 
 def test_heavy_ends_get_fewer_blocks_than_a_uniform_split_gives_them():
@@ -107,7 +134,7 @@ def test_profiled_pieces_have_positive_times_and_the_blocks_save_activations():
 
 
 @pytest.mark.parametrize("split_points, message", [
-    ([0], "must be increasing block indices in 1..3"),
+    ([5], "must be increasing block indices in 0..4"),
     ([2, 1], "make 3 stages; the mesh has 2"),
     (["layers.1"], "is not a block (blocks.<i>)"),
 ])
@@ -147,3 +174,19 @@ def test_a_stage_whose_block_inputs_depend_on_the_batchs_values_is_caught():
     problem = P.check_stage(analysis, stages[1], P.cut_activations(analysis, (second,)), (second,))
     assert problem is not None and "depend on the batch's values" in problem
     assert P.check_stage(analysis, stages[0], P.cut_activations(analysis, (second,)), (second,)) is None
+
+
+def test_with_every_stage_holding_a_block_the_head_shares_the_last_stage():
+    costs = [0.5] + [1.0] * 6 + [4.0]
+    starts = P.split(costs, 3, empty_ends=False)
+    assert starts[1] > 0 and starts[-1] < 6
+    assert max(P.stage_costs(costs, starts, 6)) == pytest.approx(_brute_force_inner(costs, 3))
+    model = make_model("transformer_lm")
+    analysis = P.analyze(model, (_tokens(0),))
+    with pytest.raises(ValueError, match="leave a stage without a block"):
+        P.make_plan(analysis, P.param_costs(analysis), 2, split_points=[4], empty_ends=False)
+
+
+def _brute_force_inner(costs, stages):
+    n = len(costs) - 2
+    return min(max(P.stage_costs(costs, [0, *cuts], n)) for cuts in itertools.combinations(range(1, n), stages - 1))

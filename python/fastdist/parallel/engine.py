@@ -529,7 +529,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         costs = part.param_costs(analysis)
     ratios = [_recompute_ratio(recompute, recompute_ratio, s, pp, schedule) for s in range(pp)]
     plan, problem = _attempt(lambda: part.make_plan(
-        analysis, costs, pp, balance, split_points, ratios, mesh=shape, schedule=schedule if pp > 1 else "none",
+        analysis, costs, pp, balance, split_points, ratios, empty_ends=recompute == "none", mesh=shape,
+        schedule=schedule if pp > 1 else "none",
         microbatches=microbatches, recompute=str(recompute), boundaries=_describe_compress(compress)))
     _agree("planning the stages", problem, None)
     if distributed and world > 1:
@@ -538,9 +539,10 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
 
     # ---- this rank's stage, checked against the whole model on a second batch ----
     keys = list(model.state_dict().keys())
-    stage = part.build_stage(analysis, mine.first_block, mine.last_block, pp_i, pp)
-    second = _second_batch(micro)
-    problem = part.check_stage(analysis, stage, part.cut_activations(analysis, second), second)
+    stage, problem = _attempt(lambda: part.build_stage(analysis, mine.first_block, mine.last_block, pp_i, pp))
+    if problem is None:
+        second = _second_batch(micro)
+        problem = part.check_stage(analysis, stage, part.cut_activations(analysis, second), second)
     if problem:
         problem += (f". Cut elsewhere with split_points=[...] (block indices of {analysis.blocks_path}), or name "
                     "another block list with blocks=")

@@ -443,13 +443,17 @@ def stage_costs(costs: Sequence[float], starts: Sequence[int], n: int) -> list[f
     return out
 
 
-def split(costs: Sequence[float], num_stages: int) -> list[int]:
+def split(costs: Sequence[float], num_stages: int, empty_ends: bool = True) -> list[int]:
     """The first block of every stage, for the contiguous split of the pieces that minimizes the largest stage
     cost (ties: the smallest sum of squared stage costs, then the earliest cuts). Exact, by dynamic programming.
 
+    Every stage but the first and the last has at least one block; the first may hold only "pre" (its first block
+    after it is 0) and the last only "post" (it starts at block N), which is what heavy embeddings and LM heads want.
+
     Args:
         costs: per piece: pre, each block, post (len = blocks + 2).
-        num_stages: stages, each with at least one block.
+        num_stages: stages, at most the number of blocks.
+        empty_ends: whether the first and last stages may hold no block.
 
     Returns:
         ``num_stages`` block indices, the first 0.
@@ -466,19 +470,19 @@ def split(costs: Sequence[float], num_stages: int) -> list[int]:
         hi = n + 2 if last else b + 1
         return prefix[hi] - prefix[lo]
 
-    # best[s][b]: (max cost, sum of squares, cuts) of stages 0..s covering blocks 0..b-1
+    # best[s][b]: (max cost, sum of squares, starts) of stages 0..s covering blocks 0..b-1
     inf = (float("inf"), float("inf"), ())
     best = [[inf] * (n + 1) for _ in range(num_stages)]
-    for b in range(1, n + 1):
+    for b in range(0 if num_stages > 1 and empty_ends else (n if num_stages == 1 else 1), n + 1):
         c = cost(0, b, 0, num_stages == 1)
         best[0][b] = (c, c * c, (0,))
     for s in range(1, num_stages):
         last = s == num_stages - 1
-        for b in range(s + 1, n + 1):
+        for b in range(n + 1):
             if last and b != n:
                 continue
             cand = inf
-            for a in range(s, b):
+            for a in range(0, b + 1 if last and empty_ends else b):  # a middle stage has a block
                 prev = best[s - 1][a]
                 if prev[0] == float("inf"):
                     continue
@@ -600,15 +604,19 @@ def _resolve_split_points(split_points: Sequence[int | str], analysis: Analysis,
     if len(starts) != num_stages:
         raise ValueError(f"fastdist.parallel: {len(starts) - 1} split points make {len(starts)} stages; the mesh has "
                          f"{num_stages} pipeline stages")
-    if any(not 0 < b < n for b in starts[1:]) or any(a >= b for a, b in zip(starts, starts[1:])):
+    # the first stage may hold only "pre" (a first split point of 0), the last only "post" (a last one of N)
+    inner = starts[1:]
+    if (any(not 0 <= b <= n for b in inner) or any(a >= b for a, b in zip(inner, inner[1:]))
+            or (len(inner) == 1 and inner[0] in (0, n) and n == 0)):
         raise ValueError(f"fastdist.parallel: split points {list(split_points)} must be increasing block indices "
-                         f"in 1..{n - 1}")
+                         f"in 0..{n} (0: the first stage holds only what runs before the blocks; {n}: the last "
+                         "only what runs after them)")
     return starts
 
 
 def make_plan(analysis: Analysis, costs: Sequence[PieceCost], num_stages: int, balance: str = "time",
               split_points: Sequence[int | str] | None = None, recompute_ratios: Sequence[float] | None = None,
-              **engine: Any) -> Plan:
+              empty_ends: bool = True, **engine: Any) -> Plan:
     """The :class:`Plan` for ``num_stages`` stages from measured piece costs.
 
     Args:
@@ -619,6 +627,7 @@ def make_plan(analysis: Analysis, costs: Sequence[PieceCost], num_stages: int, b
         split_points: the first block of every stage after the first (indices or ``"blocks.4"`` names):
             overrides ``balance``.
         recompute_ratios: per stage (default 0).
+        empty_ends: whether the first stage may hold only "pre" and the last only "post" (no block).
         **engine: the Plan's other fields (mesh, schedule, microbatches, recompute, boundaries).
     """
     n = analysis.num_blocks
@@ -632,8 +641,11 @@ def make_plan(analysis: Analysis, costs: Sequence[PieceCost], num_stages: int, b
     if split_points is not None:
         starts = _resolve_split_points(split_points, analysis, num_stages)
         balance = "split_points"
+        if not empty_ends and num_stages > 1 and (starts[1] == 0 or starts[-1] == n):
+            raise ValueError(f"fastdist.parallel: split points {list(split_points)} leave a stage without a block, "
+                             "which recompute cannot handle yet: give every stage a block")
     else:
-        starts = split([c.time_ms if balance == "time" else c.params for c in costs], num_stages)
+        starts = split([c.time_ms if balance == "time" else c.params for c in costs], num_stages, empty_ends)
     ratios = list(recompute_ratios) if recompute_ratios is not None else [0.0] * num_stages
     times = stage_costs([c.time_ms for c in costs], starts, n)
     fwd = stage_costs([c.forward_ms for c in costs], starts, n)
@@ -688,15 +700,17 @@ def param_costs(analysis: Analysis) -> list[PieceCost]:
 class _PassThrough(nn.Module):
     """A block before the stage: its output, recorded, with the hidden state it was given in place of its own."""
 
-    def __init__(self, leaves: list, spec: Any, index: int, where: tuple):
+    def __init__(self, leaves: list, spec: Any, index: int, where: tuple, source: Callable | None = None):
         super().__init__()
         self._leaves, self._spec, self._index, self._where = leaves, spec, index, where
+        self._source = source  # gives the hidden state to return instead (the stage's incoming activation)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = self._source() if self._source is not None else _hidden_of(args, kwargs, self._where)
         if len(self._leaves) == 1:
-            return _hidden_of(args, kwargs, self._where)
+            return hidden
         leaves = list(self._leaves)
-        leaves[self._index] = _hidden_of(args, kwargs, self._where)
+        leaves[self._index] = hidden
         return pytree.tree_unflatten(leaves, self._spec)
 
 
@@ -751,12 +765,16 @@ class _StageState:
     example_args: tuple
     replays: list
     incoming: torch.Tensor | None = None
+    cut_after: tuple | None = None  # (last block, its cut hook's id) when the stage ends with the model's last block
 
 
 def _stage_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     st: _StageState = self._fastdist_stage
     for r in st.replays:
         r.calls = 0
+    if st.cut_after is not None:  # hooks added since (recompute's) must run before the cut
+        block, hook_id = st.cut_after
+        block._forward_hooks.move_to_end(hook_id)
     if st.first:
         inputs = args
     else:
@@ -789,9 +807,15 @@ def build_stage(analysis: Analysis, first_block: int, last_block: int, index: in
     owned = set(range(first_block + 1, last_block + 1)) | ({0} if first else set()) | ({n + 1} if last else set())
     blocks = model.get_submodule(analysis.blocks_path)
     memo: dict[int, Any] = {}
+    incoming: list[_StageState] = []  # the stage's state, once made: a stage without blocks injects from it
+
+    def inject():
+        return incoming[0].incoming
+
     for i, b in enumerate(blocks):
-        if i < first_block:
-            memo[id(b)] = _PassThrough(*analysis.block_outputs[i], where)
+        if i < first_block:  # a stage holding only "post" hands the activation to it from the last block's place
+            source = inject if (i == n - 1 and first_block == n and not first) else None
+            memo[id(b)] = _PassThrough(*analysis.block_outputs[i], where, source)
         elif i == last_block and not last:
             memo[id(b)] = _Cut(where)
         elif i > last_block or (i == last_block and last):
@@ -826,7 +850,18 @@ def build_stage(analysis: Analysis, first_block: int, last_block: int, index: in
     mine = [stage_blocks[i] for i in range(first_block, last_block)]
     state = _StageState(index, num_stages, first_block, last_block, first, last, type(model).forward,
                         analysis.example_args, replays)
-    if not first:
+    incoming.append(state)
+    if last_block == n and not last:  # the stage ends with the last block: cut as it returns, before "post"
+        k = analysis.block_outputs[n - 1][2]
+
+        def cut_after(module, args, kwargs, output):
+            raise _CutSignal(pytree.tree_leaves(output)[k])
+        handle = mine[-1].register_forward_hook(cut_after, with_kwargs=True)
+        state.cut_after = (mine[-1], handle.id)
+    if not mine:  # no block: the modules it runs stand for them (what recompute counts)
+        mine = [stage.get_submodule(t.path) for t in analysis.top_modules
+                if owned & set(t.pieces) and any(True for _ in t.module.parameters())]
+    elif not first:
         def entry(module, args, kwargs):
             if state.incoming is None:
                 return None
