@@ -13,6 +13,7 @@ JOBS = {
          "train:nanogpt:1,1,2", "train:gpt2:1,2,1", "train:llama:1,2,1",
          "bad:mesh_product", "bad:more_stages_than_blocks", "bad:microbatches", "bad:no_blocks",
          "bad:different_models", "bad:different_plans", "bad:step_batch",
+         "bad:tp_plan_matches_nothing",
          "compose:recompute_compress", "compose:sketch_hook", "checkpoint:transformer_lm", "checkpoint:gpt2",
          "device_mesh"]],
     4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1", "resume:2,1,2"]],

@@ -159,6 +159,8 @@ def bad_input(case: str) -> str | None:
             model = TransformerLM(VOCAB, 32, 4, 4, seq=SEQ)
     elif case == "different_plans":
         kwargs["split_points"] = [1 + dist.get_rank() % 2]
+    elif case == "tp_plan_matches_nothing":
+        kwargs.update(mesh=(1, 2, 1), tp_plan={"blocks.*.ffn.0": "colwise"}, tp_overlap=2)
     elif case == "step_batch":
         engine = fastdist.parallel.parallelize(model, **kwargs)
         target = batches(1)[0][1]

@@ -82,6 +82,7 @@ BAD = {
     "no_blocks": "Sequential has no nn.ModuleList of blocks to cut between",
     "different_models": "'fastdist.parallelize model",
     "different_plans": "split_points",
+    "tp_plan_matches_nothing": "tp_plan {'blocks.*.ffn.0': 'colwise'} names no nn.Linear (or Conv1D) of stage 0",
     # a step's batch of another shape than example_inputs on every rank, then on one rank only
     "step_batch": ("ValueError: fastdist.parallel: step() got inputs [((4, 16), 'torch.int64')]; parallelize was "
                    "built for [((8, 16), 'torch.int64')]",
@@ -142,7 +143,7 @@ def test_a_fastdist_comm_hook_reduces_the_data_parallel_gradients(engine_ranks):
 @pytest.mark.timing
 def test_parallelize_on_one_process_costs_at_most_3_percent_more_than_a_plain_loop():
     from engine_ranks import overhead
-    samples = overhead(steps=80)
+    samples = overhead(steps=160)
     plain, engine = statistics.median(samples["plain"]), statistics.median(samples["engine"])
     assert engine <= 1.03 * plain, f"parallelize (1, 1, 1): {engine * 1e3:.2f} ms of CPU per step, a plain loop " \
                                    f"{plain * 1e3:.2f} ms"

@@ -575,7 +575,11 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     # ---- tensor parallel, data parallel, pipeline ----
     layouts = {}
     if tp > 1:
-        layouts = _tp_shard(stage, groups["tp"], _expand_tp_plan(stage, tp_plan), tp_overlap)
+        expanded = _expand_tp_plan(stage, tp_plan)
+        _agree("the tensor-parallel plan", None if expanded is None or expanded else
+               f"tp_plan {dict(tp_plan)} names no nn.Linear (or Conv1D) of stage {pp_i}: its layers would stay "
+               "replicated on the tensor-parallel ranks", None)
+        layouts = _tp_shard(stage, groups["tp"], expanded, tp_overlap)
     runner: nn.Module = stage
     ddp = None
     if dp > 1:
