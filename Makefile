@@ -18,7 +18,7 @@ SANITIZE_DIR := build/sanitize
 $(VENV)/.deps: requirements-dev.txt requirements-nodeps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-deps --no-build-isolation -r requirements-nodeps.txt
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)

@@ -7,7 +7,8 @@ import pytest
 
 import fastdist
 
-SUBMODULES = ["adapters", "admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim", "tp"]
+SUBMODULES = ["adapters", "admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim",
+              "parallel", "tp"]
 
 
 def _in_a_fresh_interpreter(code):

@@ -2,12 +2,12 @@
 
 `import fastdist` loads the C++/CUDA ops (torch.ops.fastdist.*) and their Python wrappers. The families and
 their plumbing (``fastdist.adapters``, ``.admm``, ``.comm``, ``.compress``, ``.distributed``, ``.embedding``,
-``.graph``, ``.memory``, ``.moe``, ``.netsim``, ``.tp``) are attributes too, imported on first use, so that
+``.graph``, ``.memory``, ``.moe``, ``.netsim``, ``.parallel``, ``.tp``; and ``fastdist.parallelize``, which is
+``fastdist.parallel.parallelize``) are attributes too, imported on first use, so that
 ``import fastdist`` costs no more than loading the ops. The benchmark CLI, ``fastdist.bench``, is not one of them:
 it is a program (``fastdist-bench``), not library API, and is imported by name when wanted.
 """
 import importlib
-import types
 
 import torch
 
@@ -47,17 +47,23 @@ def cuda_kernels_available() -> bool:
 
 # Imported on first attribute access (PEP 562), as torch does for its own subpackages.
 _SUBMODULES = ("adapters", "admm", "comm", "compress", "distributed", "embedding", "graph", "memory", "moe", "netsim",
-               "tp")
+               "parallel", "tp")
+# Functions re-exported from a submodule, imported on first use like the submodules: name -> submodule.
+_LAZY_FUNCTIONS = {"parallelize": "parallel"}
 
 
-def __getattr__(name: str) -> types.ModuleType:
+def __getattr__(name: str) -> object:
     if name in _SUBMODULES:
         return importlib.import_module(f"fastdist.{name}")  # binds fastdist.<name>: called once per submodule
+    if name in _LAZY_FUNCTIONS:
+        value = getattr(importlib.import_module(f"fastdist.{_LAZY_FUNCTIONS[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'fastdist' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_SUBMODULES))
+    return sorted(set(globals()) | set(_SUBMODULES) | set(_LAZY_FUNCTIONS))
 
 
-__all__ = ["__version__", "cuda_kernels_available", "cuda_kernels_built", "ops", *_SUBMODULES]
+__all__ = ["__version__", "cuda_kernels_available", "cuda_kernels_built", "ops", *_SUBMODULES, *_LAZY_FUNCTIONS]

@@ -2,16 +2,13 @@
 process on the concatenated batch: losses and every parameter after several optimizer steps; a table tied to the
 LM head is refused, never silently untied; the collection places whole tables on ranks balanced by size; the
 README's recipe runs as written under torchrun."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fastdist.embedding import balance_tables
-from helpers import assert_close
+from helpers import assert_close, run_readme_recipe_under_torchrun
 
 import models
 import ranks
@@ -99,18 +96,8 @@ def test_tables_are_placed_whole_and_balanced_by_size():
 
 
 def test_readme_recipe_runs_as_written_under_torchrun(tmp_path):
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "README.md")) as f:
-        recipes = re.findall(r"<!-- runs in tests/embedding/test_hybrid.py under torchrun -->\n```python\n(.*?)```",
-                             f.read(), re.S)
-    assert len(recipes) == 1
-    script = tmp_path / "recipe.py"
-    script.write_text(recipes[0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = run_readme_recipe_under_torchrun("tests/embedding/test_hybrid.py", tmp_path)
     # the two ranks' prints may interleave (print writes the text and the newline separately)
-    assert sorted(re.findall(r"rank (\d) loss \d+\.\d+", proc.stdout)) == ["0", "1"], proc.stdout
-    shards = re.findall(r"ShardedEmbedding\(100000, 32, .*?rows \[(\d+), (\d+)\) on rank (\d) of 2", proc.stdout)
-    assert sorted(shards) == [("0", "50000", "0"), ("50000", "100000", "1")], proc.stdout
+    assert sorted(re.findall(r"rank (\d) loss \d+\.\d+", stdout)) == ["0", "1"], stdout
+    shards = re.findall(r"ShardedEmbedding\(100000, 32, .*?rows \[(\d+), (\d+)\) on rank (\d) of 2", stdout)
+    assert sorted(shards) == [("0", "50000", "0"), ("50000", "100000", "1")], stdout

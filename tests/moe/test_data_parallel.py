@@ -1,10 +1,7 @@
 """fastdist.moe.data_parallel: a GPT whose FFNs are MoE layers, trained on 2 ranks that each take half of the global
 batch, ends with the parameters of one process training on the whole batch (SGD and Adam, 5 steps, replicas on
 and off); the README's MoE recipe runs as written under torchrun."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,8 +10,8 @@ import torch.nn.functional as F
 from fastdist import moe
 from fastdist.testing.models import TransformerLM
 from fastdist.distributed import spawn
+from helpers import run_readme_recipe_under_torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, DIM, HEADS, LAYERS, SEQ, EXPERTS = 32, 16, 2, 2, 8, 4
 BATCH, STEPS = 8, 5   # global batch; each of the 2 ranks trains on half of it
 OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.5),
@@ -112,21 +109,7 @@ def test_expert_and_non_expert_parameters_split_the_model():
     assert all(p is not block.mlp.gate.weight for block in model.blocks for p in experts)
 
 
-def readme_moe_recipe():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    recipes = re.findall(r"<!-- runs in tests/moe/test_data_parallel.py under torchrun -->\n```python\n(.*?)```",
-                         readme, re.S)
-    assert len(recipes) == 1
-    return recipes[0]
-
-
 def test_readme_moe_recipe_runs_as_written_under_torchrun(tmp_path):
-    script = tmp_path / "recipe.py"
-    script.write_text(readme_moe_recipe())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = re.findall(r"rank (\d) loss (\d+\.\d+)", proc.stdout)
-    assert sorted(r for r, _ in losses) == ["0", "1"], proc.stdout
+    stdout = run_readme_recipe_under_torchrun("tests/moe/test_data_parallel.py", tmp_path)
+    losses = re.findall(r"rank (\d) loss (\d+\.\d+)", stdout)
+    assert sorted(r for r, _ in losses) == ["0", "1"], stdout

@@ -3,12 +3,13 @@ nanoGPT with its embedding tied to the head across pipeline stages; Hugging Face
 sharded; Hugging Face LLaMA) gives the single-process losses for 5 steps and the same parameters after, gathered by
 Engine.state_dict(). Bad configurations raise a clear error on every rank. What runs on the ranks is in
 engine_ranks.py."""
+import re
 import statistics
 
 import pytest
 import torch
 from engine_ranks import STEPS, reference
-from helpers import assert_close
+from helpers import assert_close, run_readme_recipe_under_torchrun
 
 import fastdist
 
@@ -159,3 +160,11 @@ def test_a_state_dict_saved_on_one_mesh_loads_on_another_and_into_the_plain_mode
     from engine_ranks import make_model
     plain = make_model(model)
     plain.load_state_dict(saved)  # strict: exactly the plain model's keys and shapes
+
+
+def test_readme_recipe_runs_as_written_under_torchrun(tmp_path):
+    stdout = run_readme_recipe_under_torchrun("tests/parallel/test_engine.py", tmp_path)
+    losses = re.findall(r"rank (\d) loss (\d+\.\d+)", stdout)
+    assert sorted(rank for rank, _ in losses) == ["0", "1"], stdout
+    assert losses[0][1] == losses[1][1], stdout  # the loss reaches every pipeline rank
+    assert "pipeline plan: mesh dp=1 tp=1 pp=2" in stdout, stdout

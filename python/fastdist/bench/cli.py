@@ -1,20 +1,8 @@
 """fastdist-bench: what fastdist buys you on your network.
 
-  fastdist-bench                         a short tour of every suite (4 ranks, simulated 10 Gbit/s if possible)
-  fastdist-bench collectives [opts]      nccl-tests style sweep of torch.distributed collectives
-  fastdist-bench kernels [opts]          every op family vs its torch path and the machine's copy bandwidth
-  fastdist-bench compress [opts]         4-stage pipeline, one rank per stage: activation/gradient compressors
-  fastdist-bench compress-findings [opts] convergence table: CNN and GPT with compressed stage boundaries
-  fastdist-bench sparse-lm [opts]        convergence of a large-vocabulary LM under each gradient reducer
-  fastdist-bench sparse [opts]           sketch_allreduce vs dense, fp16, AGsparse, OmniReduce, PowerSGD, TopK
-  fastdist-bench moe [opts]              MoE layer: static/dropless/shadow/top-k replication vs Pro-Prophet planner
-  fastdist-bench tp [opts]               tensor-parallel linears / GPT block: chunked and Oases overlap vs sequential
-  fastdist-bench memory [opts]           swap/recompute plans vs checkpointing and save_on_cpu: peak memory, step time
-  fastdist-bench graph [opts]            graph classification: HAP pooling vs PyG's poolers, k-fold cross-validated
-  fastdist-bench embedding [opts]        sharded tables (AlltoAll) + DDP vs DDP dense/sparse and TorchRec: DLRM step
-  fastdist-bench admm [opts]             ADMMiRNN vs SGD/momentum/Adam/RMSProp (+clip) training a tanh RNN
-  fastdist-bench adapters [opts]         fused 4-bit qlinear vs dequantize+matmul, fp32, bitsandbytes; 4-bit fine-tuning
-  fastdist-bench --netsim-cleanup        remove simulated-cluster namespaces left by a killed run
+  fastdist-bench                    a short tour of every suite (4 ranks, simulated 10 Gbit/s if possible)
+  fastdist-bench SUITE [opts]       one suite (SUITE below; `fastdist-bench SUITE --help` tells what it measures)
+  fastdist-bench --netsim-cleanup   remove simulated-cluster namespaces left by a killed run
 
 Every suite takes --json PATH (raw samples included) and --plot PATH.png.
 Under torchrun (`torchrun --nproc-per-node 8 -m fastdist.bench collectives`) the ranks are torchrun's.
@@ -40,6 +28,7 @@ SUITES = {
     "embedding": "fastdist.bench.embedding",
     "admm": "fastdist.bench.admm",
     "adapters": "fastdist.bench.adapters",
+    "parallel": "fastdist.bench.parallel",
 }
 
 # The no-argument tour: every suite, sized to finish in a few minutes on a 2-core machine.
@@ -60,6 +49,9 @@ TOUR = {
     "admm": ["--tasks", "digits-rows", "--methods", "admm,sgd-momentum+clip,adam+clip", "--epochs", "5", "--grid", "2",
              "--hidden", "16", "--scales", "0.1,10", "--stability-epochs", "3", "--stability-tasks", "digits-rows"],
     "adapters": ["--shape", "1024x1024", "--tokens", "1,16,256", "--repeats", "5", "--warmup", "1"],
+    "parallel": ["--ranks", "2", "--parts", "pipeline,balance,tp", "--gpt", "4096,64,2,4,32", "--batch", "8",
+                 "--microbatches", "4", "--reps", "5", "--warmup", "1", "--tp-block", "128,4,32,4", "--tp-nets",
+                 "loopback"],
 }
 
 
@@ -78,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="suite", metavar="SUITE")
     for name in SUITES:
         module = _suite(name)
-        p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
+        # the docstring's first paragraph, after its "`fastdist-bench NAME`: "
+        summary = " ".join((module.__doc__ or "").split("\n\n")[0].split()).split(": ", 1)[-1]
+        p = sub.add_parser(name, help=summary,
                            description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.add_argument("--json", metavar="PATH", default=argparse.SUPPRESS, help="write results to PATH")
