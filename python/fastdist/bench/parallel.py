@@ -601,12 +601,13 @@ def _tp_rank(config: dict) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fastdist.bench import tp
-    from fastdist.tp import CostModel
+    from fastdist.tp import CostModel, set_default_cost_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pin_to_core(rank)
     tp_config = {"block": config["tp_block"], "part": "block"}
     model = CostModel.calibrate(None, shapes=(tp._part_shape(tp_config),), reps=5)
+    set_default_cost_model(model)  # parallelize's "auto" consults the same calibration as the tp variants' "auto"
     variants, errors, chunks = tp._block_variants(tp_config, model, init_device_mesh("cpu", (world,)))
     variants = {n: variants[n] for n in TP_VARIANTS if n in variants}
     module, ref, x = _parallelized_block(config)
