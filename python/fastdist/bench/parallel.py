@@ -70,7 +70,7 @@ PEERS = ["torch-1f1b+recompute", "torch-1f1b", "deepspeed+recompute", "deepspeed
 OURS = ["fastdist-1f1b", "fastdist-scp+stage-aware"]
 """fastdist.parallelize's engine (its partitioner, fastdist.parallel's schedules and recompute)."""
 BASELINE = "torch-1f1b+recompute"
-"""The row every speed-up is measured against (the issue's target: Schedule1F1B with full recompute)."""
+"""The row every speed-up is measured against: torch's Schedule1F1B with full recompute."""
 TP_VARIANTS = ["megatron", "chunked", "oases", "dtensor"]
 """bench/tp.py's GPT-block variants this suite times (its +recompute variants are left to that suite)."""
 PARALLELIZE_TP = "parallelize tp=2"
