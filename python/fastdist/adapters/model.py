@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fastdist.adapters.methods import METHODS, Adapter
-from fastdist.adapters.quant import QuantLinear, _replace
+from fastdist.adapters.quant import QuantLinear, replace_submodule
 from fastdist.ops.quant4 import quantize4
 
 __all__ = ["AdaptedLinear", "add_adapters", "adapter_parameters", "adapter_state_dict", "load_adapters", "merge",
@@ -80,7 +80,7 @@ def add_adapters(model: nn.Module, method: "str | type[Adapter]", r: int | None 
             kwargs.setdefault("group", getattr(base, "block", 64))
         adapter = METHODS[method](base.in_features, base.out_features, r=r, name=name, **kwargs)
         device = base.packed.device if isinstance(base, QuantLinear) else base.weight.device
-        _replace(model, name, AdaptedLinear(base, adapter.to(device)))
+        replace_submodule(model, name, AdaptedLinear(base, adapter.to(device)))
     return model
 
 
@@ -201,6 +201,6 @@ def merge(model: nn.Module) -> dict[str, dict]:
     report = {}
     for name, m in layers:
         merged, report[name] = _merge_layer(m)
-        _replace(model, name, merged)
+        replace_submodule(model, name, merged)
     model._fastdist_merged = True
     return report

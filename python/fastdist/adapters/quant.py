@@ -72,7 +72,8 @@ class QuantLinear(nn.Module):
                 f"scheme={self.scheme}, block={self.block}, block_rows={self.block_rows}")
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Puts `module` at the dotted path `name` of `model` in place of what is there."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
@@ -100,7 +101,7 @@ def quantize_model(model: nn.Module, scheme: str = "nf4", block: int = 64, skip:
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and not any(name == s or name.endswith("." + s) for s in skip)]
     for name, linear in targets:
-        _replace(model, name, QuantLinear.from_linear(linear, scheme, block, block_rows, name))
+        replace_submodule(model, name, QuantLinear.from_linear(linear, scheme, block, block_rows, name))
     for p in model.parameters():
         p.requires_grad_(False)
     return model

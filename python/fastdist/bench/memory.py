@@ -104,11 +104,13 @@ def largest_batch(fits: Callable[[int], bool], limit: int) -> int:
 
 # ---- one configuration, in its own process ----
 
-def _status_kib(field):
+def status_kib(field: str) -> int:
+    """A /proc/self/status field in KiB (VmRSS, VmHWM, ...)."""
     return int(re.search(rf"^{field}:\s+(\d+)", open("/proc/self/status").read(), re.MULTILINE).group(1))
 
 
-def _trim():
+def trim_heap() -> None:
+    """Collects garbage and returns the freed heap to the OS (glibc), so that the next RSS reading starts low."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -176,12 +178,12 @@ def run_config(spec: dict) -> dict:
     if prefetcher is not None:
         prefetcher.synchronize()
         prefetcher.reset_stats()
-    _trim()
+    trim_heap()
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        base = _status_kib("VmRSS") * 1024
+        base = status_kib("VmRSS") * 1024
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS
@@ -189,7 +191,7 @@ def run_config(spec: dict) -> dict:
         except OSError:  # some sandboxes forbid it: the peak then includes set-up, which the row says
             out["hwm_reset"] = False
     samples = time_fn(lambda: step(batch), reps=spec["steps"], warmup=0, device=device).samples
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status_kib("VmHWM") * 1024)
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else status_kib("VmHWM") * 1024)
     out.update(step_ms=1e3 * statistics.median(samples), samples_ms=[1e3 * s for s in samples],
                base_bytes=base, peak_bytes=peak, activation_peak_bytes=peak - base,
                samples_per_s=batch_size / statistics.median(samples))

@@ -217,19 +217,19 @@ def reset_peak() -> int:
     """Frees what can be freed, sets the process's peak resident size (VmHWM) to its current one; returns that
     (bytes). Where /proc/self/clear_refs cannot be written the peak keeps earlier history (the caller sees a
     larger figure, never a smaller one)."""
-    from fastdist.bench.memory import _status_kib, _trim
+    from fastdist.bench.memory import status_kib, trim_heap
 
-    _trim()
+    trim_heap()
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    return _status_kib("VmRSS") * 1024
+    return status_kib("VmRSS") * 1024
 
 
 def peak_above(base: int) -> int:
     """Peak resident bytes since `reset_peak` above what was resident then."""
-    from fastdist.bench.memory import _status_kib
+    from fastdist.bench.memory import status_kib
 
-    return max(_status_kib("VmHWM") * 1024 - base, 0)
+    return max(status_kib("VmHWM") * 1024 - base, 0)
 
 
 @contextlib.contextmanager
@@ -606,20 +606,20 @@ def _tp_rank(config: dict) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     pin_to_core(rank)
     tp_config = {"block": config["tp_block"], "part": "block"}
-    model = CostModel.calibrate(None, shapes=(tp._part_shape(tp_config),), reps=5)
+    model = CostModel.calibrate(None, shapes=(tp.part_shape(tp_config),), reps=5)
     set_default_cost_model(model)  # parallelize's "auto" consults the same calibration as the tp variants' "auto"
-    variants, errors, chunks = tp._block_variants(tp_config, model, init_device_mesh("cpu", (world,)))
+    variants, errors, chunks = tp.block_variants(tp_config, model, init_device_mesh("cpu", (world,)))
     variants = {n: variants[n] for n in TP_VARIANTS if n in variants}
     module, ref, x = _parallelized_block(config)
-    variants[PARALLELIZE_TP] = tp._step(module, x)
-    errors.update(tp._check_against(tp._step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
-    chunks[PARALLELIZE_TP] = tp._chosen_chunks(module)  # "auto" chooses at the first call
+    variants[PARALLELIZE_TP] = tp.training_step(module, x)
+    errors.update(tp.check_against(tp.training_step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
+    chunks[PARALLELIZE_TP] = tp.chosen_chunks(module)  # "auto" chooses at the first call
     names = list(variants)
     mine = interleaved(variants, config["reps"], config["warmup"], f"parallel tp {config['net']}")
     slowest = all_max([t for n in names for t in mine[n]])  # a step lasts until its slowest rank is done
     reps = config["reps"]
     samples = {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
-    rows = tp._rows(samples, names, "variant", errors, chunks)
+    rows = tp.timing_rows(samples, names, "variant", errors, chunks)
     return {"rows": rows} if rank == 0 else None
 
 

@@ -124,7 +124,7 @@ def _ready(t):
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def _check_against(reference, outputs):
+def check_against(reference, outputs):
     """{name: largest relative error over the ranks} of each variant's tensors against the reference's (the same
     tuple of tensors: output, then input gradient); raises on every rank when one is off by more than
     CHECK_TOLERANCE."""
@@ -163,12 +163,12 @@ def _op_variants(config, model, mesh):
     variants[OP_PEER] = forward_of(peer)
     with torch.no_grad():
         reference = (full(x.repeat(1, dist.get_world_size())),)
-    errors = _check_against(reference, {name: (call(),) for name, call in variants.items()})
+    errors = check_against(reference, {name: (call(),) for name, call in variants.items()})
     variants.update({f"gemm k={k}": gemm_only(k) for k in GEMM_ONLY_KS})
     return variants, layers["auto"].chunks_for(m), errors
 
 
-def _step(module, x, checkpointed=False):
+def training_step(module, x, checkpointed=False):
     """One training step of `module` on `x` (fresh gradients); returns (output, input gradient)."""
     from torch.utils.checkpoint import checkpoint
 
@@ -217,12 +217,15 @@ def _mlp_variants(config, model, mesh):
     x = torch.randn(tokens, hidden)
     modules = {"megatron": _FastdistMLP(ref, 1, model), "chunked": _FastdistMLP(ref, "auto", model),
                "dtensor": _dtensor(copy.deepcopy(ref), {"fc1": "colwise", "fc2": "rowwise"}, mesh)}
-    variants = {name: _step(modules[name], x) for name in MLP_VARIANTS}
-    errors = _check_against(_step(ref, x)(), {name: call() for name, call in variants.items()})
-    return variants, errors, {name: _chosen_chunks(modules[name]) for name in ("megatron", "chunked")}
+    variants = {name: training_step(modules[name], x) for name in MLP_VARIANTS}
+    errors = check_against(training_step(ref, x)(), {name: call() for name, call in variants.items()})
+    return variants, errors, {name: chosen_chunks(modules[name]) for name in ("megatron", "chunked")}
 
 
-def _block_variants(config, model, mesh):
+def block_variants(config, model, mesh):
+    """The GPT-block variants (fastdist.tp's Megatron-style, chunked and Oases, torch DTensor; each also with
+    recompute) as step functions on the same weights and input, their errors against the unsharded block, and the
+    chunk counts fastdist's layers chose."""
     from fastdist.tp import GPTBlock, OverlappedTransformerBlock, parallelize
 
     hidden, heads, seq, batch = config["block"]
@@ -237,15 +240,16 @@ def _block_variants(config, model, mesh):
     # takes the head count from the width it is given.
     peer = _dtensor(copy.deepcopy(ref), {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise",
                                          "mlp.fc2": "rowwise"}, mesh)
-    variants = {"megatron": _step(megatron, x), "chunked": _step(chunked, x), "oases": _step(oases, x),
-                "dtensor": _step(peer, x), "megatron+recompute": _step(megatron, x, True),
-                "chunked+recompute": _step(chunked, x, True), "oases+recompute": _step(oases_recompute, x),
-                "dtensor+recompute": _step(peer, x, True)}
-    errors = _check_against(_step(ref, x)(), {name: call() for name, call in variants.items()})
-    return variants, errors, {"megatron": _chosen_chunks(megatron), "chunked": _chosen_chunks(chunked)}
+    variants = {"megatron": training_step(megatron, x), "chunked": training_step(chunked, x),
+                "oases": training_step(oases, x), "dtensor": training_step(peer, x),
+                "megatron+recompute": training_step(megatron, x, True),
+                "chunked+recompute": training_step(chunked, x, True),
+                "oases+recompute": training_step(oases_recompute, x), "dtensor+recompute": training_step(peer, x, True)}
+    errors = check_against(training_step(ref, x)(), {name: call() for name, call in variants.items()})
+    return variants, errors, {"megatron": chosen_chunks(megatron), "chunked": chosen_chunks(chunked)}
 
 
-def _part_shape(config):
+def part_shape(config):
     """The (M, K / t, N) row-parallel GEMM the part's cost model is calibrated on: the row op's, the MLP's fc2 or
     the block's fc2."""
     world = dist.get_world_size()
@@ -259,14 +263,16 @@ def _part_shape(config):
     return m, k_full // world, n
 
 
-def _chosen_chunks(module):
+def chosen_chunks(module):
     """The chunk counts fastdist's linears in `module` used (each layer's, by its row count), in module order."""
-    from fastdist.tp.linear import _ParallelLinear
+    from fastdist.tp import ColumnParallelLinear, RowParallelLinear
 
-    return [k for m in module.modules() if isinstance(m, _ParallelLinear) for k in m._chunks_by_rows.values()]
+    linears = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return [k for m in linears for k in m._chunks_by_rows.values()]
 
 
-def _rows(samples, names, key, errors, chunks=None):
+def timing_rows(samples, names, key, errors, chunks=None):
+    """One table row per variant: raw samples and median in ms, its error, its chunk counts."""
     return [{key: name, "samples_ms": [s * 1e3 for s in samples[name]],
              "time_ms": statistics.median(samples[name]) * 1e3, "max_error": errors[name],
              "chunks": (chunks or {}).get(name.split("+")[0])} for name in names]
@@ -281,7 +287,7 @@ def bench_rank(config: dict) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     core = pin_to_core(rank)
     part = config["part"]
-    shape = _part_shape(config)
+    shape = part_shape(config)
     model = CostModel.calibrate(None, shapes=(shape,), reps=5)
     mesh = init_device_mesh("cpu", (world,))  # over the run's (default, gloo) group, for torch's DTensor TP
     reps = config["op_reps"] if part == "op" else config["reps"]
@@ -291,20 +297,20 @@ def bench_rank(config: dict) -> Any:
     elif part == "mlp":
         variants, errors, chunks = _mlp_variants(config, model, mesh)
     else:
-        variants, errors, chunks = _block_variants(config, model, mesh)
+        variants, errors, chunks = block_variants(config, model, mesh)
     samples = _interleaved(variants, reps, config["warmup"], f"tp {part} {config['label']}")
     m, k_local, n = shape
     if part == "op":
         chunks = {str(k): auto_k if k == "auto" else k for k in OP_KS}
         op = TPOp("row", m, k_local, n, world)
         op_rows = [{**r, "predicted_ms": model.predict(op, r["chunks"]) * 1e3 if r["chunks"] else None}
-                   for r in _rows(samples, [*chunks, OP_PEER], "k", errors, chunks)]
+                   for r in timing_rows(samples, [*chunks, OP_PEER], "k", errors, chunks)]
         gemm_rows = [{"k": k, "samples_ms": [s * 1e3 for s in samples[f"gemm k={k}"]],
                       "time_ms": statistics.median(samples[f"gemm k={k}"]) * 1e3} for k in GEMM_ONLY_KS]
     elif part == "mlp":
-        mlp_rows = _rows(samples, MLP_VARIANTS, "variant", errors, chunks)
+        mlp_rows = timing_rows(samples, MLP_VARIANTS, "variant", errors, chunks)
     else:
-        block_rows = _rows(samples, BLOCK_VARIANTS, "variant", errors, chunks)
+        block_rows = timing_rows(samples, BLOCK_VARIANTS, "variant", errors, chunks)
     result = {"op_rows": op_rows, "gemm_rows": gemm_rows, "mlp_rows": mlp_rows, "block_rows": block_rows,
               "core": core, "calibration_shape": list(shape), "cost_model": model.state_dict(),
               "cost_model_repr": repr(model), "gemm_ms": model.gemm_time(m, k_local, n) * 1e3,
@@ -503,7 +509,7 @@ def tables(result: dict) -> list[report.Part]:
                                      f"Row-parallel op {shape}, {where}; median of {result['op_reps']}.",
                                      [f"the GEMMs alone (no collective): {gemm}"] if gemm else []))
         for part in ("mlp", "block"):
-            rows = run.get(f"{part}_rows")
+            rows = run.get(f"{part}timing_rows")
             if not rows:
                 continue
             median = f"median of {result['reps']}"

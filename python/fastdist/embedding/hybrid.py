@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.distributed import global_ranks
-from fastdist.embedding.sharded import ShardedEmbedding, _group_world, lookup
+from fastdist.embedding.sharded import ShardedEmbedding, group_rank_and_world, lookup
 
 __all__ = ["ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel"]
 
@@ -46,7 +46,7 @@ class ShardedEmbeddingCollection(nn.Module):
         super().__init__()
         if not tables:
             raise ValueError("fastdist: ShardedEmbeddingCollection needs at least one table")
-        _, world = _group_world(group)
+        _, world = group_rank_and_world(group)
         owners = balance_tables({n: t.num_embeddings * t.embedding_dim for n, t in tables.items()}, world)
         self.group = group
         self.tables = nn.ModuleDict({
@@ -138,7 +138,7 @@ def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, mi
             raise ValueError(f"fastdist: hybrid_parallel cannot shard {name!r}: its weight is tied to {others} "
                              "(the tied layer needs the whole table on every rank). Keep it data-parallel with "
                              f"shard={{{name!r}: False}}, or untie the weights")
-    _, world = _group_world(group)
+    _, world = group_rank_and_world(group)
     table_group = dist.new_group(global_ranks(group)) if chosen and world > 1 else group
     owners = balance_tables({n: modules[n].num_embeddings * modules[n].embedding_dim for n in chosen}, world)
     for name in chosen:

@@ -60,7 +60,8 @@ def row_ranges(num_embeddings: int, world: int) -> list[tuple[int, int]]:
     return out
 
 
-def _group_world(group):
+def group_rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(this rank in `group`, its size); (0, 1) without an initialized process group."""
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -122,7 +123,7 @@ class ShardedEmbedding(nn.Module):
         self.sharding, self.padding_idx, self.mode, self.sparse = sharding, padding_idx, mode, sparse
         self.group, self._detached = group, False
         self.average_gradients = average_gradients
-        self.rank, self.world = _group_world(group)
+        self.rank, self.world = group_rank_and_world(group)
         if not 0 <= owner < self.world:
             raise ValueError(f"fastdist: ShardedEmbedding 'owner' must be a rank of the group [0, {self.world}), "
                              f"got {owner}")
@@ -283,7 +284,7 @@ class ShardedEmbedding(nn.Module):
 
     def attach(self, group: dist.ProcessGroup | None = None) -> None:
         """Binds an unpickled table to ``group``, which must have the rank and size it was built for."""
-        rank, world = _group_world(group)
+        rank, world = group_rank_and_world(group)
         if (rank, world) != (self.rank, self.world):
             raise ValueError(f"fastdist: ShardedEmbedding was built for rank {self.rank} of {self.world}, "
                              f"the group has rank {rank} of {world}")

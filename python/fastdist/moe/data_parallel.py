@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fastdist.moe.layer import MoELayer, _Averaging
+from fastdist.moe.layer import MoELayer, ExpertGradientAveraging
 from fastdist.distributed import check_same, fingerprint
 
 __all__ = ["aux_loss", "data_parallel", "expert_parameters", "non_expert_parameters"]
@@ -123,7 +123,7 @@ def data_parallel(model: nn.Module, process_group: dist.ProcessGroup | None = No
     world = dist.get_world_size(process_group)
     named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and m.world > 1]
     for (_, layer), replicas in zip(named, _replica_groups([m for _, m in named], process_group, world)):
-        layer._averaging = _Averaging(divisor=world, group=replicas)
+        layer._averaging = ExpertGradientAveraging(divisor=world, group=replicas)
     # DDP has no public argument for weights it must neither broadcast nor all-reduce; this is its own mechanism.
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [f"{name}.{w}" if name else w for name, _ in named for w in _EXPERT_WEIGHTS])

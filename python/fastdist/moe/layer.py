@@ -274,7 +274,7 @@ class _DispatchPlan:
 
 
 @dataclasses.dataclass
-class _Averaging:
+class ExpertGradientAveraging:
     """How data parallelism reduces a layer's expert gradients (set by fastdist.moe.data_parallel)."""
     divisor: int                        # the data-parallel ranks: gradients are averaged over them, as DDP does
     group: dist.ProcessGroup | None     # the ranks holding the same experts (None: this rank alone)
