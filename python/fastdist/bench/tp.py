@@ -509,7 +509,7 @@ def tables(result: dict) -> list[report.Part]:
                                      f"Row-parallel op {shape}, {where}; median of {result['op_reps']}.",
                                      [f"the GEMMs alone (no collective): {gemm}"] if gemm else []))
         for part in ("mlp", "block"):
-            rows = run.get(f"{part}timing_rows")
+            rows = run.get(f"{part}_rows")
             if not rows:
                 continue
             median = f"median of {result['reps']}"
