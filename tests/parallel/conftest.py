@@ -15,7 +15,8 @@ JOBS = {
          "bad:different_models", "bad:different_plans", "bad:step_batch",
          "bad:tp_plan_matches_nothing",
          "compose:recompute_compress", "compose:sketch_hook", "checkpoint:transformer_lm", "checkpoint:gpt2",
-         "device_mesh"]],
+         "device_mesh"],
+        ["compile:1,1,2", "compile:1,2,1"]],
     4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1", "resume:2,1,2"]],
 }
 

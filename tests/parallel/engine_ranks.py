@@ -238,6 +238,8 @@ def case(name: str):
         return checkpoint(rest)
     if kind == "resume":
         return resume(tuple(int(d) for d in rest.split(",")))
+    if kind == "compile":
+        return compiled(tuple(int(d) for d in rest.split(",")))
     if kind == "device_mesh":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("pp", "tp"))
@@ -262,6 +264,17 @@ def checkpoint(name: str) -> dict:
     reloaded = engine.state_dict()  # a collective: every rank gathers
     first = dist.get_rank() == 0
     return {"saved": saved if first else None, "reloaded": reloaded if first else None}
+
+
+def compiled(mesh: tuple[int, int, int], steps: int = 3) -> dict:
+    """The same training with ``compile=True`` (inductor) and eagerly: losses, gathered state dicts (rank 0), and
+    how many graphs dynamo captured for the compiled stage."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    got = train("transformer_lm", mesh, steps=steps, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    return {"compiled": _plain(got), "eager": _plain(train("transformer_lm", mesh, steps=steps)),
+            "graphs": graphs, "compiled_modules": len(got["engine"].compiled)}
 
 
 def _plain(result: dict) -> dict:

@@ -168,3 +168,26 @@ def test_readme_recipe_runs_as_written_under_torchrun(tmp_path):
     assert sorted(rank for rank, _ in losses) == ["0", "1"], stdout
     assert losses[0][1] == losses[1][1], stdout  # the loss reaches every pipeline rank
     assert "pipeline plan: mesh dp=1 tp=1 pp=2" in stdout, stdout
+
+
+# inductor's kernels reorder float32 sums within a block: a few ulp per step, compounded over the steps
+COMPILE_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["1,1,2", "1,2,1"])
+def test_compiled_stages_train_like_the_eager_engine_and_one_process(engine_ranks, mesh):
+    want_losses, want_state = reference("transformer_lm", steps=3)
+    ranks = engine_ranks(2, f"compile:{mesh}")
+    for rank, got in enumerate(ranks):
+        assert got["compiled_modules"] > 0 and got["graphs"] >= 1, f"rank {rank}: nothing was compiled"
+        compiled, eager = got["compiled"]["losses"], got["eager"]["losses"]
+        assert_close(torch.tensor(compiled), torch.tensor(eager), f"{mesh}, rank {rank}: compiled vs eager losses",
+                     **COMPILE_TOLERANCE)
+        assert_close(torch.tensor(compiled), torch.tensor(want_losses), f"{mesh}, rank {rank}: compiled vs one "
+                     "process", **COMPILE_TOLERANCE)
+    state, eager_state = ranks[0]["compiled"]["state"], ranks[0]["eager"]["state"]
+    assert list(state) == list(want_state), "compiling keeps the user's parameter names"
+    for key, want in want_state.items():
+        assert_close(state[key], eager_state[key], f"{mesh}: {key}, compiled vs eager", **COMPILE_TOLERANCE)
+        assert_close(state[key], want, f"{mesh}: {key}, compiled vs one process", **COMPILE_TOLERANCE)

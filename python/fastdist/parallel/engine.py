@@ -204,6 +204,7 @@ class Engine:
         optimizer: the optimizer over this stage's parameters.
         mesh: the DeviceMesh (None on one process without torch.distributed).
         coordinate: this rank's (dp, tp, pp) indices.
+        compiled: the modules of the stage whose forward ``compile=`` compiled (empty without it).
     """
 
     def __init__(self, **kw: Any):
@@ -414,7 +415,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
                 tp_overlap: int | str = "auto", compress_boundaries: Any = None,
                 dp_comm_hook: Any = None, split_points: Sequence[int | str] | None = None, balance: str = "time",
                 *, blocks: str | None = None, tp_plan: Mapping[str, str] | None = None,
-                profile_reps: int = 5) -> Engine:
+                compile: bool | Mapping[str, Any] = False, profile_reps: int = 5) -> Engine:
     """Parallelizes ``model`` over a (data, tensor, pipeline) mesh and returns the :class:`Engine` that trains it.
 
     Every rank calls it with the same model (same structure and values: seed before building it) and arguments.
@@ -445,6 +446,10 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         blocks: the path of the block list (default: the largest ``nn.ModuleList`` of alike modules).
         tp_plan: ``{"module.path": "colwise" | "rowwise"}`` with ``*`` wildcards, overriding fastdist.tp's
             block detection (needed for blocks it does not recognise, e.g. ``nn.MultiheadAttention``).
+        compile: True (or a dict of ``torch.compile`` options, e.g. ``{"backend": "inductor", "mode": ...}``) to
+            compile the forward of every block of this rank's stage (its head or embedding modules on a stage
+            without blocks) after tensor-parallel sharding; hooks, the cut and the code between the blocks run
+            eagerly. Alike blocks share one compiled graph.
         profile_reps: profiling repetitions.
 
     Raises:
@@ -482,6 +487,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     if problem is None and shape[2] > 1 and schedule != "gpipe" and microbatches < shape[2]:
         problem = (f"schedule {schedule!r} needs at least as many microbatches as stages ({shape[2]}), got "
                    f"{microbatches}")
+    if problem is None and not isinstance(compile, (bool, Mapping)):
+        problem = f"compile must be a bool or a dict of torch.compile options, got {compile!r}"
     if problem is None and shape[2] == 1 and (recompute != "none" or compress_boundaries is not None):
         problem = ("recompute and compress_boundaries act on pipeline stages: they need pp > 1 (recompute on one "
                    "stage is not supported yet)")
@@ -494,6 +501,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             "recompute_ratio": float(recompute_ratio), "tp_overlap": str(tp_overlap), "balance": balance,
             "split_points": None if split_points is None else [str(p) for p in split_points], "blocks": blocks,
             "tp_plan": None if tp_plan is None else dict(tp_plan), "compress": _describe_compress(compress),
+            "compile": compile if isinstance(compile, bool) else {k: repr(v) for k, v in sorted(compile.items())},
             "example_inputs": [(tuple(a.shape), str(a.dtype)) for a in example]})
         check_same("fastdist.parallelize model", _model_structure(model))
 
@@ -580,6 +588,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
                f"tp_plan {dict(tp_plan)} names no nn.Linear (or Conv1D) of stage {pp_i}: its layers would stay "
                "replicated on the tensor-parallel ranks", None)
         layouts = _tp_shard(stage, groups["tp"], expanded, tp_overlap)
+    compiled = _compile_blocks(stage.pipeline_blocks, compile)
     runner: nn.Module = stage
     ddp = None
     if dp > 1:
@@ -603,8 +612,19 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
                                recompute_ratio=recompute_ratio)
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
                   _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
-                  _groups=groups, _world=world, _keys=keys, _steps=0,
+                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
+
+
+def _compile_blocks(modules: Sequence[nn.Module], options: bool | Mapping[str, Any]) -> list[nn.Module]:
+    """Compiles each module's ``forward`` in place (its hooks stay eager: the stage's cut, recompute's hooks);
+    returns the modules compiled."""
+    if options is False:
+        return []
+    kwargs = {} if options is True else dict(options)
+    for m in modules:
+        m.forward = torch.compile(m.forward, **kwargs)
+    return list(modules)
 
 
 def _schedule_names() -> tuple[str, ...]:
