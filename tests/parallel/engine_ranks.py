@@ -277,6 +277,48 @@ def compiled(mesh: tuple[int, int, int], steps: int = 3) -> dict:
             "graphs": graphs, "compiled_modules": len(got["engine"].compiled)}
 
 
+def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step: int = 2) -> dict:
+    """Trains on ``mesh`` until rank ``failing_rank`` raises in step ``step``, in the user's ``loss_fn``
+    (``where="loss_fn"``) or in its stage's first block's forward (``"forward"``): every rank's exception, the
+    seconds its failing step took, and the steps that returned."""
+    raising = dist.get_rank() == failing_rank
+    calls = {"step": 0}
+
+    def loss(logits, target):
+        if raising and where == "loss_fn" and calls["step"] == step:
+            raise ValueError("loss_fn: the user's loss raised")
+        return loss_fn(logits, target)
+
+    model = make_model("transformer_lm")
+    d = dist.get_rank() // (mesh[1] * mesh[2])
+    data = [(x.chunk(mesh[0])[d], y.chunk(mesh[0])[d]) for x, y in batches(step + 1)]
+    engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss,
+                                           optimizer=make_optimizer, microbatches=2, split_points=[2])
+
+    def forward_raises(module, args, output):
+        if calls["step"] == step:
+            raise RuntimeError("forward: the user's block raised")
+    if raising and where == "forward":
+        engine.module.pipeline_blocks[0].register_forward_hook(forward_raises)
+    done = []
+    for x, y in data:
+        calls["step"] += 1
+        start = time.perf_counter()
+        try:
+            engine.step(x, y)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            seconds = time.perf_counter() - start
+            again = error_of(engine.step, x, y)
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            return {"error": f"{type(e).__name__}: {e}", "cause": f"{type(cause).__name__}: {cause}",
+                    "notes": getattr(e, "__notes__", []), "seconds": seconds,
+                    "steps_done": done, "rank_attr": getattr(e, "rank", None), "again": again}
+        done.append(calls["step"])
+    return {"error": None, "steps_done": done}
+
+
 def _plain(result: dict) -> dict:
     return {k: v for k, v in result.items() if k != "engine"}
 

@@ -2,7 +2,7 @@
 mesh, cutting it into balanced pipeline stages (:mod:`fastdist.parallel.partition`), sharding its blocks with
 fastdist.tp and driving the stages with torch.distributed.pipelining's schedules and Merak's
 (:mod:`fastdist.parallel.schedule`)."""
-from fastdist.parallel.engine import Engine, ParallelizeError, parallelize
+from fastdist.parallel.engine import Engine, ParallelizeError, RankFailedError, parallelize
 from fastdist.parallel.partition import Plan, StagePlan, plan_stages
 
-__all__ = ["Engine", "ParallelizeError", "Plan", "StagePlan", "parallelize", "plan_stages"]
+__all__ = ["Engine", "ParallelizeError", "Plan", "RankFailedError", "StagePlan", "parallelize", "plan_stages"]

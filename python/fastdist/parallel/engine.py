@@ -36,13 +36,31 @@ from fastdist.distributed import check_same, state_digest
 from fastdist.parallel import partition as part
 from fastdist.parallel.partition import Plan
 
-__all__ = ["Engine", "parallelize"]
+__all__ = ["Engine", "ParallelizeError", "RankFailedError", "parallelize"]
 
 MESH_DIMS = ("dp", "tp", "pp")
 
 
 class ParallelizeError(ValueError):
     """A configuration parallelize cannot run, raised on every rank (the message names the rank that found it)."""
+
+
+class RankFailedError(RuntimeError):
+    """Raised by ``Engine.step`` on every rank but the failing one when a rank raised during the step (in the
+    user's ``loss_fn`` or forward, or anywhere else): names that rank, the step and its exception.
+
+    Attributes:
+        rank: the global rank that raised first.
+        step: the step (1-based) in which it raised.
+    """
+
+    def __init__(self, message: str, rank: int | None, step: int | None):
+        super().__init__(message)
+        self.rank, self.step = rank, step
+
+
+_FAILURE_KEY = "fastdist.parallel/engine{}/failed"
+_engines_built = 0  # every rank builds engines in the same order (parallelize is collective): a key per engine
 
 
 def _agree(what: str, problem: str | None, group: dist.ProcessGroup | None) -> None:
@@ -58,6 +76,14 @@ def _agree(what: str, problem: str | None, group: dist.ProcessGroup | None) -> N
         rank, message = bad[0]
         others = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
         raise ParallelizeError(f"fastdist.parallelize ({what}): rank {rank}{others}: {message}")
+
+
+def _describe(error: BaseException) -> str:
+    """The exception at the root of ``error``'s causes (torch's pipelining wraps the user's), by type and message."""
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    return f"{type(root).__name__}: {root}"
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -223,6 +249,9 @@ class Engine:
             The batch's loss (the mean of the microbatches' ``loss_fn``, averaged over the data-parallel ranks), the
             same value on every rank.
         """
+        if self._failure is not None:
+            raise RankFailedError(f"{self._failure}; this engine cannot step again (its process groups were "
+                                  "aborted)", self._failure.rank, self._failure.step)
         inputs = _as_tuple(inputs)
         shapes = {"inputs": [(tuple(a.shape), str(a.dtype)) for a in inputs],
                   "target": (tuple(target.shape), str(target.dtype)), "step": self._steps}
@@ -235,14 +264,52 @@ class Engine:
         if problem:
             raise ValueError(f"fastdist.parallel: {problem}")
         self._steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        if self._schedule is None:
-            loss = self._plain_step(inputs, target)
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self._schedule is None:
+                loss = self._plain_step(inputs, target)
+            else:
+                loss = self._pipeline_step(inputs, target)
+            self._sum_tied_grads()
+            self.optimizer.step()
+            return self._shared_loss(loss)
+        except BaseException as e:
+            if self._world == 1:
+                raise
+            failure = self._fail(e)
+            if failure.rank == self._rank:
+                e.add_note(str(failure))
+                raise
+            raise failure from e
+
+    def _fail(self, error: BaseException) -> RankFailedError:
+        """A step raised on this rank: the first rank to fail in the job records itself in the store, then every
+        failing rank aborts its process groups, so peers blocked on it in a collective or a pipeline receive fail
+        at once (and abort theirs in turn) instead of waiting for the backend's timeout. Returns the error that
+        names the first failing rank."""
+        key = _FAILURE_KEY.format(self._uid)
+        mine = f"{self._rank}|{self._steps}|{_describe(error)[:1000]}"
+        try:
+            store = self._store
+            recorded = store.get(key).decode() if store.check([key]) else store.compare_set(key, "", mine).decode()
+        except Exception:  # noqa: BLE001 - the store's host may be gone: say what this rank knows
+            recorded = None
+        from torch.distributed.distributed_c10d import _abort_process_group
+        with contextlib.suppress(Exception):
+            _abort_process_group()
+        if recorded is None:
+            failure = RankFailedError(f"fastdist.parallel: step {self._steps} failed on rank {self._rank} "
+                                      f"({_describe(error)}) and the job's store could not say whether "
+                                      "another rank failed first", None, self._steps)
         else:
-            loss = self._pipeline_step(inputs, target)
-        self._sum_tied_grads()
-        self.optimizer.step()
-        return self._shared_loss(loss)
+            rank, step, what = recorded.split("|", 2)
+            coordinate = tuple(int(i) for i in (self._grid == int(rank)).nonzero()[0]) if self._grid is not None \
+                else None
+            where = f" (mesh coordinate (dp, tp, pp) = {coordinate})" if coordinate else ""
+            failure = RankFailedError(f"fastdist.parallel: rank {rank}{where} raised in step {step}: {what}; every "
+                                      "rank's step stops and the process groups are aborted", int(rank), int(step))
+        self._failure = failure
+        return failure
 
     def _plain_step(self, inputs, target):
         m = self.plan.microbatches
@@ -457,6 +524,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             the reason).
         MismatchError: on every rank, when ranks hold different models or arguments.
     """
+    global _engines_built
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     shape, problem = _mesh_shape(mesh)
@@ -502,6 +570,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             "split_points": None if split_points is None else [str(p) for p in split_points], "blocks": blocks,
             "tp_plan": None if tp_plan is None else dict(tp_plan), "compress": _describe_compress(compress),
             "compile": compile if isinstance(compile, bool) else {k: repr(v) for k, v in sorted(compile.items())},
+            "engines built before": _engines_built,
             "example_inputs": [(tuple(a.shape), str(a.dtype)) for a in example]})
         check_same("fastdist.parallelize model", _model_structure(model))
 
@@ -610,9 +679,12 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
                                           recompute != "none", compress, stage.pipeline_blocks)
         sched = build_schedule(schedule, pipe_stage, microbatches, loss_fn, recompute=recompute,
                                recompute_ratio=recompute_ratio)
+    _engines_built += 1
+    store = dist.distributed_c10d._get_default_store() if distributed and world > 1 else None
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
                   _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
-                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0,
+                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _failure=None,
+                  _uid=_engines_built, _store=store, _grid=grid, _rank=dist.get_rank() if distributed else 0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
 
 
