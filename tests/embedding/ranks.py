@@ -300,7 +300,9 @@ def traffic_by_vocabulary() -> dict:
 def suite(world: int) -> dict:
     """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up)."""
     out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank(),
-           "capacity": growing_and_shrinking_batches()}
+           "capacity": growing_and_shrinking_batches(),
+           "prefetch": {s: prefetch_training(s) for s in ("plain", "2d", "after-step", "mismatch")},
+           "prefetch refusal": prefetch_refusal()}
     if world == 2:
         out["train"] = train(list(OPTIMIZERS), 4)
         out["collection"] = collection()
@@ -311,4 +313,90 @@ def suite(world: int) -> dict:
         out["tied"] = tied_refusal()
         out["compiled"] = compiled()
         out["traffic"] = traffic_by_vocabulary()
+        out["prefetch collection"] = {p: prefetch_collection(p) for p in (False, True)}
     return out
+
+
+# ---- next-batch prefetch (the 2D schedule) ----
+
+PREFETCH_OPTIMIZERS = ["rowwise-sgd", "rowwise-adagrad", "torch-adam-dense"]
+PREFETCH_STEPS = 4
+MISMATCH_STEP = 2  # rank 1 looks up other ids than it prefetched at this step, in the "mismatch" schedule
+
+
+def prefetch_batch(rank: int, step: int):
+    """TRAIN_CASE's batch, with ids 0-3 in every step: rows each step updates are looked up again in the next."""
+    ids, offsets, psw, upstream = batch(TRAIN_CASE, rank, step)
+    ids = ids.clone()
+    ids[1:5] = torch.tensor([0, 1, 2, 3])
+    return ids, offsets, psw, upstream
+
+
+def prefetch_training(schedule: str) -> dict:
+    """Per optimizer: this rank's outputs at every step and its shard at the end, trained with `schedule`:
+    "plain" (no prefetch), "2d" (the next batch prefetched after the forward, before the backward), "after-step"
+    (prefetched after the optimizer step) or "mismatch" (as 2d, but rank 1 prefetches other ids than it looks up
+    at MISMATCH_STEP)."""
+    rank, out = dist.get_rank(), {}
+    for name in PREFETCH_OPTIMIZERS:
+        case = dict(TRAIN_CASE, sparse=name != "torch-adam-dense")
+        table = ShardedEmbedding.from_embedding(reference_table(case))
+        opt = make_optimizer(name, table.parameters(), sharded=True)
+        ys = []
+        for step in range(PREFETCH_STEPS):
+            ids, offsets, psw, upstream = prefetch_batch(rank, step)
+            opt.zero_grad()
+            y = table(ids, offsets, psw)
+            ys.append(y.detach().clone())
+            if schedule in ("2d", "mismatch") and step + 1 < PREFETCH_STEPS:
+                ahead = list(prefetch_batch(rank, step + 1)[:3])
+                if schedule == "mismatch" and step + 1 == MISMATCH_STEP and rank == 1:
+                    ahead[0] = ahead[0].flip(0)  # not what it looks up: every rank looks that step up afresh
+                table.prefetch(*ahead)
+            (y * upstream).sum().backward()
+            opt.step()
+            if schedule == "after-step" and step + 1 < PREFETCH_STEPS:
+                table.prefetch(*prefetch_batch(rank, step + 1)[:3])
+        out[name] = {"y": ys, "start": table.row_start, "weight": table.weight.detach().clone()}
+    return out
+
+
+def prefetch_collection_tables():
+    torch.manual_seed(5)
+    return {"a": torch.nn.EmbeddingBag(30, DIM, mode="sum", sparse=True),
+            "b": torch.nn.Embedding(17, DIM, sparse=True, padding_idx=2)}
+
+
+def prefetch_collection_inputs(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(50 * step + rank)
+    a = torch.cat([torch.tensor([0, 29]), torch.randint(0, 30, (5 + rank,), generator=g)])
+    b = torch.cat([torch.tensor([1, 2]), torch.randint(0, 17, (4,), generator=g)])
+    return {"a": (a, torch.tensor([0, 3])), "b": b}
+
+
+def prefetch_collection(prefetched: bool) -> list:
+    """A row-sharded collection (one exchange for both tables) trained with RowWiseAdagrad: outputs per step."""
+    from fastdist.embedding import RowWiseAdagrad, ShardedEmbeddingCollection
+    rank = dist.get_rank()
+    tables = ShardedEmbeddingCollection(prefetch_collection_tables(), sharding="row")
+    opt = RowWiseAdagrad(tables.parameters(), lr=0.3)
+    outs = []
+    for step in range(PREFETCH_STEPS):
+        opt.zero_grad()
+        ys = tables(prefetch_collection_inputs(rank, step))
+        outs.append({n: y.detach().clone() for n, y in ys.items()})
+        if prefetched and step + 1 < PREFETCH_STEPS:
+            tables.prefetch(prefetch_collection_inputs(rank, step + 1))
+        (ys["a"].sum() * 2 + ys["b"].pow(2).sum()).backward()
+        opt.step()
+    return outs
+
+
+def prefetch_refusal() -> tuple:
+    """Rank 1 prefetches an id out of range: every rank raises when the prefetch's ids arrive (here: at the
+    lookup), and the table works afterwards."""
+    rank = dist.get_rank()
+    table = ShardedEmbedding(11, DIM)
+    table.prefetch(torch.tensor([3, 11]) if rank == 1 else torch.tensor([1]))
+    error = _error_of(lambda: table(torch.tensor([1])))
+    return error, table(torch.tensor([2, 3])).shape

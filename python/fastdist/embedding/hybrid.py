@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.distributed import global_ranks
-from fastdist.embedding.sharded import ShardedEmbedding, group_rank_and_world, lookup
+from fastdist.embedding.sharded import ShardedEmbedding, group_rank_and_world, lookup, prefetch
 
 __all__ = ["ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel"]
 
@@ -65,6 +65,21 @@ class ShardedEmbeddingCollection(nn.Module):
         Returns:
             ``{name: the table's output}``.
         """
+        out = {}
+        for group in self._by_width(inputs):
+            args = [a for _, _, a in group]
+            for (name, _, _), y in zip(group, lookup([t for _, t, _ in group], args, self.group)):
+                out[name] = y
+        return out
+
+    def prefetch(self, inputs: Mapping[str, torch.Tensor | tuple]) -> None:
+        """Starts the lookup of the next batch's ``inputs`` (as :meth:`forward` takes them): call it after this
+        step's forward, before its backward; see :meth:`ShardedEmbedding.prefetch`."""
+        for group in self._by_width(inputs):
+            prefetch([t for _, t, _ in group], [a for _, _, a in group], self.group)
+
+    def _by_width(self, inputs):
+        """The named tables' ``(name, table, (ids, offsets, per_sample_weights))`` grouped by row width."""
         names = sorted(inputs)
         unknown = [n for n in names if n not in self.tables]
         if unknown:
@@ -74,14 +89,9 @@ class ShardedEmbeddingCollection(nn.Module):
         for name in names:
             table = self.tables[name]
             args = inputs[name] if isinstance(inputs[name], tuple) else (inputs[name],)
+            args = tuple(args) + (None,) * (3 - len(args))
             by_width.setdefault((table.embedding_dim, table.weight.dtype), []).append((name, table, args))
-        out = {}
-        for key in sorted(by_width, key=str):
-            group = by_width[key]
-            args = [tuple(a) + (None,) * (3 - len(a)) for _, _, a in group]
-            for (name, _, _), y in zip(group, lookup([t for _, t, _ in group], args, self.group)):
-                out[name] = y
-        return out
+        return [by_width[key] for key in sorted(by_width, key=str)]
 
 
 def _tied_names(model):

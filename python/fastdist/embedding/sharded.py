@@ -27,6 +27,7 @@ offsets tensor) says so in the header, and every rank raises in that same call.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 from fastdist.distributed import CallCounter, check_same, fingerprint, global_ranks
 from fastdist.ops.moe import moe_layout, moe_unpermute
 
-__all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "row_ranges"]
+__all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "prefetch", "row_ranges"]
 
 _MODES = (None, "sum", "mean")
 _ID_DTYPES = (torch.int64, torch.int32)
@@ -138,7 +139,9 @@ class ShardedEmbedding(nn.Module):
         self.calls = CallCounter()
         self.traffic = {"ids": 0, "rows": 0, "grad_rows": 0}  # sent to other ranks (see lookup)
         self._checked = False
-        self._exchange_state: dict = {}  # the tables' fingerprint and the ids' capacity (see _send_ids)
+        self._exchange_state: dict = {}  # the tables' fingerprint and the ids' capacity (see _issue_ids)
+        self._prefetch = None  # a started lookup of the next batch (see prefetch)
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lookups awaiting their gradient
         self.reset_parameters()
 
     # ---- construction ----
@@ -217,6 +220,14 @@ class ShardedEmbedding(nn.Module):
         """
         return lookup([self], [(input, offsets, per_sample_weights)], self.group)[0]
 
+    def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                 per_sample_weights: torch.Tensor | None = None) -> None:
+        """Starts the lookup of the next batch (the 2D schedule's lookahead): call it with the next batch's ids
+        after this step's forward, before its backward; the next forward with the same arguments then waits only
+        for the rows this step's optimizer update changes. Every rank calls it (a collective). See
+        :func:`fastdist.embedding.prefetch` for what it assumes."""
+        prefetch([self], [(input, offsets, per_sample_weights)], self.group)
+
     # ---- state ----
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -280,7 +291,12 @@ class ShardedEmbedding(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["group"], state["_detached"] = None, True  # a process group does not pickle; rebind with attach()
+        state["_prefetch"], state["_pending"] = None, None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pending = weakref.WeakKeyDictionary()
 
     def attach(self, group: dist.ProcessGroup | None = None) -> None:
         """Binds an unpickled table to ``group``, which must have the rank and size it was built for."""
@@ -381,80 +397,25 @@ def _check_header(modules, headers, group, world, my_refusal):
         _raise_refusals(my_refusal, group, world, refused)
 
 
-def _send_ids(modules, send_ids, send_splits, number, refusal, group, world):
-    """The header and the ids: ``(send_splits, recv_splits, received ids grouped by source)``.
+class _Route:
+    """One exchange's routing: this rank's unique ids grouped by owner, and (once the header has come) the ids it
+    serves to the others. Built by :func:`_prepare`, completed by :func:`_issue_ids` and :func:`_receive_ids`."""
 
-    One ``all_to_all_single`` of equal parts carries each pair's header and the first ``capacity`` of its ids
-    (padded), so that when every pair's count fits, the ids cost no round trip of their own; the ids past it follow
-    in a second AlltoAll whose splits the headers gave. Each header also carries its sender's largest count, so every
-    rank sees the same maximum and sets the same capacity for the next call of these tables (a quarter above it):
-    the parts' size is agreed without a message. The first call of a set of tables has capacity 0 (header, then
-    ids).
-    """
-    key = tuple(id(m) for m in modules)
-    state = modules[0]._exchange_state
-    if state.get("key") != key:  # the configuration's fingerprint, computed once per set of tables
-        state.clear()
-        state.update(key=key, print=fingerprint(_configs(modules)), capacity=0)
-    capacity = state["capacity"]
-    header = torch.tensor([[count, number, state["print"], int(refusal is not None), max(send_splits)]
-                           for count in send_splits], dtype=torch.int64)
-    message = torch.zeros(world, _HEADER + capacity, dtype=torch.int64, device=send_ids.device)  # NCCL: on device
-    message[:, :_HEADER] = header.to(send_ids.device)
-    starts = [0]
-    for count in send_splits:
-        starts.append(starts[-1] + count)
-    if capacity:
-        for r in range(world):
-            first = min(send_splits[r], capacity)
-            message[r, _HEADER:_HEADER + first] = send_ids[starts[r]:starts[r] + first]
-    received = torch.empty_like(message)
-    dist.all_to_all_single(received, message, group=group)
-    headers = received[:, :_HEADER].cpu()  # the exchange's one device-to-host copy
-    _check_header(modules, headers, group, world, refusal)
-    recv_splits = headers[:, 0].tolist()
-    most = int(headers[:, 4].max())
-    state["capacity"] = (most + most // 4 + 7) // 8 * 8
-    firsts = [received[r, _HEADER:_HEADER + min(recv_splits[r], capacity)] for r in range(world)]
-    me = modules[0].rank
-    modules[0].traffic["ids"] += (world - 1) * (_HEADER + capacity)  # the equal parts, padding included
-    if most <= capacity:
-        return send_splits, recv_splits, torch.cat(firsts)
-    rest_send = [max(c - capacity, 0) for c in send_splits]
-    rest_recv = [max(c - capacity, 0) for c in recv_splits]
-    rest_ids = torch.cat([send_ids[starts[r] + send_splits[r] - rest_send[r]:starts[r + 1]] for r in range(world)])
-    modules[0].traffic["ids"] += sum(rest_send) - rest_send[me]
-    rest = send_ids.new_empty(sum(rest_recv))
-    dist.all_to_all_single(rest, rest_ids, rest_recv, rest_send, group=group)
-    parts, at = [], 0
-    for r in range(world):
-        parts += [firsts[r], rest[at:at + rest_recv[r]]]
-        at += rest_recv[r]
-    return send_splits, recv_splits, torch.cat(parts)
+    def __init__(self, modules, inputs, group):
+        self.modules, self.inputs, self.group = list(modules), list(inputs), group
+        self.world, self.rank = modules[0].world, modules[0].rank
+        self.work = self.recv_splits = self.recv_ids = None
 
 
-@torch.compiler.disable  # sizes depend on the data and collectives run in between: eager, a graph break under compile
-def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> list:
-    """Looks up several tables of one width in one exchange (two or three AlltoAlls forward, one backward).
-
-    Args:
-        modules: tables sharded over ``group``, all of one ``embedding_dim`` and dtype.
-        inputs: per table ``(ids, offsets, per_sample_weights)`` as its forward takes them.
-        group: their process group.
-
-    Returns:
-        Per table, what its forward returns.
-
-    The first table's ``traffic`` counts what this rank sent to other ranks: ids (int64 slots, the headers and
-    the padding of the equal parts included), rows (its owned rows, ``embedding_dim`` values each) and gradient
-    rows (sent in the backward, counted when a lookup records one).
-    """
+def _prepare(modules, inputs, group) -> _Route:
+    """The exchange's local half: inputs checked, each table's ids uniqued (sorted, with the inverse), offset into
+    one id space and grouped by owner with ``moe_layout``; the call numbered."""
     detached = [m for m in modules if m._detached]
     if detached:
         raise RuntimeError("fastdist: this ShardedEmbedding was unpickled without its process group: call "
                            "attach(group) on every rank first")
-    world = modules[0].world
-    device = modules[0].weight.device
+    route = _Route(modules, inputs, group)
+    world, device = route.world, modules[0].weight.device
     refusal = None
     for m, (ids, offsets, psw) in zip(modules, inputs):
         why = _refusal(m, ids, offsets, psw)
@@ -467,7 +428,6 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
             m._checked = True
     if refusal is not None and world == 1:
         raise EmbeddingInputError(f"fastdist: ShardedEmbedding refused a lookup ({refusal})")
-
     # Unique ids per table, in one id space: table i's ids are offset by the rows of the tables before it.
     uniques, inverses, owners, gid_parts, base = [], [], [], [], 0
     for m, (ids, _, _) in zip(modules, inputs):
@@ -482,35 +442,269 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
         base += m.num_embeddings
     gids, owner = torch.cat(gid_parts), torch.cat(owners)
     _, _, send_counts, permutation, row_of_slot, _, _ = moe_layout(owner.unsqueeze(1), world, world, -1)
-    send_ids = gids.index_select(0, permutation)
-    number = modules[0].calls.take()
-    if world > 1:
-        send_splits, recv_splits, recv_ids = _send_ids(modules, send_ids, send_counts.tolist(), number, refusal,
-                                                       group, world)
-        me = modules[0].rank
-        traffic = modules[0].traffic  # an exchange's traffic is counted on its first table
-        traffic["rows"] += sum(recv_splits) - recv_splits[me]
-        if torch.is_grad_enabled():
-            traffic["grad_rows"] += sum(send_splits) - send_splits[me]
-    else:
-        send_splits = recv_splits = [send_ids.numel()]
-        recv_ids = send_ids
-    if world > 1:
-        rows, pieces = _owner_rows(modules, recv_ids)
-        rows = _RowExchange.apply(rows, (send_splits, recv_splits, group, pieces), *[m.weight for m in modules])
+    route.refusal, route.uniques, route.inverses, route.owner = refusal, uniques, inverses, owner
+    route.row_of_slot, route.send_ids = row_of_slot, gids.index_select(0, permutation)
+    route.send_splits = send_counts.tolist()
+    route.number = modules[0].calls.take()
+    return route
+
+
+def _issue_ids(route: _Route, async_op: bool) -> None:
+    """Starts the header-and-ids ``all_to_all_single`` of equal parts.
+
+    Each pair's part carries its header and the first ``capacity`` of its ids (padded), so that when every pair's
+    count fits, the ids cost no round trip of their own; the ids past it follow in a second AlltoAll
+    (:func:`_receive_ids`) whose splits the headers gave. Each header also carries its sender's largest count, so
+    every rank sees the same maximum and sets the same capacity for the next call of these tables (a quarter above
+    it): the parts' size is agreed without a message. The first call of a set of tables has capacity 0.
+    """
+    modules, world, send_splits = route.modules, route.world, route.send_splits
+    key = tuple(id(m) for m in modules)
+    state = modules[0]._exchange_state
+    if state.get("key") != key:  # the configuration's fingerprint, computed once per set of tables
+        state.clear()
+        state.update(key=key, print=fingerprint(_configs(modules)), capacity=0)
+    capacity = route.capacity = state["capacity"]
+    header = torch.tensor([[count, route.number, state["print"], int(route.refusal is not None), max(send_splits)]
+                           for count in send_splits], dtype=torch.int64)
+    device = route.send_ids.device
+    message = torch.zeros(world, _HEADER + capacity, dtype=torch.int64, device=device)  # NCCL: on device
+    message[:, :_HEADER] = header.to(device)
+    route.starts = starts = [0]
+    for count in send_splits:
+        starts.append(starts[-1] + count)
+    if capacity:
+        for r in range(world):
+            first = min(send_splits[r], capacity)
+            message[r, _HEADER:_HEADER + first] = route.send_ids[starts[r]:starts[r] + first]
+    route.received = torch.empty_like(message)
+    route.work = dist.all_to_all_single(route.received, message, group=route.group, async_op=async_op)
+    modules[0].traffic["ids"] += (world - 1) * (_HEADER + capacity)  # the equal parts, padding included
+
+
+def _receive_ids(route: _Route) -> None:
+    """Waits for the headers, checks the call on every rank (raising on every rank), sets the next capacity and
+    receives the ids past this one's (a second AlltoAll when any pair's count outgrew it)."""
+    if route.work is not None:
+        route.work.wait()
+    modules, world, capacity, received = route.modules, route.world, route.capacity, route.received
+    headers = received[:, :_HEADER].cpu()  # the exchange's one device-to-host copy
+    _check_header(modules, headers, route.group, world, route.refusal)
+    recv_splits = route.recv_splits = headers[:, 0].tolist()
+    most = int(headers[:, 4].max())
+    modules[0]._exchange_state["capacity"] = (most + most // 4 + 7) // 8 * 8
+    firsts = [received[r, _HEADER:_HEADER + min(recv_splits[r], capacity)] for r in range(world)]
+    if most <= capacity:
+        route.recv_ids = torch.cat(firsts)
+        return
+    send_splits, starts, send_ids = route.send_splits, route.starts, route.send_ids
+    rest_send = [max(c - capacity, 0) for c in send_splits]
+    rest_recv = [max(c - capacity, 0) for c in recv_splits]
+    rest_ids = torch.cat([send_ids[starts[r] + send_splits[r] - rest_send[r]:starts[r + 1]] for r in range(world)])
+    modules[0].traffic["ids"] += sum(rest_send) - rest_send[route.rank]
+    rest = send_ids.new_empty(sum(rest_recv))
+    dist.all_to_all_single(rest, rest_ids, rest_recv, rest_send, group=route.group)
+    parts, at = [], 0
+    for r in range(world):
+        parts += [firsts[r], rest[at:at + rest_recv[r]]]
+        at += rest_recv[r]
+    route.recv_ids = torch.cat(parts)
+
+
+def _count_rows(route: _Route) -> None:
+    traffic, me = route.modules[0].traffic, route.rank  # an exchange's traffic is counted on its first table
+    traffic["rows"] += sum(route.recv_splits) - route.recv_splits[me]
+    if torch.is_grad_enabled():
+        traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[me]
+
+
+@torch.compiler.disable  # sizes depend on the data and collectives run in between: eager, a graph break under compile
+def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> list:
+    """Looks up several tables of one width in one exchange (two or three AlltoAlls forward, one backward).
+
+    When :func:`prefetch` was called for these tables since their last lookup, the lookup finishes that exchange
+    instead (one AlltoAll of the rows the update in between changed), provided every rank's inputs are the ones it
+    prefetched; otherwise every rank drops the prefetched rows and looks up afresh.
+
+    Args:
+        modules: tables sharded over ``group``, all of one ``embedding_dim`` and dtype.
+        inputs: per table ``(ids, offsets, per_sample_weights)`` as its forward takes them.
+        group: their process group.
+
+    Returns:
+        Per table, what its forward returns.
+
+    The first table's ``traffic`` counts what this rank sent to other ranks: ids (int64 slots, the headers and
+    the padding of the equal parts included), rows (its owned rows, ``embedding_dim`` values each) and gradient
+    rows (sent in the backward, counted when a lookup records one).
+    """
+    pending = modules[0]._prefetch
+    if pending is not None and pending.modules == list(modules):
+        out = _finish_prefetch(pending, inputs)
+        if out is not None:
+            return out
+    route = _prepare(modules, inputs, group)
+    if route.world > 1:
+        _issue_ids(route, async_op=False)
+        _receive_ids(route)
+        _count_rows(route)
+        rows, pieces = _owner_rows(modules, route.recv_ids)
+        plan = (route.send_splits, route.recv_splits, group, pieces, _watch(pieces))
+        rows = _RowExchange.apply(rows, plan, *[m.weight for m in modules])
     else:  # one rank: the unique ids in table order, each table's rows with nn.Embedding's gradient
-        rows = torch.cat([_local_rows(m, u) for m, u in zip(modules, uniques)])
+        rows = torch.cat([_local_rows(m, u) for m, u in zip(modules, route.uniques)])
+    return _expand_all(route, rows)
+
+
+def _expand_all(route: _Route, rows: torch.Tensor) -> list:
+    """Each table's output from the rows of the unique ids (in send order)."""
+    owner = route.owner
     # Unique ids are sorted, so a row-sharded table's come already grouped by owner: the layout is the identity
     # and the rows need no reordering (several tables in one exchange, or table sharding, interleave owners).
     in_order = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
-    by_unique = rows if in_order else moe_unpermute(rows, row_of_slot.to(rows.device))
+    by_unique = rows if in_order else moe_unpermute(rows, route.row_of_slot.to(rows.device))
     out, start = [], 0
-    for m, u, inv, (ids, offsets, psw) in zip(modules, uniques, inverses, inputs):
+    for m, u, inv, (ids, offsets, psw) in zip(route.modules, route.uniques, route.inverses, route.inputs):
         mine = by_unique[start:start + u.numel()]
         start += u.numel()
         out.append(_expand(m, mine, u, inv, ids, offsets, psw))
     return out
 
+
+# ---- next-batch prefetch (the 2D schedule's lookahead) ----
+
+@torch.compiler.disable
+def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> None:
+    """Starts the next lookup of ``modules`` with ``inputs`` before the pending update of the tables is done.
+
+    The ids leave at once (asynchronously). When the backward in flight has delivered the tables' gradients (or at
+    the next lookup, whichever comes first), each owner sends the rows the pending optimizer step will not change
+    (asynchronously, flagged), and the next :func:`lookup` of these tables with these inputs sends the flagged rest,
+    read after the step: every row is read after the last change to it, so the result equals the lookup's without
+    prefetch. "Will change" is judged from the table's gradient: the rows of a sparse gradient and of the lookups
+    whose gradient has not arrived yet; every row when the gradient is dense (momentum and weight decay move
+    rows that were not looked up). So between this call and the lookup, only an optimizer step on the tables'
+    gradients may change them. A collective: every rank calls it, in the same order.
+    """
+    if modules[0].world == 1:
+        return  # one rank: the lookup reads the table directly
+    for m in modules:
+        if m._prefetch is not None:
+            raise RuntimeError("fastdist: ShardedEmbedding.prefetch called twice without a lookup in between")
+    route = _prepare(modules, [tuple(a) + (None,) * (3 - len(a)) for a in inputs], group)
+    _issue_ids(route, async_op=True)
+    route.advanced = False
+    for m in modules:
+        m._prefetch = route  # with no backward in flight, the rows are sent at the next lookup
+
+
+def _touched_rows(m: ShardedEmbedding) -> torch.Tensor | bool:
+    """The shard's rows the pending update may change: a mask, or True (every row) / False (none)."""
+    if not m.weight.requires_grad:
+        return False
+    pending, g = list(m._pending.values()), m.weight.grad
+    if g is None and not pending:
+        return False
+    if not m.sparse or (g is not None and not g.is_sparse):
+        return True
+    mask = torch.zeros(m.weight.shape[0], dtype=torch.bool, device=m.weight.device)
+    for rows in pending + ([g._indices()[0]] if g is not None else []):
+        mask[rows] = True
+    return mask
+
+
+def _advance(route: _Route, update_done: bool) -> None:
+    """The prefetch's second half: the ids received, every row the pending update leaves alone sent (async), each
+    row followed by a flag column that is 1 where the row waits for the update (sent by the lookup)."""
+    route.advanced = True
+    try:
+        _receive_ids(route)
+    except BaseException:  # a refused input or a mismatch, raised on every rank: the prefetch is dropped
+        for m in route.modules:
+            m._prefetch = None
+        raise
+    rows, pieces = _owner_rows(route.modules, route.recv_ids)
+    late = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    if not update_done:
+        for m, where, local in pieces:
+            touched = _touched_rows(m)
+            if touched is True:
+                late[slice(None) if where is None else where] = True
+            elif touched is not False:
+                hit = touched.index_select(0, local)
+                late[slice(None) if where is None else where] = hit
+    message = torch.cat([rows.masked_fill(late.unsqueeze(1), 0), late.unsqueeze(1).to(rows.dtype)], 1)
+    route.pieces, route.late = pieces, late
+    route.early = message.new_empty((sum(route.send_splits), message.shape[1]))
+    route.early_work = dist.all_to_all_single(route.early, message, route.send_splits, route.recv_splits,
+                                              group=route.group, async_op=True)
+    traffic, me = route.modules[0].traffic, route.rank
+    traffic["rows"] += sum(route.recv_splits) - route.recv_splits[me]
+
+
+def _segments(flags: torch.Tensor, splits: list) -> list:
+    """How many of ``flags`` are set in each consecutive segment of ``splits``."""
+    if not flags.numel():
+        return [0] * len(splits)
+    cuts = torch.tensor(splits, device=flags.device).cumsum(0)
+    at = torch.cat([flags.new_zeros(1, dtype=torch.int64), flags.long().cumsum(0)])
+    ends = at.index_select(0, cuts)
+    return torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+
+
+def _finish_prefetch(route: _Route, inputs) -> list | None:
+    """The lookup of prefetched tables: the flagged rows sent now, read after the update; None when a rank's
+    inputs are not what it prefetched (every rank then looks up afresh)."""
+    modules = route.modules
+    for m in modules:
+        m._prefetch = None
+    inputs = [tuple(a) + (None,) * (3 - len(a)) for a in inputs]
+    if not route.advanced:
+        _advance(route, update_done=True)  # every change before this lookup is done: no row waits
+    same = all(_same_input(a, b) for a, b in zip(inputs, route.inputs))
+    route.early_work.wait()
+    dim = modules[0].embedding_dim
+    early, late = route.early[:, :dim], route.early[:, dim] > 0.5
+    # One AlltoAll: per pair a row whose first value says whether the sender's inputs were the prefetched ones,
+    # then the owner's rows flagged late for that pair, in the order the pair's ids came.
+    late_send, late_recv = _segments(route.late, route.recv_splits), _segments(late, route.send_splits)
+    late_ids = route.recv_ids[route.late]
+    with torch.no_grad():
+        fresh, _ = _owner_rows(modules, late_ids)
+    parts, at = [], 0
+    flag = early.new_full((1, dim), float(same))
+    for r in range(route.world):
+        parts += [flag, fresh[at:at + late_send[r]]]
+        at += late_send[r]
+    message = torch.cat(parts)
+    got = early.new_empty((sum(late_recv) + route.world, dim))
+    dist.all_to_all_single(got, message, [c + 1 for c in late_recv], [c + 1 for c in late_send], group=route.group)
+    traffic, me = modules[0].traffic, route.rank
+    traffic["rows"] += sum(late_send) - late_send[me] + route.world - 1
+    heads = torch.tensor([0] + late_recv[:-1]).add(1).cumsum(0).sub(1).tolist()
+    if not bool((got[heads, 0] == 1).all()):
+        return None
+    keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
+    keep[heads] = False
+    received = early.clone()
+    received[late] = got[keep]
+    if torch.is_grad_enabled():
+        traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[me]
+    plan = (route.send_splits, route.recv_splits, route.group, route.pieces, _watch(route.pieces))
+    rows = _Prefetched.apply(received, plan, *[m.weight for m in modules])
+    return _expand_all(route, rows)
+
+
+def _same_input(a: tuple, b: tuple) -> bool:
+    for x, y in zip(a, b):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and x is not y and (x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y)):
+            return False
+    return True
+
+
+# ---- rows and their gradients ----
 
 def _local_pad(m):
     """The padding row's index in this rank's shard, or None."""
@@ -542,6 +736,24 @@ def _owner_rows(modules, recv_ids):
     return rows, pieces
 
 
+class _Pending:
+    """A lookup whose gradient rows have not reached the owners yet (weakly held by the tables it read: a graph
+    freed without a backward forgets it)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _watch(pieces):
+    """Registers a lookup's rows as pending on their tables while gradients are recorded (see prefetch)."""
+    if not torch.is_grad_enabled():
+        return None
+    token = _Pending()
+    for m, _, local in pieces:
+        if m.weight.requires_grad:
+            m._pending[token] = local
+    return token
+
+
 class _RowExchange(torch.autograd.Function):
     """Forward: the owners' rows to the ranks that asked for them (``all_to_all_single``). Backward: the gradient
     rows go back to their owners asynchronously, and at the end of the backward they are added to the shards'
@@ -551,7 +763,7 @@ class _RowExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, plan, *weights):
-        send_splits, recv_splits, group, _ = plan
+        send_splits, recv_splits, group, _, _ = plan
         ctx.plan = plan
         out = rows.new_empty((sum(send_splits), rows.shape[1]))
         dist.all_to_all_single(out, rows.contiguous(), send_splits, recv_splits, group=group)
@@ -559,16 +771,27 @@ class _RowExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        send_splits, recv_splits, group, pieces = ctx.plan
+        send_splits, recv_splits, group, pieces, token = ctx.plan
         received = grad.new_empty((sum(recv_splits), grad.shape[1]))
         work = dist.all_to_all_single(received, grad.contiguous(), recv_splits, send_splits, group=group,
                                       async_op=True)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _add_gradients(work, received, pieces))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _add_gradients(work, received, pieces, token))
         return (None, None) + (None,) * len(pieces)
 
 
-def _add_gradients(work, received, pieces):
-    """Waits for the gradient rows and adds them to each shard's ``.grad``."""
+class _Prefetched(_RowExchange):
+    """A prefetched lookup's rows, already exchanged: the forward passes them on, the backward is the exchange's."""
+
+    @staticmethod
+    def forward(ctx, rows, plan, *weights):
+        ctx.plan = plan
+        return rows
+
+
+def _add_gradients(work, received, pieces, token=None):
+    """Waits for the gradient rows and adds them to each shard's ``.grad``; then sends the rows of any prefetch
+    that waited for this backward."""
     work.wait()
     for m, where, local in pieces:
         g = received if where is None else received.index_select(0, where)
@@ -586,6 +809,12 @@ def _add_gradients(work, received, pieces):
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             w.grad.index_add_(0, local, g)
+    for m, _, _ in pieces:
+        m._pending.pop(token, None)
+    for m, _, _ in pieces:
+        route = m._prefetch
+        if route is not None and not route.advanced and not any(t._pending for t in route.modules):
+            _advance(route, update_done=False)
 
 
 def _expand(module, rows, unique, inverse, ids, offsets, psw):

@@ -1,0 +1,83 @@
+"""The 2D schedule's next-batch prefetch changes when rows move, never what is looked up: training with the next
+batch prefetched (before the backward, or after the optimizer step) equals the unprefetched run bit for bit and a
+single process on the unsharded table, and a row updated in one step is looked up in the next with its updated
+value; a rank looking up other ids than it prefetched makes every rank look up afresh; bad prefetched ids raise on
+every rank."""
+import pytest
+import torch
+from helpers import assert_close
+
+import ranks
+
+
+def reference(name, world):
+    """Single process, the unsharded table: every rank's outputs per step, and the next step's outputs as a read
+    before the update would give them (stale)."""
+    case = dict(ranks.TRAIN_CASE, sparse=name != "torch-adam-dense")
+    table = ranks.reference_table(case)
+    opt = ranks.make_optimizer(name, table.parameters(), sharded=False)
+    ys, stale = [[] for _ in range(world)], [[None] for _ in range(world)]
+    for step in range(ranks.PREFETCH_STEPS):
+        opt.zero_grad()
+        loss = 0
+        for rank in range(world):
+            ids, offsets, psw, upstream = ranks.prefetch_batch(rank, step)
+            y = table(ids, offsets, psw)
+            ys[rank].append(y.detach())
+            loss = loss + (y * upstream).sum()
+        loss.backward()
+        with torch.no_grad():
+            for rank in range(world):
+                stale[rank].append(table(*ranks.prefetch_batch(rank, step + 1)[:3]))
+        opt.step()
+    return ys, stale, table.weight.detach()
+
+
+@pytest.fixture(params=[2, 4])
+def job(request):
+    return request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
+
+
+@pytest.mark.parametrize("schedule", ["2d", "after-step", "mismatch"])
+def test_prefetched_training_equals_the_unprefetched_run_and_one_process(job, schedule):
+    world = len(job)
+    for name in ranks.PREFETCH_OPTIMIZERS:
+        want, _, table = reference(name, world)
+        shards = []
+        for rank, got in enumerate(r["prefetch"] for r in job):
+            plain, ours = got["plain"][name], got[schedule][name]
+            for step in range(ranks.PREFETCH_STEPS):
+                assert torch.equal(ours["y"][step], plain["y"][step]), (name, rank, step)
+                assert_close(ours["y"][step], want[rank][step], f"{name} rank {rank} step {step}",
+                             rtol=1e-5, atol=1e-6)
+            assert torch.equal(ours["weight"], plain["weight"]), (name, rank)
+            shards.append((ours["start"], ours["weight"]))
+        full = torch.cat([w for _, w in sorted(shards, key=lambda s: s[0])])
+        assert_close(full, table, f"{name} table after {ranks.PREFETCH_STEPS} steps", rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_updated_in_one_step_is_looked_up_with_its_updated_value(two_ranks):
+    # Rows 0-3 are in every step's batch on every rank: each step updates them and the next looks them up while
+    # the prefetch runs. A read before the update (stale) would differ; the prefetched lookup equals the fresh one.
+    for name in ranks.PREFETCH_OPTIMIZERS:
+        want, stale, _ = reference(name, 2)
+        for rank, got in enumerate(r["prefetch"]["2d"][name] for r in two_ranks):
+            for step in range(1, ranks.PREFETCH_STEPS):
+                assert not torch.allclose(stale[rank][step], want[rank][step], atol=1e-4), (name, rank, step)
+                assert_close(got["y"][step], want[rank][step], f"{name} rank {rank} step {step}",
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_prefetched_collection_equals_the_unprefetched_one(two_ranks):
+    for rank, got in enumerate(r["prefetch collection"] for r in two_ranks):
+        for step, (plain, ours) in enumerate(zip(got[False], got[True])):
+            assert plain.keys() == ours.keys() == {"a", "b"}
+            for n in plain:
+                assert torch.equal(ours[n], plain[n]), (rank, step, n)
+
+
+def test_bad_prefetched_ids_raise_on_every_rank(job):
+    for rank, (error, after) in enumerate(r["prefetch refusal"] for r in job):
+        kind, message = error
+        assert kind == "EmbeddingInputError" and "rank 1:" in message and "got 11" in message, rank
+        assert after == torch.Size([2, ranks.DIM])
