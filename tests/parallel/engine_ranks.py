@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastdist
-from fastdist.testing.models import TransformerLM
+from fastdist.testing.models import Block, TransformerLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tp"))
 import user_models as um  # noqa: E402  (nanoGPT's blocks as nanoGPT writes them)
@@ -50,12 +50,34 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class MetaReadyGPT(nn.Module):
+    """A GPT written for building on the meta device: every tensor comes from its layers' reset_parameters (token
+    and position embeddings, fastdist's pre-norm blocks, a final LayerNorm, an LM head); the causal mask and the
+    positions are made in the forward."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=tokens.device), 1)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
 def make_model(name: str, layers: int = 4) -> nn.Module:
     """The seeded model ``name`` ("transformer_lm", "nanogpt", "gpt2", "llama": Hugging Face's, small, built from a
     config, nothing downloaded)."""
     torch.manual_seed(0)
     if name == "transformer_lm":
         return TransformerLM(VOCAB, 32, 4, layers, seq=SEQ)
+    if name == "meta_ready_gpt":
+        return MetaReadyGPT(VOCAB, 32, 4, layers, SEQ)
     if name == "nanogpt":
         return NanoGPT(um.GPTConfig(block_size=SEQ, n_layer=layers, n_head=4, n_embd=32), VOCAB)
     if name == "gpt2":
@@ -108,24 +130,33 @@ def reference(name: str, steps: int = STEPS, layers: int = 4) -> tuple[list[floa
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: int = 4, **options) -> dict:
+def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: int = 4, meta: bool = False,
+          **options) -> dict:
     """parallelize on ``mesh`` ((dp, tp, pp) or a DeviceMesh) + ``steps`` steps on this rank: losses, the gathered
-    state dict (rank 0 only), the plan."""
-    model = make_model(name, layers)
+    state dict (rank 0 only) before and after training, the plan. ``meta``: the model is built on the meta
+    device."""
+    if meta:
+        with torch.device("meta"):
+            model = make_model(name, layers)
+    else:
+        model = make_model(name, layers)
     shape = mesh if isinstance(mesh, tuple) else tuple(
         mesh.mesh.shape[mesh.mesh_dim_names.index(n)] if n in mesh.mesh_dim_names else 1 for n in ("dp", "tp", "pp"))
     dp = shape[0]
     d = dist.get_rank() // (shape[1] * shape[2]) if dist.is_initialized() else 0  # this rank's dp index
     data = [(x.chunk(dp)[d], y.chunk(dp)[d]) for x, y in batches(steps)]
     options.setdefault("tp_overlap", 2)  # the default "auto" warns on an uncalibrated machine
-    if name == "transformer_lm" and shape[1] > 1:
+    if name in ("transformer_lm", "meta_ready_gpt") and shape[1] > 1:
         options.setdefault("tp_plan", TRANSFORMER_LM_TP)
     engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
                                            optimizer=make_optimizer, microbatches=microbatches, **options)
+    initial = engine.state_dict() if meta else None
     losses = [engine.step(x, y).item() for x, y in data]
     state = engine.state_dict()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return {"losses": losses, "state": state if rank == 0 else None, "plan": str(engine.plan),
+            "initial": initial if rank == 0 else None, "still_meta": meta and all(p.is_meta for p in model.parameters()),
+            "stage_params": sum(p.numel() for p in engine.module.parameters()),
             "split_points": engine.plan.split_points, "coordinate": engine.coordinate,
             "wire_bytes": getattr(engine.pipeline_stage, "wire_bytes", None), "engine": engine}
 
@@ -161,6 +192,9 @@ def bad_input(case: str) -> str | None:
         kwargs["split_points"] = [1 + dist.get_rank() % 2]
     elif case == "tp_plan_matches_nothing":
         kwargs.update(mesh=(1, 2, 1), tp_plan={"blocks.*.ffn.0": "colwise"}, tp_overlap=2)
+    elif case == "meta_unset":  # TransformerLM's zero positions and causal mask come from its constructor
+        with torch.device("meta"):
+            model = make_model("transformer_lm")
     elif case == "step_batch":
         engine = fastdist.parallel.parallelize(model, **kwargs)
         target = batches(1)[0][1]
@@ -238,6 +272,9 @@ def case(name: str):
         return checkpoint(rest)
     if kind == "resume":
         return resume(tuple(int(d) for d in rest.split(",")))
+    if kind == "meta":
+        model, _, mesh = rest.partition(":")
+        return _plain(train(model, tuple(int(d) for d in mesh.split(",")), meta=True, steps=3))
     if kind == "compile":
         return compiled(tuple(int(d) for d in rest.split(",")))
     if kind == "device_mesh":

@@ -83,6 +83,7 @@ BAD = {
     "no_blocks": "Sequential has no nn.ModuleList of blocks to cut between",
     "different_models": "'fastdist.parallelize model",
     "different_plans": "split_points",
+    "meta_unset": "init left ['pos', 'causal'] of stage 0 unset",
     "tp_plan_matches_nothing": "tp_plan {'blocks.*.ffn.0': 'colwise'} names no nn.Linear (or Conv1D) of stage 0",
     # a step's batch of another shape than example_inputs on every rank, then on one rank only
     "step_batch": ("ValueError: fastdist.parallel: step() got inputs [((4, 16), 'torch.int64')]; parallelize was "
@@ -191,3 +192,24 @@ def test_compiled_stages_train_like_the_eager_engine_and_one_process(engine_rank
     for key, want in want_state.items():
         assert_close(state[key], eager_state[key], f"{mesh}: {key}, compiled vs eager", **COMPILE_TOLERANCE)
         assert_close(state[key], want, f"{mesh}: {key}, compiled vs one process", **COMPILE_TOLERANCE)
+
+
+@pytest.mark.parametrize("mesh", ["1,1,2", "1,2,1"])
+def test_a_model_built_on_the_meta_device_gets_the_values_of_the_model_built_normally_and_trains_like_it(
+        engine_ranks, mesh):
+    from engine_ranks import make_model
+    normal = make_model("meta_ready_gpt").state_dict()  # seeded with 0, built on the CPU
+    want_losses, want_state = reference("meta_ready_gpt", steps=3)
+    ranks = engine_ranks(2, f"meta:meta_ready_gpt:{mesh}")
+    initial = ranks[0]["initial"]
+    assert list(initial) == list(normal)
+    for key, want in normal.items():  # every stage's tensor-parallel shards, gathered: the same draws
+        assert torch.equal(initial[key], want), f"{mesh}: {key} differs from the normally built model's"
+    total = sum(t.numel() for t in normal.values())
+    for rank, got in enumerate(ranks):
+        assert got["still_meta"], f"rank {rank}: the user's model was allocated"
+        assert got["stage_params"] < total, f"rank {rank} holds {got['stage_params']} of {total} parameters"
+        assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"{mesh}, rank {rank}: losses",
+                     **LOSS_TOLERANCE)
+    for key, want in want_state.items():
+        assert_close(ranks[0]["state"][key], want, f"{mesh}: {key} after training", **PARAM_TOLERANCE)

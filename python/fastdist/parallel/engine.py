@@ -116,7 +116,8 @@ def _model_structure(model: nn.Module) -> dict:
     (a model built from another seed differs in the digests)."""
     out = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        out[name] = (tuple(t.shape), str(t.dtype), tuple(state_digest(t.detach().cpu()).tolist()))
+        digest = None if t.is_meta else tuple(state_digest(t.detach().cpu()).tolist())  # meta: no values yet
+        out[name] = (tuple(t.shape), str(t.dtype), digest)
     return out
 
 
@@ -482,7 +483,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
                 tp_overlap: int | str = "auto", compress_boundaries: Any = None,
                 dp_comm_hook: Any = None, split_points: Sequence[int | str] | None = None, balance: str = "time",
                 *, blocks: str | None = None, tp_plan: Mapping[str, str] | None = None,
-                compile: bool | Mapping[str, Any] = False, profile_reps: int = 5) -> Engine:
+                compile: bool | Mapping[str, Any] = False, init: Callable[[nn.Module], None] | None = None,
+                seed: int = 0, device: torch.device | str | None = None, profile_reps: int = 5) -> Engine:
     """Parallelizes ``model`` over a (data, tensor, pipeline) mesh and returns the :class:`Engine` that trains it.
 
     Every rank calls it with the same model (same structure and values: seed before building it) and arguments.
@@ -517,6 +519,17 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             compile the forward of every block of this rank's stage (its head or embedding modules on a stage
             without blocks) after tensor-parallel sharding; hooks, the cut and the code between the blocks run
             eagerly. Alike blocks share one compiled graph.
+        init: for a model built on the meta device (``with torch.device("meta"): model = GPT(...)``), the
+            function ``model.apply`` would call to initialize it (default: each module's ``reset_parameters``).
+            Each rank allocates only its stage's tensors and gives them the values the whole model gets on one
+            process from ``model.to_empty(device=...); torch.manual_seed(seed); model.apply(init)``, which for
+            torch's layers built in the order they are registered is the model built normally after
+            ``torch.manual_seed(seed)``. Every floating-point parameter and buffer must be set by ``init``
+            (one left unset is an error naming it). Such a model is balanced by parameters (nothing to time) and
+            each stage is checked by running it rather than against the whole model.
+        seed: the seed of that initialization.
+        device: where a meta-device model's stages are allocated (default: this rank's CUDA device when CUDA is
+            available, else the CPU).
         profile_reps: profiling repetitions.
 
     Raises:
@@ -555,6 +568,10 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     if problem is None and shape[2] > 1 and schedule != "gpipe" and microbatches < shape[2]:
         problem = (f"schedule {schedule!r} needs at least as many microbatches as stages ({shape[2]}), got "
                    f"{microbatches}")
+    on_meta, meta_problem = _attempt(lambda: part.is_meta(model))
+    problem = problem or meta_problem
+    if problem is None and not on_meta and init is not None:
+        problem = "init= initializes a model built on the meta device; this model's tensors are already allocated"
     if problem is None and not isinstance(compile, (bool, Mapping)):
         problem = f"compile must be a bool or a dict of torch.compile options, got {compile!r}"
     if problem is None and shape[2] == 1 and (recompute != "none" or compress_boundaries is not None):
@@ -570,11 +587,15 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             "split_points": None if split_points is None else [str(p) for p in split_points], "blocks": blocks,
             "tp_plan": None if tp_plan is None else dict(tp_plan), "compress": _describe_compress(compress),
             "compile": compile if isinstance(compile, bool) else {k: repr(v) for k, v in sorted(compile.items())},
-            "engines built before": _engines_built,
+            "engines built before": _engines_built, "meta": on_meta, "seed": seed,
+            "init": None if init is None else getattr(init, "__qualname__", repr(init)),
             "example_inputs": [(tuple(a.shape), str(a.dtype)) for a in example]})
         check_same("fastdist.parallelize model", _model_structure(model))
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    requested, device = device, next((p.device for p in model.parameters()), torch.device("cpu"))
+    if on_meta:
+        device = torch.device(requested) if requested is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     if distributed and world > 1:
         mesh_obj = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh(device.type, shape,
                                                                                 mesh_dim_names=MESH_DIMS)
@@ -591,11 +612,16 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
 
     # ---- cut: analyse on every rank (cheap), profile on rank 0, plan everywhere from rank 0's numbers ----
     micro = tuple(a.tensor_split(microbatches)[0] for a in example)
-    analysis, problem = _attempt(lambda: part.analyze(model, micro, blocks))
+    analysis, problem = _attempt(lambda: part.analyze(model, tuple(a.to("meta") for a in micro) if on_meta else micro,
+                                                      blocks))
+    if problem is None and on_meta:  # the stages' own code runs on the real batch
+        analysis.example_args = tuple(a.detach() for a in micro)
     if problem is None and pp > analysis.num_blocks:
         problem = (f"{pp} pipeline stages but {type(model).__name__} has only {analysis.num_blocks} blocks in "
                    f"{analysis.blocks_path}: use at most {analysis.num_blocks} stages")
     _agree("cutting the model", problem, None)
+    if on_meta and balance == "time":  # nothing to time on the meta device
+        balance = "params"
     if balance == "time" and split_points is None and pp > 1:
         costs = part.profile_pieces(analysis, reps=profile_reps) if dist.get_rank() == 0 or world == 1 else None
         if world > 1:
@@ -617,7 +643,13 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     # ---- this rank's stage, checked against the whole model on a second batch ----
     keys = list(model.state_dict().keys())
     stage, problem = _attempt(lambda: part.build_stage(analysis, mine.first_block, mine.last_block, pp_i, pp))
-    if problem is None:
+    if problem is None and on_meta:
+        unset, problem = _attempt(lambda: part.materialize_stage(model, stage, init, seed, device))
+        if unset:
+            problem = (f"init left {unset[:8]} of stage {pp_i} unset (a model built on the meta device gets every "
+                       "value from init: pass init= a function that sets them, as model.apply would call it)")
+        problem = problem or part.probe_stage(stage, analysis, device)
+    elif problem is None:
         second = _second_batch(micro)
         problem = part.check_stage(analysis, stage, part.cut_activations(analysis, second), second)
     if problem:

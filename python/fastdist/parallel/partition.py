@@ -49,7 +49,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 __all__ = ["Analysis", "PieceCost", "Plan", "StagePlan", "analyze", "build_stage", "check_stage", "cut_activations",
-           "make_plan", "param_costs", "plan_stages", "profile_pieces", "split", "stage_costs", "stage_output"]
+           "is_meta", "make_plan", "materialize_stage", "param_costs", "plan_stages", "probe_stage", "profile_pieces",
+           "reset_parameters", "split", "stage_costs", "stage_output"]
 
 BALANCES = ("time", "params")
 
@@ -922,3 +923,145 @@ def check_stage(analysis: Analysis, stage: nn.Module, reference: tuple[list[torc
                 "the blocks depend on the batch's values, which a later stage does not see")
     return None
 
+
+
+# ---- a model built on the meta device: each rank materializes its own stage ----
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters and buffers are on the meta device (all of them; a mix is refused).
+
+    Raises:
+        ValueError: some are on the meta device and some are not.
+    """
+    tensors = [t for t in [*model.parameters(), *model.buffers()]]
+    on_meta = sum(t.is_meta for t in tensors)
+    if 0 < on_meta < len(tensors):
+        where = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta][:3]
+        raise ValueError(f"fastdist.parallel: {type(model).__name__} is partly on the meta device ({where} are not): "
+                         "build all of it under torch.device('meta'), or none of it")
+    return bool(tensors) and on_meta == len(tensors)
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default ``init`` of a model built on the meta device: the module's own ``reset_parameters()`` (torch's
+    layers; ``nn.MultiheadAttention``'s ``_reset_parameters``), what its constructor ran."""
+    fn = getattr(module, "reset_parameters", None)
+    if fn is None and isinstance(module, nn.MultiheadAttention):
+        fn = module._reset_parameters
+    if callable(fn):
+        fn()
+
+
+def _empty_like(t: torch.Tensor, device: torch.device, cache: dict[int, torch.Tensor]) -> torch.Tensor:
+    """An uninitialized tensor like ``t`` on ``device`` (a Parameter for a Parameter), one per ``t`` in ``cache``."""
+    if id(t) not in cache:
+        e = torch.empty_like(t, device=device)
+        cache[id(t)] = nn.Parameter(e, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else e
+    return cache[id(t)]
+
+
+class _AnyCall(TorchFunctionMode):
+    """Notes whether a function touches any tensor at all (an init that only checks types does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.called = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.called = True
+        return func(*args, **(kwargs or {}))
+
+
+def materialize_stage(model: nn.Module, stage: nn.Module, init: Callable[[nn.Module], None] | None, seed: int,
+                      device: torch.device) -> list[str]:
+    """Allocates the tensors ``stage`` (built from the meta-device ``model``) owns on ``device`` and initializes
+    them with the values the whole model would get on one process from
+    ``model.to_empty(device=...); torch.manual_seed(seed); model.apply(init)``.
+
+    ``init`` runs on every module of the model in ``apply``'s order (children first), so the random draws of the
+    modules other stages own are replayed (on temporary tensors, one module's at a time) and this stage's modules
+    draw what they would draw in the whole model. With the default init (each module's ``reset_parameters``) that is
+    what building the model normally gives when its constructor builds the layers in the order it registers them.
+    A module for which ``init`` touches no tensor (a run on the meta device tells) is skipped, so a model-level
+    ``init(model)`` that does nothing costs nothing. The global RNG is left as it was.
+
+    Returns:
+        The names of the stage's floating-point tensors ``init`` left unset (filled with NaN before it ran).
+    """
+    init = init or reset_parameters
+    empty: dict[int, torch.Tensor] = {}
+    for sub in stage.modules():  # Module.to_empty would give a tied parameter a tensor per module holding it
+        for slots in (sub._parameters, sub._buffers):
+            for k, t in slots.items():
+                if t is not None and t.is_meta:
+                    slots[k] = _empty_like(t, device, empty)
+    owned = {**dict(stage.named_parameters(remove_duplicate=False)),
+             **dict(stage.named_buffers(remove_duplicate=False))}
+    with torch.no_grad():
+        for t in owned.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+    aliases: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        aliases.setdefault(id(t), []).append(name)
+
+    def real(t: torch.Tensor, cache: dict) -> torch.Tensor:
+        mine = next((owned[n] for n in aliases.get(id(t), ()) if n in owned), None)
+        return mine if mine is not None else _empty_like(t, device, cache)
+
+    def run(module: nn.Module) -> None:
+        probe = _AnyCall()
+        try:
+            with torch.no_grad(), probe:
+                init(module)
+        except Exception:  # noqa: BLE001 - not runnable on the meta device: run it for real
+            probe.called = True
+        if not probe.called:
+            return
+        cache: dict[int, torch.Tensor] = {}
+        swapped = []
+        for sub in module.modules():
+            for slots in (sub._parameters, sub._buffers):
+                for k, t in slots.items():
+                    if t is not None and t.is_meta:
+                        swapped.append((slots, k, t))
+                        slots[k] = real(t, cache)
+        try:
+            with torch.no_grad():
+                init(module)
+        finally:
+            for slots, k, t in swapped:
+                slots[k] = t
+
+    def visit(module: nn.Module) -> None:  # nn.Module.apply's order
+        for child in module.children():
+            visit(child)
+        run(module)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        visit(model)
+    with torch.no_grad():
+        return [n for n, t in owned.items() if t.is_floating_point() and bool(torch.isnan(t).any())]
+
+
+def probe_stage(stage: nn.Module, analysis: Analysis, device: torch.device) -> str | None:
+    """Why the materialized stage of a meta-device model cannot run (it cannot be checked against the whole model,
+    which exists nowhere), or None: a forward on the analysed batch (stage 0) or on zeros of the cut's shape."""
+    st: _StageState = stage._fastdist_stage
+    where = f"stage {st.index} ({analysis.blocks_path}.{st.first_block}-{st.last_block - 1})"
+    try:
+        with torch.no_grad(), _eval_mode(stage):
+            if st.first:
+                out = stage(*analysis.example_args)
+            else:
+                shape, dtype = analysis.cut_shapes[st.first_block]
+                out = stage(torch.zeros(shape, dtype=dtype, device=device))
+    except Exception as e:  # noqa: BLE001 - any failure is a model this stage cannot run
+        return (f"{where} of a model built on the meta device failed on a probe batch: {type(e).__name__}: {e}. A "
+                "value computed by a module another stage owns (a rotary table, a mask) reaches it from the meta "
+                "device: build the model on a real device, or compute such values in the forward")
+    want = analysis.output_shape[0] if st.last else analysis.cut_shapes[st.last_block][0]
+    if out.is_meta or out.shape != want:
+        return f"{where} of a model built on the meta device gave a {tuple(out.shape)} {out.device} tensor, not {tuple(want)}"
+    return None
