@@ -17,8 +17,10 @@ then b, w, u), each by the exact minimiser of L in that block where one exists i
 u) and by a linearised proximal step otherwise (o under cross-entropy, a_t through the tanh), then takes a dual
 ascent step lam_k += rho_k r_k. The derivations are in docs/admm.md.
 
-The per-sample variables (a, s, o and their duals) belong to one batch: an instance is bound to the batch of its
-first `step` and trains on it full-batch; a batch of another size raises (see `ADMMiRNN.step`).
+The per-sample variables (a, s, o and their duals) belong to samples. By default an instance is bound to the batch
+of its first `step` and trains on it full-batch, as the paper does. `minibatch="carry"` keeps them for every sample
+of a data set of `num_samples` (each `step` names its samples by index: they are gathered, swept with the weights,
+and written back); `minibatch="reinit"` starts them afresh at every batch (see `ADMMiRNN.step`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ _RHO_RANGE = (1e-6, 1e6)
 _TAU_RANGE = (1.0, 1e6)
 _LOSSES = ("cross_entropy", "mse")
 _DUALS = ("all", "last")
+_MINIBATCH = (None, "carry", "reinit")
 
 
 class ADMMDivergenceError(RuntimeError):
@@ -134,6 +137,14 @@ class ADMMiRNN:
         divergence_window: A constraint whose residual grew in each of this many consecutive sweeps, by
             `divergence_factor` in all, raises ADMMDivergenceError.
         divergence_factor: See `divergence_window`.
+        minibatch: None: full batch, the per-sample variables bound to the first batch (the paper's setting).
+            "carry": mini-batches of a data set of `num_samples` samples; every `step` passes the batch's sample
+            indices, whose variables and duals are carried from their last batch (started at the forward pass, duals
+            0, the first time a sample is seen). "reinit": every batch's variables start at the forward pass with
+            duals 0 (no per-sample memory). In both, the weight blocks are solved on the batch with the `damping`
+            proximal term toward the current weights.
+        num_samples: The data set's size N for minibatch="carry" (the variables take 2 (2 T H + O) N numbers);
+            must be None otherwise.
     """
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int, seq_len: int, *,
@@ -141,7 +152,8 @@ class ADMMiRNN:
                  duals: str = "last", damping: float = 1e-3, weight_decay: float = 0.0, init_scale: float = 1.0,
                  seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 divergence_window: int = 20, divergence_factor: float = 10.0):
+                 divergence_window: int = 20, divergence_factor: float = 10.0,
+                 minibatch: str | None = None, num_samples: int | None = None):
         self.input_size = _check_positive_int("input_size", input_size)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
         self.output_size = _check_positive_int("output_size", output_size)
@@ -170,10 +182,23 @@ class ADMMiRNN:
         self.dtype, self.device, self.seed = dtype, device, int(seed)
         self.divergence_window = _check_positive_int("divergence_window", divergence_window)
         self.divergence_factor = _check_range("divergence_factor", divergence_factor, 1.0, math.inf)
+        if minibatch not in _MINIBATCH:
+            raise ValueError(f"ADMMiRNN: minibatch must be one of {_MINIBATCH}, got {minibatch!r}")
+        if minibatch == "carry":
+            num_samples = _check_positive_int("num_samples", num_samples)
+        elif num_samples is not None:
+            raise ValueError(f"ADMMiRNN: num_samples is for minibatch='carry' only, got num_samples={num_samples!r} "
+                             f"with minibatch={minibatch!r}")
+        self.minibatch, self.num_samples = minibatch, num_samples
 
         self.weights = self._initial_weights()
         self.variables: dict[str, torch.Tensor] = {}   # a, s: [T, B, H]; o: [B, O] (empty until bound)
         self.dual: dict[str, torch.Tensor] = {}        # a, s: [T, B, H]; o: [B, O]
+        self.seen: torch.Tensor | None = None          # minibatch="carry": which samples hold variables [N]
+        if minibatch == "carry":  # the whole data set's variables and duals, indexed by sample along dim 1 / 0
+            self.variables = self._zero_variables(num_samples)
+            self.dual = self._zero_variables(num_samples)
+            self.seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
         self.sweeps = 0
         self.history: dict[str, list[float]] = {k: [] for k in BLOCKS}
         self.diverged: str | None = None
@@ -283,8 +308,51 @@ class ADMMiRNN:
 
     @property
     def batch_size(self) -> int | None:
-        """The batch size the per-sample variables are bound to; None before the first step."""
-        return None if not self.variables else self.variables["o"].shape[0]
+        """The batch size the per-sample variables are bound to; None before the first step or in mini-batch
+        mode."""
+        return None if not self.variables or self.minibatch else self.variables["o"].shape[0]
+
+    def _zero_variables(self, n: int) -> dict[str, torch.Tensor]:
+        T, H, O = self.seq_len, self.hidden_size, self.output_size
+        z = dict(dtype=self.dtype, device=self.device)
+        return {"a": torch.zeros(T, n, H, **z), "s": torch.zeros(T, n, H, **z), "o": torch.zeros(n, O, **z)}
+
+    def _check_index(self, index: Any, batch: int) -> torch.Tensor | None:
+        if self.minibatch != "carry":
+            if index is not None:
+                raise ValueError(f"ADMMiRNN: index is for minibatch='carry' only (this instance has "
+                                 f"minibatch={self.minibatch!r})")
+            return None
+        if not isinstance(index, torch.Tensor):
+            raise TypeError("ADMMiRNN: minibatch='carry' needs index, the batch's sample ids (int64 [B]), got "
+                            f"{type(index).__name__}")
+        if index.shape != (batch,) or index.dtype != torch.int64:
+            raise ValueError(f"ADMMiRNN: index must be int64 sample ids of shape [{batch}], got {index.dtype} "
+                             f"{list(index.shape)}")
+        if index.device != self.device:
+            raise ValueError(f"ADMMiRNN: index is on {index.device}, the model on {self.device}")
+        if bool(((index < 0) | (index >= self.num_samples)).any()):
+            raise ValueError(f"ADMMiRNN: index has sample ids outside [0, {self.num_samples})")
+        if torch.unique(index).numel() != batch:  # two rows of one sample would write back over each other
+            raise ValueError("ADMMiRNN: index names a sample twice in one batch")
+        return index
+
+    def _gather(self, xt: torch.Tensor, index: torch.Tensor) -> tuple[dict, dict]:
+        """The batch's (variables, duals) from the data set's store: carried for samples seen before, the forward
+        pass of the current weights (duals 0) for the others."""
+        seen = self.seen[index]
+        fresh = dict(zip(BLOCKS, self._forward(xt)))
+        kept = {k: v.index_select(0 if k == "o" else 1, index) for k, v in self.variables.items()}
+        variables = {k: torch.where(seen.view(-1, 1) if k == "o" else seen.view(1, -1, 1), kept[k], fresh[k])
+                     for k in BLOCKS}
+        dual = {k: v.index_select(0 if k == "o" else 1, index) for k, v in self.dual.items()}
+        return variables, dual
+
+    def _scatter(self, store: tuple[dict, dict], batch: tuple[dict, dict], index: torch.Tensor) -> None:
+        for whole, part in zip(store, batch):
+            for k in BLOCKS:
+                whole[k].index_copy_(0 if k == "o" else 1, index, part[k])
+        self.seen[index] = True
 
     def _bind(self, xt: torch.Tensor) -> None:
         """Starts the per-sample variables at the forward pass of the current weights (every residual 0) and the
@@ -312,16 +380,20 @@ class ADMMiRNN:
 
     # ---- one sweep ----
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> SweepStats:
+    def step(self, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor | None = None) -> SweepStats:
         """One ADMM sweep over every block, then the dual step.
 
-        The first call binds the per-sample variables to this batch (started at the forward pass, duals 0); later
-        calls must pass a batch of the same size, normally the same batch (full-batch training). Passing other
-        data of the same size continues from the current variables and duals as a warm start.
+        Full batch (minibatch=None): the first call binds the per-sample variables to this batch (started at the
+        forward pass, duals 0); later calls must pass a batch of the same size, normally the same batch. Passing
+        other data of the same size continues from the current variables and duals as a warm start.
+        minibatch="carry": any batch size; `index` names the batch's samples, whose variables and duals are read
+        from and written back to the data set's store. minibatch="reinit": any batch size, variables started
+        afresh. Either way the weights are updated from this batch alone.
 
         Args:
             x: [B, seq_len, input_size], floating point, on the model's device.
             y: Class ids int64 [B] (cross_entropy) or targets [B, output_size] (mse).
+            index: minibatch="carry" only: the samples' ids in [0, num_samples), int64 [B], each at most once.
 
         Returns:
             The sweep's `SweepStats`.
@@ -336,22 +408,28 @@ class ADMMiRNN:
                                       f"{self.diverged!r}); load a state_dict saved before to continue")
         x = self._check_x(x)
         y = self._check_y(y, x.shape[0])
-        if self.variables and x.shape[0] != self.batch_size:
+        index = self._check_index(index, x.shape[0])
+        if self.minibatch is None and self.variables and x.shape[0] != self.batch_size:
             raise ValueError(f"ADMMiRNN: the per-sample variables are bound to a batch of {self.batch_size} "
-                             f"samples, got {x.shape[0]}: train full-batch on one batch, or use one ADMMiRNN per "
-                             "batch (docs/admm.md, mini-batches)")
+                             f"samples, got {x.shape[0]}: train full-batch on one batch, or pass minibatch='carry' "
+                             "(with num_samples and index) or minibatch='reinit'")
         xt = x.transpose(0, 1).contiguous()
-        if not self.variables:
-            self._bind(xt)
-        flags = self._sweep(xt, y)
-        r = self.residual_tensors(xt)
-        lagr = self.lagrangian(xt, y)
-        self._dual_step(r)
+        if self.minibatch == "carry":
+            store = self.variables, self.dual
+            self.variables, self.dual = self._gather(xt, index)
+            try:
+                flags, r, lagr, aux = self._primal_dual(xt, y)
+                self._scatter(store, (self.variables, self.dual), index)
+            finally:
+                self.variables, self.dual = store
+        else:
+            if self.minibatch == "reinit" or not self.variables:
+                self._bind(xt)
+            flags, r, lagr, aux = self._primal_dual(xt, y)
         batch = y.shape[0]
         norms = torch.stack([r[k].pow(2).sum() / batch for k in BLOCKS]).sqrt()
         out = self._forward(xt)[2]
-        summary = torch.cat([norms, torch.stack([self._loss_rows(out, y).mean(),
-                                                 self._loss_rows(self.variables["o"], y).mean(), lagr])])
+        summary = torch.cat([norms, torch.stack([self._loss_rows(out, y).mean(), aux, lagr])])
         bad = torch.stack([f for _, f in flags])
         values, bad = summary.tolist(), bad.tolist()  # the sweep's one synchronisation
         self.sweeps += 1
@@ -362,6 +440,15 @@ class ADMMiRNN:
         residuals = dict(zip(BLOCKS, values[:3]))
         self._watch(residuals)
         return SweepStats(self.sweeps, values[3], values[4], values[5], residuals)
+
+    def _primal_dual(self, xt: torch.Tensor, y: torch.Tensor) -> tuple[list, dict, torch.Tensor, torch.Tensor]:
+        """The sweep's primal updates and the dual step on the current variables: (flags, residuals, L, R at o)."""
+        flags = self._sweep(xt, y)
+        r = self.residual_tensors(xt)
+        lagr = self.lagrangian(xt, y)
+        aux = self._loss_rows(self.variables["o"], y).mean()
+        self._dual_step(r)
+        return flags, r, lagr, aux
 
     def _watch(self, residuals: dict[str, float]) -> None:
         """Records the residuals; raises when one grew in each of the last `divergence_window` sweeps by
@@ -503,7 +590,8 @@ class ADMMiRNN:
                 "seq_len": self.seq_len, "rho": dict(self.rho), "tau": self.tau, "loss": self.loss,
                 "duals": self.duals, "damping": self.damping, "weight_decay": self.weight_decay,
                 "dtype": str(self.dtype).replace("torch.", ""),
-                "divergence_window": self.divergence_window, "divergence_factor": self.divergence_factor}
+                "divergence_window": self.divergence_window, "divergence_factor": self.divergence_factor,
+                "minibatch": self.minibatch, "num_samples": self.num_samples}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: weights, per-sample variables, duals, the sweep count and the residual
@@ -512,7 +600,8 @@ class ADMMiRNN:
                 "history": {k: list(v) for k, v in self.history.items()},
                 "weights": {k: v.clone() for k, v in self.weights.items()},
                 "variables": {k: v.clone() for k, v in self.variables.items()},
-                "dual": {k: v.clone() for k, v in self.dual.items()}}
+                "dual": {k: v.clone() for k, v in self.dual.items()},
+                "seen": None if self.seen is None else self.seen.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a `state_dict`; the configuration must match this instance's (the first field that differs
@@ -530,5 +619,6 @@ class ADMMiRNN:
             return {k: v.to(device=self.device, dtype=self.dtype).clone() for k, v in state[group].items()}
 
         self.weights, self.variables, self.dual = load("weights"), load("variables"), load("dual")
+        self.seen = None if state.get("seen") is None else state["seen"].to(self.device).clone()
         self.sweeps, self.diverged = int(state["sweeps"]), state["diverged"]
         self.history = {k: list(v) for k, v in state["history"].items()}
