@@ -14,10 +14,12 @@ JOBS = {
          "bad:mesh_product", "bad:more_stages_than_blocks", "bad:microbatches", "bad:no_blocks",
          "bad:different_models", "bad:different_plans", "bad:step_batch",
          "bad:tp_plan_matches_nothing", "bad:meta_unset", "meta:meta_ready_gpt:1,1,2", "meta:meta_ready_gpt:1,2,1",
+         "optimizer:1,2,1->1,1,2",
          "compose:recompute_compress", "compose:sketch_hook", "checkpoint:transformer_lm", "checkpoint:gpt2",
          "device_mesh"],
         ["compile:1,1,2", "compile:1,2,1"]],
-    4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1", "resume:2,1,2"]],
+    4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1", "resume:2,1,2",
+         "gather_to:1,2,2:3", "gather_to:2,1,2:1"]],
 }
 
 

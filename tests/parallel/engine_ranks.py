@@ -131,7 +131,7 @@ def reference(name: str, steps: int = STEPS, layers: int = 4) -> tuple[list[floa
 
 
 def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: int = 4, meta: bool = False,
-          **options) -> dict:
+          optimizer=None, **options) -> dict:
     """parallelize on ``mesh`` ((dp, tp, pp) or a DeviceMesh) + ``steps`` steps on this rank: losses, the gathered
     state dict (rank 0 only) before and after training, the plan. ``meta``: the model is built on the meta
     device."""
@@ -149,7 +149,7 @@ def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: in
     if name in ("transformer_lm", "meta_ready_gpt") and shape[1] > 1:
         options.setdefault("tp_plan", TRANSFORMER_LM_TP)
     engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
-                                           optimizer=make_optimizer, microbatches=microbatches, **options)
+                                           optimizer=optimizer or make_optimizer, microbatches=microbatches, **options)
     initial = engine.state_dict() if meta else None
     losses = [engine.step(x, y).item() for x, y in data]
     state = engine.state_dict()
@@ -275,6 +275,12 @@ def case(name: str):
     if kind == "meta":
         model, _, mesh = rest.partition(":")
         return _plain(train(model, tuple(int(d) for d in mesh.split(",")), meta=True, steps=3))
+    if kind == "gather_to":
+        mesh, _, dst = rest.partition(":")
+        return gather_to(tuple(int(d) for d in mesh.split(",")), int(dst))
+    if kind == "optimizer":
+        source, _, target = rest.partition("->")
+        return optimizer_moves(*(tuple(int(d) for d in m.split(",")) for m in (source, target)))
     if kind == "compile":
         return compiled(tuple(int(d) for d in rest.split(",")))
     if kind == "device_mesh":
@@ -301,6 +307,67 @@ def checkpoint(name: str) -> dict:
     reloaded = engine.state_dict()  # a collective: every rank gathers
     first = dist.get_rank() == 0
     return {"saved": saved if first else None, "reloaded": reloaded if first else None}
+
+
+def gather_to(mesh: tuple[int, int, int], dst: int) -> dict:
+    """After a step on ``mesh``: the state dict every rank gathers, and what ``state_dict(dst=dst)`` gives each rank."""
+    engine = train("transformer_lm", mesh, steps=1)["engine"]
+    full, to_dst = engine.state_dict(), engine.state_dict(dst=dst)
+    return {"full": full if dist.get_rank() == dst else None, "to_dst": to_dst,
+            "bad_dst": error_of(engine.state_dict, dst=dist.get_world_size())}
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def reference_adamw(saved_after: int = 2, steps: int = STEPS) -> dict:
+    """Single-process AdamW training: the losses, and the losses of its last steps when the model and optimizer
+    are reloaded after ``saved_after`` steps from ``plain_optimizer_state_dict`` of a state ``load`` gives."""
+    model = make_model("transformer_lm")
+    opt = adamw(model.parameters())
+    losses = []
+    for tokens, target in batches(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(tokens), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+def optimizer_moves(source: tuple[int, int, int], target: tuple[int, int, int]) -> dict:
+    """AdamW trained 2 steps on ``source``; its model and optimizer state dicts loaded into an engine on ``target``
+    built from other values, which trains 3 more steps; the optimizer state gathered back from ``target``; and the
+    same state loaded into the plain model and a torch AdamW, trained the same 3 steps."""
+    first = train("transformer_lm", source, steps=2, optimizer=adamw)["engine"]
+    model_state, opt_state = first.state_dict(), first.optimizer_state_dict()
+    other = make_model("transformer_lm")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.0)
+    data = batches()
+    options = {"tp_plan": TRANSFORMER_LM_TP, "tp_overlap": 2} if target[1] > 1 else {}
+    engine = fastdist.parallel.parallelize(other, mesh=target, example_inputs=(data[0][0],), loss_fn=loss_fn,
+                                           optimizer=adamw, microbatches=2, **options)
+    engine.load_state_dict(model_state)
+    engine.load_optimizer_state_dict(opt_state)
+    reloaded = engine.optimizer_state_dict()
+    resumed = [engine.step(x, y).item() for x, y in data[2:]]
+    plain = make_model("transformer_lm")
+    plain.load_state_dict(model_state)
+    opt = adamw(plain.parameters())
+    opt.load_state_dict(fastdist.parallel.engine.plain_optimizer_state_dict(opt_state, plain))
+    plain_losses = []
+    for x, y in data[2:]:
+        opt.zero_grad()
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt.step()
+        plain_losses.append(loss.item())
+    first_rank = dist.get_rank() == 0
+    return {"saved": opt_state if first_rank else None, "reloaded": reloaded if first_rank else None,
+            "resumed": resumed, "plain": plain_losses, "whole": reference_adamw()["losses"]}
 
 
 def compiled(mesh: tuple[int, int, int], steps: int = 3) -> dict:

@@ -213,3 +213,32 @@ def test_a_model_built_on_the_meta_device_gets_the_values_of_the_model_built_nor
                      **LOSS_TOLERANCE)
     for key, want in want_state.items():
         assert_close(ranks[0]["state"][key], want, f"{mesh}: {key} after training", **PARAM_TOLERANCE)
+
+
+@pytest.mark.parametrize("mesh, dst", [("1,2,2", 3), ("2,1,2", 1)])
+def test_a_state_dict_gathered_to_one_rank_is_the_whole_one_and_the_other_ranks_get_nothing(engine_ranks, mesh, dst):
+    ranks = engine_ranks(4, f"gather_to:{mesh}:{dst}")
+    full, got = ranks[dst]["full"], ranks[dst]["to_dst"]
+    assert list(got) == list(full)
+    for key in full:
+        assert torch.equal(got[key], full[key]), key
+    for rank, r in enumerate(ranks):
+        if rank != dst:
+            assert r["to_dst"] == {}, f"rank {rank} got {len(r['to_dst'])} tensors"
+        assert "dst must be a rank in [0, 4)" in r["bad_dst"], r["bad_dst"]
+
+
+def test_adam_state_saved_on_one_mesh_resumes_on_another_and_in_the_plain_model(engine_ranks):
+    ranks = engine_ranks(2, "optimizer:1,2,1->1,1,2")
+    saved, reloaded = ranks[0]["saved"], ranks[0]["reloaded"]
+    assert set(saved["state"]) >= {"blocks.0.mlp.0.weight", "head.weight"}
+    assert sorted(reloaded["state"]) == sorted(saved["state"])
+    for name, entry in saved["state"].items():  # tensor-parallel Adam moments re-sharded into pipeline stages
+        for key, value in entry.items():
+            assert torch.equal(reloaded["state"][name][key], value), f"{name} {key}"
+    for rank, got in enumerate(ranks):
+        # the uninterrupted single-process AdamW run, from step 3 on: only the mesh's float32 rounding differs
+        assert_close(torch.tensor(got["resumed"]), torch.tensor(got["whole"][2:]), f"rank {rank}: resumed",
+                     **LOSS_TOLERANCE)
+        assert_close(torch.tensor(got["plain"]), torch.tensor(got["whole"][2:]), f"rank {rank}: plain model",
+                     **LOSS_TOLERANCE)

@@ -36,7 +36,7 @@ from fastdist.distributed import check_same, state_digest
 from fastdist.parallel import partition as part
 from fastdist.parallel.partition import Plan
 
-__all__ = ["Engine", "ParallelizeError", "RankFailedError", "parallelize"]
+__all__ = ["Engine", "ParallelizeError", "RankFailedError", "parallelize", "plain_optimizer_state_dict"]
 
 MESH_DIMS = ("dp", "tp", "pp")
 
@@ -361,19 +361,23 @@ class Engine:
 
     # ---- checkpoints ----
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, dst: int | None = None) -> dict[str, torch.Tensor]:
         """The full model's state dict, keyed and shaped as the user's model (loadable into it unparallelized):
-        tensor-parallel shards gathered, every stage's part collected. A collective: every rank calls it and
-        every rank gets the whole dict."""
-        local = {}
-        for name, t in self.module.state_dict().items():
-            layout = self._layouts.get(name)
-            local[name] = (self._gather_tp(t, layout) if layout is not None else t).detach().cpu().clone()
-        if self._world > 1 and self.plan.mesh[2] > 1:
-            parts: list[Any] = [None] * self.plan.mesh[2]
-            dist.all_gather_object(parts, local, group=self._groups["pp"])
-        else:
-            parts = [local]
+        tensor-parallel shards gathered, every stage's part collected. A collective: every rank calls it.
+
+        Args:
+            dst: None: every rank gets the whole dict. A global rank: only that rank does (the others return an
+                empty dict); only the ranks of its data-parallel replica take part, each holding at most its own
+                stage's tensors gathered over its tensor-parallel group, so no rank but ``dst`` ever holds the
+                whole model.
+
+        Raises:
+            ValueError: ``dst`` is not a rank of the world (on every rank).
+            MismatchError: the ranks passed different ``dst``.
+        """
+        parts = self._collect("state_dict", dst, self._local_state)
+        if parts is None:
+            return {}
         merged = {}
         for p in parts:
             for k, v in p.items():
@@ -382,6 +386,114 @@ class Engine:
         if missing:
             raise RuntimeError(f"fastdist.parallel: no stage holds {missing[:5]}")
         return {k: merged[k] for k in self._keys}
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        local = {}
+        for name, t in self.module.state_dict().items():
+            layout = self._layouts.get(name)
+            local[name] = (self._gather_tp(t, layout) if layout is not None else t).detach().cpu().clone()
+        return local
+
+    def _collect(self, what: str, dst: int | None, local: Callable[[], Any]) -> list[Any] | None:
+        """Every pipeline stage's ``local()`` (built with tensor-parallel gathers) on every rank (``dst`` None), or
+        on rank ``dst`` only: then only dst's data-parallel replica builds them, and every other rank gets None."""
+        if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < self._world):
+            raise ValueError(f"fastdist.parallel: {what}(dst={dst!r}): dst must be a rank in [0, {self._world})")
+        if self._world > 1:
+            check_same(f"fastdist.parallel Engine.{what}", {"dst": dst})
+        gather = dst is None or self._world == 1
+        where = None if gather else tuple(int(i) for i in (self._grid == dst).nonzero()[0])
+        if where is not None and where[0] != self.coordinate[0]:  # another data-parallel replica: the same values
+            return None
+        mine = local()
+        if where is not None and where[1] != self.coordinate[1]:  # dst's tensor-parallel index sends the stage's
+            return None
+        if self._world == 1 or self.plan.mesh[2] == 1:
+            return [mine]
+        parts: list[Any] = [None] * self.plan.mesh[2]
+        if gather:
+            dist.all_gather_object(parts, mine, group=self._groups["pp"])
+            return parts
+        dist.gather_object(mine, parts if self._rank == dst else None, dst=dst, group=self._groups["pp"])
+        return parts if self._rank == dst else None
+
+    def optimizer_state_dict(self, dst: int | None = None) -> dict[str, Any]:
+        """The optimizer's state for the whole model, keyed by the model's parameter names, each tensor of a
+        parameter's shape gathered to the full parameter's (``{"state": {name: {"exp_avg": ..., "step": ...}},
+        "param_groups": [{hyper-parameters..., "params": [names]}]}``), so :meth:`load_optimizer_state_dict` can
+        re-shard it to another mesh; :func:`plain_optimizer_state_dict` turns it into the unparallelized model's
+        optimizer state. A collective; ``dst`` as in :meth:`state_dict`."""
+        parts = self._collect("optimizer_state_dict", dst, self._local_optimizer_state)
+        if parts is None:
+            return {}
+        state, groups = {}, []
+        for p in parts:
+            for name, entry in p["state"].items():
+                state.setdefault(name, entry)
+            groups.extend(g for g in p["param_groups"] if g["params"])
+        return {"state": state, "param_groups": groups}
+
+    def _named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [(names[id(p)], p) for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _local_optimizer_state(self) -> dict[str, Any]:
+        state = {}
+        for name, p in self._named_optimizer_params():
+            layout = self._layouts.get(name)
+            entry = {}
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    v = self._gather_tp(v, layout) if layout is not None and v.shape == p.shape else v
+                    v = v.detach().cpu().clone()
+                entry[k] = v
+            if entry:
+                for alias in self._aliases.get(name, [name]):
+                    state[alias] = entry
+        names = {id(p): n for n, p in self._named_optimizer_params()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [a for p in g["params"] for a in self._aliases.get(names[id(p)], [names[id(p)]])]}
+                  for g in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what :meth:`optimizer_state_dict` returned on any mesh: each rank takes its parameters' entries,
+        sliced to its tensor-parallel shards, and their groups' hyper-parameters (load the model's state too).
+
+        Raises:
+            KeyError: a parameter of this rank's stage has no group in ``state_dict``.
+            ValueError: a state tensor's shape fits neither the parameter nor its full shape.
+        """
+        named = self._named_optimizer_params()
+        index = {id(p): i for i, (_, p) in enumerate(named)}
+        saved = state_dict["state"]
+        state = {}
+        for i, (name, p) in enumerate(named):
+            entry = next((saved[a] for a in self._aliases.get(name, [name]) if a in saved), None)
+            if entry is None:
+                continue
+            layout = self._layouts.get(name)
+            mine = {}
+            for k, v in entry.items():
+                if isinstance(v, torch.Tensor):  # copied: the optimizer updates its state in place (step too)
+                    if v.dim() > 0:
+                        v = _shard_of(v, layout) if layout is not None and v.shape != p.shape else v
+                        if v.shape != p.shape:
+                            raise ValueError(f"fastdist.parallel: load_optimizer_state_dict: {name}'s {k!r} has "
+                                             f"shape {tuple(v.shape)}, this rank's parameter {tuple(p.shape)}")
+                    v = v.to(p.device).clone()
+                mine[k] = v
+            state[i] = mine
+        groups = []
+        for g in self.optimizer.param_groups:
+            first = next(n for n, p in named if p is g["params"][0]) if g["params"] else None
+            aliases = set(self._aliases.get(first, [first]))
+            match = next((sg for sg in state_dict["param_groups"] if aliases & set(sg["params"])), None)
+            if match is None:
+                raise KeyError(f"fastdist.parallel: load_optimizer_state_dict: no parameter group holds {first}")
+            groups.append({**{k: v for k, v in match.items() if k != "params"},
+                           "params": [index[id(p)] for p in g["params"]]})
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _gather_tp(self, t, layout):
         group, world = self._groups["tp"], self.plan.mesh[1]
@@ -434,12 +546,30 @@ class Engine:
                 full = state_dict[name]
                 layout = self._layouts.get(name)
                 if layout is not None:
-                    full = full.t() if layout.transposed else full
-                    full = full[:, layout.cols[0]:layout.cols[1]] if layout.cols is not None else full[layout.rows]
+                    full = _shard_of(full, layout)
                 if tuple(full.shape) != tuple(t.shape):
                     raise ValueError(f"fastdist.parallel: load_state_dict: {name} has shape {tuple(full.shape)}, "
                                      f"this rank expects {tuple(t.shape)}")
                 t.copy_(full)
+
+
+def _shard_of(full: torch.Tensor, layout: _Shard) -> torch.Tensor:
+    """This rank's tensor-parallel slice of a full parameter (or of a tensor of its shape)."""
+    full = full.t() if layout.transposed else full
+    return full[:, layout.cols[0]:layout.cols[1]] if layout.cols is not None else full[layout.rows]
+
+
+def plain_optimizer_state_dict(state_dict: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """:meth:`Engine.optimizer_state_dict`'s result as torch's optimizer state dict for ``model`` unparallelized,
+    whose optimizer was built over ``model.parameters()`` in one group (the groups are merged: the first's
+    hyper-parameters)."""
+    names = [n for n, _ in model.named_parameters()]
+    saved = state_dict["state"]
+    hyper = {k: v for k, v in state_dict["param_groups"][0].items() if k != "params"}
+    def copied(entry):  # the optimizer updates its state in place
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+    return {"state": {i: copied(saved[n]) for i, n in enumerate(names) if n in saved},
+            "param_groups": [{**hyper, "params": list(range(len(names)))}]}
 
 
 def _make_pipeline_stage(module, runner, index, num_stages, device, group, in_args, out_args, recompute,
@@ -642,6 +772,10 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
 
     # ---- this rank's stage, checked against the whole model on a second batch ----
     keys = list(model.state_dict().keys())
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    aliases_of = {n: names for names in aliases.values() for n in names}
     stage, problem = _attempt(lambda: part.build_stage(analysis, mine.first_block, mine.last_block, pp_i, pp))
     if problem is None and on_meta:
         unset, problem = _attempt(lambda: part.materialize_stage(model, stage, init, seed, device))
@@ -715,7 +849,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     store = dist.distributed_c10d._get_default_store() if distributed and world > 1 else None
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
                   _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
-                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _failure=None,
+                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _failure=None, _aliases=aliases_of,
                   _uid=_engines_built, _store=store, _grid=grid, _rank=dist.get_rank() if distributed else 0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
 
