@@ -202,6 +202,35 @@ def test_planner_replans_only_every_plan_interval_steps():
     assert planner.update(counts) != Plan()
 
 
+def balanced_counts(ranks, experts, steps, tokens_per_rank=4096, seed=0):
+    """`steps` count matrices of uniform routing: nothing to replicate, only sampling noise from step to step."""
+    rng = np.random.default_rng(seed)
+    return [np.stack([rng.multinomial(tokens_per_rank, np.full(experts, 1.0 / experts)) for _ in range(ranks)])
+            for _ in range(steps)]
+
+
+def test_planner_searches_rarely_while_the_load_holds_and_plans_as_a_search_every_step_would():
+    history = balanced_counts(4, 16, 64)
+    every_step = Planner("prophet", COMPUTE_BOUND, max_search_interval=1)
+    backing_off = Planner("prophet", COMPUTE_BOUND, max_search_interval=8)
+    assert [every_step.update(c) for c in history] == [backing_off.update(c) for c in history]
+    assert every_step.searches == 64
+    assert backing_off.searches <= 1 + 4 + 64 // 8  # waits 1, 2, 4, then 8 steps between searches
+
+
+def test_a_load_shift_searches_at_once_even_while_waiting():
+    history = balanced_counts(4, 16, 20)
+    skewed = zipf_counts(4, 16, seed=6)
+    every_step = Planner("prophet", COMPUTE_BOUND, max_search_interval=1)
+    backing_off = Planner("prophet", COMPUTE_BOUND, max_search_interval=64)
+    for counts in history:
+        every_step.update(counts)
+        backing_off.update(counts)
+    searches = backing_off.searches
+    assert backing_off.update(skewed) == every_step.update(skewed) != Plan()
+    assert backing_off.searches == searches + 1
+
+
 def test_planner_state_dict_round_trips_and_pickles():
     counts = zipf_counts(4, 16, seed=6)
     planner = Planner("prophet", COMPUTE_BOUND)
@@ -217,6 +246,8 @@ def test_planner_state_dict_round_trips_and_pickles():
 def test_bad_planner_arguments_raise():
     with pytest.raises(ValueError, match="balance must be"):
         Planner("greedy", COMPUTE_BOUND)
+    with pytest.raises(ValueError, match="max_search_interval must be >= 1"):
+        Planner("prophet", COMPUTE_BOUND, max_search_interval=0)
     with pytest.raises(ValueError, match="ranks dividing experts"):
         plan_prophet(np.ones((3, 8), dtype=np.int64), COMPUTE_BOUND)
     with pytest.raises(ValueError, match="counts must be >= 0"):
@@ -294,4 +325,5 @@ def test_planner_measurements_round_trip_through_state_dict():
     twin = Planner("prophet", FixedGain(0.2))
     twin.load_state_dict(pickle.loads(pickle.dumps(planner.state_dict())))
     assert twin.measured == planner.measured and twin.last_plan == planner.last_plan
-    assert twin.update(counts) == planner.update(counts)
+    assert twin.searched == planner.searched and twin.searches == planner.searches
+    assert twin.update(counts) == planner.update(counts) and twin.searched == planner.searched

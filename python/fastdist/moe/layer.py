@@ -37,6 +37,7 @@ import copy
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ _STEP: contextvars.ContextVar = contextvars.ContextVar("fastdist_moe_step", defa
 
 
 @contextlib.contextmanager
-def step(number: int):
+def step(number: int) -> Iterator[None]:
     """Numbers the training step the MoE layer calls inside it belong to: ``with fastdist.moe.step(i): loss =
     model(x)``.
 
@@ -464,7 +465,7 @@ class MoELayer(nn.Module):
 
     # ---- calibration ----
 
-    def calibrate(self, cache: str | None = None, **options) -> CostModel:
+    def calibrate(self, cache: str | None = None, **options: object) -> CostModel:
         """Measures the planner's cost model on this machine for this layer's shape and uses it from now on.
 
         A collective over the layer's group (every rank calls it; each gets the slowest rank's figures). Run it once
@@ -696,6 +697,7 @@ class MoELayer(nn.Module):
         self._record(kept_counts, all_counts, plan, forward_s, route.send_splits, route.recv_splits)
         if planning is not None:
             planning.result()  # the next forward's all-gather checks that every rank planned alike
+        self._stats["planner_searches"] = self.planner.searches  # skipped while the last search's result stands
         return out
 
     def _plan_next(self, kept_counts, previous_seconds):

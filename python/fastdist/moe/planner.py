@@ -87,7 +87,7 @@ class CostModel:
         return 2 * self.d_model * self.d_ff + self.d_model + self.d_ff
 
     def compute_tokens(self, h: np.ndarray) -> float:
-        """The expert compute of per-rank loads H in a rank's solo token-times: max(H) on dedicated devices, the
+        """The expert compute of per-rank loads ``h`` in a rank's solo token-times: max(h) on dedicated devices, the
         slowest host's processor-sharing makespan where ranks share cores."""
         if not self.rank_hosts:
             return float(np.max(h)) if len(h) else 0.0
@@ -318,6 +318,12 @@ class Planner:
     steps. Pure and deterministic: equal inputs (counts and measured times, which the layer takes as the slowest
     rank's) give equal plans on every rank.
 
+    A search costs milliseconds of Python on the cores the ranks compute on, so the search is skipped while its last
+    result stands: when the last search kept the plan, the next one waits twice as many planning steps (up to
+    ``max_search_interval``), unless the current plan's corrected prediction on this step's counts moves from the
+    one at that search by more than the margin a new plan must beat (the model's error), which searches at once.
+    A search that changes the plan resets the wait to one step.
+
     Args:
         strategy: ``"prophet"``, ``"shadow"``, ``"replicate_topk"`` or ``"none"``.
         cost: the cost model (None until calibrated; "replicate_topk" and "none" do not need it).
@@ -326,16 +332,20 @@ class Planner:
         replan_gain: the predicted gain a new plan needs, as a fraction; also the model's error until measured.
         recheck_steps: how long a measurement counts, in steps.
         window: the measurements per kind of plan that correct and judge the model.
+        max_search_interval: the most planning steps between two searches while the load holds (1: search every
+            planning step).
     """
 
     def __init__(self, strategy: str, cost: CostModel | None, max_replicas_per_rank: int = 2, plan_interval: int = 1,
                  replan_gain: float = 0.03, budget: int | None = None, stop_alpha: float = 0.05,
-                 recheck_steps: int = 64, window: int = 16):
+                 recheck_steps: int = 64, window: int = 16, max_search_interval: int = 8):
         if strategy not in ("prophet", "shadow", "replicate_topk", "none"):
             raise ValueError(f"fastdist: balance must be 'prophet', 'shadow', 'replicate_topk' or 'none', "
                              f"got {strategy!r}")
         if plan_interval < 1:
             raise ValueError(f"fastdist: plan_interval must be >= 1, got {plan_interval}")
+        if max_search_interval < 1:
+            raise ValueError(f"fastdist: max_search_interval must be >= 1, got {max_search_interval}")
         self.strategy = strategy
         self.cost = cost
         self.max_replicas_per_rank = max_replicas_per_rank
@@ -345,12 +355,15 @@ class Planner:
         self.stop_alpha = stop_alpha
         self.recheck_steps = recheck_steps
         self.window = window
+        self.max_search_interval = max_search_interval
         self.plan = Plan()
         self.steps = 0
         self.replans = 0
         self.last_counts = None
         self.last_plan = Plan()     # the plan the step of last_counts ran
         self.measured = []          # [step, 1 with replicas / 0 without, measured / predicted seconds]
+        self.searches = 0
+        self.searched = None        # the last search's [step, planning steps to the next, corrected prediction]
 
     def propose(self, counts: np.ndarray) -> Plan:
         """The strategy's plan for ``counts``, before hysteresis."""
@@ -411,27 +424,46 @@ class Planner:
         self.steps += 1
         if self.steps % self.plan_interval:
             return self.plan
-        proposal = self.propose(counts)
-        if self.strategy not in ("replicate_topk", "none"):
-            if not (proposal != self.plan and self._clearly_better(counts, proposal, self.plan, self.replan_gain)):
-                proposal = self.plan
+        if self.strategy in ("replicate_topk", "none"):
+            proposal = self.propose(counts)
+        else:
             # Replicas only where they beat no replicas by more than the model is seen to err.
             margin = max(self.replan_gain, self.model_error())
+            if self._last_search_stands(counts, margin):
+                return self.plan
+            proposal = self.propose(counts)
+            self.searches += 1
+            if not (proposal != self.plan and self._clearly_better(counts, proposal, self.plan, self.replan_gain)):
+                proposal = self.plan
             if proposal.replicas and not self._clearly_better(counts, proposal, Plan(), margin):
                 proposal = Plan()
+            wait = 1 if proposal != self.plan or self.searched is None else \
+                min(2 * self.searched[1], self.max_search_interval)
+            self.searched = [self.steps, wait, self.predicted(counts, proposal)]
         if proposal != self.plan:
             self.plan = proposal
             self.replans += 1
         return self.plan
 
+    def _last_search_stands(self, counts, margin):
+        """Whether the last search's result holds for ``counts``: its wait is not over and the plan's corrected
+        prediction moved by no more than ``margin`` since."""
+        if self.searched is None:
+            return False
+        step, wait, prediction = self.searched
+        if self.steps - step >= wait * self.plan_interval or not prediction > 0:
+            return False
+        return abs(self.predicted(counts, self.plan) / prediction - 1.0) <= margin
+
     def _clearly_better(self, counts, proposal, current, gain):
         return self.predicted(counts, proposal) < (1 - gain) * self.predicted(counts, current)
 
     def state_dict(self) -> dict:
-        """The plan, step counters, last counts and measured steps, as plain data."""
+        """The plan, step counters, last counts, measured steps and the last search, as plain data."""
         return {"plan": [list(p) for p in self.plan.replicas], "steps": self.steps, "replans": self.replans,
                 "last_counts": None if self.last_counts is None else self.last_counts.tolist(),
                 "last_plan": [list(p) for p in self.last_plan.replicas], "measured": [list(m) for m in self.measured],
+                "searches": self.searches, "searched": None if self.searched is None else list(self.searched),
                 "strategy": self.strategy}
 
     def load_state_dict(self, state: dict) -> None:
@@ -449,3 +481,5 @@ class Planner:
         self.last_counts = None if state["last_counts"] is None else np.asarray(state["last_counts"], dtype=np.int64)
         self.last_plan = Plan(tuple(sorted(tuple(p) for p in state.get("last_plan", []))))
         self.measured = [list(m) for m in state.get("measured", [])]
+        self.searches = state.get("searches", 0)
+        self.searched = None if state.get("searched") is None else list(state["searched"])
