@@ -112,6 +112,7 @@ class AQSGD(Compressor):
         return packet
 
     def roundtrip(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Packet]:
+        """(what the receiver reconstructs, the packet) of ``x``, the rows of the samples ``sample_ids``."""
         packet = self.compress(x, sample_ids)
         return self._last_rows.reshape(x.shape).to(x.dtype), packet
 
@@ -128,7 +129,7 @@ class AQSGD(Compressor):
 
     def shared_state(self, sending: bool) -> torch.Tensor | None:
         """The entries the last message stored, as both ends computed them (a diverged entry of a sample in the
-        batch shows here)."""
+        batch shows here); the same whether ``sending`` or not."""
         return self._last_rows
 
     def state_dict(self) -> dict:

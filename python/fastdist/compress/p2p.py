@@ -441,7 +441,7 @@ class StageBoundary:
                 "activations": self._activations.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned."""
+        """Restores ``state``, what :meth:`state_dict` returned."""
         self.fwd.load_state_dict(state["fwd"])
         self.bwd.load_state_dict(state["bwd"])
         self._activations.load_state_dict(state["activations"])

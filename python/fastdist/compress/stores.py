@@ -199,7 +199,7 @@ class MemoryStore(SampleStore):
                 "data": self.data[:used].clone() if self.data is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned (of a store of the same capacity)."""
+        """Restores ``state``, what :meth:`state_dict` returned (of a store of the same capacity)."""
         if state["capacity"] != self.capacity:
             raise ValueError(f"fastdist.compress.MemoryStore: state has capacity {state['capacity']}, this store "
                              f"{self.capacity}")

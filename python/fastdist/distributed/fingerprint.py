@@ -177,6 +177,11 @@ def raise_mismatch(name: str, value: object, group: dist.ProcessGroup | None = N
     in a header the call sends anyway): every rank of the group must call it, as check_same does after its
     all-gather. One object all-gather of each rank's fields.
 
+    Args:
+        name: what the value is, for the message (e.g. "MoELayer configuration").
+        value: this rank's value (a mapping or object whose fields are compared).
+        group: the ranks that exchanged it (None: the default group).
+
     Raises:
         MismatchError: always (on every rank).
     """
@@ -231,7 +236,7 @@ class CallCounter:
         return {"calls": self.calls}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restores the count from :meth:`state_dict`."""
+        """Restores the count from ``state``, what :meth:`state_dict` returned."""
         self.calls = int(state["calls"])
 
 

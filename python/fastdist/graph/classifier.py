@@ -178,10 +178,15 @@ class HAPClassifier(GraphClassifier):
     """GraphClassifier with HAP levels: `HAPClassifier(in_channels, hidden, num_classes, levels=2, encoder="gcn")`.
 
     Takes GraphClassifier's arguments; `pooler` may name a HAP ablation ("hap-no-moa", "hap-no-gcont").
+
+    Args:
+        in_channels, hidden, num_classes, levels: as for GraphClassifier.
+        pooler: "hap", "hap-no-moa" or "hap-no-gcont".
+        **kwargs: GraphClassifier's other arguments (encoder, num_nodes, ratio, layers, dropout, hops, heads).
     """
 
     def __init__(self, in_channels: int, hidden: int, num_classes: int, levels: int = 2, pooler: str = "hap",
-                 **kwargs) -> None:
+                 **kwargs: object) -> None:
         if not pooler.startswith("hap"):
             raise ValueError(f"HAPClassifier: pooler must be hap, hap-no-moa or hap-no-gcont, got {pooler!r}; "
                              "use GraphClassifier for PyG's poolers")

@@ -38,6 +38,7 @@ class Graph(NamedTuple):
 
     @property
     def num_nodes(self) -> int:
+        """The graph's node count, n."""
         return self.x.shape[0]
 
 
@@ -175,7 +176,7 @@ def make_dataset(name: str, num_graphs: int = 1000, seed: int = 0) -> list[Graph
 
 
 def collate(graphs: list[Graph]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Graphs as one PyG-style sparse batch: (x [sum n, F], edge_index [2, sum E], batch [sum n], y [B])."""
+    """The ``graphs`` as one PyG-style sparse batch: (x [sum n, F], edge_index [2, sum E], batch [sum n], y [B])."""
     sizes = torch.tensor([g.num_nodes for g in graphs])
     offsets = torch.cumsum(sizes, 0) - sizes
     x = torch.cat([g.x for g in graphs])
@@ -186,7 +187,7 @@ def collate(graphs: list[Graph]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def degree_features(graphs: list[Graph], max_degree: int = 16) -> np.ndarray:
-    """Per graph: the node count and the degree histogram (degrees >= max_degree in the last bin)."""
+    """Per graph of ``graphs``: the node count and the degree histogram (degrees >= max_degree in the last bin)."""
     rows = []
     for g in graphs:
         deg = np.bincount(g.edge_index[0].numpy(), minlength=g.num_nodes)
@@ -197,7 +198,13 @@ def degree_features(graphs: list[Graph], max_degree: int = 16) -> np.ndarray:
 
 def degree_baseline(graphs: list[Graph], folds: int = 5, seed: int = 0) -> tuple[float, float]:
     """Structure-blind reference: stratified k-fold accuracy (mean, std) of logistic regression on
-    `degree_features`. Needs scikit-learn."""
+    `degree_features`. Needs scikit-learn.
+
+    Args:
+        graphs: the data set.
+        folds: the k of the stratified k-fold.
+        seed: the folds' shuffling seed.
+    """
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import StratifiedKFold, cross_val_score
     from sklearn.pipeline import make_pipeline

@@ -139,7 +139,7 @@ class HAPPool(nn.Module):
                              "adjacency")
 
     def forward(self, x: torch.Tensor, adj: torch.Tensor, mask: torch.Tensor | None = None,
-                return_assignment: bool = False):
+                return_assignment: bool = False) -> tuple:
         """Coarsens a batch of padded graphs to `num_clusters` nodes each.
 
         Args:
@@ -281,7 +281,15 @@ class SparseHAPPool(nn.Module):
         self.pool, self.max_num_nodes = pool, max_num_nodes
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor | None = None,
-                edge_weight: torch.Tensor | None = None, return_assignment: bool = False):
-        """Densifies with `densify` and returns what `HAPPool.forward` returns."""
+                edge_weight: torch.Tensor | None = None, return_assignment: bool = False) -> tuple:
+        """Densifies with `densify` and returns what `HAPPool.forward` returns.
+
+        Args:
+            x: node features [sum n, F] of the batch's graphs.
+            edge_index: [2, E] edges (both directions), as PyG's.
+            batch: [sum n] graph of each node (None: one graph).
+            edge_weight: [E] non-negative weights (None: 1).
+            return_assignment: also return the soft assignment S [B, N, K].
+        """
         xd, adj, mask = densify(x, edge_index, batch, edge_weight, self.max_num_nodes)
         return self.pool(xd, adj, mask, return_assignment=return_assignment)

@@ -122,7 +122,7 @@ class Plan:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "Plan":
-        """The plan :meth:`state_dict` described."""
+        """The plan that ``state``, what :meth:`state_dict` returned, describes."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in state.items() if k in fields}
         prof = dict(values["profile"])

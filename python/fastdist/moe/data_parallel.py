@@ -91,7 +91,7 @@ def _comparable(value):
 
 
 def data_parallel(model: nn.Module, process_group: dist.ProcessGroup | None = None,
-                  **ddp_options) -> DistributedDataParallel:
+                  **ddp_options: object) -> DistributedDataParallel:
     """``model`` wrapped for data-parallel training: DDP for every weight but the experts of its expert-parallel
     MoE layers, whose gradients the layers average themselves (module docstring).
 

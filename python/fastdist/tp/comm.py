@@ -55,7 +55,8 @@ class CollectiveLog:
         return sum(1 for r in self._match(kind, phase, site))
 
     def numel(self, kind: str | None = None, phase: str | None = None, site: str | None = None) -> int:
-        """The elements of the full tensors of the collectives that match (filters as for :meth:`count`)."""
+        """The elements of the full tensors of the collectives that match ``kind``, ``phase`` and ``site`` (filters
+        as for :meth:`count`)."""
         return sum(r.numel for r in self._match(kind, phase, site))
 
     def _match(self, kind, phase, site):

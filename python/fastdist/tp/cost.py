@@ -136,8 +136,8 @@ class CostModel:
 
     def gemm_time(self, rows: int, in_features: int, out_features: int,
                   dtype: torch.dtype = torch.float32) -> float:
-        """G: seconds of a ``rows x in_features`` times ``in_features x out_features`` GEMM (measured, else
-        ``lambda + 2 rows in out / rate``)."""
+        """G: seconds of a ``rows x in_features`` times ``in_features x out_features`` GEMM in ``dtype`` (measured,
+        else ``lambda + 2 rows in out / rate``)."""
         key = (int(rows), int(in_features), int(out_features), str(dtype))
         if key in self.gemm_table:
             return self.gemm_table[key]
@@ -372,7 +372,7 @@ class CostModel:
                 "chosen": [[op, list(shape), t, dt, k] for (op, shape, t, dt), k in sorted(self._chosen.items())]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned."""
+        """Restores ``state``, what :meth:`state_dict` returned."""
         self.alpha, self.beta = state["alpha"], state["beta"]
         self.gemm_overhead, self.gemm_rate = state["gemm_overhead"], state["gemm_rate"]
         self.world_size = state["world_size"]

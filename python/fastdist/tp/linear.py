@@ -609,8 +609,13 @@ class RowParallelLinear(_ParallelLinear):
     @classmethod
     def from_linear(cls, linear: nn.Module, group: dist.ProcessGroup | None = None,
                     **kwargs: object) -> "RowParallelLinear":
-        """The row-parallel shard of an ``nn.Linear`` (or a GPT-2 style ``Conv1D``), its weights copied (arguments
-        as for :meth:`ColumnParallelLinear.from_linear`)."""
+        """The row-parallel shard of an ``nn.Linear`` (or a GPT-2 style ``Conv1D``), its weights copied.
+
+        Args:
+            linear: the module to shard.
+            group: the tensor-parallel process group (None: the default group).
+            **kwargs: RowParallelLinear's other arguments.
+        """
         weight, bias = dense_parameters(linear)
         layer = cls(weight.shape[1], weight.shape[0], group, bias=bias is not None, device=weight.device,
                     dtype=weight.dtype, **kwargs)

@@ -58,7 +58,8 @@ class ModelConfig:
         return 2 * tokens * self.params(op)
 
     def activation_bytes(self, op: str, tokens: int, degree: int) -> float:
-        """Stored activations per rank: the replicated part (LayerNorm input, residual) whole, the rest / d."""
+        """Stored activations per rank of ``op`` ("attention" or "mlp") on ``tokens`` tokens at tensor-parallel
+        ``degree`` d: the replicated part (LayerNorm input, residual) whole, the rest / d."""
         sharded = 5 if op == "attention" else 2 * self.mlp_ratio  # qkv + attention output; fc1 + GeLU output
         return tokens * self.hidden * self.dtype_bytes * (2 + sharded / degree)
 
