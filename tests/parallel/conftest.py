@@ -13,7 +13,7 @@ JOBS = {
          "train:nanogpt:1,1,2", "train:gpt2:1,2,1", "train:llama:1,2,1",
          "bad:mesh_product", "bad:more_stages_than_blocks", "bad:microbatches", "bad:no_blocks",
          "bad:different_models", "bad:different_plans", "bad:step_batch",
-         "bad:tp_plan_matches_nothing", "bad:meta_unset", "meta:meta_ready_gpt:1,1,2", "meta:meta_ready_gpt:1,2,1",
+         "bad:tp_plan_matches_nothing", "bad:meta_unset", "meta:meta_ready_gpt:1,1,2", "meta:meta_ready_gpt:1,2,1", "meta:nanogpt:1,1,2",
          "optimizer:1,2,1->1,1,2",
          "compose:recompute_compress", "compose:sketch_hook", "checkpoint:transformer_lm", "checkpoint:gpt2",
          "device_mesh"],

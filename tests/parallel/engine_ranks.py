@@ -70,6 +70,21 @@ class MetaReadyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+def nanogpt_init(module: nn.Module) -> None:
+    """nanoGPT's ``GPT._init_weights`` (normal(0, 0.02) weights, zero biases), plus its LayerNorm's ones and zeros,
+    which its constructor sets: what ``model.apply`` runs to initialize nanoGPT built on the meta device."""
+    if isinstance(module, nn.Linear):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, um.LayerNorm):
+        torch.nn.init.ones_(module.weight)
+        if module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+
 def make_model(name: str, layers: int = 4) -> nn.Module:
     """The seeded model ``name`` ("transformer_lm", "nanogpt", "gpt2", "llama": Hugging Face's, small, built from a
     config, nothing downloaded)."""
@@ -274,7 +289,8 @@ def case(name: str):
         return resume(tuple(int(d) for d in rest.split(",")))
     if kind == "meta":
         model, _, mesh = rest.partition(":")
-        return _plain(train(model, tuple(int(d) for d in mesh.split(",")), meta=True, steps=3))
+        init = {"nanogpt": {"init": nanogpt_init, "seed": 5}}.get(model, {})  # else reset_parameters, seed 0
+        return _plain(train(model, tuple(int(d) for d in mesh.split(",")), meta=True, steps=3, **init))
     if kind == "gather_to":
         mesh, _, dst = rest.partition(":")
         return gather_to(tuple(int(d) for d in mesh.split(",")), int(dst))

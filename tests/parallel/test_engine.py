@@ -195,7 +195,7 @@ def test_compiled_stages_train_like_the_eager_engine_and_one_process(engine_rank
 def test_a_model_built_on_the_meta_device_gets_the_values_of_the_model_built_normally_and_trains_like_it(
         engine_ranks, mesh):
     from engine_ranks import make_model
-    normal = make_model("meta_ready_gpt").state_dict()  # seeded with 0, built on the CPU
+    normal = make_model("meta_ready_gpt").state_dict()  # built on the CPU after torch.manual_seed(0)
     want_losses, want_state = reference("meta_ready_gpt", steps=3)
     ranks = engine_ranks(2, f"meta:meta_ready_gpt:{mesh}")
     initial = ranks[0]["initial"]
@@ -239,3 +239,17 @@ def test_adam_state_saved_on_one_mesh_resumes_on_another_and_in_the_plain_model(
                      **LOSS_TOLERANCE)
         assert_close(torch.tensor(got["plain"]), torch.tensor(got["whole"][2:]), f"rank {rank}: plain model",
                      **LOSS_TOLERANCE)
+
+
+def test_nanogpt_on_the_meta_device_with_its_own_init_gets_the_values_that_init_gives_the_whole_model(engine_ranks):
+    from engine_ranks import make_model, nanogpt_init
+    normal = make_model("nanogpt")
+    torch.manual_seed(5)  # the rank side's seed=
+    normal.apply(nanogpt_init)  # on one process: every module's draws in apply's order
+    want = normal.state_dict()
+    ranks = engine_ranks(2, "meta:nanogpt:1,1,2")
+    initial = ranks[0]["initial"]
+    assert list(initial) == list(want)
+    for key, value in want.items():  # the embedding tied to the head: stage 0 and stage 1 hold the head's draw
+        assert torch.equal(initial[key], value), key
+    assert ranks[0]["losses"] == ranks[1]["losses"]
