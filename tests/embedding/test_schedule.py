@@ -1,5 +1,5 @@
 """The 2D schedule's next-batch prefetch changes when rows move, never what is looked up: training with the next
-batch prefetched (before the backward, or after the optimizer step) equals the unprefetched run bit for bit and a
+batch prefetched (before the backward, with or without rows sent ahead, or after the optimizer step) equals the unprefetched run bit for bit and a
 single process on the unsharded table, and a row updated in one step is looked up in the next with its updated
 value; a rank looking up other ids than it prefetched makes every rank look up afresh; bad prefetched ids raise on
 every rank."""
@@ -38,7 +38,7 @@ def job(request):
     return request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
 
 
-@pytest.mark.parametrize("schedule", ["2d", "after-step", "mismatch"])
+@pytest.mark.parametrize("schedule", ["2d", "ids", "after-step", "mismatch"])
 def test_prefetched_training_equals_the_unprefetched_run_and_one_process(job, schedule):
     world = len(job)
     for name in ranks.PREFETCH_OPTIMIZERS:

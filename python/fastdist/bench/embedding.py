@@ -10,6 +10,11 @@ rotated each repetition), warm-up steps first:
 
   fastdist      fastdist.embedding.hybrid_parallel: tables row-sharded (EmbeddingBag(sparse=True) -> ShardedEmbedding,
                 AlltoAll lookups and gradient rows), the MLPs under DDP
+  fastdist-2d   the same with the 2D schedule's lookahead: after each forward, every table prefetches the next
+                batch's ids (ShardedEmbedding.prefetch): the ids leave before the backward, the rows the update
+                leaves alone when the backward reaches the table, and the next lookup waits only for the rest
+  fastdist-2d-ids  the same with prefetch(rows_ahead=False): only the ids go ahead, the lookup fetches every row
+                in one AlltoAll
   fastdist-collection  the same, with the model's tables written as one ShardedEmbeddingCollection (as TorchRec's
                 users write one EmbeddingBagCollection): every table in one exchange per step
   ddp-sparse    DDP over the whole model with EmbeddingBag(sparse=True): gloo's sparse all-reduce of the table
@@ -52,7 +57,7 @@ from fastdist.bench.toolkit import all_max, at_least, comma_list, rounds, togeth
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
-METHODS = ["fastdist", "fastdist-collection", "ddp-sparse", "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
+METHODS = ["fastdist", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection", "ddp-sparse", "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
 DENSE_IN = 13
 HIDDEN = 64
 BASELINE = "ddp-sparse"
@@ -194,7 +199,7 @@ def build(name: str, config: dict):
     torch.manual_seed(0)
     dense_tables = name == "ddp-dense"
     model = DLRM(config["tables"], config["rows"], config["dim"], sparse=not dense_tables)
-    if name == "fastdist":
+    if name.startswith("fastdist") and name != "fastdist-collection":
         model = hybrid_parallel(model, min_rows=2)
     elif name == "fastdist-collection":
         model = hybrid_parallel(_CollectionDLRM(model))
@@ -208,13 +213,19 @@ def build(name: str, config: dict):
     return model, [torch.optim.SGD(model.parameters(), lr=config["lr"])]
 
 
-def _step(model, opts, batch):
+def _step(model, opts, batch, ahead=None, rows_ahead=True):
     for o in opts:
         o.zero_grad(set_to_none=True)
     loss = model(batch)
+    if ahead is not None:  # the next batch's lookups start before this backward (fastdist-2d)
+        for table, ids in zip(model.module.embeddings, ahead["ids"]):
+            table.prefetch(ids, ahead["offsets"], rows_ahead=rows_ahead)
     loss.backward()
     for o in opts:
         o.step()
+    if ahead is not None:  # the rows sent ahead belong to this step, not to the methods timed next
+        for table in model.module.embeddings:
+            table.wait_prefetch()
     return loss.item()
 
 
@@ -250,10 +261,12 @@ def bench_rank(config: dict) -> Any:
         if name == "torchrec":
             batch["kjt"] = _kjt(batch, config["tables"])
         model, opts = built[name]
+        last = it + 1 == config["warmup"] + config["steps"]
+        ahead = make_batch(config, rank, it + 1) if name.startswith("fastdist-2d") and not last else None
         before = _traffic(model)
         tx0 = tx_counter(config["measure_tx"])
         with together() as watch:
-            loss = _step(model, opts, batch)
+            loss = _step(model, opts, batch, ahead, rows_ahead=name == "fastdist-2d")
         tx = tx_counter(config["measure_tx"]) - tx0
         seconds, tx_max = all_max([watch.seconds, float(tx)])
         s = samples[name]
@@ -287,7 +300,7 @@ def _traffic(model) -> int:
 
 def _table_bytes(name, model, config, world):
     full = 4 * config["tables"] * config["rows"] * config["dim"]
-    if name in ("torchrec", "fastdist", "fastdist-collection"):
+    if name == "torchrec" or name.startswith("fastdist"):
         return full / world  # row-wise (or table-wise, balanced when tables divide by ranks)
     return full * (2 if name == "ddp-dense" else 1)  # dense gradients are table-sized too
 

@@ -72,11 +72,11 @@ class ShardedEmbeddingCollection(nn.Module):
                 out[name] = y
         return out
 
-    def prefetch(self, inputs: Mapping[str, torch.Tensor | tuple]) -> None:
+    def prefetch(self, inputs: Mapping[str, torch.Tensor | tuple], *, rows_ahead: bool = True) -> None:
         """Starts the lookup of the next batch's ``inputs`` (as :meth:`forward` takes them): call it after this
         step's forward, before its backward; see :meth:`ShardedEmbedding.prefetch`."""
         for group in self._by_width(inputs):
-            prefetch([t for _, t, _ in group], [a for _, _, a in group], self.group)
+            prefetch([t for _, t, _ in group], [a for _, _, a in group], self.group, rows_ahead)
 
     def _by_width(self, inputs):
         """The named tables' ``(name, table, (ids, offsets, per_sample_weights))`` grouped by row width."""

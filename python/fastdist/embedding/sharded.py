@@ -221,12 +221,21 @@ class ShardedEmbedding(nn.Module):
         return lookup([self], [(input, offsets, per_sample_weights)], self.group)[0]
 
     def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                 per_sample_weights: torch.Tensor | None = None) -> None:
+                 per_sample_weights: torch.Tensor | None = None, *, rows_ahead: bool = True) -> None:
         """Starts the lookup of the next batch (the 2D schedule's lookahead): call it with the next batch's ids
-        after this step's forward, before its backward; the next forward with the same arguments then waits only
-        for the rows this step's optimizer update changes. Every rank calls it (a collective). See
+        (as ``forward`` takes them) after this step's forward, before its backward. The ids leave at once; with
+        ``rows_ahead`` the rows this step's update leaves alone follow when the backward reaches the table, and the
+        next forward with the same arguments waits only for the rows the update changed; without, that forward
+        fetches every row in one AlltoAll. Every rank calls it (a collective). See
         :func:`fastdist.embedding.prefetch` for what it assumes."""
-        prefetch([self], [(input, offsets, per_sample_weights)], self.group)
+        prefetch([self], [(input, offsets, per_sample_weights)], self.group, rows_ahead)
+
+    def wait_prefetch(self) -> None:
+        """Waits until the rows a pending prefetch sent ahead have arrived (no collective; a benchmark's step then
+        owns its own traffic). Nothing to wait for when none were sent yet."""
+        route = self._prefetch
+        if route is not None and route.advanced:
+            route.early_work.wait()
 
     # ---- state ----
 
@@ -574,14 +583,16 @@ def _expand_all(route: _Route, rows: torch.Tensor) -> list:
 # ---- next-batch prefetch (the 2D schedule's lookahead) ----
 
 @torch.compiler.disable
-def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None) -> None:
+def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None,
+             rows_ahead: bool = True) -> None:
     """Starts the next lookup of ``modules`` with ``inputs`` before the pending update of the tables is done.
 
-    The ids leave at once (asynchronously). When the backward in flight has delivered the tables' gradients (or at
-    the next lookup, whichever comes first), each owner sends the rows the pending optimizer step will not change
-    (asynchronously, flagged), and the next :func:`lookup` of these tables with these inputs sends the flagged rest,
-    read after the step: every row is read after the last change to it, so the result equals the lookup's without
-    prefetch. "Will change" is judged from the table's gradient: the rows of a sparse gradient and of the lookups
+    The ids leave at once (asynchronously). With ``rows_ahead``, when the backward in flight reaches the tables
+    (every row the pending optimizer step will change is then known), each owner sends the rows that step will not
+    change (asynchronously, flagged), and the next :func:`lookup` of these tables with these inputs sends the
+    flagged rest, read after the step. Without it (or with no backward in flight), the lookup sends every row in
+    one AlltoAll: only the ids went ahead. Either way every row is read after the last change to it, so the result
+    equals the lookup's without prefetch. "Will change" is judged from the table's gradient: the rows of a sparse gradient and of the lookups
     whose gradient has not arrived yet; every row when the gradient is dense (momentum and weight decay move
     rows that were not looked up). So between this call and the lookup, only an optimizer step on the tables'
     gradients may change them. A collective: every rank calls it, in the same order.
@@ -593,7 +604,7 @@ def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group
             raise RuntimeError("fastdist: ShardedEmbedding.prefetch called twice without a lookup in between")
     route = _prepare(modules, [tuple(a) + (None,) * (3 - len(a)) for a in inputs], group)
     _issue_ids(route, async_op=True)
-    route.advanced = False
+    route.advanced, route.rows_ahead = False, rows_ahead
     for m in modules:
         m._prefetch = route  # with no backward in flight, the rows are sent at the next lookup
 
@@ -653,46 +664,53 @@ def _segments(flags: torch.Tensor, splits: list) -> list:
 
 
 def _finish_prefetch(route: _Route, inputs) -> list | None:
-    """The lookup of prefetched tables: the flagged rows sent now, read after the update; None when a rank's
-    inputs are not what it prefetched (every rank then looks up afresh)."""
-    modules = route.modules
+    """The lookup of prefetched tables: the rows not sent ahead are sent now, read after the update; None when a
+    rank's inputs are not what it prefetched (every rank then looks up afresh)."""
+    modules, dim = route.modules, route.modules[0].embedding_dim
     for m in modules:
         m._prefetch = None
     inputs = [tuple(a) + (None,) * (3 - len(a)) for a in inputs]
-    if not route.advanced:
-        _advance(route, update_done=True)  # every change before this lookup is done: no row waits
     same = all(_same_input(a, b) for a, b in zip(inputs, route.inputs))
-    route.early_work.wait()
-    dim = modules[0].embedding_dim
-    early, late = route.early[:, :dim], route.early[:, dim] > 0.5
-    # One AlltoAll: per pair a row whose first value says whether the sender's inputs were the prefetched ones,
-    # then the owner's rows flagged late for that pair, in the order the pair's ids came.
-    late_send, late_recv = _segments(route.late, route.recv_splits), _segments(late, route.send_splits)
-    late_ids = route.recv_ids[route.late]
-    with torch.no_grad():
-        fresh, _ = _owner_rows(modules, late_ids)
-    parts, at = [], 0
-    flag = early.new_full((1, dim), float(same))
-    for r in range(route.world):
-        parts += [flag, fresh[at:at + late_send[r]]]
-        at += late_send[r]
-    message = torch.cat(parts)
-    got = early.new_empty((sum(late_recv) + route.world, dim))
-    dist.all_to_all_single(got, message, [c + 1 for c in late_recv], [c + 1 for c in late_send], group=route.group)
-    traffic, me = modules[0].traffic, route.rank
-    traffic["rows"] += sum(late_send) - late_send[me] + route.world - 1
-    heads = torch.tensor([0] + late_recv[:-1]).add(1).cumsum(0).sub(1).tolist()
-    if not bool((got[heads, 0] == 1).all()):
-        return None
-    keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    keep[heads] = False
-    received = early.clone()
-    received[late] = got[keep]
+    if not route.advanced:  # nothing sent ahead: every row now, in one AlltoAll
+        _receive_ids(route)  # a refused input raises here, on every rank
+        rows, route.pieces = _owner_rows(modules, route.recv_ids)
+        received, agreed = _flagged_exchange(route, rows, route.recv_splits, route.send_splits, same)
+        if not agreed:
+            return None
+    else:
+        route.early_work.wait()
+        early, late = route.early[:, :dim], route.early[:, dim] > 0.5
+        late_send, late_recv = _segments(route.late, route.recv_splits), _segments(late, route.send_splits)
+        with torch.no_grad():
+            fresh, _ = _owner_rows(modules, route.recv_ids[route.late])
+        got, agreed = _flagged_exchange(route, fresh, late_send, late_recv, same)
+        if not agreed:
+            return None
+        received = early.clone()
+        received[late] = got
     if torch.is_grad_enabled():
-        traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[me]
+        modules[0].traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[route.rank]
     plan = (route.send_splits, route.recv_splits, route.group, route.pieces, _watch(route.pieces))
     rows = _Prefetched.apply(received, plan, *[m.weight for m in modules])
     return _expand_all(route, rows)
+
+
+def _flagged_exchange(route: _Route, rows: torch.Tensor, send: list, recv: list, same: bool) -> tuple:
+    """One AlltoAll of ``rows`` (``send`` per destination, ``recv`` per source), each pair's part led by a row
+    whose first value says whether the sender's inputs were the ones it prefetched: (the rows received, whether
+    every rank's were)."""
+    parts, at = [], 0
+    flag = rows.new_full((1, rows.shape[1]), float(same))
+    for r in range(route.world):
+        parts += [flag, rows[at:at + send[r]]]
+        at += send[r]
+    got = rows.new_empty((sum(recv) + route.world, rows.shape[1]))
+    dist.all_to_all_single(got, torch.cat(parts), [c + 1 for c in recv], [c + 1 for c in send], group=route.group)
+    route.modules[0].traffic["rows"] += sum(send) - send[route.rank] + route.world - 1
+    heads = torch.tensor([0] + recv[:-1]).add(1).cumsum(0).sub(1).tolist()
+    keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
+    keep[heads] = False
+    return got[keep], bool((got[heads, 0] == 1).all())
 
 
 def _same_input(a: tuple, b: tuple) -> bool:
@@ -740,7 +758,10 @@ class _Pending:
     """A lookup whose gradient rows have not reached the owners yet (weakly held by the tables it read: a graph
     freed without a backward forgets it)."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "started")
+
+    def __init__(self):
+        self.started = False  # its backward has begun: its rows are all the update will add
 
 
 def _watch(pieces):
@@ -772,6 +793,9 @@ class _RowExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits, group, pieces, token = ctx.plan
+        if token is not None:
+            token.started = True
+        _advance_prefetches(pieces)
         received = grad.new_empty((sum(recv_splits), grad.shape[1]))
         work = dist.all_to_all_single(received, grad.contiguous(), recv_splits, send_splits, group=group,
                                       async_op=True)
@@ -790,8 +814,7 @@ class _Prefetched(_RowExchange):
 
 
 def _add_gradients(work, received, pieces, token=None):
-    """Waits for the gradient rows and adds them to each shard's ``.grad``; then sends the rows of any prefetch
-    that waited for this backward."""
+    """Waits for the gradient rows and adds them to each shard's ``.grad``."""
     work.wait()
     for m, where, local in pieces:
         g = received if where is None else received.index_select(0, where)
@@ -811,9 +834,16 @@ def _add_gradients(work, received, pieces, token=None):
             w.grad.index_add_(0, local, g)
     for m, _, _ in pieces:
         m._pending.pop(token, None)
+
+
+def _advance_prefetches(pieces) -> None:
+    """Sends the early rows of the prefetches of these tables once every lookup awaiting its gradient has begun
+    its backward (so every row the update will change is known), just before this backward's gradient rows: the
+    next step's rows then travel during the rest of the backward, DDP's all-reduce and the optimizer step."""
     for m, _, _ in pieces:
         route = m._prefetch
-        if route is not None and not route.advanced and not any(t._pending for t in route.modules):
+        if route is not None and route.rows_ahead and not route.advanced and all(
+                t.started for table in route.modules for t in list(table._pending.keys())):
             _advance(route, update_done=False)
 
 
