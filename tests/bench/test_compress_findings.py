@@ -5,6 +5,7 @@ import torch
 
 from fastdist.bench import cli, compress_findings as findings
 from fastdist.compress import AQSGD, Boundary, ErrorFeedback
+from fastdist.testing.shapes import shapes_dataset
 
 
 def test_every_row_builds_its_boundary():
@@ -19,8 +20,8 @@ def test_every_row_builds_its_boundary():
 
 
 def test_shapes_dataset_is_deterministic_balanced_and_separable_by_class():
-    x, y = findings.shapes_dataset(800, seed=3)
-    x2, y2 = findings.shapes_dataset(800, seed=3)
+    x, y = shapes_dataset(800, seed=3)
+    x2, y2 = shapes_dataset(800, seed=3)
     assert torch.equal(x, x2) and torch.equal(y, y2) and x.shape == (800, 1, 16, 16)
     counts = torch.bincount(y, minlength=8)
     assert counts.min() > 60

@@ -138,25 +138,24 @@ def test_time_ranks_keeps_the_slowest_ranks_time_per_repetition_or_this_ranks_ow
     assert max(own[0]) < 0.25 <= min(own[1])           # each rank's own samples
 
 
-def test_format_table_gives_each_float_column_one_format():
-    table = report.format_table(["method", "time(ms)", "rel.err"], [["a", 101.9, 1.7e-4], ["b", 82.59, 0.012]])
-    lines = table.splitlines()
-    assert lines[1].split() == ["a", "101.9", "1.70e-04"]  # three digits on the column's smallest value
+def test_text_table_gives_each_column_its_own_format_and_leaves_out_columns_without_values():
+    columns = [report.col("method", "method"), report.col("time (ms)", "time_ms", report.fixed(1)),
+               report.col("rel. error", "err", report.scientific(2)), report.col("tx (B)", "tx", report.integer)]
+    rows = [{"method": "a", "time_ms": 101.9, "err": 1.7e-4, "tx": None},
+            {"method": "b", "time_ms": 82.59, "err": 0.012, "tx": None}]
+    lines = report.text_table(columns, rows).splitlines()
+    assert lines[0].split("  ") == ["method", "time (ms)", "rel. error"]  # tx has no value in any row
+    assert lines[1].split() == ["a", "101.9", "1.70e-04"]
     assert lines[2].split() == ["b", "82.6", "1.20e-02"]   # the same decimals all the way down
 
 
-def test_format_table_takes_a_format_per_column_by_header_and_rejects_unknown_headers():
-    table = report.format_table(["n", "algbw(GB/s)"], [[1, 0.5], [2, 12.25]], {"algbw(GB/s)": ".3f"})
-    assert [line.split() for line in table.splitlines()[1:]] == [["1", "0.500"], ["2", "12.250"]]
-    with pytest.raises(ValueError, match="unknown columns"):
-        report.format_table(["n"], [[1]], {"time": ".1f"})
-
-
-def test_format_table_right_aligns_number_columns_and_left_aligns_text():
-    table = report.format_table(["name", "speed-up", "x"], [["long-name", "1.50x", 3], ["a", "-", 10]])
-    assert table.splitlines() == ["name       speed-up   x",
-                                  "long-name     1.50x   3",
-                                  "a                 -  10"]
+def test_text_table_right_aligns_number_columns_and_left_aligns_text():
+    columns = [report.col("name", "name"), report.col("speed-up", "speedup", report.times(2)),
+               report.col("x", "x", report.integer)]
+    rows = [{"name": "long-name", "speedup": 1.5, "x": 3}, {"name": "a", "speedup": None, "x": 10}]
+    assert report.text_table(columns, rows).splitlines() == ["name       speed-up   x",
+                                                             "long-name     1.50x   3",
+                                                             "a                 -  10"]
 
 
 class _Log(io.StringIO):

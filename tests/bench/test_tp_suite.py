@@ -31,12 +31,12 @@ def test_balanced_rates_are_positive_and_scale_with_the_bytes_moved():
     world = 2
     ring_share = 2 * (world - 1) / world  # of its bytes, what a ring all-reduce sends from each rank
     m, k, n = 256, 256, 128
-    rate, gemm_s = tp.op_balanced_rate((m, k, n), world)
+    rate, gemm_s = tp.balanced_rate("op", (m, k, n), world)
     assert rate > 0 and gemm_s > 0
     # the bits of the all-reduce of the row op's float32 [M, N] output, in the GEMM's time
     assert rate * gemm_s == pytest.approx(8 * ring_share * m * n * 4)
     hidden, heads, seq, batch = 32, 2, 8, 2
-    rate, compute_s = tp.block_balanced_rate((hidden, heads, seq, batch), world)
+    rate, compute_s = tp.balanced_rate("block", (hidden, heads, seq, batch), world)
     assert rate > 0 and compute_s > 0
     # the bits of a step's 4 all-reduces of the float32 [batch * seq, hidden] activation, in the compute's time
     assert rate * compute_s == pytest.approx(8 * 4 * ring_share * batch * seq * hidden * 4)

@@ -149,8 +149,8 @@ def run_suite(suite: str, args: argparse.Namespace, bench_rank: Callable[[dict],
                        backend=backend)
     if launch.result is None:
         return None
-    fields = collect(launch.result, config, launch)
-    result = {"suite": suite, "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
-              "config": config, **fields}
+    env = report.launch_environment(launch)  # the header first: `collect` may print lines under it
+    result = {"suite": suite, "env": env, "link_gbps": launch.link_gbps, "config": config,
+              **collect(launch.result, config, launch)}
     print(report.text_parts(tables(result)))
     return result

@@ -5,10 +5,8 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
-import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -97,9 +95,12 @@ def markdown_table(columns: Sequence[Column], rows: Iterable[Row]) -> str:
 
 
 def text_table(columns: Sequence[Column], rows: Iterable[Row]) -> str:
-    """The same table as `markdown_table`, as fixed-width text for the terminal."""
+    """The same table as `markdown_table`, as fixed-width text for the terminal (no trailing newline)."""
     kept, cells = _cells(columns, rows)
-    return format_table([c.header for c in kept], cells, align=["r" if c.numeric else "l" for c in kept])
+    lines = [[c.header for c in kept]] + cells
+    widths = [max(len(line[i]) for line in lines) for i in range(len(kept))]
+    return "\n".join("  ".join(v.rjust(w) if c.numeric else v.ljust(w) for v, w, c in zip(line, widths, kept)).rstrip()
+                     for line in lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,66 +187,6 @@ def format_environment(env: dict) -> str:
     keys = ["fastdist", "torch", "backend", "device", "ranks", "network", "cuda_kernels", "host_cpus", "load_average",
             "date"]
     return "\n".join(f"# {k:<13} {env[k]}" for k in keys if k in env)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], formats: Mapping[str, str] | None = None,
-                 align: Sequence[str] | None = None) -> str:
-    """A fixed-width text table in which every column has one number format.
-
-    Args:
-        headers: Column titles; a column of numbers names its unit in its title ("time(ms)").
-        rows: Cells: numbers, or text (pre-formatted numbers, "-" for none).
-        formats: Format specs by header ("time(us)": ".1f"). A float column without one gets one spec for all of
-            its cells from its smallest non-zero magnitude (`column_format`); ints print whole.
-        align: 'l' or 'r' per column; by default a column of numbers (or of text that starts like one: "1.20x",
-            "+3%"; "-" for none) is right-aligned, any other left.
-
-    Returns:
-        The table, header first, without a trailing newline.
-    """
-    formats = dict(formats or {})
-    unknown = sorted(set(formats) - set(headers))
-    if unknown:
-        raise ValueError(f"format_table: formats for unknown columns {unknown}; the columns are {list(headers)}")
-    columns = list(zip(*rows)) if rows else [() for _ in headers]
-    specs = [formats.get(h) or column_format(col) for h, col in zip(headers, columns)]
-    cells = [[_cell(v, spec) for v, spec in zip(row, specs)] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    if align is None:
-        align = ["r" if all(_is_number(v) or _NUMBER_LIKE.match(str(v)) for v in col if v not in ("-", "")) else "l"
-                 for col in columns]
-
-    def line(values):
-        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(values, widths, align)).rstrip()
-
-    return "\n".join([line(headers)] + [line(r) for r in cells])
-
-
-def column_format(values: Sequence[Any]) -> str:
-    """One format spec for a column's floats: three significant digits on its smallest non-zero magnitude (at
-    most three decimals), scientific when that is below 0.001; "" (plain str) for a column without floats."""
-    magnitudes = [abs(v) for v in values if isinstance(v, float) and math.isfinite(v) and v != 0]
-    if not magnitudes:
-        return ".1f" if any(isinstance(v, float) for v in values) else ""
-    smallest = min(magnitudes)
-    if smallest < 1e-3:
-        return ".2e"
-    return f".{min(3, max(0, 2 - math.floor(math.log10(smallest))))}f"
-
-
-_NUMBER_LIKE = re.compile(r"[-+]?\.?\d")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _cell(v: Any, spec: str) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else format(v, spec or "g")
-    if _is_number(v) and spec and not spec.endswith(("d", "s")):
-        return format(v, spec)
-    return str(v)
 
 
 def set_speedups(rows: list[dict], baseline: str, key: str = "speedup", time: str = "time_ms") -> None:

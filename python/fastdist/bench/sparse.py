@@ -59,9 +59,9 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.report import MIB, col, fixed, percent, scaled, scientific, times
-from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_ranks, tx_counter
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, interleave, progress, rank_device, rounds,
-                                     shape_type, together, up_to)
+from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_suite, tx_counter
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, progress, rank_device, rounds, shape_type, together,
+                                     up_to)
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 DDP_METHODS = ["ddp-sparse", "auto", "auto-bg", "auto-nodh"]
@@ -200,27 +200,17 @@ def _bench_density(config, density, world, rank, device, bar):
     # auto times both exact collectives on its first calls at a new size: kept apart from its repetitions
     explore = [_timed_call(g, "auto", config, device)[0] for _ in range(EXACT_EXPLORE_CALLS)] \
         if "auto" in methods else []
-    samples = {m: [] for m in methods}
-    tx = {m: [] for m in methods}
-    wire = {m: [] for m in methods}
-    errors = {m: [] for m in methods}
-    chose = {m: [] for m in methods}
-    for it, name, phase in interleave(methods, config["warmup"], config["reps"]):
+    calls = {m: [] for m in methods}  # per timed call: seconds, bytes sent, wire bytes model, error, what ran
+    for _, name, timed in rounds(methods, config["warmup"], config["reps"], f"{density * 100:g}%", bar=bar):
         dt, sent, wire_bytes, ran = _timed_call(g, name, config, device)
-        if it >= config["warmup"]:
-            samples[name].append(dt)
-            tx[name].append(sent)
-            wire[name].append(wire_bytes)
-            errors[name].append(g.error(g.work))
-            chose[name].append(ran)
-        bar.step(f"{density * 100:g}% {phase} {name}")
+        if timed:
+            calls[name].append((dt, sent, wire_bytes, g.error(g.work), ran))
     rows = []
     nbytes = g.grad.numel() * g.grad.element_size()
     for name in methods:
-        times = all_max(samples[name], device)  # a call lasts until its slowest rank is done
-        tx_max = all_max(tx[name], device)
-        wire_max = all_max(wire[name], device)
-        err_max = all_max(errors[name], device)
+        seconds, sent, wire, errors, ran = zip(*calls[name])
+        # a call lasts until its slowest rank is done; the bytes and the error are the busiest and worst rank's
+        times, tx_max, wire_max, err_max = (all_max(list(v), device) for v in (seconds, sent, wire, errors))
         t = statistics.median(times)
         rows.append({
             "method": name, "density": density, "local_rows": g.local_rows, "union_rows": g.union_rows,
@@ -229,7 +219,7 @@ def _bench_density(config, density, world, rank, device, bar):
             "tx_bytes": statistics.median(tx_max) if config["measure_tx"] else None,
             "tx_samples": tx_max if config["measure_tx"] else None,
             "rel_error": statistics.median(err_max), "error_samples": err_max,
-            "algbw": nbytes / t / 1e9, "size": nbytes, "ran": sorted(set(chose[name])),
+            "algbw": nbytes / t / 1e9, "size": nbytes, "ran": sorted(set(ran)),
             "sketch_shape": [g.sketch_rows, g.sketch_cols] if name in ("sketch", "auto") else None,
             "topk_k": g.topk_k if name == "topk" else None,
             "explore_ms": statistics.median(all_max(explore, device)) * 1e3 if name == "auto" and explore else None,
@@ -342,20 +332,17 @@ def bench_rank(config: dict) -> Any:
 
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
-    config = _config_from(args)
-    launch = run_ranks(bench_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout)
-    if launch.result is None:
-        return None
-    rows, gradients, ddp_rows = launch.result
-    result = {"suite": "sparse", "env": report.launch_environment(launch), "link_gbps": launch.link_gbps,
-              "config": config, "gradients": gradients, "rows": rows, "ddp_rows": ddp_rows,
-              "load_average": list(os.getloadavg())}
-    print(report.text_parts(tables(result)))
-    if rows:
-        bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in rows
+    result = run_suite("sparse", args, bench_rank, _config_from(args), _collect, tables)
+    if result is not None and result["rows"]:
+        bad = [f"{r['method']}@{r['density'] * 100:g}%" for r in result["rows"]
                if r["method"] in LOSSLESS and r["rel_error"] != 0]
         print("# lossless methods (dense, agsparse, omnireduce) exact: " + ("yes" if not bad else f"NO: {bad}"))
     return result
+
+
+def _collect(out: tuple, config: dict, launch: Any) -> dict:
+    rows, gradients, ddp_rows = out
+    return {"gradients": gradients, "rows": rows, "ddp_rows": ddp_rows, "load_average": list(os.getloadavg())}
 
 
 def _note(r):
@@ -403,36 +390,30 @@ def plot(result: dict, path: str) -> None:
     """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     rows, config, env = result["rows"], result["config"], result["env"]
     if not rows:  # part ddp alone: its step times
-        plt, fig, ax = report.subplots(1, 1, figsize=(6, 4))
+        _, fig, ax = report.subplots(1, 1, figsize=(6, 4))
         ddp = result["ddp_rows"]
-        ax.bar([r["method"] for r in ddp], [r["time_ms"] for r in ddp])
-        ax.set_ylabel("step time (ms, median)")
+        report.grouped_bars(ax, [r["method"] for r in ddp], {None: [r["time_ms"] for r in ddp]},
+                            "step time (ms, median)")
         fig.suptitle(f"fastdist-bench sparse, part ddp: {env['ranks']} ranks, {env['network']}", fontsize=9)
         report.save_figure(fig, path)
         return
     methods, densities = config["methods"], config["densities"]
-    plt, fig, (ax_t, ax_e) = report.subplots(1, 2, figsize=(13, 5))
-    width = 0.8 / len(methods)
-    cmap = plt.get_cmap("tab10")
-    for i, m in enumerate(methods):
-        times = [next(r["time_ms"] for r in rows if r["method"] == m and r["density"] == d) for d in densities]
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(densities))]
-        ax_t.bar(xs, times, width, label=m, color=cmap(i % 10))
-    ax_t.set_xticks(range(len(densities)))
+    row = {(r["method"], r["density"]): r for r in rows}
     union = {g["density"]: g["union_density"] for g in result["gradients"]}
-    ax_t.set_xticklabels([f"{d * 100:g}% rows/rank\nunion {union[d] * 100:.1f}%" for d in densities])
+    plt, fig, (ax_t, ax_e) = report.subplots(1, 2, figsize=(13, 5))
+    report.grouped_bars(ax_t, [f"{d * 100:g}% rows/rank\nunion {union[d] * 100:.1f}%" for d in densities],
+                        {m: [row[m, d]["time_ms"] for d in densities] for m in methods},
+                        "time per call (ms, median; log scale)")
     ax_t.set_yscale("log")
     lo, hi = min(r["time_ms"] for r in rows), max(r["time_ms"] for r in rows)
     ax_t.set_ylim(lo / 2, hi * 8)  # room above the bars for the legend
-    ax_t.set_ylabel("time per call (ms, median; log scale)")
     ax_t.grid(True, axis="y", which="both", alpha=0.3)
     ax_t.legend(fontsize=8, ncol=4, loc="upper center")
-    markers = "osD^v<>"
+    cmap, markers = plt.get_cmap("tab10"), "osD^v<>"
     for i, m in enumerate(methods):
         for j, d in enumerate(densities):
-            r = next(r for r in rows if r["method"] == m and r["density"] == d)
-            ax_e.scatter(r["wire_bytes"], r["rel_error"], color=cmap(i % 10), marker=markers[j % len(markers)],
-                         label=m if j == 0 else None, s=40)
+            ax_e.scatter(row[m, d]["wire_bytes"], row[m, d]["rel_error"], color=cmap(i % 10),
+                         marker=markers[j % len(markers)], label=m if j == 0 else None, s=40)
     for j, d in enumerate(densities):
         ax_e.scatter([], [], facecolors="none", edgecolors="black", marker=markers[j % len(markers)],
                      label=f"{d * 100:g}% rows")

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from fastdist.bench import report
 from fastdist.bench.report import KIB, col, fixed, percent, scaled, times
-from fastdist.bench.launch import add_launch_arguments, run_ranks, tx_counter
+from fastdist.bench.launch import add_launch_arguments, run_suite, tx_counter
 from fastdist.testing.corpus import ZipfMarkovCorpus
 from fastdist.testing.models import NegativeSampler, SparseLM, make_data, step_batch
 from fastdist.bench.toolkit import at_least, comma_list, progress, together, up_to
@@ -328,10 +328,7 @@ def train_rank(config: dict) -> dict | None:
     held = corpus.heldout(config["eval_batch"], config["seq"])
     held_in, held_tgt = held[:, :-1], held[:, 1:]
     steps, k = config["steps"], len(methods)
-    times = torch.zeros(k, steps, dtype=torch.float64)
-    wire = torch.zeros(k, steps, dtype=torch.float64)
-    sparse_wire = torch.zeros(k, steps, dtype=torch.float64)
-    tx = torch.zeros(k, steps, dtype=torch.float64)
+    measured = torch.zeros(4, k, steps, dtype=torch.float64)  # step seconds, wire, tx and V-row wire bytes
     train_loss = [[] for _ in methods]
     curves = [[] for _ in methods]
     chosen = [[] for _ in methods]
@@ -354,10 +351,9 @@ def train_rank(config: dict) -> dict | None:
             with together() as watch:
                 tx0, (w0, s0) = tx_counter(config["measure_tx"]), m.wire_counter()
                 train_loss[i].append(m.train_step(inputs, targets, negatives, sampler.log_expected))
-            times[i, step] = watch.seconds
-            tx[i, step] = tx_counter(config["measure_tx"]) - tx0
+            sent = tx_counter(config["measure_tx"]) - tx0
             w1, s1 = m.wire_counter()
-            wire[i, step], sparse_wire[i, step] = w1 - w0, s1 - s0
+            measured[:, i, step] = torch.tensor([watch.seconds, w1 - w0, sent, s1 - s0], dtype=torch.float64)
             if m.router is not None:
                 chosen[i].append(m.router.last_methods())
         if step + 1 in eval_steps:
@@ -367,9 +363,8 @@ def train_rank(config: dict) -> dict | None:
             bar.step(f"held-out loss at step {curves[0][-1][0] if curves[0] else 0}: {last}")
 
     # every rank's samples -> per step, the busiest rank (slowest, most bytes)
-    stacked = torch.stack([times, wire, tx, sparse_wire])
-    gathered = [torch.zeros_like(stacked) for _ in range(world)]
-    dist.all_gather(gathered, stacked)
+    gathered = [torch.zeros_like(measured) for _ in range(world)]
+    dist.all_gather(gathered, measured)
     rows_all = [torch.zeros_like(local_rows) for _ in range(world)]
     dist.all_gather(rows_all, local_rows)
     if rank != 0:
@@ -448,39 +443,27 @@ def make_config(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload."""
-    config = make_config(args)
-    launch = run_ranks(train_rank, config, ranks=args.ranks, net=args.net, delay=args.delay, timeout=args.timeout,
-                       backend="gloo")
-    out = launch.result
-    if out is None:
-        return None
-    env = report.launch_environment(launch)
-    result = {"suite": "sparse-lm", "env": env, "config": config, "calibration": out["calibration"],
-              "methods": out["methods"], "local_rows": out["local_rows"]}
-    summarize(result)
+    return run_suite("sparse-lm", args, train_rank, make_config(args), _collect, tables, backend="gloo")
+
+
+def _collect(out: dict, config: dict, launch: Any) -> dict:
     for name, cal in out["calibration"].items():
         print(f"# union {name:<7} {cal['union_rows']:.0f} rows of {config['vocab']} "
               f"({100 * cal['union_fraction']:.2f}%), {cal['local_rows']:.0f} per rank")
-    print(report.text_parts(tables(result)))
-    return result
+    fields = summarize({"config": config, **out})
+    del fields["config"]
+    return fields
 
 
 # --- summary and tables ----------------------------------------------------------------------------------------
-
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
 
 def summarize(result: dict) -> dict:
     """Adds per-method medians, speed-ups, Pareto flags and notes to `result` (in place)."""
     warm = result["config"]["warmup"]
     methods = result["methods"]
     for m in methods:
-        timed = m["step_s"][warm:] or m["step_s"]
-        m["median_step_s"] = _median(timed)
-        m["median_wire_bytes"] = _median(m["wire_bytes"][warm:] or m["wire_bytes"])
-        m["median_sparse_wire_bytes"] = _median(m["sparse_wire_bytes"][warm:] or m["sparse_wire_bytes"])
-        m["median_tx_bytes"] = _median(m["tx_bytes"][warm:] or m["tx_bytes"]) if m["tx_bytes"] else None
+        for key in ("step_s", "wire_bytes", "sparse_wire_bytes", "tx_bytes"):  # tx_bytes is None without netsim
+            m[f"median_{key}"] = statistics.median(m[key][warm:] or m[key]) if m[key] else None
         picks = {}
         for c in m["chosen"][warm:]:
             for k, v in c.items():

@@ -250,17 +250,22 @@ def interleave(names: Sequence[Any], warmup: int, reps: int, shuffle: bool = Fal
 
 
 def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *, enabled: bool = True,
-           shuffle: bool = False) -> Iterator[tuple[int, Any, bool]]:
+           shuffle: bool = False, bar: Bar | None = None) -> Iterator[tuple[int, Any, bool]]:
     """`interleave` with a progress bar over the whole run, for a suite's loop over its methods.
+
+    Args:
+        desc: The bar's description, and the start of each step's note when `bar` is given.
+        bar: A bar of the caller's that these rounds advance (one bar over several loops); by default a new one.
 
     Yields:
         (repetition, name, timed): timed is False for the warm-up repetitions. The bar counts the step (noting
         its phase and name) when the loop's body is done with it.
     """
-    bar = progress((warmup + reps) * len(names), desc, enabled=enabled)
+    prefix = f"{desc} " if bar is not None else ""
+    bar = bar or progress((warmup + reps) * len(names), desc, enabled=enabled)
     for it, name, phase in interleave(names, warmup, reps, shuffle):
         yield it, name, it >= warmup
-        bar.step(f"{phase} {name}")
+        bar.step(f"{prefix}{phase} {name}")
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

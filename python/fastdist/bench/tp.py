@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from fastdist import netsim
 from fastdist.bench import report
-from fastdist.bench.report import col, fixed, percent, times
+from fastdist.bench.report import col, fixed, integer, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.toolkit import (all_max, at_least, comma_list, relative_error, rounds, shape_type, time_fn,
                                      together, up_to, worst_errors)
@@ -320,48 +320,39 @@ def bench_rank(config: dict) -> Any:
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def _balanced_rate(step, share: float, reduced_bytes: int, world: int, reps: int) -> tuple[float, float]:
-    """(bit/s, s): the link rate at which ring all-reduces of `reduced_bytes` in all take as long as this rank's
-    compute, `share` of `step`'s median time on one core."""
+BALANCED_REDUCES = {"mlp": 2, "block": 4}
+"""All-reduces of the float32 activation per training step: the MLP's fc2 output and fc1 input gradient; the
+block's two of each."""
+
+
+def balanced_rate(part: str, shape: Sequence[int], world: int) -> tuple[float, float]:
+    """(bit/s, compute s): the link rate at which a part's ring all-reduces take as long as its compute on one core.
+
+    Args:
+        part: "op": the all-reduce of the row op's float32 [M, N] output against its GEMM (`shape` M,K,N, full K);
+            "mlp" (tokens,hidden,ffn) or "block" (hidden,heads,seq,batch): BALANCED_REDUCES all-reduces of the
+            float32 activation against the single-process module's forward + backward over t.
+        world: t, the ranks.
+    """
+    from fastdist.tp import GPTBlock
+
+    if part == "op":
+        m, k_full, n = shape
+        x, w = torch.randn(m, k_full // world), torch.randn(n, k_full // world)
+        step, share, reduced_bytes, reps = (lambda: x @ w.t()), 1, m * n * 4, 5
+    else:
+        torch.manual_seed(0)
+        if part == "mlp":
+            tokens, hidden, ffn = shape
+            module, x = _MLP(hidden, ffn), torch.randn(tokens, hidden)
+        else:
+            hidden, heads, seq, batch = shape
+            module, x = GPTBlock(hidden, heads), torch.randn(batch, seq, hidden)
+        step = lambda: module(x.requires_grad_()).sum().backward()  # noqa: E731
+        share, reduced_bytes, reps = 1 / world, BALANCED_REDUCES[part] * x.numel() * 4, 3
     with report.torch_threads(1):
         seconds = time_fn(step, reps=reps, warmup=2).median * share
     return 8 * ring_allreduce_bytes(reduced_bytes, world) / seconds, seconds
-
-
-def op_balanced_rate(op_shape: Sequence[int], world: int) -> tuple[float, float]:
-    """(bit/s, GEMM s): the link rate at which the ring all-reduce of the row op's float32 output takes as long
-    as its GEMM on one core: 2 (t - 1) / t * M * N * 4 bytes over the GEMM time."""
-    m, k_full, n = op_shape
-    x, w = torch.randn(m, k_full // world), torch.randn(n, k_full // world)
-    return _balanced_rate(lambda: x @ w.t(), 1, m * n * 4, world, reps=5)
-
-
-def _step_balanced_rate(module: torch.nn.Module, x: torch.Tensor, reduces: int, world: int) -> tuple[float, float]:
-    """(bit/s, compute s): the rate at which `reduces` all-reduces of x's float32 size take as long as the
-    single-process module's forward + backward on one core over t."""
-    return _balanced_rate(lambda: module(x.requires_grad_()).sum().backward(), 1 / world, reduces * x.numel() * 4,
-                          world, reps=3)
-
-
-def block_balanced_rate(block: Sequence[int], world: int) -> tuple[float, float]:
-    """(bit/s, compute s): the rate at which a block step's 4 all-reduces of [batch * seq, hidden] float32 take as
-    long as its compute, estimated as the single-process block's forward + backward on one core over t."""
-    from fastdist.tp import GPTBlock
-
-    hidden, heads, seq, batch = block
-    torch.manual_seed(0)
-    ref = GPTBlock(hidden, heads)
-    return _step_balanced_rate(ref, torch.randn(batch, seq, hidden), 4, world)
-
-
-def mlp_balanced_rate(mlp: Sequence[int], world: int) -> tuple[float, float]:
-    """(bit/s, compute s): the rate at which an MLP step's 2 all-reduces of [tokens, hidden] float32 (fc2's output,
-    fc1's input gradient) take as long as its compute, the single-process MLP's forward + backward on one core
-    over t."""
-    tokens, hidden, ffn = mlp
-    torch.manual_seed(0)
-    ref = _MLP(hidden, ffn)
-    return _step_balanced_rate(ref, torch.randn(tokens, hidden), 2, world)
 
 
 def chunked_gemm_cost(shape: Sequence[int], reps: int = 7, warmup: int = 2,
@@ -400,8 +391,9 @@ def run(args: argparse.Namespace) -> dict | None:
     if args.gemm_check:
         result = chunked_gemm_cost(args.gemm_check, reps=args.reps, warmup=args.warmup)
         print(f"# chunked GEMM {result['shape']} {result['dtype']} on {result['device']} (median of {args.reps})")
-        print(report.format_table(["chunks", "time(ms)", "vs one GEMM"],
-                                  [[r["k"], r["time_ms"], f"{r['overhead_pct']:+.1f}%"] for r in result["rows"]]))
+        print(report.text_table([col("chunks", "k", integer), col("time(ms)", "time_ms", fixed(2)),
+                                 col("vs one GEMM", "overhead_pct", lambda v: f"{v:+.1f}%", numeric=True)],
+                                result["rows"]))
         return {"suite": "tp", "gemm_check": result, "runs": []}
     op_shape, block, mlp, world = args.op_shape, args.block, args.mlp, args.ranks
     if op_shape[1] % world or block[1] % world or block[0] % block[1] or block[3] < 2 or mlp[2] % world:
@@ -410,17 +402,16 @@ def run(args: argparse.Namespace) -> dict | None:
     parts = [p for p in PARTS if p in args.parts and not (p == "block" and args.skip_block)]
     plan = [(part, args.net, args.net) for part in parts]  # (part, label, net)
     if args.net == "auto":
-        op_rate, gemm_s = op_balanced_rate(op_shape, world)
+        op_rate, gemm_s = balanced_rate("op", op_shape, world)
         print(f"# op balanced rate {netsim.format_rate(op_rate)}: the all-reduce of the {op_shape[0]}x{op_shape[2]} "
               f"float32 output takes as long as its GEMM ({gemm_s * 1e3:.2f} ms on one core)")
         rates = {"op": op_rate}
-        for part, name, reduces, measure, shape in (("mlp", "MLP", 2, mlp_balanced_rate, mlp),
-                                                    ("block", "block", 4, block_balanced_rate, block)):
+        for part, name, shape in (("mlp", "MLP", mlp), ("block", "block", block)):
             if part in parts:
-                rates[part], compute_s = measure(shape, world)
-                print(f"# {name} balanced rate {netsim.format_rate(rates[part])}: {reduces} all-reduces of the "
-                      f"{name}'s activation take as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per rank "
-                      "on one core)")
+                rates[part], compute_s = balanced_rate(part, shape, world)
+                print(f"# {name} balanced rate {netsim.format_rate(rates[part])}: {BALANCED_REDUCES[part]} all-reduces "
+                      f"of the {name}'s activation take as long as its compute ({compute_s * 1e3:.1f} ms fwd+bwd per "
+                      "rank on one core)")
         plan = [(part, f"{mult:g}x balanced", f"{max(int(rates[part] * mult / 1e6), 1)}mbit")
                 for part in parts for mult in args.rate_multipliers]
     runs = []
