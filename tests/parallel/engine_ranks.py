@@ -390,11 +390,15 @@ def compiled(mesh: tuple[int, int, int], steps: int = 3) -> dict:
     """The same training with ``compile=True`` (inductor) and eagerly: losses, gathered state dicts (rank 0), and
     how many graphs dynamo captured for the compiled stage."""
     from torch._dynamo.utils import counters
+    # a pipeline runs Merak's schedule with recompute on its first stage: compiled blocks under recompute's hooks
+    options = dict(schedule="shifted_critical_path", recompute="stage_aware", recompute_ratio=1.0) \
+        if mesh[2] > 1 else {}
     counters.clear()
-    got = train("transformer_lm", mesh, steps=steps, compile=True)
+    got = train("transformer_lm", mesh, steps=steps, compile=True, **options)
     graphs = counters["stats"]["unique_graphs"]
-    return {"compiled": _plain(got), "eager": _plain(train("transformer_lm", mesh, steps=steps)),
-            "graphs": graphs, "compiled_modules": len(got["engine"].compiled)}
+    recomputed = getattr(got["engine"].pipeline_stage, "recompute_blocks", 0)
+    return {"compiled": _plain(got), "eager": _plain(train("transformer_lm", mesh, steps=steps, **options)),
+            "graphs": graphs, "compiled_modules": len(got["engine"].compiled), "recomputed_blocks": recomputed}
 
 
 def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step: int = 2) -> dict:
