@@ -170,7 +170,8 @@ def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: in
     state = engine.state_dict()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return {"losses": losses, "state": state if rank == 0 else None, "plan": str(engine.plan),
-            "initial": initial if rank == 0 else None, "still_meta": meta and all(p.is_meta for p in model.parameters()),
+            "initial": initial if rank == 0 else None,
+            "still_meta": meta and all(p.is_meta for p in model.parameters()),
             "stage_params": sum(p.numel() for p in engine.module.parameters()),
             "split_points": engine.plan.split_points, "coordinate": engine.coordinate,
             "wire_bytes": getattr(engine.pipeline_stage, "wire_bytes", None), "engine": engine}
@@ -207,6 +208,10 @@ def bad_input(case: str) -> str | None:
         kwargs["split_points"] = [1 + dist.get_rank() % 2]
     elif case == "tp_plan_matches_nothing":
         kwargs.update(mesh=(1, 2, 1), tp_plan={"blocks.*.ffn.0": "colwise"}, tp_overlap=2)
+    elif case == "compile_option":
+        kwargs["compile"] = "inductor"
+    elif case == "init_allocated":
+        kwargs["init"] = nanogpt_init
     elif case == "meta_unset":  # TransformerLM's zero positions and causal mask come from its constructor
         with torch.device("meta"):
             model = make_model("transformer_lm")

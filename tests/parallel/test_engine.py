@@ -84,6 +84,8 @@ BAD = {
     "different_models": "'fastdist.parallelize model",
     "different_plans": "split_points",
     "meta_unset": "init left ['pos', 'causal'] of stage 0 unset",
+    "compile_option": "compile must be a bool or a dict of torch.compile options, got 'inductor'",
+    "init_allocated": "init= initializes a model built on the meta device; this model's tensors are already",
     "tp_plan_matches_nothing": "tp_plan {'blocks.*.ffn.0': 'colwise'} names no nn.Linear (or Conv1D) of stage 0",
     # a step's batch of another shape than example_inputs on every rank, then on one rank only
     "step_batch": ("ValueError: fastdist.parallel: step() got inputs [((4, 16), 'torch.int64')]; parallelize was "

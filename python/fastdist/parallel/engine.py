@@ -849,8 +849,9 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     store = dist.distributed_c10d._get_default_store() if distributed and world > 1 else None
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
                   _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
-                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _failure=None, _aliases=aliases_of,
-                  _uid=_engines_built, _store=store, _grid=grid, _rank=dist.get_rank() if distributed else 0,
+                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _failure=None,
+                  _aliases=aliases_of, _uid=_engines_built, _store=store, _grid=grid,
+                  _rank=dist.get_rank() if distributed else 0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
 
 

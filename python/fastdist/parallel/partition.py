@@ -1063,5 +1063,6 @@ def probe_stage(stage: nn.Module, analysis: Analysis, device: torch.device) -> s
                 "device: build the model on a real device, or compute such values in the forward")
     want = analysis.output_shape[0] if st.last else analysis.cut_shapes[st.last_block][0]
     if out.is_meta or out.shape != want:
-        return f"{where} of a model built on the meta device gave a {tuple(out.shape)} {out.device} tensor, not {tuple(want)}"
+        return (f"{where} of a model built on the meta device gave a {tuple(out.shape)} {out.device} tensor, not "
+                f"{tuple(want)}")
     return None
