@@ -15,7 +15,12 @@ arguments. It
 
 A parameter held by two stages (a tied embedding and LM head) gets the sum of both stages' gradients before the
 optimizer step, so both copies stay equal. ``Engine.state_dict()`` gathers the full model's state dict, keyed as
-the user's model; ``load_state_dict`` takes one and re-shards it to this mesh.
+the user's model (on every rank, or on one); ``load_state_dict`` takes one and re-shards it to this mesh, and
+``optimizer_state_dict`` / ``load_optimizer_state_dict`` do the same for the optimizer's state.
+
+A model built on the meta device is allocated stage by stage (each rank its own, with the values the whole model
+would get from its init); ``compile=True`` compiles each stage's blocks; a rank whose step raises makes every other
+rank's step raise :class:`RankFailedError` naming it, at once rather than at the backend's timeout.
 """
 from __future__ import annotations
 
