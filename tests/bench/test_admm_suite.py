@@ -76,3 +76,35 @@ def test_a_small_run_records_tuned_curves_stability_and_cost(tmp_path):
     assert "admm" in parts[0].table and not math.isnan(result["summary"]["accuracy_gap"]["digits-rows"]["gap"])
     admm.plot(result, str(tmp_path / "admm.png"))
     assert (tmp_path / "admm.png").stat().st_size > 0
+
+
+def test_the_adding_problem_marks_one_value_in_each_half_and_asks_for_their_sum():
+    x, y = admm.adding_problem(50, 20, seed=1)
+    assert x.shape == (50, 20, 2) and y.shape == (50,)
+    marks = x[..., 1]
+    assert torch.equal(marks[:, :10].sum(1), torch.ones(50)) and torch.equal(marks[:, 10:].sum(1), torch.ones(50))
+    torch.testing.assert_close(y, (x[..., 0] * marks).sum(1))
+    task = admm.load_task("adding-100", adding_samples=40)
+    assert task["x_train"].shape == (32, 100, 2) and task["loss"] == "mse" and task["classes"] == 1
+    assert admm._prior_loss(task["y_train"], 1) == pytest.approx(0.5 * float(task["y_train"].var(unbiased=False)))
+
+
+def test_digits_28_are_the_digits_upscaled_to_mnists_shape():
+    task = admm.load_task("digits-28")
+    assert task["x_train"].shape[1:] == (28, 28) and task["classes"] == 10
+    assert float(task["x_train"].min()) >= 0 and float(task["x_train"].max()) <= 1
+
+
+def test_a_seeded_mini_batch_run_on_the_adding_problem_reports_every_seed_of_every_method():
+    args = parse(["--tasks", "adding-50", "--methods", "admm,admm-mb,adam+clip", "--epochs", "1", "--grid", "1",
+                  "--hidden", "4", "--seeds", "2", "--adding-samples", "40", "--stability-tasks", "none",
+                  "--reps", "1"])
+    result = admm.run(args)
+    assert result["stability"] == [] and {r["seed"] for r in result["seed_runs"]} == {1}
+    rows = {r["method"]: r for r in result["seeds"]}
+    assert set(rows) == {"admm", "admm-mb", "adam+clip"} and {r["seeds"] for r in rows.values()} == {2}
+    assert all(len(r["acc"]) == 2 for r in rows.values())
+    assert [p.name for p in admm.tables(result)] == ["tuned", "seeds", "cost"]
+    mb = next(r for r in result["runs"] if r["method"] == "admm-mb")
+    assert math.isfinite(mb["final_loss"])  # one epoch = one sweep per mini-batch of 128 (all 32 samples here)
+    assert result["summary"]["accuracy_gap"]["adding-50"]["best_baseline"] == "adam+clip"

@@ -3,10 +3,18 @@ clipping) training the same tanh RNN + linear head.
 
 Tasks (no downloads): digits-rows (scikit-learn's 8x8 digits read row by row: 8 steps of 8 features, 10 classes),
 digits-pixels (the same digits pixel by pixel: 64 steps of 1 feature), text (1600 sequences of 20 one-hot tokens
-over a vocabulary of 8, each drawn from one of 4 seeded ZipfMarkovCorpus languages; the class is the language).
+over a vocabulary of 8, each drawn from one of 4 seeded ZipfMarkovCorpus languages; the class is the language),
+digits-28 (the digits upscaled bilinearly to 28x28 and read row by row, MNIST's shape: 28 steps of 28 features),
+adding-50/100/200 (the adding problem: T steps of (value ~ U(0,1), marker), one marker in each half; regress the sum
+of the two marked values; R = (o - y)^2 / 2; "test acc" is the fraction of test samples within 0.04 of the target).
+
+Methods: admm (ADMMiRNN full batch: one sweep over the training set per epoch), admm-mb (ADMMiRNN
+minibatch="carry" on the baselines' shuffled mini-batches: one sweep per batch) and the SGD family.
 
 Tuning: every method gets a grid of --grid values (ADMMiRNN: rho; the baselines: lr), the same size for all; the
-setting with the lowest final training loss is kept (the test set is not used to choose). One epoch is one
+setting with the lowest final training loss is kept (the test set is not used to choose); with --seeds K the kept
+setting is rerun from K - 1 further initialisations (and mini-batch orders). Runs are interleaved: methods alternate
+within each grid value and seed, so load drift on a shared machine falls on all of them. One epoch is one
 ADMMiRNN sweep over the whole training set (full batch) or one pass of --batch-size mini-batches for a baseline.
 Stability: every method at its tuned setting from init scales --scales times the default initialisation, on the
 short (digits-rows) and long (digits-pixels) task; a run converges when its final training loss is finite and
@@ -30,28 +38,53 @@ from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, percent, scientific, times, yes_no
 from fastdist.bench.toolkit import at_least, comma_list, interleave, progress, time_fn
 
-TASKS = ["digits-rows", "digits-pixels", "text"]
+TASKS = ["digits-rows", "digits-pixels", "text", "digits-28", "adding-50", "adding-100", "adding-200"]
+ADDING_TOLERANCE = 0.04  # an adding-problem prediction within this of the sum counts as correct
 OPTIMIZERS = {"sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
               "sgd-momentum": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
               "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
               "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr)}
 BASELINES = [f"{o}{c}" for o in OPTIMIZERS for c in ("", "+clip")]
-METHODS = ["admm"] + BASELINES
+METHODS = ["admm", "admm-mb"] + BASELINES
 LR_GRID = {"sgd": [0.3, 0.1, 0.03], "sgd-momentum": [0.1, 0.03, 0.01], "adam": [0.01, 0.003, 0.001],
            "rmsprop": [0.01, 0.003, 0.001]}
 RHO_GRID = [1.0, 3.0, 10.0]
 
 
+def adding_problem(samples: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adding problem (Hochreiter & Schmidhuber): x [N, T, 2] of (value ~ U(0, 1), marker), one marker in each
+    half of the sequence; y [N] the sum of the two marked values."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.rand(samples, length, generator=g)
+    half = length // 2
+    first = torch.randint(0, half, (samples,), generator=g)
+    second = torch.randint(half, length, (samples,), generator=g)
+    marker = torch.zeros(samples, length)
+    rows = torch.arange(samples)
+    marker[rows, first] = 1.0
+    marker[rows, second] = 1.0
+    return torch.stack([values, marker], 2), (values * marker).sum(1)
+
+
 def load_task(name: str, seed: int = 0, text_classes: int = 4, text_samples: int = 1600,
-              text_vocab: int = 8, text_len: int = 20) -> dict:
-    """{x_train, y_train, x_test, y_test} float32 [N, T, F] / int64 [N] and the sizes; an 80/20 seeded split."""
+              text_vocab: int = 8, text_len: int = 20, adding_samples: int = 1000) -> dict:
+    """{x_train, y_train, x_test, y_test} float32 [N, T, F] / int64 [N] (float32 [N] for the adding problem) and
+    the sizes; an 80/20 seeded split."""
+    loss = "cross_entropy"
     if name.startswith("digits"):
         from sklearn.datasets import load_digits
         d = load_digits()
         images = torch.tensor(d.images, dtype=torch.float32) / 16.0
-        x = images if name == "digits-rows" else images.reshape(-1, 64, 1)
+        if name == "digits-28":
+            x = nn.functional.interpolate(images.unsqueeze(1), size=(28, 28), mode="bilinear",
+                                          align_corners=False).squeeze(1)
+        else:
+            x = images if name == "digits-rows" else images.reshape(-1, 64, 1)
         y = torch.tensor(d.target, dtype=torch.int64)
         classes = 10
+    elif name.startswith("adding-"):
+        x, y = adding_problem(adding_samples, int(name.split("-")[1]), seed)
+        classes, loss = 1, "mse"
     elif name == "text":
         from fastdist.testing.corpus import ZipfMarkovCorpus, generator
         per = text_samples // text_classes
@@ -66,35 +99,56 @@ def load_task(name: str, seed: int = 0, text_classes: int = 4, text_samples: int
     cut = int(0.8 * len(y))
     tr, te = perm[:cut], perm[cut:]
     return {"name": name, "x_train": x[tr], "y_train": y[tr], "x_test": x[te], "y_test": y[te],
-            "seq_len": x.shape[1], "features": x.shape[2], "classes": classes}
+            "seq_len": x.shape[1], "features": x.shape[2], "classes": classes, "loss": loss}
 
 
 def _prior_loss(y: torch.Tensor, classes: int) -> float:
-    """Cross-entropy of always predicting the training class frequencies: the bar a run must beat."""
+    """The loss of always predicting the training set's class frequencies (its mean for regression): the bar a run
+    must beat."""
+    if y.is_floating_point():
+        return float(0.5 * y.double().var(unbiased=False))
     p = torch.bincount(y, minlength=classes).double() / len(y)
     return float(-(p[y]).log().mean())
 
 
+def task_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean R over the batch: cross-entropy for class ids, (o - y)^2 / 2 for regression targets (ADMMiRNN's mse)."""
+    if y.is_floating_point():
+        return 0.5 * (out[:, 0] - y).pow(2).mean()
+    return nn.functional.cross_entropy(out, y)
+
+
 def _accuracy(out: torch.Tensor, y: torch.Tensor) -> float:
+    if y.is_floating_point():
+        return float(((out[:, 0] - y).abs() < ADDING_TOLERANCE).double().mean())
     return float((out.argmax(1) == y).double().mean())
 
 
 def run_admm(task: dict, hidden: int, epochs: int, rho: float, scale: float = 1.0, seed: int = 0,
-             tau: float = 1.0, weight_decay: float = 0.0) -> dict:
-    """One ADMMiRNN run: per-epoch training loss (the network's forward), test accuracy, wall time, residuals."""
+             tau: float = 1.0, weight_decay: float = 0.0, batch_size: int | None = None) -> dict:
+    """One ADMMiRNN run: per-epoch training loss (the network's forward), test accuracy, wall time, residuals.
+    batch_size None: full batch, one sweep per epoch; else minibatch="carry" over shuffled mini-batches, shuffled
+    as `run_baseline` shuffles."""
+    x, y = task["x_train"], task["y_train"]
+    mode = {} if batch_size is None else {"minibatch": "carry", "num_samples": len(y)}
     m = ADMMiRNN(task["features"], hidden, task["classes"], task["seq_len"], rho=rho, tau=tau, init_scale=scale,
-                 seed=seed, weight_decay=weight_decay)
+                 seed=seed, weight_decay=weight_decay, loss=task["loss"], **mode)
+    g = torch.Generator().manual_seed(seed)
     curve = {"loss": [], "test_acc": [], "time_s": [], "residual": []}
     elapsed, error = 0.0, None
     for _ in range(epochs):
         start = time.perf_counter()
         try:
-            stats = m.step(task["x_train"], task["y_train"])
+            if batch_size is None:
+                stats = m.step(x, y)
+            else:
+                for idx in torch.randperm(len(y), generator=g).split(batch_size):
+                    stats = m.step(x[idx], y[idx], idx)
         except ADMMDivergenceError as e:
             error = f"diverged at block {e.block}"
             break
         elapsed += time.perf_counter() - start
-        curve["loss"].append(stats.loss)
+        curve["loss"].append(stats.loss if batch_size is None else m.loss_of(x, y))
         curve["residual"].append(max(stats.residuals.values()))
         curve["test_acc"].append(_accuracy(m.forward(task["x_test"]), task["y_test"]))
         curve["time_s"].append(elapsed)
@@ -104,7 +158,8 @@ def run_admm(task: dict, hidden: int, epochs: int, rho: float, scale: float = 1.
 def run_baseline(task: dict, hidden: int, epochs: int, method: str, lr: float, batch_size: int, scale: float = 1.0,
                  seed: int = 0, clip: float = 1.0) -> dict:
     """One SGD-family run on the same network, initialised exactly as ADMMiRNN initialises it."""
-    net = ADMMiRNN(task["features"], hidden, task["classes"], task["seq_len"], init_scale=scale, seed=seed).model()
+    net = ADMMiRNN(task["features"], hidden, task["classes"], task["seq_len"], init_scale=scale, seed=seed,
+                   loss=task["loss"]).model()
     opt = OPTIMIZERS[method.replace("+clip", "")](net.parameters(), lr)
     x, y = task["x_train"], task["y_train"]
     grad_ratio = _input_gradient_ratio(net, x, y)
@@ -116,7 +171,7 @@ def run_baseline(task: dict, hidden: int, epochs: int, method: str, lr: float, b
         norms = []
         for idx in torch.randperm(len(y), generator=g).split(batch_size):
             opt.zero_grad()
-            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            task_loss(net(x[idx]), y[idx]).backward()
             if method.endswith("+clip"):
                 norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), clip)))
             else:
@@ -124,7 +179,7 @@ def run_baseline(task: dict, hidden: int, epochs: int, method: str, lr: float, b
             opt.step()
         elapsed += time.perf_counter() - start
         with torch.no_grad():
-            loss = float(nn.functional.cross_entropy(net(x), y))
+            loss = float(task_loss(net(x), y))
             acc = _accuracy(net(task["x_test"]), task["y_test"])
         curve["loss"].append(loss)
         curve["test_acc"].append(acc)
@@ -139,25 +194,27 @@ def run_baseline(task: dict, hidden: int, epochs: int, method: str, lr: float, b
 def _input_gradient_ratio(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     """|dL/dx_1| and |dL/dx_T| at the current weights: how much gradient reaches the first step."""
     xg = x.clone().requires_grad_(True)
-    nn.functional.cross_entropy(net(xg), y).backward()
+    task_loss(net(xg), y).backward()
     first, last = float(xg.grad[:, 0].norm()), float(xg.grad[:, -1].norm())
     net.zero_grad(set_to_none=True)
     return {"first": first, "last": last, "ratio": first / last if last > 0 else math.nan}
 
 
 def _grid(method: str, args) -> list[float]:
-    base = RHO_GRID if method == "admm" else LR_GRID[method.replace("+clip", "")]
+    base = RHO_GRID if method.startswith("admm") else LR_GRID[method.replace("+clip", "")]
     return base[:args.grid]
 
 
-def _run(task, method, value, args, scale=1.0, epochs=None):
+def _run(task, method, value, args, scale=1.0, epochs=None, seed=None):
     epochs = epochs or args.epochs
-    if method == "admm":
-        out = run_admm(task, args.hidden, epochs, value, scale, args.seed, args.tau, args.weight_decay)
+    seed = args.seed if seed is None else seed
+    if method.startswith("admm"):
+        out = run_admm(task, args.hidden, epochs, value, scale, seed, args.tau, args.weight_decay,
+                       args.batch_size if method == "admm-mb" else None)
     else:
-        out = run_baseline(task, args.hidden, epochs, method, value, args.batch_size, scale, args.seed, args.clip)
+        out = run_baseline(task, args.hidden, epochs, method, value, args.batch_size, scale, seed, args.clip)
     c = out["curve"]
-    out.update(method=method, value=value, scale=scale, task=task["name"],
+    out.update(method=method, value=value, scale=scale, task=task["name"], seed=seed,
                final_loss=c["loss"][-1] if c["loss"] and out["error"] is None else math.nan,
                final_test_acc=c["test_acc"][-1] if c["test_acc"] and out["error"] is None else math.nan,
                epoch_s=c["time_s"][-1] / len(c["time_s"]) if c["time_s"] else math.nan)
@@ -167,13 +224,13 @@ def _run(task, method, value, args, scale=1.0, epochs=None):
 def _sweep_cost(task: dict, args) -> dict:
     """Seconds of one ADMMiRNN sweep and of one full-batch SGD + BPTT step on the same batch, interleaved."""
     x, y = task["x_train"], task["y_train"]
-    m = ADMMiRNN(task["features"], args.hidden, task["classes"], task["seq_len"], seed=args.seed)
+    m = ADMMiRNN(task["features"], args.hidden, task["classes"], task["seq_len"], seed=args.seed, loss=task["loss"])
     net = m.model()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
 
     def sgd():
         opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
+        task_loss(net(x), y).backward()
         opt.step()
 
     fns = {"admm": lambda: m.step(x, y), "sgd": sgd}
@@ -204,8 +261,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scales", type=comma_list(float), default=[0.01, 0.1, 1.0, 3.0, 10.0],
                    help="init scales of the stability sweep (default 0.01,0.1,1,3,10)")
     p.add_argument("--stability-epochs", type=at_least(1), default=15, help="epochs per stability run (default 15)")
-    p.add_argument("--stability-tasks", type=comma_list(choices=TASKS), default=["digits-rows", "digits-pixels"],
-                   help="tasks (sequence lengths) of the stability sweep (default digits-rows,digits-pixels)")
+    p.add_argument("--stability-tasks", type=comma_list(choices=TASKS + ["none"]),
+                   default=["digits-rows", "digits-pixels"],
+                   help="tasks (sequence lengths) of the stability sweep, or none (default digits-rows,digits-pixels)")
+    p.add_argument("--seeds", type=at_least(1), default=1,
+                   help="initialisations per method at its tuned setting (the tuning seed and K - 1 more; default 1)")
+    p.add_argument("--adding-samples", type=at_least(10), default=1000,
+                   help="sequences of each adding-problem task (default 1000)")
     p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions of the cost comparison (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of data split and initialisation (default 0)")
@@ -216,10 +278,15 @@ def run(args: argparse.Namespace) -> dict:
     env = report.environment(backend="torch ops", device="cpu", ranks=1, network="none (single process)")
     print(report.format_environment(env))
     with report.torch_threads(args.threads):
-        tasks = {name: load_task(name, args.seed) for name in dict.fromkeys(args.tasks + args.stability_tasks)}
-        grid_runs = [(t, m, v) for t in args.tasks for m in args.methods for v in _grid(m, args)]
-        stab_runs = [(t, m, s) for t in args.stability_tasks for m in args.methods for s in args.scales]
-        bar = progress(len(grid_runs) + len(stab_runs) + len(args.tasks), "admm")
+        stability_tasks = [t for t in args.stability_tasks if t != "none"]
+        tasks = {name: load_task(name, args.seed, adding_samples=args.adding_samples)
+                 for name in dict.fromkeys(args.tasks + stability_tasks)}
+        # interleaved: the methods alternate inside each grid position (and seed, scale)
+        grid_runs = [(t, m, _grid(m, args)[i]) for t in args.tasks for i in range(args.grid) for m in args.methods]
+        stab_runs = [(t, m, s) for t in stability_tasks for s in args.scales for m in args.methods]
+        extra_seeds = [args.seed + k for k in range(1, args.seeds)]
+        bar = progress(len(grid_runs) + len(args.tasks) * len(extra_seeds) * len(args.methods) + len(stab_runs)
+                       + len(args.tasks), "admm")
         runs = []
         for t, m, v in grid_runs:
             runs.append(_run(tasks[t], m, v, args))
@@ -231,6 +298,12 @@ def run(args: argparse.Namespace) -> dict:
             if key not in best or score < best[key][0]:
                 best[key] = (score, r)
         tuned = [best[(t, m)][1] for t in args.tasks for m in args.methods]
+        seed_runs = []
+        for t in args.tasks:
+            for seed in extra_seeds:
+                for m in args.methods:
+                    seed_runs.append(_run(tasks[t], m, best[(t, m)][1]["value"], args, seed=seed))
+                    bar.step(f"{t} {m} seed {seed}")
         stability = []
         for t, m, s in stab_runs:
             value = (best.get((t, m)) or (0, {"value": _grid(m, args)[len(_grid(m, args)) // 2]}))[1]["value"]
@@ -246,6 +319,9 @@ def run(args: argparse.Namespace) -> dict:
             bar.step(f"cost {t}")
     result = {"suite": "admm", "env": env, "config": vars(args), "runs": runs, "tuned": tuned,
               "stability": stability, "cost": cost}
+    if extra_seeds:
+        result["seed_runs"] = seed_runs
+        result["seeds"] = _seed_rows(tuned, seed_runs)
     result["summary"] = _summary(result)
     print(report.text_parts(tables(result)))
     return result
@@ -261,13 +337,30 @@ def _summary(result: dict) -> dict:
     for t in dict.fromkeys(r["task"] for r in result["tuned"]):
         rows = [r for r in result["tuned"] if r["task"] == t]
         admm = next((r for r in rows if r["method"] == "admm"), None)
-        base = [r for r in rows if r["method"] != "admm" and math.isfinite(r["final_test_acc"])]
+        base = [r for r in rows if not r["method"].startswith("admm") and math.isfinite(r["final_test_acc"])]
         if admm and base:
             top = max(base, key=lambda r: r["final_test_acc"])
             out["accuracy_gap"][t] = {"admm": admm["final_test_acc"], "best_baseline": top["method"],
                                       "baseline": top["final_test_acc"],
                                       "gap": admm["final_test_acc"] - top["final_test_acc"]}
     return out
+
+
+def _seed_rows(tuned: list[dict], seed_runs: list[dict]) -> list[dict]:
+    """Per task and method at its tuned setting: final training loss and test accuracy over every seed (median,
+    min, max; a diverged run counts as NaN loss and is reported, not dropped)."""
+    rows = []
+    for r in tuned:
+        group = [r] + [s for s in seed_runs if (s["task"], s["method"]) == (r["task"], r["method"])]
+        acc = [g["final_test_acc"] for g in group if math.isfinite(g["final_test_acc"])]
+        loss = [g["final_loss"] for g in group if math.isfinite(g["final_loss"])]
+        rows.append({"task": r["task"], "method": r["method"], "value": r["value"], "seeds": len(group),
+                     "failed": len(group) - len(loss),
+                     "loss_median": statistics.median(loss) if loss else math.nan,
+                     "acc_median": statistics.median(acc) if acc else math.nan,
+                     "acc_min": min(acc) if acc else math.nan, "acc_max": max(acc) if acc else math.nan,
+                     "acc": [g["final_test_acc"] for g in group], "loss": [g["final_loss"] for g in group]})
+    return rows
 
 
 def _stability_rows(result):
@@ -287,7 +380,9 @@ def tables(result: dict) -> list[report.Part]:
                   col("train loss", "final_loss", fixed(3)), col("test acc (%)", "final_test_acc", percent(1)),
                   col("s / epoch", "epoch_s", fixed(3)), col("note", lambda r: r["error"] or "")],
         result["tuned"], f"Each method at the best of its {c['grid']}-value grid (lowest final training loss), "
-        f"{c['epochs']} epochs, hidden {c['hidden']}, baselines' batch {c['batch_size']}.")
+        f"{c['epochs']} epochs, hidden {c['hidden']}, baselines' (and admm-mb's) batch {c['batch_size']}."
+        + (f" Adding problem: test acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the sum."
+           if any(t.startswith("adding") for t in c["tasks"]) else ""))
     scales = [f"x{s:g}" for s in c["scales"]]
     stab = report.Part(
         "stability", [col("task", "task"), col("method", "method")] + [col(s, s) for s in scales],
@@ -301,7 +396,18 @@ def tables(result: dict) -> list[report.Part]:
                  col("ADMM sweep (ms)", lambda r: 1e3 * r["admm_s"], fixed(1)),
                  col("SGD+BPTT step (ms)", lambda r: 1e3 * r["sgd_s"], fixed(1)), col("ratio", "ratio", times(1))],
         result["cost"], f"Full-batch, median of {c['reps']} interleaved repetitions, {c['threads']} torch thread(s).")
-    return [tuned, stab, cost]
+    parts = [tuned] + ([stab] if result["stability"] else []) + [cost]
+    if result.get("seeds"):
+        parts.insert(1, report.Part(
+            "seeds", [col("task", "task"), col("method", "method"), col("rho / lr", "value", scientific(0)),
+                      col("seeds", "seeds", integer), col("failed", "failed", integer),
+                      col("train loss (median)", "loss_median", fixed(3)),
+                      col("test acc % (median)", "acc_median", percent(1)),
+                      col("min", "acc_min", percent(1)), col("max", "acc_max", percent(1))],
+            result["seeds"], f"Each method's tuned setting from {c['seeds']} initialisations (seeds {c['seed']}.."
+            f"{c['seed'] + c['seeds'] - 1}; the tuning seed included), {c['epochs']} epochs. Adding problem: test "
+            f"acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the sum."))
+    return parts
 
 
 def plot(result: dict, path: str) -> None:
@@ -312,7 +418,7 @@ def plot(result: dict, path: str) -> None:
     for row, t in zip(axes, tasks):
         for i, r in enumerate(x for x in result["tuned"] if x["task"] == t):
             cv = r["curve"]
-            style = dict(color=cmap(i % 10), lw=2.5 if r["method"] == "admm" else 1.2,
+            style = dict(color=cmap(i % 10), lw=2.5 if r["method"].startswith("admm") else 1.2,
                          ls="--" if r["method"].endswith("+clip") else "-", label=f"{r['method']} ({r['value']:g})")
             epochs = range(1, len(cv["loss"]) + 1)
             row[0].plot(epochs, cv["loss"], **style)
