@@ -139,6 +139,11 @@ def test_a_state_dict_of_another_mini_batch_mode_is_refused_naming_the_field():
         ADMMiRNN(F, H, O, T, minibatch="carry", num_samples=N + 1).load_state_dict(state)
     with pytest.raises(ValueError, match="minibatch"):
         ADMMiRNN(F, H, O, T).load_state_dict(state)
+    older = ADMMiRNN(F, H, O, T).state_dict()  # a full-batch state saved before the mini-batch fields existed
+    for key in ("minibatch", "num_samples"):
+        del older["config"][key]
+    del older["seen"]
+    ADMMiRNN(F, H, O, T).load_state_dict(older)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -607,13 +607,14 @@ class ADMMiRNN:
         """Restores a `state_dict`; the configuration must match this instance's (the first field that differs
         is named)."""
         mine = self._config()
-        for key, value in state["config"].items():
+        config = {"minibatch": None, "num_samples": None, **state["config"]}  # states saved before mini-batches
+        for key, value in config.items():
             if mine.get(key) != value:
                 raise ValueError(f"ADMMiRNN.load_state_dict: {key} is {mine.get(key)!r} here but {value!r} in the "
                                  "state")
-        if set(state["config"]) != set(mine):
+        if set(config) != set(mine):
             raise ValueError(f"ADMMiRNN.load_state_dict: the state's config has fields "
-                             f"{sorted(state['config'])}, expected {sorted(mine)}")
+                             f"{sorted(config)}, expected {sorted(mine)}")
 
         def load(group):
             return {k: v.to(device=self.device, dtype=self.dtype).clone() for k, v in state[group].items()}
