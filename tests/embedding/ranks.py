@@ -232,23 +232,28 @@ def collection() -> dict:
 
 
 def state_dicts() -> dict:
-    """A table's full state (gathered) and its shard state; a shard state loads back, a foreign shard is refused."""
-    from fastdist.embedding import sharded_state_dict
+    """A table's full state (gathered) and its sharded state (a ShardedTensor: this rank's rows at their offset);
+    the sharded state loads back, another rank's (the legacy per-rank form with another row range, or a
+    ShardedTensor of the other rank's rows) is refused."""
     torch.manual_seed(0)
     table = ShardedEmbedding(11, 3, padding_idx=4)
     full = table.state_dict()
-    with sharded_state_dict():
-        shard = {k: v.clone() for k, v in table.state_dict().items()}
+    sharded = table.state_dict(sharded=True)["weight"]
+    (shard,) = sharded.local_shards()
     other = ShardedEmbedding(11, 3)
-    other.load_state_dict(shard)
-    foreign = dict(shard, row_start=torch.tensor(shard["row_start"].item() ^ 6))
-    try:
-        other.load_state_dict(foreign)
-        refused = ""
-    except RuntimeError as err:
-        refused = str(err)
-    return {"full": full["weight"], "shard": shard, "reloaded": torch.equal(other.weight, table.weight),
-            "refused": refused}
+    other.load_state_dict({"weight": sharded})
+    refused = []
+    legacy = {"weight": table.weight.detach(), "row_start": torch.tensor(table.row_start ^ 6),
+              "num_embeddings": torch.tensor(11)}
+    foreign = ShardedEmbedding(11, 3, sharding="table", owner=0).state_dict(sharded=True)  # all rows on rank 0
+    for state in (legacy, foreign):
+        try:
+            other.load_state_dict(state)
+            refused.append("")
+        except RuntimeError as err:
+            refused.append(str(err))
+    return {"full": full["weight"], "shard": {"weight": shard.tensor.clone(), "row_start": shard.metadata.shard_offsets[0]},
+            "reloaded": torch.equal(other.weight, table.weight), "refused": refused}
 
 
 def growing_and_shrinking_batches() -> list:
@@ -297,8 +302,10 @@ def traffic_by_vocabulary() -> dict:
     return out
 
 
-def suite(world: int) -> dict:
-    """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up)."""
+def suite(world: int, checkpoint: str) -> dict:
+    """Everything the tests check on `world` ranks, in one job (each spawn costs seconds of start-up). The 2-rank
+    job saves a checkpoint with torch.distributed.checkpoint at `checkpoint`, the 4-rank job (run after it) loads
+    it."""
     out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank(),
            "capacity": growing_and_shrinking_batches(),
            "prefetch": {s: prefetch_training(s) for s in ("plain", "2d", "ids", "after-step", "mismatch")},
@@ -314,6 +321,9 @@ def suite(world: int) -> dict:
         out["compiled"] = compiled()
         out["traffic"] = traffic_by_vocabulary()
         out["prefetch collection"] = {p: prefetch_collection(p) for p in (False, True)}
+        out["checkpoint"] = dcp_save(checkpoint)
+    else:
+        out["checkpoint"] = {"reloaded": dcp_load(checkpoint)}
     return out
 
 
@@ -401,3 +411,37 @@ def prefetch_refusal() -> tuple:
     table.prefetch(torch.tensor([3, 11]) if rank == 1 else torch.tensor([1]))
     error = _error_of(lambda: table(torch.tensor([1])))
     return error, table(torch.tensor([2, 3])).shape
+
+
+# ---- sharded checkpoints through torch.distributed.checkpoint ----
+
+def checkpoint_model(seed: int) -> torch.nn.Module:
+    """A user's model: a row-sharded table (13 rows: uneven over 2, 3 and 4 ranks) and a dense layer."""
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"table": torch.nn.EmbeddingBag(13, DIM, mode="sum", padding_idx=5),
+                                 "head": torch.nn.Linear(DIM, 2)})
+    model["table"] = ShardedEmbedding.from_embedding(model["table"])
+    return model
+
+
+def dcp_save(path: str) -> dict:
+    """Saves the model's sharded state with torch.distributed.checkpoint (no gather) and loads it back into a model
+    built from another seed: the full state before, and after the round trip."""
+    import torch.distributed.checkpoint as dcp
+    from fastdist.embedding import sharded_state_dict
+    model = checkpoint_model(0)
+    with sharded_state_dict():
+        dcp.save(model.state_dict(), checkpoint_id=path)
+    full = model.state_dict()
+    return {"saved": full, "reloaded": dcp_load(path)}
+
+
+def dcp_load(path: str) -> dict:
+    """A model from another seed on this world size, its state loaded from the checkpoint: the full state."""
+    import torch.distributed.checkpoint as dcp
+    model = checkpoint_model(1)
+    state = model["table"].state_dict(sharded=True, prefix="table.")
+    state.update(model["head"].state_dict(prefix="head."))
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    return model.state_dict()

@@ -2,7 +2,7 @@
 batch prefetched (before the backward, with or without rows sent ahead, or after the optimizer step) equals the unprefetched run bit for bit and a
 single process on the unsharded table, and a row updated in one step is looked up in the next with its updated
 value; a rank looking up other ids than it prefetched makes every rank look up afresh; bad prefetched ids raise on
-every rank."""
+every rank. A table's sharded state saved with torch.distributed.checkpoint loads on any world size."""
 import pytest
 import torch
 from helpers import assert_close
@@ -81,3 +81,21 @@ def test_bad_prefetched_ids_raise_on_every_rank(job):
         kind, message = error
         assert kind == "EmbeddingInputError" and "rank 1:" in message and "got 11" in message, rank
         assert after == torch.Size([2, ranks.DIM])
+
+
+def test_sharded_state_saved_with_torch_distributed_checkpoint_loads_on_any_world_size(two_ranks, four_ranks,
+                                                                                       checkpoint_path):
+    # Saved on 2 ranks (each its own rows, no gather), loaded on 2 and 4 ranks and in one process: the full table
+    # and the dense layer equal what was saved, whatever the new row ranges.
+    import torch.distributed.checkpoint as dcp
+    want = two_ranks[0]["checkpoint"]["saved"]
+    assert not torch.equal(ranks.checkpoint_model(1).state_dict()["head.weight"], want["head.weight"])
+    table = dcp.FileSystemReader(checkpoint_path).read_metadata().state_dict_metadata["table.weight"]
+    assert list(table.size) == [13, ranks.DIM] and len(table.chunks) == 2  # one table, in the two ranks' rows
+    loaded = {2: [r["checkpoint"]["reloaded"] for r in two_ranks],
+              4: [r["checkpoint"]["reloaded"] for r in four_ranks], 1: [ranks.dcp_load(checkpoint_path)]}
+    for world, states in loaded.items():
+        for rank, state in enumerate(states):
+            assert state.keys() == want.keys()
+            for key, value in want.items():
+                assert torch.equal(state[key], value), (world, rank, key)

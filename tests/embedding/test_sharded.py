@@ -144,13 +144,16 @@ def test_collection_equals_the_unsharded_tables(two_ranks):
         assert_close(grad, tables[name].weight.grad, f"gradient of {name}")
 
 
-def test_state_dict_full_or_per_shard_and_resharding(two_ranks):
+def test_state_dict_full_or_sharded_and_resharding(two_ranks):
     states = [r["state"] for r in two_ranks]
     assert torch.equal(states[0]["full"], states[1]["full"])
-    shards = sorted((s["shard"] for s in states), key=lambda s: int(s["row_start"]))
+    shards = sorted((s["shard"] for s in states), key=lambda s: s["row_start"])
+    assert [s["row_start"] for s in shards] == [0, 6]
     assert torch.equal(torch.cat([s["weight"] for s in shards]), states[0]["full"])
     assert all(s["reloaded"] for s in states)
-    assert "load the full table to re-shard" in states[0]["refused"]
+    legacy, foreign = states[0]["refused"]
+    assert "load the full table to re-shard" in legacy
+    assert "whose local shards are not this rank's rows" in foreign and "torch.distributed.checkpoint" in foreign
     one = ShardedEmbedding(11, 3)  # the 2-rank checkpoint on one rank: re-sharded
     one.load_state_dict({"weight": states[0]["full"]})
     assert torch.equal(one.weight, states[0]["full"])

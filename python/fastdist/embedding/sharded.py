@@ -27,6 +27,7 @@ offsets tensor) says so in the header, and every rank raises in that same call.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -239,11 +240,36 @@ class ShardedEmbedding(nn.Module):
 
     # ---- state ----
 
+    def state_dict(self, *args, sharded: bool = False, **kwargs) -> dict:
+        """The module's state: the full table under ``weight`` (gathered: every rank must call it), or with
+        ``sharded=True`` this rank's shard as a ``ShardedTensor`` of the full table's shape, which
+        ``torch.distributed.checkpoint`` saves without gathering and re-shards on load (any world size). For a
+        model holding tables, ``with fastdist.embedding.sharded_state_dict(): model.state_dict()`` does the same."""
+        if not sharded:
+            return super().state_dict(*args, **kwargs)
+        with sharded_state_dict():
+            return super().state_dict(*args, **kwargs)
+
+    def sharded_weight(self) -> torch.Tensor:
+        """This rank's rows as a ``ShardedTensor`` of shape ``[num_embeddings, embedding_dim]`` (its shard at row
+        ``row_start``; a rank holding no rows holds no shard), the form ``torch.distributed.checkpoint`` saves and
+        re-shards; the plain table without a process group. A collective (the shards' metadata is gathered)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return self.weight.detach()
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        shards = []
+        if self.weight.shape[0]:
+            device = self.weight.device
+            placement = f"rank:{self.rank}/{device.type}" + (f":{device.index}" if device.index is not None else "")
+            shards.append(Shard(self.weight.detach(), ShardMetadata([self.row_start, 0], list(self.weight.shape),
+                                                                    placement)))
+        return ShardedTensor._init_from_local_shards(shards, [self.num_embeddings, self.embedding_dim],
+                                                     process_group=self.group)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if _SHARDED_STATE[0]:
-            destination[prefix + "weight"] = self.weight if keep_vars else self.weight.detach()
-            destination[prefix + "row_start"] = torch.tensor(self.row_start)
-            destination[prefix + "num_embeddings"] = torch.tensor(self.num_embeddings)
+            destination[prefix + "weight"] = self.sharded_weight()
         else:
             destination[prefix + "weight"] = self.full_weight()
 
@@ -254,8 +280,11 @@ class ShardedEmbedding(nn.Module):
             missing_keys.append(key)
             return
         weight = state_dict[key]
+        if _is_sharded_tensor(weight):
+            self._load_sharded(weight, key, error_msgs)
+            return
         start_key, rows_key = prefix + "row_start", prefix + "num_embeddings"
-        if start_key in state_dict:  # a shard
+        if start_key in state_dict:  # a shard in the per-rank form of earlier versions
             start, total = int(state_dict[start_key]), int(state_dict[rows_key])
             if (start, total) != (self.row_start, self.num_embeddings) or weight.shape != self.weight.shape:
                 error_msgs.append(f"fastdist: {key}: a shard of rows [{start}, {start + weight.shape[0]}) of "
@@ -272,6 +301,27 @@ class ShardedEmbedding(nn.Module):
                               f"{[self.num_embeddings, self.embedding_dim]}, got {list(weight.shape)}")
             return
         self._load_full(weight)
+
+    def _load_sharded(self, weight, key, error_msgs):
+        """Loads a ShardedTensor whose local shards hold this rank's rows (as ``torch.distributed.checkpoint``
+        leaves the one :meth:`sharded_weight` gave it)."""
+        rows = self.weight.shape[0]
+        local = [(shard.metadata.shard_offsets, shard.tensor) for shard in weight.local_shards()]
+        with warnings.catch_warnings():  # ShardedTensor's deprecation note, on every size(): see docs/embedding.md
+            warnings.simplefilter("ignore", FutureWarning)
+            size = list(weight.size())
+        if size != [self.num_embeddings, self.embedding_dim] or \
+                [(list(o), list(t.shape)) for o, t in local if t.numel()] != \
+                ([([self.row_start, 0], [rows, self.embedding_dim])] if rows else []):
+            error_msgs.append(f"fastdist: {key}: a ShardedTensor of shape {size} whose local shards "
+                              f"are not this rank's rows [{self.row_start}, {self.row_start + rows}) of "
+                              f"{self.num_embeddings}; load it with torch.distributed.checkpoint into this "
+                              "module's state_dict(sharded=True), which re-shards it")
+            return
+        if rows:
+            self._check_finite(local[0][1], key)
+            with torch.no_grad():
+                self.weight.copy_(local[0][1])
 
     def _check_finite(self, weight, what):
         bad = ~torch.isfinite(weight).all(-1)
@@ -319,10 +369,18 @@ class ShardedEmbedding(nn.Module):
 _SHARDED_STATE = [False]
 
 
+def _is_sharded_tensor(value) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    return isinstance(value, ShardedTensor)
+
+
 class sharded_state_dict:  # noqa: N801  (a context manager used like a function)
-    """Inside ``with sharded_state_dict():``, every ShardedEmbedding's ``state_dict()`` holds its local shard
-    (``weight``, ``row_start``, ``num_embeddings``) instead of the gathered full table; ``load_state_dict`` takes
-    either form at any time."""
+    """Inside ``with sharded_state_dict():``, every ShardedEmbedding's ``state_dict()`` holds its local shard as a
+    ``ShardedTensor`` (:meth:`ShardedEmbedding.sharded_weight`: no gather; what ``torch.distributed.checkpoint``
+    saves and re-shards onto any world size) instead of the gathered full table; ``load_state_dict`` takes either
+    form at any time (and the per-rank ``weight``/``row_start``/``num_embeddings`` form of earlier versions)."""
 
     def __enter__(self):
         self._previous = _SHARDED_STATE[0]
