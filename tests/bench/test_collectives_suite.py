@@ -90,11 +90,8 @@ def test_the_same_benchmark_runs_unchanged_under_torchrun(tmp_path):
     assert all(r["wrong"] == 0 for r in result["rows"])
 
 
-needs_netsim = pytest.mark.skipif(not netsim.available()[0], reason=f"netsim: {netsim.available()[1]}")
-
-
 @pytest.mark.netsim
-@needs_netsim
+@pytest.mark.timing
 def test_large_all_reduce_on_a_shaped_1gbit_network_runs_at_the_link_rate(tmp_path):
     out = tmp_path / "n.json"
     _bench("collectives", "--ranks", "4", "--net", "1gbit", "--ops", "all_reduce", "--min-size", "64M",

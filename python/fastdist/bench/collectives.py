@@ -63,7 +63,7 @@ def sizes_from(args: argparse.Namespace) -> list[int]:
 class Case:
     """Buffers and expected results of one collective at one size on this rank."""
 
-    def __init__(self, name, size_bytes, dtype, device):
+    def __init__(self, name: str, size_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
         n, r = dist.get_world_size(), dist.get_rank()
         esize = torch.empty((), dtype=dtype).element_size()
         count = max(n, size_bytes // esize // n * n)  # divisible by n for the scattered/gathered ones

@@ -78,17 +78,12 @@ def _config_from(args):
 
 
 def _compressors(method, samples):
+    """(activation compressor, gradient compressor) of `method`."""
     from fastdist.compress import AQSGD, MemoryStore, Quantize, TopK
 
-    if method == "none":
-        return None, None
-    if method == "topk10+q8":
-        return TopK(0.1), Quantize(8)
-    if method == "aqsgd4":
-        return AQSGD(Quantize(4), MemoryStore(samples), warmup_epochs=0), Quantize(8)
-    if method == "quant4":
-        return Quantize(4), Quantize(8)
-    raise ValueError(f"unknown method {method!r}")
+    return {"none": lambda: (None, None), "topk10+q8": lambda: (TopK(0.1), Quantize(8)),
+            "aqsgd4": lambda: (AQSGD(Quantize(4), MemoryStore(samples), warmup_epochs=0), Quantize(8)),
+            "quant4": lambda: (Quantize(4), Quantize(8))}[method]()
 
 
 class _Stage(nn.Module):

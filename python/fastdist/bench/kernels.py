@@ -87,6 +87,7 @@ DEFAULTS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the suite's options to `p`."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the kernels run (cuda needs fastdist's CUDA kernels; default cpu)")
     p.add_argument("--family", type=comma_list(str, list(FAMILIES)), default=None,
@@ -446,6 +447,7 @@ def inputs_from(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Runs the suite in this process; prints the header and one table per family; returns the JSON payload."""
     device = args.device
     if device == "cuda" and not fastdist.cuda_kernels_available():
         raise SystemExit("fastdist-bench kernels: --device cuda needs a CUDA device and fastdist built with CUDA "

@@ -40,7 +40,7 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -124,7 +124,7 @@ def _ready(t):
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def check_against(reference, outputs):
+def check_against(reference: Sequence[torch.Tensor], outputs: dict[str, Sequence[torch.Tensor]]) -> dict[str, float]:
     """{name: largest relative error over the ranks} of each variant's tensors against the reference's (the same
     tuple of tensors: output, then input gradient); raises on every rank when one is off by more than
     CHECK_TOLERANCE."""
@@ -168,7 +168,7 @@ def _op_variants(config, model, mesh):
     return variants, layers["auto"].chunks_for(m), errors
 
 
-def training_step(module, x, checkpointed=False):
+def training_step(module: torch.nn.Module, x: torch.Tensor, checkpointed: bool = False) -> Callable[[], tuple]:
     """One training step of `module` on `x` (fresh gradients); returns (output, input gradient)."""
     from torch.utils.checkpoint import checkpoint
 
@@ -222,7 +222,7 @@ def _mlp_variants(config, model, mesh):
     return variants, errors, {name: chosen_chunks(modules[name]) for name in ("megatron", "chunked")}
 
 
-def block_variants(config, model, mesh):
+def block_variants(config: dict, model: Any, mesh: Any) -> tuple[dict[str, Callable], dict[str, float], dict]:
     """The GPT-block variants (fastdist.tp's Megatron-style, chunked and Oases, torch DTensor; each also with
     recompute) as step functions on the same weights and input, their errors against the unsharded block, and the
     chunk counts fastdist's layers chose."""
@@ -249,7 +249,7 @@ def block_variants(config, model, mesh):
     return variants, errors, {"megatron": chosen_chunks(megatron), "chunked": chosen_chunks(chunked)}
 
 
-def part_shape(config):
+def part_shape(config: dict) -> tuple[int, int, int]:
     """The (M, K / t, N) row-parallel GEMM the part's cost model is calibrated on: the row op's, the MLP's fc2 or
     the block's fc2."""
     world = dist.get_world_size()
@@ -263,7 +263,7 @@ def part_shape(config):
     return m, k_full // world, n
 
 
-def chosen_chunks(module):
+def chosen_chunks(module: torch.nn.Module) -> list[int]:
     """The chunk counts fastdist's linears in `module` used (each layer's, by its row count), in module order."""
     from fastdist.tp import ColumnParallelLinear, RowParallelLinear
 
@@ -271,7 +271,8 @@ def chosen_chunks(module):
     return [k for m in linears for k in m._chunks_by_rows.values()]
 
 
-def timing_rows(samples, names, key, errors, chunks=None):
+def timing_rows(samples: dict[str, list[float]], names: Sequence[str], key: str, errors: dict[str, float],
+                chunks: dict | None = None) -> list[dict]:
     """One table row per variant: raw samples and median in ms, its error, its chunk counts."""
     return [{key: name, "samples_ms": [s * 1e3 for s in samples[name]],
              "time_ms": statistics.median(samples[name]) * 1e3, "max_error": errors[name],

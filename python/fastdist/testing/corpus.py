@@ -34,12 +34,12 @@ from fastdist.distributed.fingerprint import fingerprint
 _HELDOUT_STREAM = -1
 
 
-def generator(*key):
+def generator(*key: object) -> torch.Generator:
     """A torch.Generator seeded from a key (any fingerprintable values): one independent stream per key."""
     return torch.Generator().manual_seed(fingerprint(("fastdist.corpus",) + key) & ((1 << 63) - 1))
 
 
-def zipf_probs(vocab, exponent):
+def zipf_probs(vocab: int, exponent: float) -> torch.Tensor:
     """float64 [vocab]: p(k) ∝ (k + 1)^-exponent, normalized."""
     ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
     p = ranks.pow(-float(exponent))
@@ -61,7 +61,8 @@ class ZipfMarkovCorpus:
     seed:       selects the language (tables) and, with rank and step, every batch.
     """
 
-    def __init__(self, vocab=32768, exponent=1.1, successors=8, follow=0.9, seed=0):
+    def __init__(self, vocab: int = 32768, exponent: float = 1.1, successors: int = 8, follow: float = 0.9,
+                 seed: int = 0) -> None:
         if vocab < 2:
             raise ValueError(f"ZipfMarkovCorpus: vocab must be >= 2, got {vocab}")
         if successors < 1:
@@ -91,7 +92,7 @@ class ZipfMarkovCorpus:
 
     # --- sampling --------------------------------------------------------------------------------------
 
-    def sample(self, batch, length, generator):
+    def sample(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """int64 [batch, length] token ids from the chain, using `generator`."""
         out = torch.empty(batch, length, dtype=torch.int64)
         if length == 0 or batch == 0:
@@ -106,26 +107,26 @@ class ZipfMarkovCorpus:
             out[:, t] = torch.where(u[:, t, 2] < self.follow, followed, fresh)
         return out
 
-    def batch(self, rank, step, batch, seq):
+    def batch(self, rank: int, step: int, batch: int, seq: int) -> torch.Tensor:
         """Rank `rank`'s batch at `step`: int64 [batch, seq + 1] (inputs = [:, :-1], targets = [:, 1:])."""
         if rank < 0:
             raise ValueError(f"ZipfMarkovCorpus.batch: rank must be >= 0, got {rank}")
         return self.sample(batch, seq + 1, generator("batch", self.seed, int(rank), int(step)))
 
-    def heldout(self, batch, seq):
+    def heldout(self, batch: int, seq: int) -> torch.Tensor:
         """A fixed held-out batch int64 [batch, seq + 1], from a stream no rank trains on."""
         return self.sample(batch, seq + 1, generator("batch", self.seed, _HELDOUT_STREAM, 0))
 
     # --- what the language looks like ------------------------------------------------------------------
 
-    def transition_rows(self, prev):
+    def transition_rows(self, prev: torch.Tensor) -> torch.Tensor:
         """float64 [len(prev), V]: P(next | prev) for the given previous tokens (dense; use on few rows)."""
         prev = torch.as_tensor(prev, dtype=torch.int64).reshape(-1)
         rows = (1.0 - self.follow) * self.unigram.expand(prev.numel(), -1).clone()
         rows.scatter_add_(1, self.succ[prev], self.follow * self.weights[prev])
         return rows
 
-    def stationary(self, iters=200, tol=1e-12):
+    def stationary(self, iters: int = 200, tol: float = 1e-12) -> torch.Tensor:
         """float64 [V]: the chain's stationary token distribution (power iteration from p)."""
         pi = self.unigram.clone()
         for _ in range(iters):
@@ -137,12 +138,12 @@ class ZipfMarkovCorpus:
                 break
         return pi
 
-    def unigram_entropy(self):
+    def unigram_entropy(self) -> float:
         """Entropy (nats) of the stationary token distribution: the best loss without context."""
         pi = self.stationary()
         return float(-(pi * torch.log(pi.clamp_min(1e-300))).sum())
 
-    def entropy_rate(self):
+    def entropy_rate(self) -> float:
         """H(next | prev) in nats under the stationary distribution: the best loss a bigram model can reach
         (the chain is first-order, so no longer context does better)."""
         pi = self.stationary()

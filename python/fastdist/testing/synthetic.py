@@ -38,14 +38,14 @@ class GradientSpec:
     dtype: torch.dtype = torch.float32
 
     @property
-    def local_rows(self):
+    def local_rows(self) -> int:
         """Non-zero rows per rank: round(density x rows), at least 1 for a positive density."""
         if not (0.0 <= self.density <= 1.0):
             raise ValueError(f"GradientSpec: density must be in [0, 1], got {self.density}")
         return min(self.rows, max(int(self.density > 0), round(self.density * self.rows)))
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """The gradient's size in bytes (float32)."""
         return self.rows * self.dim * torch.empty((), dtype=self.dtype).element_size()
 
@@ -68,7 +68,7 @@ def _log_weights(spec):
     return out
 
 
-def zipf_rows(spec, rank, step=0):
+def zipf_rows(spec: GradientSpec, rank: int, step: int = 0) -> torch.Tensor:
     """The sorted row ids (int64) rank `rank` touches at `step`: spec.local_rows distinct Zipf-drawn tokens."""
     k = spec.local_rows
     if k == 0:
@@ -87,7 +87,7 @@ def _values(spec, rank, step, count):
     return v.to(spec.dtype)
 
 
-def zipf_embedding_grad(spec, rank, step=0):
+def zipf_embedding_grad(spec: GradientSpec, rank: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient [rows, dim], its sorted non-zero row ids) of rank `rank` at `step`."""
     rows = zipf_rows(spec, rank, step)
     grad = torch.zeros(spec.rows, spec.dim, dtype=spec.dtype)
@@ -95,14 +95,14 @@ def zipf_embedding_grad(spec, rank, step=0):
     return grad, rows
 
 
-def union_rows(spec, world, step=0):
+def union_rows(spec: GradientSpec, world: int, step: int = 0) -> torch.Tensor:
     """Sorted row ids non-zero on at least one of ranks 0..world-1."""
     if world < 1:
         raise ValueError(f"union_rows: world must be >= 1, got {world}")
     return torch.unique(torch.cat([zipf_rows(spec, r, step) for r in range(world)]))
 
 
-def exact_sum(spec, world, step=0):
+def exact_sum(spec: GradientSpec, world: int, step: int = 0) -> torch.Tensor:
     """The exact sum of ranks 0..world-1's gradients at `step`, computed locally (no communication)."""
     if world > 512:
         raise ValueError("exact_sum: sums over more than 512 ranks are no longer exact in float32")
