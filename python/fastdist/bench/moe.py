@@ -342,6 +342,7 @@ def _summarise(samples, method):
         "std_before": median(before), "std_after": median(after),
         "std_ratio": median(b / a if a > 0 else float("inf") for b, a in zip(before, after)),
         "dropped": int(sum(s["dropped"] for s in samples)), "replicas": median(len(s["replicas"]) for s in samples),
+        "planner_searches": samples[-1].get("planner_searches"),  # over all its steps, warm-up included
         "rows_computed_over_routed": median(_computed_over_routed(s) for s in samples),
         "predicted_ms": median_predicted * 1e3 if modelled else None,
         "model_error": statistics.mean(abs(p - t) / t for p, t in zip(predicted, times)) if modelled else None,
