@@ -158,20 +158,10 @@ class _Gradient:
             s = last_stats()
             return s.wire_bytes, f"{s.method}/{s.exact_collective}" if name == "auto" and s.exact_collective \
                 else s.method
-        if name == "dense":
-            bl.dense_allreduce(w)
-        elif name == "fp16":
-            bl.fp16_allreduce(w)
-        elif name == "bf16":
-            bl.bf16_allreduce(w)
-        elif name == "agsparse":
-            bl.agsparse_allreduce(w, granularity="row")
-        elif name == "topk":
-            bl.topk_allgather(w, k=self.topk_k)
-        elif name == "powersgd":
-            bl.powersgd_allreduce(self.powersgd, w)
-        else:
-            raise ValueError(f"unknown method {name!r}")
+        {"dense": lambda: bl.dense_allreduce(w), "fp16": lambda: bl.fp16_allreduce(w),
+         "bf16": lambda: bl.bf16_allreduce(w), "agsparse": lambda: bl.agsparse_allreduce(w, granularity="row"),
+         "topk": lambda: bl.topk_allgather(w, k=self.topk_k),
+         "powersgd": lambda: bl.powersgd_allreduce(self.powersgd, w)}[name]()
         s = bl.last_baseline_stats()
         return s.wire_bytes, s.method
 
@@ -232,18 +222,6 @@ def _bench_density(config, density, world, rank, device, bar):
     return rows, gradient
 
 
-class _BagModel(torch.nn.Module):
-    """Part ddp's model: a sparse EmbeddingBag and a small MLP head (its parameters share one DDP bucket)."""
-
-    def __init__(self, rows: int, dim: int) -> None:
-        super().__init__()
-        self.emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
-        self.head = torch.nn.Sequential(torch.nn.Linear(dim, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
-
-    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(ids, offsets)).squeeze(1)
-
-
 DDP_BAG = 8  # ids per bag
 
 
@@ -268,8 +246,10 @@ def _ddp_method(name, config):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fastdist.comm.hooks import SketchState, sketch_hook
+    from fastdist.testing.models import BagModel
+
     torch.manual_seed(config["seed"])
-    model, state = DDP(_BagModel(*config["ddp_table"])), None
+    model, state = DDP(BagModel(*config["ddp_table"])), None
     if name != "ddp-sparse":
         state = SketchState(mode="auto", seed=config["seed"], background=name == "auto-bg",
                             dense_hook=None if name == "auto-nodh" else allreduce_hook)

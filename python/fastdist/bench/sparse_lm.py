@@ -114,7 +114,7 @@ class SketchRouter:
     own SketchState (its own sketch size); every other bucket takes a plain averaged all-reduce. Counts the
     bytes of both."""
 
-    def __init__(self, states, process_group=None):
+    def __init__(self, states: dict, process_group: dist.ProcessGroup | None = None) -> None:
         self.states = states  # {parameter: SketchState}
         self.process_group = process_group
         self.plain_wire_bytes = 0
@@ -171,10 +171,7 @@ def routed_sketch_hook(router: SketchRouter, bucket: dist.GradBucket) -> torch.f
 
 def sketch_methods(sizes: Sequence[float]) -> list[str]:
     """The sketch method names for the sizes, each with and without error feedback."""
-    names = []
-    for f in sizes:
-        names += [f"sketch-{f:g}x", f"sketch-{f:g}x+ef"]
-    return names
+    return [f"sketch-{f:g}x{ef}" for f in sizes for ef in ("", "+ef")]
 
 
 def uses_sketch_hook(name: str) -> bool:
@@ -208,7 +205,7 @@ def parse_methods(text: str, sizes: Sequence[float]) -> list[str]:
 class Method:
     """One training run: its DDP model, optimizer, communication hook, and how it counts wire bytes."""
 
-    def __init__(self, name, config, calib, world):
+    def __init__(self, name: str, config: dict, calib: dict, world: int) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.name, self.world, self.config = name, world, config

@@ -4,6 +4,7 @@
   GPT (learned positions, causal mask, compressed stage boundaries between blocks) are both a TransformerLM.
 - `ResidualCNN`, `ResNet50`: the `memory` suite's convolutional models; `StagedCNN`: `compress-findings`' 3-stage
   CNN with a boundary after each stage.
+- `BagModel`: a recommendation-style model, a sparse EmbeddingBag under an MLP head (`sparse`'s part ddp).
 - `SparseLM`, `NegativeSampler`, `make_data`, `step_batch`: `sparse-lm`'s large-vocabulary language model with
   a sampled softmax, and the data a step sees (what examples/sparse_embedding_lm.py trains).
 """
@@ -159,6 +160,21 @@ class StagedCNN(nn.Module):
         for stage, boundary in zip(self.stages, self.boundaries):
             x = boundary(stage(x))
         return self.head(x.flatten(1))
+
+
+# ---- a recommendation-style model ----
+
+
+class BagModel(nn.Module):
+    """A sparse EmbeddingBag (sum of each bag's rows), then an MLP head dim -> hidden -> 1 with ReLU."""
+
+    def __init__(self, rows: int, dim: int, hidden: int = 256):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        self.head = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids, offsets)).squeeze(1)
 
 
 # ---- the sparse-embedding language model ----
