@@ -135,11 +135,15 @@ def train(names: list, steps: int) -> dict:
     return out
 
 
-def _dlrm_step(model, opts, batch):
+def _dlrm_step(model, opts, batch, ahead=None):
     dense, ids, offsets, labels = batch
     for o in opts:
         o.zero_grad()
     loss = F.binary_cross_entropy_with_logits(model(dense, ids, offsets), labels)
+    if ahead is not None:  # the next batch's lookups start before this backward, in every sharded table
+        for table, next_ids, next_offsets in zip(model.module.embeddings, ahead[1], ahead[2]):
+            if isinstance(table, ShardedEmbedding):
+                table.prefetch(next_ids, next_offsets)
     loss.backward()
     for o in opts:
         o.step()
@@ -157,9 +161,10 @@ def gpt_optimizers(model):
     return [torch.optim.Adam(model.parameters(), lr=0.01)]
 
 
-def hybrid_training(name: str, steps: int, sharding: str = "row") -> dict:
-    """A user's model through hybrid_parallel, trained `steps` steps on this rank's batches: losses, the full
-    state_dict (gathered tables) and which modules were sharded."""
+def hybrid_training(name: str, steps: int, sharding: str = "row", prefetch: bool = False) -> dict:
+    """A user's model through hybrid_parallel, trained `steps` steps on this rank's batches (with `prefetch`, each
+    step's forward followed by the next batch's prefetch): losses, the full state_dict (gathered tables) and which
+    modules were sharded."""
     from fastdist.embedding import ShardedEmbedding, hybrid_parallel
     import models
     rank = dist.get_rank()
@@ -174,7 +179,11 @@ def hybrid_training(name: str, steps: int, sharding: str = "row") -> dict:
     if name == "dlrm":
         model = hybrid_parallel(models.DLRM(), min_rows=500, sharding=sharding,
                                 comm_hook=counting_hook if sharding == "table" else None)
-        opts, step_fn = dlrm_optimizers(model), lambda s: _dlrm_step(model, opts, models.dlrm_batch(rank, s))
+        opts = dlrm_optimizers(model)
+
+        def step_fn(s):
+            ahead = models.dlrm_batch(rank, s + 1) if prefetch and s + 1 < steps else None
+            return _dlrm_step(model, opts, models.dlrm_batch(rank, s), ahead)
     else:
         model = hybrid_parallel(models.GPT(tie=False), min_rows=1000)
         opts = gpt_optimizers(model)
@@ -316,6 +325,7 @@ def suite(world: int, checkpoint: str) -> dict:
         out["state"] = state_dicts()
         out["dlrm"] = hybrid_training("dlrm", 3)
         out["dlrm-table"] = hybrid_training("dlrm", 3, sharding="table")
+        out["dlrm-prefetch"] = hybrid_training("dlrm", 3, prefetch=True)
         out["gpt"] = hybrid_training("gpt", 3)
         out["tied"] = tied_refusal()
         out["compiled"] = compiled()

@@ -1,6 +1,6 @@
 """hybrid_parallel on users' models (a DLRM-style recommender, a nanoGPT-style LM) on 2 ranks trains exactly as one
-process on the concatenated batch: losses and every parameter after several optimizer steps; a table tied to the
-LM head is refused, never silently untied; the collection places whole tables on ranks balanced by size; the
+process on the concatenated batch: losses and every parameter after several optimizer steps, with the next batch
+prefetched too (bit for bit the run without); a table tied to the LM head is refused, never silently untied; the collection places whole tables on ranks balanced by size; the
 README's recipe runs as written under torchrun."""
 import re
 
@@ -71,6 +71,14 @@ def test_dlrm_with_sharded_bags_trains_like_one_process(two_ranks, sharding):
     check_equal_to_reference("dlrm", results, ["embeddings.0", "embeddings.1"])
     if sharding == "table":  # this run passed a comm hook for the dense part: every step went through it
         assert all(r["hook_calls"] >= STEPS for r in results)
+
+
+def test_dlrm_prefetching_the_next_batch_trains_exactly_as_without(two_ranks):
+    results = [r["dlrm-prefetch"] for r in two_ranks]
+    check_equal_to_reference("dlrm", results, ["embeddings.0", "embeddings.1"])
+    for rank, (ours, plain) in enumerate(zip(results, (r["dlrm"] for r in two_ranks))):
+        assert ours["losses"] == plain["losses"], rank
+        assert all(torch.equal(ours["state"][k], v) for k, v in plain["state"].items()), rank
 
 
 def test_nanogpt_with_a_sharded_vocabulary_trains_like_one_process(two_ranks):
