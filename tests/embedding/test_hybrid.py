@@ -1,7 +1,7 @@
 """hybrid_parallel on users' models (a DLRM-style recommender, a nanoGPT-style LM) on 2 ranks trains exactly as one
 process on the concatenated batch: losses and every parameter after several optimizer steps, with the next batch
-prefetched too (bit for bit the run without); a table tied to the LM head is refused, never silently untied; the collection places whole tables on ranks balanced by size; the
-README's recipe runs as written under torchrun."""
+prefetched too (bit for bit the run without); a table tied to the LM head is refused, never silently untied; the
+collection places whole tables on ranks balanced by size; the README's recipe runs as written under torchrun."""
 import re
 
 import pytest
