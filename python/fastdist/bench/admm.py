@@ -375,14 +375,15 @@ def _stability_rows(result):
 def tables(result: dict) -> list[report.Part]:
     """The suite's tables of `result` (its JSON payload)."""
     c = result["config"]
+    adding = (f" Adding problem: test acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the "
+              "sum." if any(t.startswith("adding") for t in c["tasks"]) else "")
+    batched = "baselines' and admm-mb's" if "admm-mb" in c["methods"] else "baselines'"
     tuned = report.Part(
         "tuned", [col("task", "task"), col("method", "method"), col("rho / lr", "value", scientific(0)),
                   col("train loss", "final_loss", fixed(3)), col("test acc (%)", "final_test_acc", percent(1)),
                   col("s / epoch", "epoch_s", fixed(3)), col("note", lambda r: r["error"] or "")],
         result["tuned"], f"Each method at the best of its {c['grid']}-value grid (lowest final training loss), "
-        f"{c['epochs']} epochs, hidden {c['hidden']}, baselines' (and admm-mb's) batch {c['batch_size']}."
-        + (f" Adding problem: test acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the sum."
-           if any(t.startswith("adding") for t in c["tasks"]) else ""))
+        f"{c['epochs']} epochs, hidden {c['hidden']}, {batched} batch {c['batch_size']}." + adding)
     scales = [f"x{s:g}" for s in c["scales"]]
     stab = report.Part(
         "stability", [col("task", "task"), col("method", "method")] + [col(s, s) for s in scales],
@@ -405,8 +406,7 @@ def tables(result: dict) -> list[report.Part]:
                       col("test acc % (median)", "acc_median", percent(1)),
                       col("min", "acc_min", percent(1)), col("max", "acc_max", percent(1))],
             result["seeds"], f"Each method's tuned setting from {c['seeds']} initialisations (seeds {c['seed']}.."
-            f"{c['seed'] + c['seeds'] - 1}; the tuning seed included), {c['epochs']} epochs. Adding problem: test "
-            f"acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the sum."))
+            f"{c['seed'] + c['seeds'] - 1}; the tuning seed included), {c['epochs']} epochs." + adding))
     return parts
 
 
