@@ -62,11 +62,15 @@ KNOWN_GAPS: dict[str, set[str]] = {
         "fastdist.comm.sketch_allreduce: return not annotated",
     },
     "embedding/hybrid.py": {
+        "fastdist.embedding.ShardedEmbeddingCollection.prefetch: parameters not documented (no Args: section)",
         "fastdist.embedding.balance_tables: parameters not documented (no Args: section)",
     },
     "embedding/sharded.py": {
         "fastdist.embedding.ShardedEmbedding.from_embedding: parameters not documented (no Args: section)",
         "fastdist.embedding.ShardedEmbedding.prefetch: parameters not documented (no Args: section)",
+        "fastdist.embedding.ShardedEmbedding.state_dict: parameters args, kwargs not annotated",
+        "fastdist.embedding.ShardedEmbedding.state_dict: parameters not documented (no Args: section)",
+        "fastdist.embedding.prefetch: parameters not documented (no Args: section)",
     },
     "netsim.py": {
         "fastdist.netsim.Terminated.__init__: parameters not documented (no Args: section)",
@@ -96,6 +100,7 @@ KNOWN_GAPS: dict[str, set[str]] = {
     "parallel/engine.py": {
         "fastdist.parallel.Engine.__init__: parameters not documented (no Args: section)",
         "fastdist.parallel.RankFailedError.__init__: parameters not documented (no Args: section)",
+        "fastdist.parallel.plain_optimizer_state_dict: parameters not documented (no Args: section)",
     },
 }
 
