@@ -346,7 +346,7 @@ def _moe_skipped_only_layer(rank, group):
     return [True]
 
 
-case("MoELayer", "skipped call of the only layer", "call")(_moe_skipped_only_layer)
+case("MoELayer", "skipped call of the only layer", "skipped or added a call")(_moe_skipped_only_layer)
 
 
 @case("MoELayer", "skipped step of the only layer, steps numbered", "MoELayer call")

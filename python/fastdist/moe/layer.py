@@ -62,9 +62,9 @@ def step(number: int) -> Iterator[None]:
 
     Each call's header carries its layer and a number that every rank's call must share. Without a step that number
     is the layer's count of calls, which a rank that skipped or added a step of a model's only MoE layer shifts
-    alike for all its later calls: they pair with the others' calls of another step, and the others' last call
-    waits for the group's timeout. Inside ``step(i)`` the number is ``i``, so such a rank's next call raises
-    MismatchError on every rank.
+    alike for all its later calls: they pair with the others' calls of another step, and the rank with a call more
+    raises :class:`UnmatchedCallError` at the group's timeout. Inside ``step(i)`` the number is ``i``, so such a
+    rank's next call raises MismatchError on every rank.
 
     Args:
         number: the step, counted alike on every rank (e.g. the training loop's iteration).
@@ -74,6 +74,28 @@ def step(number: int) -> Iterator[None]:
         yield
     finally:
         _STEP.reset(token)
+
+class UnmatchedCallError(RuntimeError):
+    """No other rank joined this call of an MoE layer within the group's timeout.
+
+    A rank that skipped or added a call of the model's only MoE layer, without :func:`step` numbers, pairs its later
+    calls with the others' calls of another step, and the rank with one call more waits here. Inside ``step(i)`` the
+    mismatch is raised on every rank at the call where it happens instead.
+
+    Args:
+        layer: the layer's index in its group.
+        number: this rank's number for the call (its step inside :func:`step`, else its count of calls).
+        numbered: whether the call ran inside :func:`step`.
+    """
+
+    def __init__(self, layer: int, number: int, numbered: bool):
+        what = f"step {number}" if numbered else f"call {number}"
+        cure = "" if numbered else (" Number the steps with `with fastdist.moe.step(i):` so that a skipped or added "
+                                    "call raises on every rank where it happens.")
+        super().__init__(f"fastdist: MoELayer (layer {layer} of its group), {what}: no other rank joined this call "
+                         "within the process group's timeout; a rank skipped or added a call of this layer, or "
+                         f"stopped.{cure}")
+
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
@@ -638,7 +660,12 @@ class MoELayer(nn.Module):
         mine = torch.cat([kept, counts, torch.tensor(header, dtype=torch.int64, device=counts.device)]).to(x.device)
         if self.world > 1:
             gathered = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=x.device)
-            compat.all_gather_single(gathered, mine, group=self.group)
+            try:
+                compat.all_gather_single(gathered, mine, group=self.group)
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                    raise
+                raise UnmatchedCallError(self.layer_index, header[1], _STEP.get() is not None) from e
         else:
             gathered = mine
         self._calls += 1
