@@ -261,7 +261,8 @@ def state_dicts() -> dict:
             refused.append("")
         except RuntimeError as err:
             refused.append(str(err))
-    return {"full": full["weight"], "shard": {"weight": shard.tensor.clone(), "row_start": shard.metadata.shard_offsets[0]},
+    shard = {"weight": shard.tensor.clone(), "row_start": shard.metadata.shard_offsets[0]}
+    return {"full": full["weight"], "shard": shard,
             "reloaded": torch.equal(other.weight, table.weight), "refused": refused}
 
 

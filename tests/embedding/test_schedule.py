@@ -1,8 +1,9 @@
 """The 2D schedule's next-batch prefetch changes when rows move, never what is looked up: training with the next
-batch prefetched (before the backward, with or without rows sent ahead, or after the optimizer step) equals the unprefetched run bit for bit and a
-single process on the unsharded table, and a row updated in one step is looked up in the next with its updated
-value; a rank looking up other ids than it prefetched makes every rank look up afresh; bad prefetched ids raise on
-every rank. A table's sharded state saved with torch.distributed.checkpoint loads on any world size."""
+batch prefetched (before the backward, with or without rows sent ahead, or after the optimizer step) equals the
+unprefetched run bit for bit and a single process on the unsharded table, and a row updated in one step is looked
+up in the next with its updated value; a rank looking up other ids than it prefetched makes every rank look up
+afresh; bad prefetched ids raise on every rank. A table's sharded state saved with torch.distributed.checkpoint loads
+on any world size."""
 import pytest
 import torch
 from helpers import assert_close

@@ -57,7 +57,8 @@ from fastdist.bench.toolkit import all_max, at_least, comma_list, rounds, togeth
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
-METHODS = ["fastdist", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection", "ddp-sparse", "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
+METHODS = ["fastdist", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection", "ddp-sparse", "ddp-sketch-auto",
+           "ddp-dense", "torchrec", "local"]
 DENSE_IN = 13
 HIDDEN = 64
 BASELINE = "ddp-sparse"

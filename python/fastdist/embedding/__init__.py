@@ -2,8 +2,9 @@
 parallelism: tables sharded, the dense rest data-parallel (EmbRace)."""
 from fastdist.embedding.hybrid import ShardedEmbeddingCollection, balance_tables, hybrid_parallel
 from fastdist.embedding.optim import RowWiseAdagrad, RowWiseAdam, RowWiseSGD
-from fastdist.embedding.sharded import EmbeddingInputError, ShardedEmbedding, lookup, row_ranges, sharded_state_dict
+from fastdist.embedding.sharded import (EmbeddingInputError, ShardedEmbedding, lookup, prefetch, row_ranges,
+                                       sharded_state_dict)
 
 __all__ = ["EmbeddingInputError", "RowWiseAdagrad", "RowWiseAdam", "RowWiseSGD", "ShardedEmbedding",
-           "ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel", "lookup", "row_ranges",
+           "ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel", "lookup", "prefetch", "row_ranges",
            "sharded_state_dict"]

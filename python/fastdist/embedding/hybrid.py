@@ -73,8 +73,13 @@ class ShardedEmbeddingCollection(nn.Module):
         return out
 
     def prefetch(self, inputs: Mapping[str, torch.Tensor | tuple], *, rows_ahead: bool = True) -> None:
-        """Starts the lookup of the next batch's ``inputs`` (as :meth:`forward` takes them): call it after this
-        step's forward, before its backward; see :meth:`ShardedEmbedding.prefetch`."""
+        """Starts the lookup of the next batch's ``inputs``: call it after this step's forward, before its
+        backward; see :meth:`ShardedEmbedding.prefetch`.
+
+        Args:
+            inputs: the next batch's inputs, as :meth:`forward` takes them.
+            rows_ahead: send the rows the pending update leaves alone before the update (else only the ids).
+        """
         for group in self._by_width(inputs):
             prefetch([t for _, t, _ in group], [a for _, _, a in group], self.group, rows_ahead)
 

@@ -21,6 +21,10 @@ tables overlap each other, the rest of the backward and DDP's all-reduce. Severa
 exchange (``lookup`` takes a list), so a model with many tables makes two or three AlltoAlls in the forward and one
 in the backward per width per step, not per table.
 
+The next batch's lookup can start early (``prefetch``, EmbRace's lookahead): its ids leave before the backward, the
+rows the pending optimizer step will not change when the backward reaches the table, and the next lookup sends only
+the rest, so that every row is still read after its last change.
+
 Every rank must make the same lookups in the same order and backpropagate through each (as with DDP): the
 AlltoAlls are collectives. A rank whose input is refused (ids out of range, negative, of a float dtype, a bad
 offsets tensor) says so in the header, and every rank raises in that same call.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -228,7 +233,14 @@ class ShardedEmbedding(nn.Module):
         ``rows_ahead`` the rows this step's update leaves alone follow when the backward reaches the table, and the
         next forward with the same arguments waits only for the rows the update changed; without, that forward
         fetches every row in one AlltoAll. Every rank calls it (a collective). See
-        :func:`fastdist.embedding.prefetch` for what it assumes."""
+        :func:`fastdist.embedding.prefetch` for what it assumes.
+
+        Args:
+            input: the next batch's ids, as ``forward`` takes them.
+            offsets: the next batch's bag offsets (bags only).
+            per_sample_weights: the next batch's per-sample weights (``mode="sum"`` only).
+            rows_ahead: send the rows the pending update leaves alone before the update (else only the ids).
+        """
         prefetch([self], [(input, offsets, per_sample_weights)], self.group, rows_ahead)
 
     def wait_prefetch(self) -> None:
@@ -240,11 +252,17 @@ class ShardedEmbedding(nn.Module):
 
     # ---- state ----
 
-    def state_dict(self, *args, sharded: bool = False, **kwargs) -> dict:
+    def state_dict(self, *args: Any, sharded: bool = False, **kwargs: Any) -> dict:
         """The module's state: the full table under ``weight`` (gathered: every rank must call it), or with
         ``sharded=True`` this rank's shard as a ``ShardedTensor`` of the full table's shape, which
         ``torch.distributed.checkpoint`` saves without gathering and re-shards on load (any world size). For a
-        model holding tables, ``with fastdist.embedding.sharded_state_dict(): model.state_dict()`` does the same."""
+        model holding tables, ``with fastdist.embedding.sharded_state_dict(): model.state_dict()`` does the same.
+
+        Args:
+            *args: as ``nn.Module.state_dict``.
+            sharded: the local shard as a ``ShardedTensor`` instead of the gathered table.
+            **kwargs: as ``nn.Module.state_dict`` (``destination``, ``prefix``, ``keep_vars``).
+        """
         if not sharded:
             return super().state_dict(*args, **kwargs)
         with sharded_state_dict():
@@ -650,10 +668,19 @@ def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group
     change (asynchronously, flagged), and the next :func:`lookup` of these tables with these inputs sends the
     flagged rest, read after the step. Without it (or with no backward in flight), the lookup sends every row in
     one AlltoAll: only the ids went ahead. Either way every row is read after the last change to it, so the result
-    equals the lookup's without prefetch. "Will change" is judged from the table's gradient: the rows of a sparse gradient and of the lookups
-    whose gradient has not arrived yet; every row when the gradient is dense (momentum and weight decay move
-    rows that were not looked up). So between this call and the lookup, only an optimizer step on the tables'
-    gradients may change them. A collective: every rank calls it, in the same order.
+    equals the lookup's without prefetch. "Will change" is judged from the table's gradient: the rows of a sparse
+    gradient and of the lookups whose gradient has not arrived yet; every row when the gradient is dense (momentum
+    and weight decay move rows that were not looked up). So between this call and the lookup, only an optimizer
+    step on the tables' gradients may change them. A collective: every rank calls it, in the same order.
+
+    Args:
+        modules: tables sharded over ``group``, all of one ``embedding_dim`` and dtype (as :func:`lookup`).
+        inputs: per table ``(ids, offsets, per_sample_weights)`` of the next lookup.
+        group: their process group.
+        rows_ahead: send the rows the pending update leaves alone when the backward reaches the tables.
+
+    Raises:
+        RuntimeError: a prefetch of one of the tables is already pending (no lookup since).
     """
     if modules[0].world == 1:
         return  # one rank: the lookup reads the table directly
