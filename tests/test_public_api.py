@@ -61,46 +61,9 @@ KNOWN_GAPS: dict[str, set[str]] = {
         "fastdist.comm.ExactTimings.for_union: parameters not documented (no Args: section)",
         "fastdist.comm.sketch_allreduce: return not annotated",
     },
-    "embedding/hybrid.py": {
-        "fastdist.embedding.ShardedEmbeddingCollection.prefetch: parameters not documented (no Args: section)",
-        "fastdist.embedding.balance_tables: parameters not documented (no Args: section)",
-    },
-    "embedding/sharded.py": {
-        "fastdist.embedding.ShardedEmbedding.from_embedding: parameters not documented (no Args: section)",
-        "fastdist.embedding.ShardedEmbedding.prefetch: parameters not documented (no Args: section)",
-        "fastdist.embedding.ShardedEmbedding.state_dict: parameters args, kwargs not annotated",
-        "fastdist.embedding.ShardedEmbedding.state_dict: parameters not documented (no Args: section)",
-        "fastdist.embedding.prefetch: parameters not documented (no Args: section)",
-    },
-    "netsim.py": {
-        "fastdist.netsim.Terminated.__init__: parameters not documented (no Args: section)",
-        "fastdist.netsim.format_delay: parameters not documented (no Args: section)",
-        "fastdist.netsim.format_rate: parameters not documented (no Args: section)",
-        "fastdist.netsim.parse_delay: parameters not documented (no Args: section)",
-        "fastdist.netsim.rx_bytes: parameters not documented (no Args: section)",
-    },
-    "ops/epilogue.py": {
-        "fastdist.ops.bias_epilogue_backward: parameters not documented (no Args: section)",
-    },
-    "ops/moe.py": {
-        "fastdist.ops.moe_layout: return not annotated",
-        "fastdist.ops.moe_route: return not annotated",
-    },
     "ops/quant4.py": {
         "fastdist.ops.dequantize4: parameters not documented (no Args: section)",
         "fastdist.ops.qlinear_grad_input: parameters not documented (no Args: section)",
-    },
-    "ops/quantize.py": {
-        "fastdist.ops.dequantize: parameters not documented (no Args: section)",
-        "fastdist.ops.dequantize: parameters shape not annotated",
-    },
-    "ops/topk.py": {
-        "fastdist.ops.topk_bitmap_to_indices: parameters not documented (no Args: section)",
-    },
-    "parallel/engine.py": {
-        "fastdist.parallel.Engine.__init__: parameters not documented (no Args: section)",
-        "fastdist.parallel.RankFailedError.__init__: parameters not documented (no Args: section)",
-        "fastdist.parallel.plain_optimizer_state_dict: parameters not documented (no Args: section)",
     },
 }
 

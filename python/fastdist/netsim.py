@@ -76,7 +76,11 @@ class Terminated(SystemExit):
     """Raised in the main thread when SIGTERM/SIGHUP arrives while a cluster is up, so that the
     cluster's context manager tears it down. It is a SystemExit, so ``except Exception`` does not swallow
     it, and if nothing catches it the interpreter exits with status 128 + signal number, as a
-    process killed by that signal would report in a shell."""
+    process killed by that signal would report in a shell.
+
+    Args:
+        signum: the signal that arrived (``signal.SIGTERM`` or ``signal.SIGHUP``).
+    """
 
     def __init__(self, signum: int):
         self.signum = signum
@@ -131,7 +135,14 @@ def parse_rate(s: str | int) -> int:
 
 
 def format_rate(bits: int | float) -> str:
-    """A rate for people: 10**9 -> "1 Gbit/s", 2.5e9 -> "2.5 Gbit/s", 800000 -> "800 kbit/s"."""
+    """A rate for people: 10**9 -> "1 Gbit/s", 2.5e9 -> "2.5 Gbit/s", 800000 -> "800 kbit/s".
+
+    Args:
+        bits: the rate in bits per second, finite and >= 0.
+
+    Raises:
+        ValueError: a negative or non-finite rate.
+    """
     if bits < 0 or not math.isfinite(bits):
         raise ValueError(f"rate must be a non-negative number of bits/s, got {bits!r}")
     for scale, unit in ((10**12, "Tbit/s"), (10**9, "Gbit/s"), (10**6, "Mbit/s"), (10**3, "kbit/s")):
@@ -145,7 +156,15 @@ _DELAY_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 
 
 
 def parse_delay(d: str | float | int | None) -> float:
-    """A one-way latency in seconds: a number of seconds, or a string "500us", "1ms", "0.2s"."""
+    """A one-way latency in seconds: a number of seconds, or a string "500us", "1ms", "0.2s".
+
+    Args:
+        d: seconds (int or float), a string of a number and a unit (s, ms, us, µs, ns; none: seconds), or
+            None (no delay: 0.0).
+
+    Raises:
+        ValueError: a string that does not parse, a bool, or a negative or non-finite delay.
+    """
     if d is None:
         return 0.0
     if isinstance(d, bool):
@@ -162,7 +181,11 @@ def parse_delay(d: str | float | int | None) -> float:
 
 
 def format_delay(seconds: float) -> str:
-    """0.001 -> "1 ms", 0.00025 -> "250 us"."""
+    """A delay for people: 0.001 -> "1 ms", 0.00025 -> "250 us".
+
+    Args:
+        seconds: the delay in seconds.
+    """
     if seconds >= 1:
         return f"{seconds:.6g} s"
     if seconds >= 1e-3:
@@ -425,7 +448,15 @@ def tx_bytes(ifname: str = IFNAME, netns: str | None = None) -> int:
 
 
 def rx_bytes(ifname: str = IFNAME, netns: str | None = None) -> int:
-    """Bytes received by interface `ifname`; see `tx_bytes`."""
+    """Bytes received by an interface; see `tx_bytes`.
+
+    Args:
+        ifname: the interface.
+        netns: the network namespace to read it in (by a helper thread); None: the calling thread's.
+
+    Raises:
+        ValueError: no such interface there.
+    """
     return _counter_field(ifname, 0, netns)
 
 

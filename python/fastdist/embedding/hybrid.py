@@ -17,7 +17,12 @@ __all__ = ["ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel"]
 
 def balance_tables(sizes: Mapping[str, int], world: int) -> dict[str, int]:
     """Owner rank of each table: largest first, each to the rank holding the fewest elements so far (ties: the
-    lower rank; equal sizes: by name), so every rank computes the same placement."""
+    lower rank; equal sizes: by name), so every rank computes the same placement.
+
+    Args:
+        sizes: ``{table name: its number of elements}``.
+        world: the number of ranks to place the tables on.
+    """
     load = [0] * world
     owners = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):

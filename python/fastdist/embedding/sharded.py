@@ -169,6 +169,13 @@ class ShardedEmbedding(nn.Module):
         """The sharded twin of a plain embedding module: same rows (each rank keeps its own), padding, mode and
         sparsity. Every rank must pass an equal table (the usual case: the same model built from the same seed).
 
+        Args:
+            module: the ``nn.Embedding`` or ``nn.EmbeddingBag`` to shard.
+            group: the process group (None: the default group).
+            sharding: ``"row"`` (row ranges over the group) or ``"table"`` (the whole table on ``owner``).
+            owner: the group rank holding the table with ``sharding="table"``.
+            average_gradients: divide the table's gradient by the group size, as DDP does for dense parameters.
+
         Raises:
             ValueError: options ``nn.Embedding`` has and the sharded table does not (``max_norm``,
                 ``scale_grad_by_freq``, ``mode="max"``, ``include_last_offset``), or a weight that is not finite.

@@ -48,6 +48,19 @@ def bias_epilogue_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tens
     """``grad * act'(x + bias)``: the gradient of :func:`bias_epilogue` with respect to ``x``.
 
     The bias gradient is this summed over all but the last dimension; the residual gradient is ``grad``.
+
+    Args:
+        grad: the gradient of the output, of ``x``'s shape, dtype and device.
+        x: the forward's ``x``.
+        bias: the forward's ``bias`` (None: none).
+        activation: the forward's activation, ``"none"``, ``"gelu_tanh"`` or ``"gelu_erf"``.
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape and dtype.
+
+    Raises:
+        RuntimeError: ``x`` not floating point or 0-d; ``grad`` or ``bias`` of another dtype, device or shape; an
+            unknown ``activation``.
     """
     return torch.ops.fastdist.bias_epilogue_backward.default(grad, x, bias, activation)
 

@@ -32,7 +32,7 @@ def capacity_for(tokens: int, num_experts: int, k: int, capacity_factor: float, 
     return max(min_capacity, math.ceil(k * tokens * capacity_factor / num_experts))
 
 
-def moe_route(logits: torch.Tensor, k: int):
+def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top-k gate: softmax in float32 (float64 logits: computed in float64, stored as float32), top-k choices.
 
     Args:
@@ -53,7 +53,8 @@ def moe_route(logits: torch.Tensor, k: int):
     return torch.ops.fastdist.moe_route.default(logits, k)
 
 
-def moe_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int = 1, capacity: int = -1):
+def moe_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int = 1, capacity: int = -1) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Groups the assignments by expert: a stable counting sort in priority order (module docstring).
 
     Args:

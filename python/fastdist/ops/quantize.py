@@ -23,6 +23,7 @@ differentiable (codes are integers); compressors that need a gradient path use a
 (:mod:`fastdist.compress`).
 """
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -59,8 +60,20 @@ def quantize(x: torch.Tensor, bits: int, scheme: str = "minmax", group_size: int
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, scheme: str,
-               group_size: int, shape) -> torch.Tensor:
+               group_size: int, shape: Sequence[int]) -> torch.Tensor:
     """The values ``x'`` of :func:`quantize`'s output, float32 of ``shape``.
+
+    Args:
+        packed: uint8 codes, as :func:`quantize` returns them.
+        scales: float32 ``[n / group_size]`` scales, as :func:`quantize` returns them.
+        zeros: float32 ``[n / group_size]`` zero points, as :func:`quantize` returns them.
+        bits: the ``bits`` they were quantized with.
+        scheme: the ``scheme`` they were quantized with.
+        group_size: values per group (the ``group_size`` they were quantized with; ``n`` for one group).
+        shape: the output's shape, of ``n`` values.
+
+    Returns:
+        float32 tensor of ``shape``.
 
     Raises:
         RuntimeError: bad bits or scheme; ``packed``, ``scales`` or ``zeros`` of the wrong dtype, shape or device.

@@ -94,6 +94,14 @@ def topk_bitmap_to_indices(bitmap: torch.Tensor, d: int, k: int) -> torch.Tensor
 
     Padding bits past ``d`` are ignored.
 
+    Args:
+        bitmap: uint8 ``[B, ceil(d / 8)]``, as :func:`topk_indices_to_bitmap` gives.
+        d: row length.
+        k: set bits per row, ``0 <= k <= d``.
+
+    Returns:
+        int32 ``[B, k]``, each row ascending.
+
     Raises:
         RuntimeError: bad dtype or shape; ``k`` outside ``[0, d]``; on CPU, a row without exactly ``k`` set bits.
     """

@@ -57,6 +57,11 @@ class RankFailedError(RuntimeError):
     Attributes:
         rank: the global rank that raised first.
         step: the step (1-based) in which it raised.
+
+    Args:
+        message: the error's message.
+        rank: the global rank that raised first (None: not known).
+        step: the step in which it raised (None: not known).
     """
 
     def __init__(self, message: str, rank: int | None, step: int | None):
@@ -237,6 +242,9 @@ class Engine:
         mesh: the DeviceMesh (None on one process without torch.distributed).
         coordinate: this rank's (dp, tp, pp) indices.
         compiled: the modules of the stage whose forward ``compile=`` compiled (empty without it).
+
+    Args:
+        **kw: the attributes above and the private state :func:`parallelize` builds (not made by users).
     """
 
     def __init__(self, **kw: Any):
@@ -567,7 +575,12 @@ def _shard_of(full: torch.Tensor, layout: _Shard) -> torch.Tensor:
 def plain_optimizer_state_dict(state_dict: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
     """:meth:`Engine.optimizer_state_dict`'s result as torch's optimizer state dict for ``model`` unparallelized,
     whose optimizer was built over ``model.parameters()`` in one group (the groups are merged: the first's
-    hyper-parameters)."""
+    hyper-parameters).
+
+    Args:
+        state_dict: what :meth:`Engine.optimizer_state_dict` returned (its state keyed by parameter name).
+        model: the unparallelized model, with the parameter names the engine's model had.
+    """
     names = [n for n, _ in model.named_parameters()]
     saved = state_dict["state"]
     hyper = {k: v for k, v in state_dict["param_groups"][0].items() if k != "params"}
