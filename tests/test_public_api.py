@@ -43,13 +43,6 @@ KNOWN_GAPS: dict[str, set[str]] = {
         "fastdist.adapters.QuantLinear.forward: parameters not documented (no Args: section)",
         "fastdist.adapters.QuantLinear.from_linear: parameters not documented (no Args: section)",
     },
-    "admm/admmirnn.py": {
-        "fastdist.admm.ADMMDivergenceError.__init__: parameters not documented (no Args: section)",
-        "fastdist.admm.ADMMiRNN.lagrangian: parameters not documented (no Args: section)",
-        "fastdist.admm.ADMMiRNN.load_state_dict: parameters not documented (no Args: section)",
-        "fastdist.admm.ADMMiRNN.residual_tensors: parameters not documented (no Args: section)",
-        "fastdist.admm.RNNClassifier.__init__: parameters not documented (no Args: section)",
-    },
     "comm/baselines.py": {
         "fastdist.comm.bf16_allreduce: parameters not documented (no Args: section)",
         "fastdist.comm.fp16_allreduce: parameters not documented (no Args: section)",

@@ -49,7 +49,12 @@ _MINIBATCH = (None, "carry", "reinit")
 
 class ADMMDivergenceError(RuntimeError):
     """The ADMM iteration diverged; `block` names the first block whose update went non-finite, or the constraint
-    whose residual kept growing."""
+    whose residual kept growing.
+
+    Args:
+        block: the block (or constraint) that diverged first.
+        message: the error message, naming it and the sweep.
+    """
 
     def __init__(self, block: str, message: str):
         super().__init__(message)
@@ -80,7 +85,13 @@ class SweepStats:
 
 class RNNClassifier(nn.Module):
     """The network ADMMiRNN trains, written as users write it: `torch.nn.RNN` (tanh, batch_first) and an
-    `nn.Linear` head on the last hidden state. SGD-family baselines train this same module."""
+    `nn.Linear` head on the last hidden state. SGD-family baselines train this same module.
+
+    Args:
+        input_size: features per time step.
+        hidden_size: the RNN's hidden units.
+        output_size: the head's outputs (classes, or 1 for regression).
+    """
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int):
         super().__init__()
@@ -362,7 +373,11 @@ class ADMMiRNN:
         self.dual = {"a": torch.zeros_like(a), "s": torch.zeros_like(s), "o": torch.zeros_like(o)}
 
     def residual_tensors(self, xt: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The constraint residuals {"a": [T, B, H], "s": [T, B, H], "o": [B, O]} at the current state."""
+        """The constraint residuals {"a": [T, B, H], "s": [T, B, H], "o": [B, O]} at the current state.
+
+        Args:
+            xt: the inputs, time-major [T, B, F], of the samples the current variables belong to.
+        """
         u, w, b, v, c = (self.weights[n] for n in "uwbvc")
         a, s, o = (self.variables[k] for k in BLOCKS)
         pred = torch.matmul(xt, u.t()) + b
@@ -370,7 +385,12 @@ class ADMMiRNN:
         return {"a": a - pred, "s": s - torch.tanh(a), "o": o - (s[-1] @ v.t() + c)}
 
     def lagrangian(self, xt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The augmented Lagrangian L (a 0-dim tensor) at the current state, for time-major xt [T, B, F]."""
+        """The augmented Lagrangian L (a 0-dim tensor) at the current state.
+
+        Args:
+            xt: the inputs, time-major [T, B, F], of the samples the current variables belong to.
+            y: their targets [B] (class indices) or [B, O] (regression).
+        """
         r = self.residual_tensors(xt)
         total = self._loss_rows(self.variables["o"], y).sum()
         for k in BLOCKS:
@@ -605,7 +625,11 @@ class ADMMiRNN:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a `state_dict`; the configuration must match this instance's (the first field that differs
-        is named)."""
+        is named).
+
+        Args:
+            state: what `state_dict()` returned (full-batch states saved before mini-batches existed load too).
+        """
         mine = self._config()
         config = {"minibatch": None, "num_samples": None, **state["config"]}  # states saved before mini-batches
         for key, value in config.items():
