@@ -192,4 +192,19 @@ void bitwise_or_reduce_cpu(const uint8_t* packed, int64_t p, int64_t b, uint8_t*
   }
 }
 
+void bitmap_from_indices_cpu(const int64_t* indices, int64_t n, uint8_t* out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint64_t u = static_cast<uint64_t>(indices[i]);
+    if (u >= static_cast<uint64_t>(n)) continue;  // also every negative index
+    __atomic_fetch_or(out + (u >> 3), static_cast<uint8_t>(1u << (u & 7)), __ATOMIC_RELAXED);
+  }
+}
+
+int64_t first_index_out_of_range(const int64_t* indices, int64_t k, int64_t n) {
+  for (int64_t i = 0; i < k; ++i) {
+    if (static_cast<uint64_t>(indices[i]) >= static_cast<uint64_t>(n)) return i;
+  }
+  return -1;
+}
+
 }  // namespace fastdist

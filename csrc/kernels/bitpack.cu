@@ -128,6 +128,16 @@ bool fits(const uint8_t* packed, int64_t b, const uint8_t* out) {
   return b % static_cast<int64_t>(sizeof(Word)) == 0 && aligned(packed, sizeof(Word)) && aligned(out, sizeof(Word));
 }
 
+// One thread per index: sets its unit's bit with an atomicOr on the 32-bit word that holds it (out is padded to whole
+// words, so the word is in bounds even for the last byte).
+__global__ void bitmap_from_indices_kernel(const int64_t* __restrict__ indices, int64_t k, int64_t n,
+                                           uint32_t* __restrict__ out) {
+  for (int64_t i = global_thread(); i < k; i += grid_threads()) {
+    const uint64_t u = static_cast<uint64_t>(indices[i]);
+    if (u < static_cast<uint64_t>(n)) atomicOr(out + (u >> 5), 1u << (u & 31));  // little-endian: bit u % 32 of word
+  }
+}
+
 }  // namespace
 
 cudaError_t pack_bits_cuda(const uint8_t* mask, int64_t rows, int64_t n, uint8_t* out, cudaStream_t stream) {
@@ -163,6 +173,13 @@ cudaError_t bitwise_or_reduce_cuda(const uint8_t* packed, int64_t p, int64_t b, 
   } else {
     launch_or_reduce<uint8_t>(packed, p, b, out, stream);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t bitmap_from_indices_cuda(const int64_t* indices, int64_t k, int64_t n, uint8_t* out, cudaStream_t stream) {
+  if (k == 0 || n == 0) return cudaSuccess;
+  bitmap_from_indices_kernel<<<grid_for(k, kThreads), kThreads, 0, stream>>>(indices, k, n,
+                                                                            reinterpret_cast<uint32_t*>(out));
   return cudaGetLastError();
 }
 

@@ -39,6 +39,16 @@ void unpack_bits_cpu(const uint8_t* packed, int64_t rows, int64_t n, uint8_t* ou
 void bitwise_or_reduce_cpu(const uint8_t* packed, int64_t p, int64_t b, uint8_t* out, int64_t col_begin,
                            int64_t col_end);
 
+// indices: k unit numbers, in any order, repeats allowed (a sparse gradient's row indices, coalesced or not).
+// out: the packed bitmap of n units, zeroed by the caller; sets bit u for every listed u in [0, n), for the indices
+// [begin, end) (0 <= begin <= end <= k). Bits are set with atomic ORs, so disjoint index ranges may run on several
+// threads at once; the bitmap is the same for any split. Indices outside [0, n) are skipped (the glue rejects them
+// first with first_index_out_of_range).
+void bitmap_from_indices_cpu(const int64_t* indices, int64_t n, uint8_t* out, int64_t begin, int64_t end);
+
+// The position of the first of the k indices outside [0, n), or -1 when all are inside.
+int64_t first_index_out_of_range(const int64_t* indices, int64_t k, int64_t n);
+
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
 // Declared only for nvcc-compiled sources (the kernels and the CUDA glue) so that plain C++ can include
 // this header without the CUDA toolkit.
@@ -49,6 +59,9 @@ cudaError_t pack_bits_cuda(const uint8_t* mask, int64_t rows, int64_t n, uint8_t
 cudaError_t unpack_bits_cuda(const uint8_t* packed, int64_t rows, int64_t n, uint8_t* out, cudaStream_t stream);
 cudaError_t bitwise_or_reduce_cuda(const uint8_t* packed, int64_t p, int64_t b, uint8_t* out,
                                    cudaStream_t stream);
+// out: zeroed, 4-byte aligned and padded to a multiple of 4 bytes (the bits are set with 32-bit atomicOr). Indices
+// outside [0, n) are skipped: the CUDA glue does not check them (that would need a device-to-host copy).
+cudaError_t bitmap_from_indices_cuda(const int64_t* indices, int64_t k, int64_t n, uint8_t* out, cudaStream_t stream);
 
 #endif  // __CUDACC__
 

@@ -911,4 +911,87 @@ void sketch_hash_cpu(const int64_t* idx, int64_t len, int64_t m, const SketchHas
   }
 }
 
+namespace {
+
+// Byte b of support r, its padding bits past n cleared.
+inline uint32_t support_byte(const uint8_t* bitmaps, int64_t r, int64_t bitmap_stride, int64_t n, int64_t b) {
+  const uint32_t byte = bitmaps[r * bitmap_stride + b];
+  const int64_t past = 8 * (b + 1) - n;  // > 0 only in the last byte
+  return past > 0 ? byte & (0xFFu >> past) : byte;
+}
+
+// out = +0.0 + x (the first add into a zero sum: -0.0 becomes +0.0), then out = out + x, each rounded to Format.
+template <typename Format>
+inline void add_row(typename Format::Storage* __restrict out, const typename Format::Storage* __restrict x, int64_t m,
+                    bool first) {
+  using C = typename Format::Compute;
+  if (first) {
+    for (int64_t i = 0; i < m; ++i) out[i] = Format::store(C(0) + Format::load(x[i]));
+  } else {
+    for (int64_t i = 0; i < m; ++i) out[i] = Format::store(Format::load(out[i]) + Format::load(x[i]));
+  }
+}
+
+template <typename Format>
+inline void divide_row(typename Format::Storage* out, int64_t m, int64_t divisor) {
+  using C = typename Format::Compute;
+  const C d = static_cast<C>(divisor);
+  for (int64_t i = 0; i < m; ++i) out[i] = Format::store(Format::load(out[i]) / d);
+}
+
+template <typename Format>
+void union_sum_rows_of(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n,
+                       const typename Format::Storage* rows, int64_t rank_stride, int64_t m, int64_t divisor,
+                       const int64_t* first, int64_t* units, typename Format::Storage* sums, int64_t b0, int64_t b1) {
+  std::unique_ptr<int64_t[]> next(new int64_t[p]);  // each rank's next row
+  std::unique_ptr<uint32_t[]> held(new uint32_t[p]);  // each rank's byte b
+  std::copy(first, first + p, next.get());
+  int64_t t = first[p];
+  for (int64_t b = b0; b < b1; ++b) {
+    uint32_t any = 0;
+    for (int64_t r = 0; r < p; ++r) any |= held[r] = support_byte(bitmaps, r, bitmap_stride, n, b);
+    while (any) {
+      const int j = __builtin_ctz(any);
+      any &= any - 1;
+      units[t] = 8 * b + j;
+      typename Format::Storage* out = sums + t * m;
+      bool none_yet = true;
+      for (int64_t r = 0; r < p; ++r) {
+        if (!((held[r] >> j) & 1)) continue;
+        add_row<Format>(out, rows + r * rank_stride + next[r]++ * m, m, none_yet);  // units come in order
+        none_yet = false;
+      }
+      if (divisor != 1) divide_row<Format>(out, m, divisor);
+      ++t;
+    }
+  }
+}
+
+}  // namespace
+
+void union_rows_count_cpu(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n, int64_t* counts,
+                          int64_t byte_begin, int64_t byte_end) {
+  std::fill(counts, counts + p + 1, int64_t{0});
+  for (int64_t b = byte_begin; b < byte_end; ++b) {
+    uint32_t any = 0;
+    for (int64_t r = 0; r < p; ++r) {
+      const uint32_t byte = support_byte(bitmaps, r, bitmap_stride, n, b);
+      counts[r] += __builtin_popcount(byte);
+      any |= byte;
+    }
+    counts[p] += __builtin_popcount(any);
+  }
+}
+
+void union_sum_rows_cpu(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n, const void* rows,
+                        StorageType type, int64_t rank_stride, int64_t m, int64_t divisor, const int64_t* first,
+                        int64_t* units, void* sums, int64_t byte_begin, int64_t byte_end) {
+  dispatch_storage(type, [&](auto format) {
+    using Format = decltype(format);
+    using S = typename Format::Storage;
+    union_sum_rows_of<Format>(bitmaps, p, bitmap_stride, n, static_cast<const S*>(rows), rank_stride, m, divisor,
+                              first, units, static_cast<S*>(sums), byte_begin, byte_end);
+  });
+}
+
 }  // namespace fastdist

@@ -423,4 +423,116 @@ cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, int64_t m, const S
   return cudaGetLastError();
 }
 
+// ---- union sum: chunks of kUnionChunkBytes packed bytes, one block per chunk ----
+namespace {
+
+constexpr int kUnionThreads = 128;
+
+__device__ __forceinline__ uint32_t union_support_byte(const uint8_t* __restrict__ bitmaps, int64_t r,
+                                                       int64_t bitmap_stride, int64_t n, int64_t b) {
+  const uint32_t byte = bitmaps[r * bitmap_stride + b];
+  const int64_t past = 8 * (b + 1) - n;
+  return past > 0 ? byte & (0xFFu >> past) : byte;
+}
+
+// One thread per (chunk, rank or union): counts[chunk * (p + 1) + r].
+__global__ void union_rows_count_kernel(const uint8_t* __restrict__ bitmaps, int64_t p, int64_t bitmap_stride,
+                                        int64_t n, int64_t chunks, int64_t* __restrict__ counts) {
+  const int64_t bytes = packed_bytes(n);
+  for (int64_t i = global_thread(); i < chunks * (p + 1); i += grid_threads()) {
+    const int64_t chunk = i / (p + 1), r = i - chunk * (p + 1);
+    const int64_t b1 = min(bytes, (chunk + 1) * kUnionChunkBytes);
+    int64_t count = 0;
+    for (int64_t b = chunk * kUnionChunkBytes; b < b1; ++b) {
+      uint32_t byte = 0;
+      if (r < p) {
+        byte = union_support_byte(bitmaps, r, bitmap_stride, n, b);
+      } else {
+        for (int64_t q = 0; q < p; ++q) byte |= union_support_byte(bitmaps, q, bitmap_stride, n, b);
+      }
+      count += __popc(byte);
+    }
+    counts[i] = count;
+  }
+}
+
+// A block per chunk (grid-stride over chunks): its threads walk the chunk's units in order together, each thread
+// summing its own columns; the ranks' row cursors live in shared memory (p <= kUnionMaxRanksCuda) and move after
+// each unit, between barriers. Each value gets the CPU's adds in the CPU's order, so the same bits.
+template <typename Format>
+__global__ void union_sum_rows_kernel(const uint8_t* __restrict__ bitmaps, int64_t p, int64_t bitmap_stride, int64_t n,
+                                      const typename Format::Storage* __restrict__ rows, int64_t rank_stride,
+                                      int64_t m, int64_t divisor, int64_t chunks, const int64_t* __restrict__ first,
+                                      int64_t* __restrict__ units, typename Format::Storage* __restrict__ sums) {
+  using C = typename Format::Compute;
+  using S = typename Format::Storage;
+  extern __shared__ int64_t next[];  // [p]
+  const int64_t bytes = packed_bytes(n);
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const int64_t* chunk_first = first + chunk * (p + 1);
+    for (int64_t r = threadIdx.x; r < p; r += blockDim.x) next[r] = chunk_first[r];
+    __syncthreads();
+    int64_t t = chunk_first[p];
+    const int64_t b1 = min(bytes, (chunk + 1) * kUnionChunkBytes);
+    for (int64_t b = chunk * kUnionChunkBytes; b < b1; ++b) {
+      uint32_t any = 0;
+      for (int64_t r = 0; r < p; ++r) any |= union_support_byte(bitmaps, r, bitmap_stride, n, b);
+      while (any) {  // the same value in every thread of the block: the barriers below are reached by all
+        const int j = __ffs(any) - 1;
+        any &= any - 1;
+        if (threadIdx.x == 0) units[t] = 8 * b + j;
+        S* out = sums + t * m;
+        bool none_yet = true;
+        for (int64_t r = 0; r < p; ++r) {
+          if (!((union_support_byte(bitmaps, r, bitmap_stride, n, b) >> j) & 1)) continue;
+          const S* x = rows + r * rank_stride + next[r] * m;
+          for (int64_t col = threadIdx.x; col < m; col += blockDim.x) {
+            out[col] = none_yet ? Format::store(C(0) + Format::load(x[col]))
+                                : Format::store(Format::load(out[col]) + Format::load(x[col]));
+          }
+          none_yet = false;
+        }
+        if (divisor != 1) {
+          for (int64_t col = threadIdx.x; col < m; col += blockDim.x) {
+            out[col] = Format::store(Format::load(out[col]) / static_cast<C>(divisor));
+          }
+        }
+        __syncthreads();  // every thread has read next[] for this unit
+        for (int64_t r = threadIdx.x; r < p; r += blockDim.x) {
+          next[r] += (union_support_byte(bitmaps, r, bitmap_stride, n, b) >> j) & 1;
+        }
+        __syncthreads();
+        ++t;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t union_rows_count_cuda(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n,
+                                  int64_t* chunk_counts, cudaStream_t stream) {
+  const int64_t chunks = (packed_bytes(n) + kUnionChunkBytes - 1) / kUnionChunkBytes;
+  if (chunks == 0) return cudaSuccess;
+  union_rows_count_kernel<<<grid_for(chunks * (p + 1), kThreads), kThreads, 0, stream>>>(bitmaps, p, bitmap_stride, n,
+                                                                                         chunks, chunk_counts);
+  return cudaGetLastError();
+}
+
+cudaError_t union_sum_rows_cuda(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n, const void* rows,
+                                StorageType type, int64_t rank_stride, int64_t m, int64_t divisor,
+                                const int64_t* chunk_first, int64_t* units, void* sums, cudaStream_t stream) {
+  const int64_t chunks = (packed_bytes(n) + kUnionChunkBytes - 1) / kUnionChunkBytes;
+  if (chunks == 0 || p == 0) return cudaSuccess;
+  const size_t shared = static_cast<size_t>(p) * sizeof(int64_t);
+  dispatch_storage(type, [&](auto format) {
+    using Format = decltype(format);
+    using S = typename Format::Storage;
+    union_sum_rows_kernel<Format><<<grid_for(chunks, 1), kUnionThreads, shared, stream>>>(
+        bitmaps, p, bitmap_stride, n, static_cast<const S*>(rows), rank_stride, m, divisor, chunks, chunk_first, units,
+        static_cast<S*>(sums));
+  });
+  return cudaGetLastError();
+}
+
 }  // namespace fastdist

@@ -230,6 +230,30 @@ void count_sketch_decode_units_cpu(const float* table, const int64_t* units, int
 void sketch_hash_cpu(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
                      int8_t* sign, int64_t begin, int64_t end);
 
+// ---- The union of p supports and the sum of their rows: the local step of sketch_allreduce's lossless gather ----
+// bitmaps: p packed supports of n units, support r at bitmaps + r * bitmap_stride bytes (packed_bytes(n) bytes each,
+// padding bits past n ignored). rows: rank r's rows at rows + r * rank_stride values of `type`: one row of m values
+// per unit of its support, in increasing unit order (rows past its count are not read). The work is cut by ranges
+// [byte_begin, byte_end) of the packed supports, 0 <= byte_begin <= byte_end <= packed_bytes(n).
+
+// counts[r] (r < p) = the units of support r in the byte range; counts[p] = the units of their union there.
+void union_rows_count_cpu(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n, int64_t* counts,
+                          int64_t byte_begin, int64_t byte_end);
+
+// The union's units in the byte range, increasing: units[t] = u and sums[t * m + col] its sum, for t from first[p]
+// on, where first[r] (r < p) is the number of units of support r before the range (the index of its next row). A sum
+// starts at +0.0 and adds the row of every rank whose support holds u, in increasing rank order, each add rounded to
+// `type` (computed in float32 for the 16-bit types: what torch's index_add_ into zeros gives), then is divided by
+// `divisor` and rounded again unless divisor is 1 (what torch's div_ gives). The same bits for any cut of the bytes.
+void union_sum_rows_cpu(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n, const void* rows,
+                        StorageType type, int64_t rank_stride, int64_t m, int64_t divisor, const int64_t* first,
+                        int64_t* units, void* sums, int64_t byte_begin, int64_t byte_end);
+
+// The CUDA union sum works on chunks of this many packed bytes (a block walks one chunk's units in order).
+constexpr int64_t kUnionChunkBytes = 64;
+// and keeps one row cursor per rank in shared memory: at most this many ranks.
+constexpr int64_t kUnionMaxRanksCuda = 4096;
+
 // ---- CUDA: whole arrays, asynchronous on `stream`; return cudaGetLastError() after the launch. ----
 // Declared only for nvcc-compiled sources. Hashes are the same functions as above, so buckets and signs are
 // bit-identical to the CPU's. count_sketch_cuda accumulates with float atomicAdd: each bucket is the same sum as
@@ -252,6 +276,16 @@ cudaError_t count_sketch_decode_units_cuda(const float* table, const int64_t* un
                                            const SketchHash& hash, float* out, cudaStream_t stream);
 cudaError_t sketch_hash_cuda(const int64_t* idx, int64_t len, int64_t m, const SketchHash& hash, int64_t* bucket,
                              int8_t* sign, cudaStream_t stream);
+// chunk_counts: int64 [chunks, p + 1], chunks = ceil(packed_bytes(n) / kUnionChunkBytes): union_rows_count_cpu of each
+// chunk of kUnionChunkBytes bytes.
+cudaError_t union_rows_count_cuda(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n,
+                                  int64_t* chunk_counts, cudaStream_t stream);
+// chunk_first: int64 [chunks, p + 1], the sums of chunk_counts over the chunks before each (exclusive prefix sums):
+// union_sum_rows_cpu of every chunk, bit-identical to the CPU's (the same adds in the same order per value).
+// p <= kUnionMaxRanksCuda.
+cudaError_t union_sum_rows_cuda(const uint8_t* bitmaps, int64_t p, int64_t bitmap_stride, int64_t n, const void* rows,
+                                StorageType type, int64_t rank_stride, int64_t m, int64_t divisor,
+                                const int64_t* chunk_first, int64_t* units, void* sums, cudaStream_t stream);
 
 #endif  // __CUDACC__
 

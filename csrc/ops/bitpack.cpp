@@ -49,6 +49,24 @@ at::Tensor bitwise_or_reduce_cpu_op(const at::Tensor& packed) {
   return out;
 }
 
+// Indices set bits with atomic ORs (see the kernel), so the bitmap is the same for any split between threads.
+at::Tensor bitmap_from_indices_cpu_op(const at::Tensor& indices, int64_t n) {
+  check_bitmap_from_indices(indices, n);
+  const at::Tensor idx = indices.contiguous();
+  const int64_t k = idx.numel();
+  const int64_t* in = idx.const_data_ptr<int64_t>();
+  const int64_t bad = fastdist::first_index_out_of_range(in, k, n);
+  TORCH_CHECK(bad < 0, "fastdist: 'indices' must be in [0, ", n, ") (n = ", n, "), got ", bad < 0 ? 0 : in[bad],
+              " at position ", bad);
+  at::Tensor out = at::zeros({packed_bytes(n)}, idx.options().dtype(at::kByte));
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  // An index reads 8 bytes and updates one byte of the bitmap (at random: count it as a cache line).
+  at::parallel_for(0, k, grain_for({8 + 64}), [&](int64_t begin, int64_t end) {
+    fastdist::bitmap_from_indices_cpu(in, n, dst, begin, end);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace fastdist::bitpack
 
@@ -56,10 +74,12 @@ TORCH_LIBRARY_FRAGMENT(fastdist, m) {
   m.def("pack_bits(Tensor mask) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("unpack_bits(Tensor packed, int n) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("bitwise_or_reduce(Tensor packed) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("bitmap_from_indices(Tensor indices, int n) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
   m.impl("pack_bits", &fastdist::bitpack::pack_bits_cpu_op);
   m.impl("unpack_bits", &fastdist::bitpack::unpack_bits_cpu_op);
   m.impl("bitwise_or_reduce", &fastdist::bitpack::bitwise_or_reduce_cpu_op);
+  m.impl("bitmap_from_indices", &fastdist::bitpack::bitmap_from_indices_cpu_op);
 }

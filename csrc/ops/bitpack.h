@@ -55,4 +55,11 @@ inline void check_bitwise_or_reduce(const at::Tensor& packed) {
   FD_CHECK_DIM(packed, 2);
 }
 
+// indices: int64 [k] -> uint8 [ceil(n / 8)]
+inline void check_bitmap_from_indices(const at::Tensor& indices, int64_t n) {
+  FD_CHECK_DTYPE(indices, at::kLong);
+  FD_CHECK_DIM(indices, 1);
+  FD_CHECK_NONNEGATIVE(n);
+}
+
 }  // namespace fastdist::bitpack

@@ -41,6 +41,20 @@ at::Tensor bitwise_or_reduce_cuda_op(const at::Tensor& packed) {
   return out;
 }
 
+// Indices outside [0, n) are skipped, not checked (see kernels/bitpack.h). The bitmap is allocated in whole 32-bit
+// words for the kernel's atomicOr and returned as its first ceil(n / 8) bytes.
+at::Tensor bitmap_from_indices_cuda_op(const at::Tensor& indices, int64_t n) {
+  check_bitmap_from_indices(indices, n);
+  const c10::cuda::CUDAGuard guard(indices.device());
+  const at::Tensor idx = indices.contiguous();
+  const int64_t bytes = packed_bytes(n);
+  const int64_t padded = bytes / 4 * 4 + (bytes % 4 != 0 ? 4 : 0);
+  at::Tensor words = at::zeros({padded}, idx.options().dtype(at::kByte));
+  C10_CUDA_CHECK(fastdist::bitmap_from_indices_cuda(idx.const_data_ptr<int64_t>(), idx.numel(), n,
+                                                    words.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()));
+  return words.narrow(0, 0, bytes);
+}
+
 }  // namespace
 }  // namespace fastdist::bitpack
 
@@ -48,4 +62,5 @@ TORCH_LIBRARY_IMPL(fastdist, CUDA, m) {
   m.impl("pack_bits", &fastdist::bitpack::pack_bits_cuda_op);
   m.impl("unpack_bits", &fastdist::bitpack::unpack_bits_cuda_op);
   m.impl("bitwise_or_reduce", &fastdist::bitpack::bitwise_or_reduce_cuda_op);
+  m.impl("bitmap_from_indices", &fastdist::bitpack::bitmap_from_indices_cuda_op);
 }

@@ -197,6 +197,51 @@ std::tuple<at::Tensor, at::Tensor> sketch_hash_cpu_op(const at::Tensor& idx, int
   return {bucket, sign};
 }
 
+// Two passes over fixed chunks of the packed bytes: count each chunk's units per support and in the union, then, from
+// the prefix sums, write each chunk's units and sums. Every sum's adds and their order depend only on the data, so the
+// result is the same for any number of threads.
+std::tuple<at::Tensor, at::Tensor> union_sum_rows_cpu_op(const at::Tensor& bitmaps, const at::Tensor& rows, int64_t n,
+                                                         int64_t divisor) {
+  const UnionRowsShape shape = check_union_sum_rows(bitmaps, rows, n, divisor);
+  const std::pair<at::Tensor, int64_t> bits_and_stride = with_contiguous_blocks(bitmaps);
+  const std::pair<at::Tensor, int64_t> rows_and_stride = with_contiguous_blocks(rows);
+  const at::Tensor& bits = bits_and_stride.first;
+  const at::Tensor& src = rows_and_stride.first;
+  const int64_t bitmap_stride = bits_and_stride.second, rank_stride = rows_and_stride.second;
+  const int64_t p = shape.p, m = shape.m, bytes = packed_bytes(n);
+  constexpr int64_t kChunkBytes = 1024;
+  const int64_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+  std::vector<int64_t> first((chunks + 1) * (p + 1), 0);  // chunk c's counts, then (below) what precedes it
+  const uint8_t* bit_bytes = support_bytes(bits);
+  // A chunk reads its bytes of every support, then (second pass) writes about 8 units per byte.
+  at::parallel_for(0, chunks, grain_for({kChunkBytes, std::max<int64_t>(p, 1)}), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      fastdist::union_rows_count_cpu(bit_bytes, p, bitmap_stride, n, first.data() + (c + 1) * (p + 1),
+                                     c * kChunkBytes, std::min(bytes, (c + 1) * kChunkBytes));
+    }
+  });
+  for (int64_t c = 1; c <= chunks; ++c) {  // running totals: row c is what chunks before c hold
+    for (int64_t r = 0; r <= p; ++r) first[c * (p + 1) + r] += first[(c - 1) * (p + 1) + r];
+  }
+  check_union_rows_fit(first.data() + chunks * (p + 1), p, shape.k);
+  const int64_t total = first[chunks * (p + 1) + p];
+  at::Tensor units = at::empty({total}, bits.options().dtype(at::kLong));
+  at::Tensor sums = at::empty({total, m}, src.options());
+  const void* in = src.const_data_ptr();
+  const StorageType type = storage_type_of(src, "rows");
+  int64_t* unit_out = units.data_ptr<int64_t>();
+  void* sum_out = sums.data_ptr();
+  const int64_t grain = grain_for({kChunkBytes, 8, std::max<int64_t>(m, 1), src.element_size()});
+  at::parallel_for(0, chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      fastdist::union_sum_rows_cpu(bit_bytes, p, bitmap_stride, n, in, type, rank_stride, m, divisor,
+                                   first.data() + c * (p + 1), unit_out, sum_out, c * kChunkBytes,
+                                   std::min(bytes, (c + 1) * kChunkBytes));
+    }
+  });
+  return {units, sums};
+}
+
 }  // namespace
 }  // namespace fastdist::sketch
 
@@ -211,6 +256,8 @@ TORCH_LIBRARY_FRAGMENT(fastdist, m) {
   m.def("count_sketch_decode_units(Tensor table, Tensor units, int m, int seed) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   m.def("sketch_hash(Tensor idx, int rows, int cols, int seed, int m=1) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
+  m.def("union_sum_rows(Tensor bitmaps, Tensor rows, int n, int divisor=1) -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
@@ -220,4 +267,5 @@ TORCH_LIBRARY_IMPL(fastdist, CPU, m) {
   m.impl("count_sketch_units", &fastdist::sketch::count_sketch_units_cpu_op);
   m.impl("count_sketch_decode_units", &fastdist::sketch::count_sketch_decode_units_cpu_op);
   m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cpu_op);
+  m.impl("union_sum_rows", &fastdist::sketch::union_sum_rows_cpu_op);
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <utility>
 
 #include "kernels/sketch.h"
 #include "ops/checks.h"
@@ -136,6 +137,46 @@ inline void check_sketch_hash(const at::Tensor& idx, int64_t rows, int64_t cols,
   check_seed(seed);
   TORCH_CHECK(m >= 1, "fastdist: 'm' must be >= 1, got ", m);
   check_allocatable({rows, idx.numel()}, at::kLong, "the output 'bucket'");
+}
+
+// union_sum_rows(bitmaps, rows, n, divisor): bitmaps uint8 [p, ceil(n / 8)], rows [p, k, m] of a floating dtype
+// on the same device; returns (p, k, m). Whether each support fits in its k rows is checked once counted; then the
+// output, at most p * k rows of m values, is no larger than rows.
+struct UnionRowsShape {
+  int64_t p;
+  int64_t k;
+  int64_t m;
+};
+
+inline UnionRowsShape check_union_sum_rows(const at::Tensor& bitmaps, const at::Tensor& rows, int64_t n,
+                                           int64_t divisor) {
+  FD_CHECK_DTYPE(bitmaps, at::kByte);
+  FD_CHECK_DIM(bitmaps, 2);
+  FD_CHECK_NONNEGATIVE(n);
+  FD_CHECK_LAST_DIM(bitmaps, packed_bytes(n), "ceil(n / 8) for n = " + std::to_string(n));
+  check_dtype_in(rows, "rows", kFloatingDtypes);
+  FD_CHECK_DIM(rows, 3);
+  FD_CHECK_SAME_DEVICE(rows, bitmaps);
+  TORCH_CHECK(rows.size(0) == bitmaps.size(0), "fastdist: 'rows' must have one block of rows per bitmap (",
+              bitmaps.size(0), "), got shape ", rows.sizes());
+  TORCH_CHECK(divisor >= 1, "fastdist: 'divisor' must be >= 1, got ", divisor);
+  return {rows.size(0), rows.size(1), rows.size(2)};
+}
+
+// Support r holds counts[r] units (r < p): each must fit in the k rows given for it.
+inline void check_union_rows_fit(const int64_t* counts, int64_t p, int64_t k) {
+  for (int64_t r = 0; r < p; ++r) {
+    TORCH_CHECK(counts[r] <= k, "fastdist: bitmap ", r, " of 'bitmaps' has ", counts[r],
+                " units, more than the rows 'rows' gives each (", k, ")");
+  }
+}
+
+// A [p, ...] tensor whose blocks r may be apart (a view of one buffer per rank) but whose block is contiguous: itself,
+// else a contiguous copy. Returns it and the elements from one block to the next.
+inline std::pair<at::Tensor, int64_t> with_contiguous_blocks(const at::Tensor& t) {
+  if (t.size(0) == 0) return {t, 0};
+  const at::Tensor blocks = t[0].is_contiguous() ? t : t.contiguous();
+  return {blocks, blocks.stride(0)};
 }
 
 inline SketchHash hash_for(int64_t seed, int64_t rows, int64_t cols) {

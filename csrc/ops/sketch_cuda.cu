@@ -87,6 +87,40 @@ std::tuple<at::Tensor, at::Tensor> sketch_hash_cuda_op(const at::Tensor& idx, in
   return {bucket, sign};
 }
 
+// The output's size depends on the bitmaps: the chunk counts are summed on the device and copied to the host once (a
+// synchronization, as torch's nonzero has), which also checks that every support fits in its rows.
+std::tuple<at::Tensor, at::Tensor> union_sum_rows_cuda_op(const at::Tensor& bitmaps, const at::Tensor& rows,
+                                                          int64_t n, int64_t divisor) {
+  const UnionRowsShape shape = check_union_sum_rows(bitmaps, rows, n, divisor);
+  TORCH_CHECK(shape.p <= kUnionMaxRanksCuda, "fastdist: 'bitmaps' may have at most ", kUnionMaxRanksCuda,
+              " rows on CUDA, got shape ", bitmaps.sizes());
+  const c10::cuda::CUDAGuard guard(bitmaps.device());
+  const std::pair<at::Tensor, int64_t> bits_and_stride = with_contiguous_blocks(bitmaps);
+  const std::pair<at::Tensor, int64_t> rows_and_stride = with_contiguous_blocks(rows);
+  const at::Tensor& bits = bits_and_stride.first;
+  const at::Tensor& src = rows_and_stride.first;
+  const int64_t p = shape.p, bytes = packed_bytes(n);
+  const int64_t chunks = bytes / kUnionChunkBytes + (bytes % kUnionChunkBytes != 0);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor counts = at::zeros({chunks, p + 1}, bits.options().dtype(at::kLong));
+  C10_CUDA_CHECK(fastdist::union_rows_count_cuda(support_bytes(bits), p, bits_and_stride.second, n,
+                                                 counts.data_ptr<int64_t>(), stream));
+  const at::Tensor totals = counts.sum(0).cpu();
+  check_union_rows_fit(totals.const_data_ptr<int64_t>(), p, shape.k);
+  const int64_t total = totals.const_data_ptr<int64_t>()[p];
+  const at::Tensor first = (counts.cumsum(0) - counts).contiguous();  // what the chunks before each hold
+  at::Tensor units = at::empty({total}, bits.options().dtype(at::kLong));
+  at::Tensor sums = at::empty({total, shape.m}, src.options());
+  if (total > 0) {
+    C10_CUDA_CHECK(fastdist::union_sum_rows_cuda(support_bytes(bits), p, bits_and_stride.second, n,
+                                                 src.const_data_ptr(), storage_type_of(src, "rows"),
+                                                 rows_and_stride.second, shape.m, divisor,
+                                                 first.const_data_ptr<int64_t>(), units.data_ptr<int64_t>(),
+                                                 sums.data_ptr(), stream));
+  }
+  return {units, sums};
+}
+
 }  // namespace
 }  // namespace fastdist::sketch
 
@@ -97,4 +131,5 @@ TORCH_LIBRARY_IMPL(fastdist, CUDA, m) {
   m.impl("count_sketch_units", &fastdist::sketch::count_sketch_units_cuda_op);
   m.impl("count_sketch_decode_units", &fastdist::sketch::count_sketch_decode_units_cuda_op);
   m.impl("sketch_hash", &fastdist::sketch::sketch_hash_cuda_op);
+  m.impl("union_sum_rows", &fastdist::sketch::union_sum_rows_cuda_op);
 }

@@ -160,3 +160,36 @@ TEST(Bitpack, bitwise_or_reduce_cpu_matches_reference_over_split_ranges) {
       EXPECT_TRUE(bad == -1) << "p=" << p << " b=" << b << " first wrong byte " << bad;
     }
 }
+
+TEST(Bitpack, bitmap_from_indices_cpu_sets_the_listed_units_for_any_order_repeats_and_split) {
+  std::mt19937 rng(8);
+  for (int64_t n : kSizes) {
+    for (int64_t k : {0, 1, 5, 64, 300}) {
+      if (n == 0 && k > 0) continue;
+      std::vector<int64_t> indices(k);
+      std::uniform_int_distribution<int64_t> unit(0, std::max<int64_t>(n - 1, 0));
+      for (auto& i : indices) i = unit(rng);  // unsorted, repeats likely for small n
+      Bytes mask(n, 0);
+      for (int64_t i : indices) mask[i] = 1;
+      const Bytes want = reference_pack(mask, 1, n);
+      const std::vector<int64_t> cuts = random_cuts(k, rng);
+      Bytes out(packed_bytes(n), 0);
+      for (size_t c = 0; c + 1 < cuts.size(); ++c)
+        fastdist::bitmap_from_indices_cpu(indices.data(), n, out.data(), cuts[c], cuts[c + 1]);
+      EXPECT_TRUE(first_mismatch(out, want) == -1) << "n=" << n << " k=" << k;
+      EXPECT_EQ(fastdist::first_index_out_of_range(indices.data(), k, n), -1) << "n=" << n << " k=" << k;
+    }
+  }
+}
+
+TEST(Bitpack, bitmap_from_indices_cpu_skips_and_first_index_out_of_range_finds_indices_outside) {
+  const std::vector<int64_t> indices = {3, -1, 9, 10, 0, INT64_MIN, INT64_MAX, 2};
+  Bytes out(packed_bytes(10), 0);
+  fastdist::bitmap_from_indices_cpu(indices.data(), 10, out.data(), 0, static_cast<int64_t>(indices.size()));
+  Bytes mask(10, 0);
+  for (int64_t u : {3, 9, 0, 2}) mask[u] = 1;
+  EXPECT_TRUE(first_mismatch(out, reference_pack(mask, 1, 10)) == -1);
+  EXPECT_EQ(fastdist::first_index_out_of_range(indices.data(), static_cast<int64_t>(indices.size()), 10), 1);
+  EXPECT_EQ(fastdist::first_index_out_of_range(indices.data() + 2, 2, 10), 1);  // 10 == n is outside
+  EXPECT_EQ(fastdist::first_index_out_of_range(indices.data(), 1, 10), -1);
+}

@@ -538,3 +538,146 @@ TEST(Sketch, decode_of_a_sketch_without_collisions_is_exact) {
   fastdist::count_sketch_decode_cpu(table.data(), support.data(), n, 1, h, out.data(), 0, n);
   EXPECT_TRUE(out == x) << "decoded values differ";
 }
+
+// ---- the union sum of gathered rows ----
+
+namespace {
+
+// p supports of n units in one buffer (stride bytes apart, garbage between them and in the padding bits) and each
+// rank's rows in order (k rows per rank, rank_stride values apart), float32 or float64 (T), or float16 bits.
+template <typename T>
+struct GatheredRows {
+  int64_t p, n, m, k, bitmap_stride, rank_stride;
+  std::vector<uint8_t> bitmaps;
+  std::vector<T> rows;
+  std::vector<std::vector<int64_t>> units;  // each rank's units, increasing
+};
+
+template <typename T, typename Draw>
+GatheredRows<T> gathered_rows(int64_t p, int64_t n, int64_t m, double density, std::mt19937_64& rng, Draw draw) {
+  GatheredRows<T> g{p, n, m, 0, fastdist::packed_bytes(n) + 3, 0, {}, {}, {}};
+  g.bitmaps.resize(p * g.bitmap_stride);
+  for (auto& b : g.bitmaps) b = static_cast<uint8_t>(rng());  // garbage, padding bits included
+  for (int64_t r = 0; r < p; ++r) {
+    const std::vector<uint8_t> own = random_bitmap(n, density, rng);
+    std::copy(own.begin(), own.end(), g.bitmaps.begin() + r * g.bitmap_stride);
+    if (n % 8) g.bitmaps[r * g.bitmap_stride + n / 8] |= static_cast<uint8_t>(0xFF << (n % 8));  // set padding bits
+    g.units.emplace_back();
+    for (int64_t u = 0; u < n; ++u)
+      if (bit(own, u)) g.units.back().push_back(u);
+    g.k = std::max<int64_t>(g.k, static_cast<int64_t>(g.units.back().size()));
+  }
+  g.k += 1;  // a row past every count, not to be read
+  g.rank_stride = g.k * m + 5;
+  g.rows.resize(p * g.rank_stride);
+  for (auto& v : g.rows) v = draw();
+  return g;
+}
+
+// The reference: for each unit of the union, +0.0 then each holding rank's row in rank order, through `add` (the
+// storage type's rounded add), then `divide` unless divisor is 1.
+template <typename T, typename Add, typename Divide>
+void reference_union_sum(const GatheredRows<T>& g, int64_t divisor, Add add, Divide divide,
+                         std::vector<int64_t>& units, std::vector<T>& sums) {
+  std::vector<size_t> next(g.p, 0);
+  for (int64_t u = 0; u < g.n; ++u) {
+    std::vector<int64_t> holders;
+    for (int64_t r = 0; r < g.p; ++r)
+      if (next[r] < g.units[r].size() && g.units[r][next[r]] == u) holders.push_back(r);
+    if (holders.empty()) continue;
+    units.push_back(u);
+    std::vector<T> sum(g.m, T{});  // +0.0 in every storage type
+    for (int64_t r : holders) {
+      const T* row = g.rows.data() + r * g.rank_stride + next[r]++ * g.m;
+      for (int64_t c = 0; c < g.m; ++c) sum[c] = add(sum[c], row[c]);
+    }
+    if (divisor != 1)
+      for (auto& v : sum) v = divide(v, divisor);
+    sums.insert(sums.end(), sum.begin(), sum.end());
+  }
+}
+
+// The kernels over random cuts of the bytes: counts per range, running totals, then the sums of each range.
+template <typename T>
+void kernel_union_sum(const GatheredRows<T>& g, StorageType type, int64_t divisor, std::mt19937_64& rng,
+                      std::vector<int64_t>& units, std::vector<T>& sums) {
+  const int64_t bytes = fastdist::packed_bytes(g.n);
+  const std::vector<int64_t> cuts = random_cuts(bytes, rng);
+  std::vector<int64_t> first(g.p + 1, 0), counts(g.p + 1);
+  std::vector<std::vector<int64_t>> firsts;
+  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+    firsts.push_back(first);
+    fastdist::union_rows_count_cpu(g.bitmaps.data(), g.p, g.bitmap_stride, g.n, counts.data(), cuts[c], cuts[c + 1]);
+    for (int64_t r = 0; r <= g.p; ++r) first[r] += counts[r];
+  }
+  for (int64_t r = 0; r < g.p; ++r) EXPECT_EQ(first[r], static_cast<int64_t>(g.units[r].size())) << "rank " << r;
+  units.assign(first[g.p], -1);
+  sums.assign(first[g.p] * g.m, T{});
+  for (size_t c = 0; c + 1 < cuts.size(); ++c)
+    fastdist::union_sum_rows_cpu(g.bitmaps.data(), g.p, g.bitmap_stride, g.n, g.rows.data(), type, g.rank_stride,
+                                 g.m, divisor, firsts[c].data(), units.data(), sums.data(), cuts[c], cuts[c + 1]);
+}
+
+}  // namespace
+
+TEST(Sketch, union_sum_rows_cpu_sums_each_units_rows_in_rank_order_over_split_ranges_float32) {
+  std::mt19937_64 rng(31);
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  for (int64_t p : {0, 1, 2, 3, 5})
+    for (int64_t n : {0, 1, 7, 8, 9, 64, 1000, 9001})
+      for (int64_t m : {1, 3, 16})
+        for (double density : {0.02, 0.3, 1.0})
+          for (int64_t divisor : {1, 2, 3}) {
+            const auto g = gathered_rows<float>(p, n, m, density, rng, [&] { return value(rng); });
+            std::vector<int64_t> want_units, got_units;
+            std::vector<float> want, got;
+            reference_union_sum(g, divisor, [](float a, float b) { return a + b; },
+                                [](float a, int64_t d) { return a / static_cast<float>(d); }, want_units, want);
+            kernel_union_sum(g, StorageType::kFloat32, divisor, rng, got_units, got);
+            EXPECT_TRUE(got_units == want_units) << "p=" << p << " n=" << n << " m=" << m;
+            EXPECT_EQ(first_mismatch(got, want), -1) << "p=" << p << " n=" << n << " m=" << m << " d=" << divisor;
+          }
+}
+
+TEST(Sketch, union_sum_rows_cpu_adds_in_the_storage_type_float64_and_float16) {
+  std::mt19937_64 rng(32);
+  std::uniform_real_distribution<double> value(-1e3, 1e3);
+  for (int64_t p : {2, 4}) {
+    const auto g = gathered_rows<double>(p, 777, 5, 0.4, rng, [&] { return value(rng); });
+    std::vector<int64_t> want_units, got_units;
+    std::vector<double> want, got;
+    reference_union_sum(g, 3, [](double a, double b) { return a + b; },
+                        [](double a, int64_t d) { return a / static_cast<double>(d); }, want_units, want);
+    kernel_union_sum(g, StorageType::kFloat64, 3, rng, got_units, got);
+    EXPECT_TRUE(got_units == want_units && got == want) << "float64, p=" << p;
+
+    // float16: each add rounds to binary16 (large and small values, so that the rounding shows)
+    const auto h = gathered_rows<uint16_t>(p, 777, 5, 0.4, rng, [&] {
+      return fastdist::float_to_half(static_cast<float>(value(rng)) * (rng() % 2 ? 1.0f : 1e-3f));
+    });
+    std::vector<int64_t> want_half_units, got_half_units;
+    std::vector<uint16_t> want_half, got_half;
+    const auto half_add = [](uint16_t a, uint16_t b) {
+      return fastdist::float_to_half(fastdist::half_to_float(a) + fastdist::half_to_float(b));
+    };
+    const auto half_divide = [](uint16_t a, int64_t d) {
+      return fastdist::float_to_half(fastdist::half_to_float(a) / static_cast<float>(d));
+    };
+    reference_union_sum(h, 2, half_add, half_divide, want_half_units, want_half);
+    kernel_union_sum(h, StorageType::kFloat16, 2, rng, got_half_units, got_half);
+    EXPECT_TRUE(got_half_units == want_half_units && got_half == want_half) << "float16, p=" << p;
+  }
+}
+
+TEST(Sketch, union_sum_rows_cpu_starts_from_positive_zero_and_keeps_nan) {
+  // one unit held by both ranks: -0 + -0 is +0 from a zero sum, as index_add_ into zeros gives; NaN propagates
+  const std::vector<uint8_t> bitmaps = {1, 1};
+  const std::vector<float> rows = {-0.0f, NAN, -0.0f, 1.0f};  // rank r's row at 2 r: [value, value]
+  std::vector<int64_t> first = {0, 0, 0}, units(1);
+  std::vector<float> sums(2, 5.0f);
+  fastdist::union_sum_rows_cpu(bitmaps.data(), 2, 1, 1, rows.data(), StorageType::kFloat32, 2, 2, 1, first.data(),
+                               units.data(), sums.data(), 0, 1);
+  EXPECT_EQ(units[0], 0);
+  EXPECT_EQ(float_bits(sums[0]), float_bits(0.0f));
+  EXPECT_TRUE(std::isnan(sums[1]));
+}

@@ -261,6 +261,35 @@ def test_auto_exact_collective_times_both_then_every_rank_takes_the_one_fastest_
         assert reprobe == ("allreduce-union", "explore")  # gather is the faster now: the union is re-timed
 
 
+def _union_all_reduce_timings():
+    """What each union all-reduce records into the timings, without and with a channel: (seconds, header_seconds)."""
+    recorded = []
+    record = sketch.CollectiveRates.record
+
+    def spy(rates, collective, seconds, header_seconds, nbytes):
+        recorded.append((collective, seconds, header_seconds))
+        return record(rates, collective, seconds, header_seconds, nbytes)
+
+    sketch.CollectiveRates.record = spy
+    try:
+        for channel in (None, sketch.Channel()):
+            for step in range(2):
+                sketch_allreduce(_disjoint_rows(dist.get_rank()), mode="exact", exact_collective="allreduce-union",
+                                 timings=ExactTimings(), channel=channel, step=step)
+    finally:
+        sketch.CollectiveRates.record = record
+    return recorded
+
+
+def test_on_a_channel_the_union_all_reduce_is_timed_with_the_header_it_pays_every_call():
+    # auto compares it with the folded gather, whose calls carry the header in their payload and are timed whole;
+    # without a channel both collectives pay a header, and the header's time is taken as the collective's latency
+    for out in spawn(_union_all_reduce_timings, 2, timeout=120):
+        assert [c for c, _, _ in out] == ["allreduce-union"] * 4
+        assert all(header > 0 for _, _, header in out[:2])
+        assert all(header == 0.0 for _, _, header in out[2:])
+
+
 def _timed_choice_per_size():
     rank = dist.get_rank()
     steps = []

@@ -1,10 +1,12 @@
-"""fastdist.ops.pack_bits / unpack_bits / bitwise_or_reduce: the spec, checked against numpy and torch oracles."""
+"""fastdist.ops.pack_bits / unpack_bits / bitwise_or_reduce / bitmap_from_indices: the spec, checked against numpy and
+torch oracles."""
 import functools
 
 import numpy as np
 import pytest
 import torch
 from fastdist.ops import bitwise_or_reduce, pack_bits, unpack_bits
+from fastdist.ops.bitpack import bitmap_from_indices
 from op_testing import DEVICES, bad_input_tests, huge
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 65_537, 1_000_003]
@@ -199,6 +201,64 @@ def test_ops_compile_with_fullgraph(device):
     assert_same(compiled(a, b), a | b)
 
 
+# ---- bitmap_from_indices ----
+
+def random_indices(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(n, 1), (k,), generator=g) if n else torch.zeros(0, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 33, 1000, 65_536, 1_000_003])
+@pytest.mark.parametrize("k", [0, 1, 17, 5000])
+def test_bitmap_from_indices_is_pack_bits_of_the_mask_set_at_the_indices(device, n, k):
+    indices = random_indices(n, k if n else 0, seed=n + k)  # unsorted, with repeats where k is near n
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[indices] = True
+    assert_same(bitmap_from_indices(indices.to(device), n), numpy_pack(mask))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitmap_from_a_sparse_gradients_indices_is_its_row_support(device):
+    grad = torch.sparse_coo_tensor(torch.tensor([[5, 1, 5, 9]]), torch.ones(4, 3), (12, 3))  # uncoalesced, row 5 twice
+    want = pack_bits(grad.to_dense().ne(0).any(1))
+    assert_same(bitmap_from_indices(grad._indices()[0].to(device), 12), want)
+    assert_same(bitmap_from_indices(grad.coalesce().indices()[0].to(device), 12), want)
+
+
+def test_bitmap_from_indices_rejects_an_index_outside_the_units_on_cpu():
+    for bad in (-1, 10, 2**62):
+        with pytest.raises(RuntimeError, match=rf"'indices' must be in \[0, 10\) \(n = 10\), got {bad} at position 2"):
+            bitmap_from_indices(torch.tensor([3, 4, bad, 1]), 10)
+
+
+@pytest.mark.cuda
+def test_cuda_bitmap_from_indices_skips_indices_outside_the_units():
+    got = bitmap_from_indices(torch.tensor([3, -1, 10, 9, 2**62], device="cuda"), 10)
+    assert_same(got, numpy_pack(torch.tensor([i in (3, 9) for i in range(10)])))
+
+
+def test_bitmap_from_indices_does_not_depend_on_the_cpu_thread_count():
+    indices = random_indices(1_000_003, 2_000_000, seed=3)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(bitmap_from_indices(indices, 1_000_003))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert_same(other, results[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_bitmap_from_indices(device):
+    for indices, n in ((random_indices(50, 20), 50), (random_indices(9, 30), 9), (random_indices(0, 0), 0),
+                       (random_indices(100, 40)[::2], 100)):
+        torch.library.opcheck(torch.ops.fastdist.bitmap_from_indices.default, (indices.to(device), n))
+
+
 # ---- bad inputs ----
 
 BAD_INPUTS = {
@@ -236,6 +296,12 @@ BAD_INPUTS = {
                                  r"or its size in bytes pass int64"),
     "pack_output_past_int64": (lambda d: pack_bits(huge([0, 2**62, 16], torch.bool, d)),
                                r"the output would have shape \[0, 4611686018427387904, 2\] of torch.uint8"),
+    "from_indices_int32": (lambda d: bitmap_from_indices(torch.zeros(3, dtype=torch.int32, device=d), 8),
+                           "'indices' must have dtype torch.int64, got torch.int32"),
+    "from_indices_2d": (lambda d: bitmap_from_indices(torch.zeros(2, 3, dtype=torch.int64, device=d), 8),
+                        r"'indices' must have 1 dimension\(s\), got shape \[2, 3\]"),
+    "from_indices_negative_n": (lambda d: bitmap_from_indices(torch.zeros(0, dtype=torch.int64, device=d), -1),
+                                "'n' must be >= 0, got -1"),
 }
 
 

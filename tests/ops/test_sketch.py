@@ -1,6 +1,6 @@
-"""fastdist.ops.nonzero_bitmap / count_sketch / count_sketch_decode(_units) / sketch_hash: the spec, checked against an
-independent pure-Python hash, numpy oracles (np.add.at sums in index order, in float32) and the sketch's
-mathematical properties."""
+"""fastdist.ops.nonzero_bitmap / count_sketch / count_sketch_decode(_units) / sketch_hash / union_sum_rows: the spec,
+checked against an independent pure-Python hash, numpy oracles (np.add.at sums in index order, in float32), torch's
+index_add_ (the union sum) and the sketch's mathematical properties."""
 import math
 
 import numpy as np
@@ -15,6 +15,7 @@ from fastdist.ops import (
     pack_bits,
     sketch_hash,
 )
+from fastdist.ops.sketch import union_sum_rows
 from op_testing import DEVICES, bad_input_tests, huge
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -729,6 +730,123 @@ def test_ops_compile_with_fullgraph(device):
     assert_same_table(compiled(x), round_trip(x), device)
 
 
+# ---- union_sum_rows: the union of every rank's support and the sum of their gathered rows ----
+
+def gathered(p, n, m, density, dtype=torch.float32, extra_rows=2, seed=0):
+    """(bitmaps [p, ceil(n / 8)], rows [p, k, m], masks [p, n]): p random supports and each one's rows in unit order,
+    padded with garbage rows to a common k."""
+    g = torch.Generator().manual_seed(seed)
+    masks = torch.rand(p, n, generator=g) < density
+    k = int(masks.sum(1).max()) + extra_rows if p else extra_rows
+    rows = (torch.randn(p, k, m, generator=g) * 100).to(dtype)
+    return pack_bits(masks), rows, masks
+
+
+def index_add_oracle(masks, rows, divisor):
+    """torch's own: index_add_ of each rank's rows into zeros at their places in the union, in rank order, then
+    div_."""
+    union = masks.any(0)
+    units = union.nonzero().flatten()
+    total = torch.zeros(units.numel(), rows.shape[2], dtype=rows.dtype)
+    for r in range(masks.shape[0]):
+        own = masks[r].nonzero().flatten()
+        total.index_add_(0, torch.searchsorted(units, own), rows[r, :own.numel()])
+    return units, total.div_(divisor) if divisor != 1 else total
+
+
+def assert_same_bits(got, want):
+    """Same shape, dtype and bits (+0.0 is not -0.0; NaN as NaN)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    got, want = got.cpu(), want.cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    assert torch.equal(got.masked_fill(got.isnan(), 0).view(ints), want.masked_fill(want.isnan(), 0).view(ints))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("p, n, m, density", [(1, 100, 4, 0.3), (2, 65_536, 128, 0.04), (3, 1001, 7, 0.5),
+                                              (4, 9, 1, 1.0), (5, 20_000, 16, 0.01), (2, 0, 4, 0.5), (0, 30, 3, 0.5)])
+@pytest.mark.parametrize("divisor", [1, 2, 3])
+def test_union_sum_rows_is_index_add_in_rank_order_then_div(device, dtype, p, n, m, density, divisor):
+    bitmaps, rows, masks = gathered(p, n, m, density, dtype, seed=p * 7 + n)
+    units, sums = union_sum_rows(bitmaps.to(device), rows.to(device), n, divisor)
+    want_units, want_sums = index_add_oracle(masks, rows, divisor)
+    assert_same(units, want_units)
+    assert_same_bits(sums, want_sums)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_union_sum_rows_adds_signed_zeros_and_nan_as_index_add_does(device):
+    masks = torch.tensor([[True, True, False], [True, True, True]])
+    rows = torch.tensor([[[-0.0, 1.0], [math.nan, -0.0], [7.0, 7.0]],
+                         [[-0.0, -1.0], [2.0, -0.0], [-0.0, math.inf]]])
+    units, sums = union_sum_rows(pack_bits(masks).to(device), rows.to(device), 3)
+    want_units, want_sums = index_add_oracle(masks, rows, 1)
+    assert_same(units, want_units)
+    assert_same_bits(sums, want_sums)  # -0 + -0 from a zero sum is +0; a unit of one rank's -0 stays +0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_union_sum_rows_reads_views_into_one_received_buffer_per_rank(device):
+    # what the folded gather receives: per rank a header, a bitmap and rows, in one uint8 buffer
+    bitmaps, rows, masks = gathered(3, 1000, 8, 0.2, seed=5)
+    header, bitmap_bytes, row_bytes = 32, bitmaps.shape[1], rows[0].numel() * 4
+    buffer = torch.randint(0, 256, (3, header + 128 + row_bytes), dtype=torch.uint8)
+    buffer[:, header:header + bitmap_bytes] = bitmaps
+    buffer[:, header + 128:] = rows.view(3, -1).view(torch.uint8)
+    buffer = buffer.to(device)
+    bitmap_view = buffer[:, header:header + bitmap_bytes]
+    rows_view = buffer[:, header + 128:].view(torch.float32).view(3, rows.shape[1], 8)
+    units, sums = union_sum_rows(bitmap_view, rows_view, 1000, 3)
+    want_units, want_sums = index_add_oracle(masks, rows, 3)
+    assert_same(units, want_units)
+    assert_same_bits(sums, want_sums)
+    transposed = rows.transpose(1, 2).contiguous().transpose(1, 2)  # blocks not contiguous: copied first
+    assert_same_bits(union_sum_rows(bitmaps.to(device), transposed.to(device), 1000, 3)[1], want_sums)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_union_sum_rows_ignores_padding_bits_and_rows_past_each_count(device):
+    bitmaps, rows, masks = gathered(2, 13, 3, 0.5, seed=2)
+    padded = bitmaps.clone()
+    padded[:, -1] |= 0xE0  # bits 13..15 of the last byte
+    units, sums = union_sum_rows(padded.to(device), rows.to(device), 13)
+    want_units, want_sums = index_add_oracle(masks, rows, 1)
+    assert_same(units, want_units)
+    assert_same_bits(sums, want_sums)
+
+
+def test_union_sum_rows_does_not_depend_on_the_cpu_thread_count():
+    bitmaps, rows, _ = gathered(4, 200_000, 32, 0.05, seed=4)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(union_sum_rows(bitmaps, rows, 200_000, 4))
+    finally:
+        torch.set_num_threads(before)
+    for units, sums in results[1:]:
+        assert_same(units, results[0][0])
+        assert_same_bits(sums, results[0][1])
+
+
+def test_union_sum_rows_rejects_a_support_with_more_units_than_its_rows():
+    bitmaps = pack_bits(torch.tensor([[True, True, False, True], [True, False, False, False]]))
+    with pytest.raises(RuntimeError, match=r"bitmap 0 of 'bitmaps' has 3 units, more than the rows 'rows' gives each "
+                                           r"\(2\)"):
+        union_sum_rows(bitmaps, torch.zeros(2, 2, 5), 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_union_sum_rows(device):
+    for p, n, m, density, dtype in ((2, 100, 4, 0.3, torch.float32), (3, 17, 1, 0.6, torch.float16),
+                                    (1, 0, 3, 0.5, torch.float64), (2, 64, 2, 0.0, torch.bfloat16)):
+        bitmaps, rows, _ = gathered(p, n, m, density, dtype)
+        torch.library.opcheck(torch.ops.fastdist.union_sum_rows.default, (bitmaps.to(device), rows.to(device), n, 2))
+
+
 # ---- bad inputs ----
 
 def _x(d):
@@ -841,6 +959,31 @@ BAD_INPUTS = {
                                                                  torch.zeros(0, dtype=torch.int64, device=d), 3, 8, 0),
                                     r"the sizes of 'values' after the first \[4611686018427387904, 4\] multiply past "
                                     r"int64"),
+    "union_bitmaps_int32": (lambda d: union_sum_rows(torch.zeros(2, 1, dtype=torch.int32, device=d),
+                                                     torch.zeros(2, 1, 3, device=d), 8),
+                            "'bitmaps' must have dtype torch.uint8, got torch.int32"),
+    "union_bitmaps_1d": (lambda d: union_sum_rows(torch.zeros(1, dtype=torch.uint8, device=d),
+                                                  torch.zeros(1, 1, 3, device=d), 8),
+                         r"'bitmaps' must have 2 dimension\(s\), got shape \[1\]"),
+    "union_wrong_bitmap_bytes": (lambda d: union_sum_rows(torch.zeros(2, 2, dtype=torch.uint8, device=d),
+                                                          torch.zeros(2, 1, 3, device=d), 20),
+                                 r"'bitmaps' must have last dimension 3 \(ceil\(n / 8\) for n = 20\), got shape "
+                                 r"\[2, 2\]"),
+    "union_negative_n": (lambda d: union_sum_rows(torch.zeros(2, 0, dtype=torch.uint8, device=d),
+                                                  torch.zeros(2, 1, 3, device=d), -1),
+                         "'n' must be >= 0, got -1"),
+    "union_int_rows": (lambda d: union_sum_rows(torch.zeros(2, 1, dtype=torch.uint8, device=d),
+                                                torch.zeros(2, 1, 3, dtype=torch.int64, device=d), 8),
+                       "'rows' must have a floating dtype .* got torch.int64"),
+    "union_rows_2d": (lambda d: union_sum_rows(torch.zeros(2, 1, dtype=torch.uint8, device=d),
+                                               torch.zeros(2, 3, device=d), 8),
+                      r"'rows' must have 3 dimension\(s\), got shape \[2, 3\]"),
+    "union_rows_per_bitmap": (lambda d: union_sum_rows(torch.zeros(2, 1, dtype=torch.uint8, device=d),
+                                                       torch.zeros(3, 1, 3, device=d), 8),
+                              r"'rows' must have one block of rows per bitmap \(2\), got shape \[3, 1, 3\]"),
+    "union_zero_divisor": (lambda d: union_sum_rows(torch.zeros(2, 1, dtype=torch.uint8, device=d),
+                                                    torch.zeros(2, 1, 3, device=d), 8, 0),
+                           "'divisor' must be >= 1, got 0"),
 }
 
 

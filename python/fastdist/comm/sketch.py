@@ -37,6 +37,8 @@ from fastdist import ops
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
 from fastdist.distributed.fingerprint import CallCounter, fingerprint, global_ranks, raise_mismatch, state_digest
+from fastdist.ops.bitpack import bitmap_from_indices
+from fastdist.ops.sketch import union_sum_rows
 
 MODES = ("sketch", "exact", "auto")
 GRANULARITIES = ("row", "element")
@@ -225,6 +227,16 @@ class Channel:
         self.layout: tuple | None = None  # (n, m, dtype, sparse, granularity) agreed by the last call; None: unfolded
         self.capacity = 0                 # rows per rank the folded gather carries
         self.folded_calls = 0             # since the last header of its own
+        self._buffers: dict[str, torch.Tensor] = {}  # the folded gather's send and receive buffers, kept
+
+    def _buffer(self, name, nbytes, device):
+        """uint8 [nbytes] on `device`, the first bytes of the channel's buffer `name`, which calls reuse while it
+        is large enough and not twice too large: a new buffer of that size would be fresh pages to fault in on every
+        call, and the folded gather's size moves with each call's supports."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.device != device or not nbytes <= buf.numel() <= 2 * nbytes:
+            buf = self._buffers[name] = torch.empty(nbytes + nbytes // 8, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
 
     def _agree(self, layout, counts, folded):
         """After a call, on every rank alike: fold the next call (with this call's largest support) or not."""
@@ -320,9 +332,7 @@ class _LocalUnits:
             self.n, self.m = self.shape[0], math.prod(self.shape[1:])
             self.idx = self.coalesced.indices()[0]
             self.rows = self.coalesced.values().reshape(self.idx.numel(), self.m)  # the support's rows
-            mask = torch.zeros(self.n, dtype=torch.bool, device=self.device)
-            mask[self.idx] = True
-            self.bits = ops.pack_bits(mask)
+            self.bits = bitmap_from_indices(self.idx, self.n)
             self.buf = self.rows2d = None
         else:
             self.buf = tensor.contiguous()
@@ -408,17 +418,21 @@ def _config_fingerprint(config):
     return fingerprint((known, [config.get(k) for k in _PER_CALL_FIELDS]))
 
 
-def _gather_checked(mine, ints, config, group, world, device):
-    """All-gathers every rank's uint8 buffer `mine`, led by int64 words (fingerprint of `config`, call number, ...);
-    raises MismatchError on every rank, naming the fields, when the fingerprints or the call numbers differ. Returns
-    the gathered buffers ([world, len(mine)], on the CPU) and their leading words ([world, ints / 8] int64)."""
-    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+def _gather_checked(mine, ints, config, group, world, device, out=None):
+    """All-gathers every rank's uint8 buffer `mine`, led by int64 words (fingerprint of `config`, call number, ...),
+    into `out` (uint8 [world * len(mine)] on `device`; None: a new one); raises MismatchError on every rank, naming the
+    fields, when the fingerprints or the call numbers differ. Returns the gathered buffers ([world, len(mine)], on the
+    CPU) and their leading words ([world, ints / 8] int64)."""
+    if out is None:
+        out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     compat.all_gather_single(out, mine.to(device), group=group)
     out = out.view(world, mine.numel()).cpu()
     head = out[:, :ints].contiguous().view(torch.int64)
     if len(set(head[:, 0].tolist())) > 1:
         raise_mismatch("sketch_allreduce configuration", config, group)
-    CallCounter.check("sketch_allreduce", dict(zip(global_ranks(group), head[:, 1].tolist())))
+    calls = head[:, 1].tolist()
+    if len(set(calls)) > 1:  # the ranks' global numbers only for the message
+        CallCounter.check("sketch_allreduce", dict(zip(global_ranks(group), calls)))
     return out, head
 
 
@@ -576,25 +590,15 @@ class _GatherOwnRows(_Reduction):
         return ring_allgather_bytes(self.max_local * local.m * local.esize, self.world)
 
     def collective(self, group, async_op):
-        self.rank = dist.get_rank(group)
         if not self.gathered.numel():
             return None
         return compat.all_gather_single(self.gathered, self.mine.view(-1).to(self.device), group=group,
                                         async_op=async_op)
 
     def finish(self):
-        rows_of = self.gathered.view(self.world, self.max_local, self.local.m).to(self.local.device)
-        return self._divided(_sum_own_rows(self.local, self.union, self.counts, rows_of, self.rank))
-
-
-def _sum_own_rows(local, union, counts, rows_of, rank):
-    """U's rows summed from every rank's own rows (rows_of[r]: [>= its count, m]), in rank order: the same on every
-    rank. `rank`: this rank's place in the group, whose units are local.idx already."""
-    total = torch.zeros(union.units, local.m, dtype=local.dtype, device=local.device)
-    for r in range(len(counts)):
-        own = local.idx if r == rank else ops.unpack_bits(union.bitmaps[r], local.n).nonzero().flatten()
-        total.index_add_(0, torch.searchsorted(union.idx, own), rows_of[r][:counts[r]])
-    return total
+        local = self.local
+        rows_of = self.gathered.view(self.world, self.max_local, local.m).to(local.device)
+        return union_sum_rows(self.union.bitmaps, rows_of, local.n, self.divisor)[1]
 
 
 def _layout(local):
@@ -654,7 +658,7 @@ def _folded_gather(channel, config, step, local, group, world, device, divisor):
     rows_at = ints + -(-bitmap_bytes // 8) * 8  # 8-byte aligned, so every rank's rows can be viewed in place
     cap = channel.capacity
     stale = _layout(local) != channel.layout
-    mine = torch.empty(rows_at + cap * m * esize, dtype=torch.uint8)
+    mine = channel._buffer("send", rows_at + cap * m * esize, torch.device("cpu"))
     mine[:ints] = torch.tensor([_config_fingerprint(config), step, 0 if stale else local.units, int(stale)],
                                dtype=torch.int64).view(torch.uint8)
     mine[ints:rows_at].zero_()
@@ -663,14 +667,14 @@ def _folded_gather(channel, config, step, local, group, world, device, divisor):
     else:
         mine[ints:ints + bitmap_bytes] = local.bits.cpu()
         _own_rows(local, mine[rows_at:].view(dtype).view(cap, m))
-    out, head = _gather_checked(mine, ints, config, group, world, device)
+    out, head = _gather_checked(mine, ints, config, group, world, device,
+                                out=channel._buffer("received", world * mine.numel(), device))
     if int(head[:, 3].max()):  # the same configuration, a new layout on every rank (e.g. DDP's rebuilt buckets)
         return None
     counts = head[:, 2].tolist()
-    bitmaps = out[:, ints:ints + bitmap_bytes].contiguous().to(local.bits.device)
-    union = _union(local.bits, bitmaps, n, group, world, device)
+    bitmaps = out[:, ints:ints + bitmap_bytes]
     wire = ring_allgather_bytes(mine.numel(), world)
-    rows_of = [out[r, rows_at:].view(dtype).view(cap, m) for r in range(world)]
+    rows_of = out[:, rows_at:].view(dtype).view(world, cap, m)  # in place: the rows start 8-byte aligned
     extra = max(counts) - cap
     if extra > 0:  # a support beyond the capacity: its remaining rows in a second gather
         block = torch.zeros(extra, m, dtype=local.dtype)
@@ -678,11 +682,11 @@ def _folded_gather(channel, config, step, local, group, world, device, divisor):
             block[:local.units - cap] = _own_rows_from(local, cap).cpu()
         more = torch.empty(world * extra * m, dtype=local.dtype, device=device)
         compat.all_gather_single(more, block.view(-1).to(device), group=group)
-        more = more.view(world, extra, m).cpu()
-        rows_of = [torch.cat([rows_of[r], more[r]]) for r in range(world)]
+        rows_of = torch.cat([rows_of, more.view(world, extra, m).cpu()], dim=1)
         wire += ring_allgather_bytes(extra * m * esize, world)
-    total = _sum_own_rows(local, union, counts, [r.to(local.device) for r in rows_of], dist.get_rank(group))
-    return (total.div_(divisor) if divisor != 1 else total), union, counts, wire
+    units, total = union_sum_rows(bitmaps.to(local.bits.device), rows_of.to(local.device), n, divisor)
+    union = _Union(None, None, units, int(units.numel()), bitmaps, "header", 0)
+    return total, union, counts, wire
 
 
 def _own_rows_from(local, start):
@@ -907,7 +911,13 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
         global _last
         result = local.write_back(union, reduction.finish())
         if filed is not None:  # from issuing the payload to here (a late wait() counts too)
-            filed.record(reduction.exact_collective, time.perf_counter() - issued, header_seconds, payload_bytes)
+            seconds = time.perf_counter() - issued
+            if channel is not None and reduction.exact_collective == "allreduce-union":
+                # on a channel the gather folds the header into its payload (its folded calls time the whole call),
+                # while the union all-reduce pays a header of its own every call: its figure carries the header
+                filed.record(reduction.exact_collective, header_seconds + seconds, 0.0, payload_bytes)
+            else:
+                filed.record(reduction.exact_collective, seconds, header_seconds, payload_bytes)
         header_bytes = ring_allgather_bytes(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, world)
         _last = SketchStats(
             method=reduction.method, mode=mode, units=n, unit_size=m, local_units=local.units,

@@ -4,7 +4,7 @@ Bit order is little-endian within a byte: bit ``j`` of byte ``i`` along the last
 ``8 * i + j`` of the mask, as ``numpy.packbits(..., bitorder="little")``. The padding bits of the last byte
 are zero after :func:`pack_bits` and ignored by :func:`unpack_bits`.
 
-The ops are ``torch.ops.fastdist.{pack_bits, unpack_bits, bitwise_or_reduce}`` with CPU and CUDA kernels
+The ops are ``torch.ops.fastdist.{pack_bits, unpack_bits, bitwise_or_reduce, bitmap_from_indices}`` with CPU and CUDA kernels
 (C++ in csrc/kernels/bitpack.*) and fake kernels for ``torch.compile``. Inputs may be non-contiguous
 (they are made contiguous first); outputs are contiguous and on the input's device.
 """
@@ -13,7 +13,7 @@ import torch
 from fastdist.ops._checks import (check_allocatable, check_dim, check_dim_at_least, check_dtype, check_last_dim,
                                   check_nonnegative, packed_bytes)
 
-__all__ = ["pack_bits", "unpack_bits", "bitwise_or_reduce"]
+__all__ = ["pack_bits", "unpack_bits", "bitwise_or_reduce", "bitmap_from_indices"]
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -64,6 +64,24 @@ def bitwise_or_reduce(packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.fastdist.bitwise_or_reduce.default(packed)
 
 
+def bitmap_from_indices(indices: torch.Tensor, n: int) -> torch.Tensor:
+    """The packed bitmap of the units ``indices`` lists: ``pack_bits`` of a mask of ``n`` units set at ``indices``,
+    without the mask (e.g. a sparse gradient's rows, from its row indices, coalesced or not).
+
+    Args:
+        indices: int64 tensor of shape ``[k]``, in any order, repeats allowed.
+        n: number of units, ``n >= 0``.
+
+    Returns:
+        uint8 tensor of shape ``[ceil(n / 8)]``; padding bits are zero.
+
+    Raises:
+        RuntimeError: ``indices`` is not int64 or not 1-D, or ``n < 0``; on CPU, an index outside ``[0, n)`` (CUDA
+            skips such indices instead: checking them would need a copy to the host).
+    """
+    return torch.ops.fastdist.bitmap_from_indices.default(indices, n)
+
+
 # Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the
 # same messages as the C++ kernels (csrc/ops/bitpack.h).
 
@@ -92,3 +110,11 @@ def _bitwise_or_reduce_fake(packed):
     check_dtype("packed", packed, torch.uint8)
     check_dim("packed", packed, 2)
     return packed.new_empty((packed.shape[1],))
+
+
+@torch.library.register_fake("fastdist::bitmap_from_indices")
+def _bitmap_from_indices_fake(indices, n):
+    check_dtype("indices", indices, torch.int64)
+    check_dim("indices", indices, 1)
+    check_nonnegative("n", n)
+    return indices.new_empty((packed_bytes(n),), dtype=torch.uint8)

@@ -22,7 +22,7 @@ fills consecutive buckets (cyclically) from a hashed start, each value with its 
 collide with probability ``1 / cols`` with independent signs, as in the per-value hash, so each estimate has the same
 variance; the kernels stream whole units into the table instead of scattering every value. :func:`sketch_hash`
 evaluates the hash for given indices. The ops are ``torch.ops.fastdist.{nonzero_bitmap, count_sketch,
-count_sketch_units, count_sketch_decode, count_sketch_decode_units, sketch_hash}`` with CPU and CUDA kernels and fake kernels for
+count_sketch_units, count_sketch_decode, count_sketch_decode_units, sketch_hash, union_sum_rows}`` with CPU and CUDA kernels and fake kernels for
 ``torch.compile``. Inputs may be non-contiguous (they are made contiguous first); outputs are contiguous and on the
 input's device.
 
@@ -35,8 +35,8 @@ vary run to run in the last bits. Hashes, supports and decoding are exact on bot
 import torch
 
 from fastdist.ops._checks import (FLOATING_DTYPES, check_allocatable, check_dim, check_dim_at_least, check_dtype,
-                                  check_dtype_in, check_nonnegative, check_same_device, check_seed, checked_product,
-                                  packed_bytes)
+                                  check_dtype_in, check_last_dim, check_nonnegative, check_same_device, check_seed,
+                                  checked_product, packed_bytes)
 
 __all__ = ["MAX_COLS", "MAX_ROWS", "count_sketch", "count_sketch_decode", "count_sketch_decode_units",
            "count_sketch_units", "nonzero_bitmap", "sketch_hash"]
@@ -184,6 +184,33 @@ def sketch_hash(idx: torch.Tensor, rows: int, cols: int, seed: int, m: int = 1) 
     return torch.ops.fastdist.sketch_hash.default(idx, rows, cols, check_seed(seed), m)
 
 
+def union_sum_rows(bitmaps: torch.Tensor, rows: torch.Tensor, n: int, divisor: int = 1) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """The union of ``p`` supports and the sum of their rows: the local step of an all-gather of each rank's own rows
+    (sketch_allreduce's lossless gather), in one pass, without a dense mask or an index per row.
+
+    Args:
+        bitmaps: uint8 ``[p, ceil(n / 8)]``, support ``r`` (padding bits ignored).
+        rows: ``[p, k, m]`` of a floating dtype, on the device of ``bitmaps``: ``rows[r, i]`` is the row of the
+            ``i``-th unit of support ``r`` in increasing order (rows past its count are not read). Blocks ``rows[r]``
+            and ``bitmaps[r]`` may lie apart (views into one received buffer per rank); each must be contiguous, or
+            it is copied.
+        n: units per support, ``>= 0``.
+        divisor: divide each sum by this (``>= 1``; 1: no division), as an average over the ranks does.
+
+    Returns:
+        ``(units, sums)``: int64 ``[U]``, the union's units in increasing order, and ``[U, m]`` of ``rows``' dtype,
+        ``sums[t]`` the sum over ``r = 0, 1, ...`` of the rows of the supports holding ``units[t]``: bit for bit
+        ``torch.zeros(U, m).index_add_(0, position_r, rows_r)`` in rank order, then ``div_(divisor)`` (for 16-bit
+        dtypes each add is rounded to the dtype), on CPU and CUDA alike, for any thread count.
+
+    Raises:
+        RuntimeError: bad dtype, shape or device; ``n`` or ``divisor`` out of range; a support with more units than
+            ``k``; on CUDA, more than 4096 supports.
+    """
+    return torch.ops.fastdist.union_sum_rows.default(bitmaps, rows, n, divisor)
+
+
 # Fake kernels: output metadata for torch.compile / FakeTensor, with the checks the shapes depend on and the same
 # messages as the C++ kernels (csrc/ops/sketch.h).
 
@@ -294,3 +321,21 @@ def _sketch_hash_fake(idx, rows, cols, seed, m=1):
         raise RuntimeError(f"fastdist: 'm' must be >= 1, got {m}")
     check_allocatable((rows, idx.shape[0]), torch.int64, "the output 'bucket'")
     return idx.new_empty((rows, idx.shape[0])), idx.new_empty((rows, idx.shape[0]), dtype=torch.int8)
+
+
+@torch.library.register_fake("fastdist::union_sum_rows")
+def _union_sum_rows_fake(bitmaps, rows, n, divisor=1):
+    check_dtype("bitmaps", bitmaps, torch.uint8)
+    check_dim("bitmaps", bitmaps, 2)
+    check_nonnegative("n", n)
+    check_last_dim("bitmaps", bitmaps, packed_bytes(n), f"ceil(n / 8) for n = {n}")
+    check_dtype_in("rows", rows, FLOATING_DTYPES)
+    check_dim("rows", rows, 3)
+    check_same_device("rows", rows, "bitmaps", bitmaps)
+    torch._check(rows.shape[0] == bitmaps.shape[0],
+                 lambda: f"fastdist: 'rows' must have one block of rows per bitmap ({bitmaps.shape[0]}), got shape "
+                         f"{list(rows.shape)}")
+    if divisor < 1:
+        raise RuntimeError(f"fastdist: 'divisor' must be >= 1, got {divisor}")
+    units = torch.library.get_ctx().new_dynamic_size()  # how many the union holds is known once summed
+    return bitmaps.new_empty((units,), dtype=torch.int64), rows.new_empty((units, rows.shape[2]))
