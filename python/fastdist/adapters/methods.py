@@ -103,9 +103,24 @@ class _TwoFactor(Adapter):
     def low_rank(self) -> torch.Tensor:
         return self.B @ self.A
 
-    def pooled_delta(self, x: torch.Tensor) -> torch.Tensor:
-        z = _pool_sum(x.to(self.A.dtype), self.pool_in) @ self.A.T @ self.B.T
-        return _scaled(z, self.scaling / self.pool_in)
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(A', B', c)`` with ``delta(x) = c x A'^T B'^T``: the pooling and the repeat folded into the factors,
+        ``A' [r, d_in]`` (each column of A repeated g times, times ``s / g``) and ``B' [d_out, r]`` (each row of B
+        repeated h times). Only the small factors are expanded, so the activations never go through a pooling or a
+        repeat, and the adapter costs two thin matmuls, as LoRA does."""
+        a, b, g, h = self.A, self.B, self.pool_in, self.repeat_out
+        if h > 1:
+            b = b.unsqueeze(1).expand(b.shape[0], h, b.shape[1]).flatten(0, 1)
+        if g == 1:
+            return a, b, self.scaling
+        return a.unsqueeze(-1).expand(*a.shape, g).flatten(-2) * (self.scaling / g), b, 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c = self.factors()
+        return _scaled(x.to(a.dtype) @ a.T @ b.T, c)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y + self(x).to(y.dtype)
 
 
 def _balanced_rank(r: int, d_in: int, d_out: int, g: int, h: int) -> int:
