@@ -170,26 +170,51 @@ FASTDIST_AVX512 void decode_avx512(const uint8_t* __restrict row_packed, const f
   if (c < c1) decode_portable(row_packed, row_scales, row_zeros, block, scheme, c, c1, w + (c - c0));
 }
 
-// acc[t] += w[0, len) * x_t[0, len) lane by lane for the x rows x0 + t * k, t < kRows.
-template <int kRows>
-FASTDIST_AVX512 inline void fma_rows(const float* __restrict w, const float* __restrict x0, int64_t k, int64_t len,
-                                     float* __restrict acc) {
-  __m512 sum[kRows];
-  for (int t = 0; t < kRows; ++t) sum[t] = _mm512_loadu_ps(acc + t * kLanes);
+// acc[o][t] += w_o[0, len) * x_t[0, len) lane by lane, for kOut decoded weight rows w_o = w + o * w_stride and the x
+// rows x_t = x0 + t * k, t < kRows; acc[o][t] is at acc + (o * rows + t) * kLanes. Register-blocked: each 16 columns
+// load kOut weight and kRows x vectors for kOut * kRows multiply-adds. Every lane's sum is accumulated in column
+// order, whatever the blocking, so the result does not depend on kOut or kRows.
+template <int kOut, int kRows>
+FASTDIST_AVX512 inline void fma_block(const float* __restrict w, int64_t w_stride, const float* __restrict x0,
+                                      int64_t k, int64_t len, float* __restrict acc, int64_t rows) {
+  __m512 sum[kOut][kRows];
+  for (int o = 0; o < kOut; ++o) {
+    for (int t = 0; t < kRows; ++t) sum[o][t] = _mm512_loadu_ps(acc + (o * rows + t) * kLanes);
+  }
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
-    const __m512 wv = _mm512_loadu_ps(w + i);
-    for (int t = 0; t < kRows; ++t) sum[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x0 + t * k + i), sum[t]);
+    __m512 wv[kOut];
+    for (int o = 0; o < kOut; ++o) wv[o] = _mm512_loadu_ps(w + o * w_stride + i);
+    for (int t = 0; t < kRows; ++t) {
+      const __m512 xv = _mm512_loadu_ps(x0 + t * k + i);
+      for (int o = 0; o < kOut; ++o) sum[o][t] = _mm512_fmadd_ps(wv[o], xv, sum[o][t]);
+    }
   }
   if (i < len) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (len - i)) - 1u);
-    const __m512 wv = _mm512_maskz_loadu_ps(mask, w + i);
+    __m512 wv[kOut];
+    for (int o = 0; o < kOut; ++o) wv[o] = _mm512_maskz_loadu_ps(mask, w + o * w_stride + i);
     for (int t = 0; t < kRows; ++t) {
-      sum[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x0 + t * k + i), sum[t]);
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x0 + t * k + i);
+      for (int o = 0; o < kOut; ++o) sum[o][t] = _mm512_fmadd_ps(wv[o], xv, sum[o][t]);
     }
   }
-  for (int t = 0; t < kRows; ++t) _mm512_storeu_ps(acc + t * kLanes, sum[t]);
+  for (int o = 0; o < kOut; ++o) {
+    for (int t = 0; t < kRows; ++t) _mm512_storeu_ps(acc + (o * rows + t) * kLanes, sum[o][t]);
+  }
 }
+
+// The x rows of one group of kOut decoded weight rows, 4 x rows at a time.
+template <int kOut>
+FASTDIST_AVX512 inline void fma_x_rows(const float* w, int64_t w_stride, const float* x, int64_t rows, int64_t k,
+                                       int64_t c0, int64_t len, float* acc) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) fma_block<kOut, 4>(w, w_stride, x + m * k + c0, k, len, acc + m * kLanes, rows);
+  for (; m < rows; ++m) fma_block<kOut, 1>(w, w_stride, x + m * k + c0, k, len, acc + m * kLanes, rows);
+}
+
+// Output rows decoded together, so that each x vector loaded feeds this many multiply-adds.
+constexpr int64_t kOutBlock = 4;
 
 FASTDIST_AVX512 void qlinear_avx512_impl(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
                                          const float* scales, const float* zeros, int64_t n, int64_t block,
@@ -198,7 +223,8 @@ FASTDIST_AVX512 void qlinear_avx512_impl(const float* x, int64_t rows, int64_t k
   if (rows == 0) return;
   const int64_t chunk = k > 0 ? chunk_cols(block) : 0;
   const int64_t groups = k > 0 ? k / block : 0;
-  std::vector<float> w(static_cast<size_t>(std::max<int64_t>(chunk, 1)) + 16);
+  const int64_t w_stride = std::max<int64_t>(chunk, 1) + 16;
+  std::vector<float> w(static_cast<size_t>(kOutBlock * w_stride));
   // lanes of (output row r - r0, x row m) at ((r - r0) * rows + m) * kLanes
   std::vector<float> lanes(static_cast<size_t>(kTileRows * rows * kLanes));
   for (int64_t r0 = row_begin; r0 < row_end; r0 += kTileRows) {
@@ -206,14 +232,21 @@ FASTDIST_AVX512 void qlinear_avx512_impl(const float* x, int64_t rows, int64_t k
     std::fill(lanes.begin(), lanes.end(), 0.0f);
     for (int64_t c0 = 0; c0 < k; c0 += chunk) {
       const int64_t c1 = std::min(k, c0 + chunk), len = c1 - c0;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t at = (r / block_rows) * groups;
-        decode_avx512(packed + r * (k / 2), scales + at, zeros ? zeros + at : nullptr, block, scheme, c0, c1,
-                      w.data());
+      for (int64_t r = r0; r < r1; r += kOutBlock) {
+        const int64_t count = std::min(kOutBlock, r1 - r);
+        for (int64_t o = 0; o < count; ++o) {
+          const int64_t at = ((r + o) / block_rows) * groups;
+          decode_avx512(packed + (r + o) * (k / 2), scales + at, zeros ? zeros + at : nullptr, block, scheme, c0, c1,
+                        w.data() + o * w_stride);
+        }
         float* acc = lanes.data() + (r - r0) * rows * kLanes;
-        int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) fma_rows<4>(w.data(), x + m * k + c0, k, len, acc + m * kLanes);
-        for (; m < rows; ++m) fma_rows<1>(w.data(), x + m * k + c0, k, len, acc + m * kLanes);
+        if (count == kOutBlock) {
+          fma_x_rows<kOutBlock>(w.data(), w_stride, x, rows, k, c0, len, acc);
+        } else {
+          for (int64_t o = 0; o < count; ++o) {
+            fma_x_rows<1>(w.data() + o * w_stride, w_stride, x, rows, k, c0, len, acc + o * rows * kLanes);
+          }
+        }
       }
     }
     for (int64_t r = r0; r < r1; ++r) {

@@ -9,7 +9,9 @@ scales read once, against the copy's bytes moved (read + write) in the same roun
 Fine-tuning (``--finetune``): a small LLaMA (transformers' LlamaConfig) pretrained on the Python standard library's
 sources, quantized to 4 bits, then fine-tuned on the English prose of ``pydoc_data/topics.py`` with each method at the
 same trainable-parameter budget, same data, same steps and seeds; held-out loss and next-token accuracy (mean +- std
-over seeds), trainable parameters, step time, peak memory, and for the mergeable methods the merged 4-bit loss.
+over seeds), trainable parameters, step time (the methods take turns on each batch, so every method's steps see the
+same machine load; also as a ratio to LoRA on the float base, seed by seed), peak memory, and for the mergeable
+methods the merged 4-bit loss.
 """
 import argparse
 import statistics
