@@ -194,8 +194,8 @@ using DecodeLinear = std::function<void(const Operands&, const Layout&, at::Tens
 
 // For the BLAS path: a tile of output rows (kTileBytes of float32) at a time. A weight of one tile is dequantized
 // whole and multiplied straight into the output (input @ tile^T forward, input @ tile backward). Larger weights,
-// forward: the transposed output's rows out^T[tile] = tile @ input^T (written in place, contiguous; returned as
-// out^T's transpose); backward: out += input[:, tile] @ tile, summed in tile order.
+// forward: the output's columns of the tile out[:, tile] = input @ tile^T (the BLAS writes the strided slice in
+// place); backward: out += input[:, tile] @ tile, summed in tile order.
 inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool backward,
                              const DequantizeRows& dequantize_rows) {
   const at::Tensor& input = ops.input;
@@ -206,7 +206,7 @@ inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool bac
     return backward ? at::mm(input, buffer) : at::mm(input, buffer.t());
   }
   at::Tensor out = backward ? at::zeros({input.size(0), layout.k}, input.options())
-                            : at::empty({layout.n, input.size(0)}, input.options());
+                            : at::empty({input.size(0), layout.n}, input.options());
   for (int64_t r0 = 0; r0 < layout.n; r0 += rows_per_tile) {
     const int64_t r1 = std::min(layout.n, r0 + rows_per_tile);
     at::Tensor tile = buffer.narrow(0, 0, r1 - r0);
@@ -214,11 +214,11 @@ inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool bac
     if (backward) {
       out.addmm_(input.narrow(1, r0, r1 - r0), tile);
     } else {
-      at::Tensor rows = out.narrow(0, r0, r1 - r0);
-      at::mm_out(rows, tile, input.t());
+      at::Tensor columns = out.narrow(1, r0, r1 - r0);
+      at::mm_out(columns, input, tile.t());
     }
   }
-  return backward ? out : out.t().contiguous();
+  return out;
 }
 
 // qlinear on a device: the decoding kernel for up to `decode_rows` rows of x, else the tiles and the BLAS.
