@@ -60,21 +60,22 @@ FASTDIST_HOST_DEVICE inline float nf4_code(int q) {
 int64_t quant4_quantize_cpu(const float* w, int64_t k, int64_t block, int64_t block_rows, Quant4Scheme scheme,
                             uint8_t* packed, float* scales, float* zeros, int64_t block_begin, int64_t block_end);
 
+// The CPU code path: kBest uses AVX-512 when the CPU has it (quant4_cpu_isa()); kPortable never does (for tests
+// comparing the two). Both give the same w' bit for bit.
+enum class Quant4Path : int32_t { kBest = 0, kPortable = 1 };
+
 // Rows [row_begin, row_end) of w' into out, row r at out + (r - row_begin) * k.
 void quant4_dequantize_cpu(const uint8_t* packed, const float* scales, const float* zeros, int64_t k, int64_t block,
-                           int64_t block_rows, Quant4Scheme scheme, float* out, int64_t row_begin, int64_t row_end);
+                           int64_t block_rows, Quant4Scheme scheme, float* out, int64_t row_begin, int64_t row_end,
+                           Quant4Path path = Quant4Path::kBest);
 
 // out[m, r] = sum_c x[m, c] w'[r, c] + (bias ? bias[r] : 0) for m < rows, r in [row_begin, row_end); out is
 // [rows, n] row-major, x is [rows, k]. Meant for few rows of x (decoding): it streams the packed weight once and
-// reads x from cache. Uses AVX-512 when the CPU has it (quant4_cpu_isa()), else portable code.
+// reads x from cache.
 void qlinear_cpu(const float* x, int64_t rows, int64_t k, const uint8_t* packed, const float* scales,
                  const float* zeros, int64_t n, int64_t block, int64_t block_rows, Quant4Scheme scheme,
-                 const float* bias, float* out, int64_t row_begin, int64_t row_end);
-
-// The portable path of qlinear_cpu, whatever the CPU (for tests comparing the two).
-void qlinear_cpu_portable(const float* x, int64_t rows, int64_t k, const uint8_t* packed, const float* scales,
-                          const float* zeros, int64_t n, int64_t block, int64_t block_rows, Quant4Scheme scheme,
-                          const float* bias, float* out, int64_t row_begin, int64_t row_end);
+                 const float* bias, float* out, int64_t row_begin, int64_t row_end,
+                 Quant4Path path = Quant4Path::kBest);
 
 // "avx512" or "portable": the path qlinear_cpu takes on this CPU.
 const char* quant4_cpu_isa();

@@ -16,24 +16,17 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu_op(const at::Tensor& w, c10::string_view scheme,
                                                                int64_t block, int64_t block_rows) {
-  const Quant4Scheme kind = check_quantize(w, std::string(scheme), block, block_rows);
-  const at::Tensor values = w.to(at::kFloat).contiguous();
-  const int64_t n = values.size(0), k = values.size(1), groups = k / block, row_blocks = n / block_rows;
-  at::Tensor packed = at::empty({n, k / 2}, values.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({row_blocks, groups}, values.options());
-  at::Tensor zeros = at::empty({kind == Quant4Scheme::kInt4 ? row_blocks : 0, groups}, values.options());
-  const float* in = values.const_data_ptr<float>();
-  uint8_t* packed_ptr = packed.data_ptr<uint8_t>();
-  float* scales_ptr = scales.data_ptr<float>();
-  float* zeros_ptr_out = kind == Quant4Scheme::kInt4 ? zeros.data_ptr<float>() : nullptr;
+  const QuantizeBuffers q(w, std::string(scheme), block, block_rows);
+  const float* in = q.values.const_data_ptr<float>();
+  uint8_t* packed_ptr = q.packed.data_ptr<uint8_t>();
+  float* scales_ptr = q.scales.data_ptr<float>();
+  float* zeros_ptr_out = q.zeros.data_ptr<float>();
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, row_blocks, grain_for({block_rows, k, 4}), [&](int64_t begin, int64_t end) {
-    bad += fastdist::quant4_quantize_cpu(in, k, block, block_rows, kind, packed_ptr, scales_ptr, zeros_ptr_out, begin,
-                                         end);
+  at::parallel_for(0, q.row_blocks, grain_for({block_rows, q.k, 4}), [&](int64_t begin, int64_t end) {
+    bad += fastdist::quant4_quantize_cpu(in, q.k, block, block_rows, q.scheme, packed_ptr, scales_ptr, zeros_ptr_out,
+                                         begin, end);
   });
-  check_finite_blocks(bad.load(), row_blocks * groups);
-  if (kind == Quant4Scheme::kNF4) zeros = at::empty({0}, values.options());
-  return {packed, scales, zeros};
+  return q.result(bad.load());
 }
 
 // Rows [r0, r1) of w' into tile ([r1 - r0, k] float32 contiguous), parallel over rows.
@@ -65,11 +58,7 @@ void decode_linear(const Operands& ops, const Layout& layout, at::Tensor& out) {
 
 at::Tensor dequantize_cpu_op(const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& zeros, c10::string_view scheme) {
-  const Layout layout = check_layout(packed, scales, zeros, std::string(scheme));
-  const Operands ops(at::empty({0, 0}, scales.options()), 0, packed, scales, zeros);
-  at::Tensor out = at::empty({layout.n, layout.k}, scales.options());
-  dequantize_rows(ops, layout, 0, layout.n, out);
-  return out;
+  return dequantize_with(packed, scales, zeros, std::string(scheme), dequantize_rows);
 }
 
 at::Tensor qlinear_cpu_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

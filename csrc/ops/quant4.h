@@ -87,16 +87,32 @@ inline int64_t leading_rows(const at::Tensor& t) {
   return checked_product(t.sizes().slice(0, t.dim() - 1), "the leading dimensions of the input");
 }
 
+// The output's shape: x's with the last dimension replaced by `last`.
+inline std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.back() = last;
+  return shape;
+}
+
+// An activation [..., last] (x of qlinear, grad of qlinear_grad_input) on packed's device, and its output
+// [..., out_last] allocatable.
+inline void check_input(const at::Tensor& t, const char* name, const at::Tensor& packed, int64_t last,
+                        const char* what, int64_t out_last) {
+  check_dtype_in(t, name, kFloat32Or16BitDtypes);
+  TORCH_CHECK(t.dim() >= 1, "fastdist: '", name, "' must have at least 1 dimension(s), got shape ", t.sizes());
+  TORCH_CHECK(t.device() == packed.device(), "fastdist: '", name, "' and 'packed' must be on the same device, got ",
+              t.device(), " and ", packed.device());
+  TORCH_CHECK(t.size(-1) == last, "fastdist: '", name, "' must have last dimension ", last, " (", what,
+              "), got shape ", t.sizes());
+  check_allocatable(with_last(t, out_last), at::kFloat, "the output");
+}
+
 // qlinear(x, packed, scales, zeros, scheme, bias) -> [..., n] of x's dtype
 inline Layout check_qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             const std::optional<at::Tensor>& zeros, const std::string& scheme,
                             const std::optional<at::Tensor>& bias) {
   const Layout layout = check_layout(packed, scales, zeros, scheme);
-  check_dtype_in(x, "x", kFloat32Or16BitDtypes);
-  FD_CHECK_DIM_AT_LEAST(x, 1);
-  FD_CHECK_SAME_DEVICE(x, packed);
-  TORCH_CHECK(x.size(-1) == layout.k, "fastdist: 'x' must have last dimension ", layout.k,
-              " (the weight's input dimension), got shape ", x.sizes());
+  check_input(x, "x", packed, layout.k, "the weight's input dimension", layout.n);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     check_dtype_in(b, "bias", kFloat32Or16BitDtypes);
@@ -104,9 +120,6 @@ inline Layout check_qlinear(const at::Tensor& x, const at::Tensor& packed, const
     TORCH_CHECK(b.dim() == 1 && b.size(0) == layout.n, "fastdist: 'bias' must have shape [", layout.n,
                 "] (the weight's output dimension), got shape ", b.sizes());
   }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = layout.n;
-  check_allocatable(out_shape, at::kFloat, "the output");
   return layout;
 }
 
@@ -114,14 +127,7 @@ inline Layout check_qlinear(const at::Tensor& x, const at::Tensor& packed, const
 inline Layout check_grad_input(const at::Tensor& grad, const at::Tensor& packed, const at::Tensor& scales,
                                const std::optional<at::Tensor>& zeros, const std::string& scheme) {
   const Layout layout = check_layout(packed, scales, zeros, scheme);
-  check_dtype_in(grad, "grad", kFloat32Or16BitDtypes);
-  FD_CHECK_DIM_AT_LEAST(grad, 1);
-  FD_CHECK_SAME_DEVICE(grad, packed);
-  TORCH_CHECK(grad.size(-1) == layout.n, "fastdist: 'grad' must have last dimension ", layout.n,
-              " (the weight's output dimension), got shape ", grad.sizes());
-  std::vector<int64_t> out_shape(grad.sizes().begin(), grad.sizes().end());
-  out_shape.back() = layout.k;
-  check_allocatable(out_shape, at::kFloat, "the output");
+  check_input(grad, "grad", packed, layout.n, "the weight's output dimension", layout.k);
   return layout;
 }
 
@@ -131,6 +137,33 @@ inline void check_finite_blocks(int64_t bad_blocks, int64_t blocks) {
               " block(s) hold NaN or +-inf (or a range that overflows float32)");
 }
 
+// quant4_quantize's operand and outputs on w's device: the float32 weight, packed codes, scales and zeros (written
+// for both schemes; nf4's come back as an empty tensor).
+struct QuantizeBuffers {
+  Quant4Scheme scheme;
+  int64_t n, k, block, block_rows, groups, row_blocks;
+  at::Tensor values, packed, scales, zeros;
+
+  QuantizeBuffers(const at::Tensor& w, const std::string& scheme_name, int64_t block_in, int64_t block_rows_in)
+      : scheme(check_quantize(w, scheme_name, block_in, block_rows_in)),
+        n(w.size(0)),
+        k(w.size(1)),
+        block(block_in),
+        block_rows(block_rows_in),
+        groups(k / block),
+        row_blocks(n / block_rows),
+        values(w.to(at::kFloat).contiguous()),
+        packed(at::empty({n, k / 2}, values.options().dtype(at::kByte))),
+        scales(at::empty({row_blocks, groups}, values.options())),
+        zeros(at::empty({row_blocks, groups}, values.options())) {}
+
+  // (packed, scales, zeros) once the kernel counted `bad_blocks` non-finite blocks.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result(int64_t bad_blocks) const {
+    check_finite_blocks(bad_blocks, row_blocks * groups);
+    return {packed, scales, scheme == Quant4Scheme::kNF4 ? at::empty({0}, values.options()) : zeros};
+  }
+};
+
 // The zero points' data (nullptr for nf4) and an optional tensor made contiguous.
 inline const float* zeros_ptr(const std::optional<at::Tensor>& zeros) {
   return zeros.has_value() ? zeros->const_data_ptr<float>() : nullptr;
@@ -138,13 +171,6 @@ inline const float* zeros_ptr(const std::optional<at::Tensor>& zeros) {
 
 inline std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-}
-
-// The output's shape: x's with the last dimension replaced by `last`.
-inline std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
-  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
-  shape.back() = last;
-  return shape;
 }
 
 // The operands as the kernels read them: the input's rows in float32, the quantized weight and the bias contiguous.
@@ -166,16 +192,21 @@ struct Operands {
 using DequantizeRows = std::function<void(const Operands&, const Layout&, int64_t, int64_t, at::Tensor&)>;
 using DecodeLinear = std::function<void(const Operands&, const Layout&, at::Tensor&)>;
 
-// For the BLAS path: a tile of output rows (kTileBytes of float32) at a time. Forward, the transposed output's rows
-// out^T[tile] = tile @ input^T (written in place, contiguous; returned as out^T's transpose); backward,
-// out += input[:, tile] @ tile, summed in tile order.
+// For the BLAS path: a tile of output rows (kTileBytes of float32) at a time. A weight of one tile is dequantized
+// whole and multiplied straight into the output (input @ tile^T forward, input @ tile backward). Larger weights,
+// forward: the output's columns of the tile out[:, tile] = input @ tile^T (the BLAS writes the strided slice in
+// place); backward: out += input[:, tile] @ tile, summed in tile order.
 inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool backward,
                              const DequantizeRows& dequantize_rows) {
   const at::Tensor& input = ops.input;
-  at::Tensor out = backward ? at::zeros({input.size(0), layout.k}, input.options())
-                            : at::empty({layout.n, input.size(0)}, input.options());
   const int64_t rows_per_tile = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(4 * layout.k, 1));
   at::Tensor buffer = at::empty({std::min(rows_per_tile, layout.n), layout.k}, input.options());
+  if (layout.n <= rows_per_tile) {
+    dequantize_rows(ops, layout, 0, layout.n, buffer);
+    return backward ? at::mm(input, buffer) : at::mm(input, buffer.t());
+  }
+  at::Tensor out = backward ? at::zeros({input.size(0), layout.k}, input.options())
+                            : at::empty({input.size(0), layout.n}, input.options());
   for (int64_t r0 = 0; r0 < layout.n; r0 += rows_per_tile) {
     const int64_t r1 = std::min(layout.n, r0 + rows_per_tile);
     at::Tensor tile = buffer.narrow(0, 0, r1 - r0);
@@ -183,11 +214,11 @@ inline at::Tensor over_tiles(const Operands& ops, const Layout& layout, bool bac
     if (backward) {
       out.addmm_(input.narrow(1, r0, r1 - r0), tile);
     } else {
-      at::Tensor rows = out.narrow(0, r0, r1 - r0);
-      at::mm_out(rows, tile, input.t());
+      at::Tensor columns = out.narrow(1, r0, r1 - r0);
+      at::mm_out(columns, input, tile.t());
     }
   }
-  return backward ? out : out.t();
+  return out;
 }
 
 // qlinear on a device: the decoding kernel for up to `decode_rows` rows of x, else the tiles and the BLAS.
@@ -202,7 +233,7 @@ inline at::Tensor qlinear_with(const at::Tensor& x, const at::Tensor& packed, co
     out = at::empty({ops.input.size(0), layout.n}, ops.input.options());
     decode(ops, layout, out);
   } else {
-    out = over_tiles(ops, layout, false, dequantize_rows).contiguous();
+    out = over_tiles(ops, layout, false, dequantize_rows);
     if (ops.bias.has_value()) out.add_(*ops.bias);
   }
   return out.reshape(with_last(x, layout.n)).to(x.scalar_type());
@@ -215,6 +246,17 @@ inline at::Tensor grad_input_with(const at::Tensor& grad, const at::Tensor& pack
   const Layout layout = check_grad_input(grad, packed, scales, zeros, scheme);
   const Operands ops(grad, layout.n, packed, scales, zeros);
   return over_tiles(ops, layout, true, dequantize_rows).reshape(with_last(grad, layout.k)).to(grad.scalar_type());
+}
+
+// quant4_dequantize on a device: w' [n, k] float32.
+inline at::Tensor dequantize_with(const at::Tensor& packed, const at::Tensor& scales,
+                                  const std::optional<at::Tensor>& zeros, const std::string& scheme,
+                                  const DequantizeRows& dequantize_rows) {
+  const Layout layout = check_layout(packed, scales, zeros, scheme);
+  const Operands ops(at::empty({0, 0}, scales.options()), 0, packed, scales, zeros);
+  at::Tensor out = at::empty({layout.n, layout.k}, scales.options());
+  dequantize_rows(ops, layout, 0, layout.n, out);
+  return out;
 }
 
 }  // namespace fastdist::quant4

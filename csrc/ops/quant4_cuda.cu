@@ -14,21 +14,14 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda_op(const at::Tensor& w, c10::string_view scheme,
                                                                 int64_t block, int64_t block_rows) {
-  const Quant4Scheme kind = check_quantize(w, std::string(scheme), block, block_rows);
   const c10::cuda::CUDAGuard guard(w.device());
-  const at::Tensor values = w.to(at::kFloat).contiguous();
-  const int64_t n = values.size(0), k = values.size(1), groups = k / block, row_blocks = n / block_rows;
-  at::Tensor packed = at::empty({n, k / 2}, values.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({row_blocks, groups}, values.options());
-  at::Tensor zeros = at::empty({row_blocks, groups}, values.options());  // nf4 writes zeros it does not return
-  at::Tensor bad = at::empty({1}, values.options().dtype(at::kLong));
-  C10_CUDA_CHECK(fastdist::quant4_quantize_cuda(values.const_data_ptr<float>(), n, k, block, block_rows, kind,
-                                                packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                                zeros.data_ptr<float>(), bad.data_ptr<int64_t>(),
+  const QuantizeBuffers q(w, std::string(scheme), block, block_rows);
+  at::Tensor bad = at::empty({1}, q.values.options().dtype(at::kLong));
+  C10_CUDA_CHECK(fastdist::quant4_quantize_cuda(q.values.const_data_ptr<float>(), q.n, q.k, block, block_rows,
+                                                q.scheme, q.packed.data_ptr<uint8_t>(), q.scales.data_ptr<float>(),
+                                                q.zeros.data_ptr<float>(), bad.data_ptr<int64_t>(),
                                                 c10::cuda::getCurrentCUDAStream()));
-  check_finite_blocks(bad.item<int64_t>(), row_blocks * groups);
-  if (kind == Quant4Scheme::kNF4) zeros = at::empty({0}, values.options());
-  return {packed, scales, zeros};
+  return q.result(bad.item<int64_t>());
 }
 
 void dequantize_rows(const Operands& ops, const Layout& layout, int64_t r0, int64_t r1, at::Tensor& tile) {
@@ -49,12 +42,8 @@ void decode_linear(const Operands& ops, const Layout& layout, at::Tensor& out) {
 
 at::Tensor dequantize_cuda_op(const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& zeros, c10::string_view scheme) {
-  const Layout layout = check_layout(packed, scales, zeros, std::string(scheme));
   const c10::cuda::CUDAGuard guard(packed.device());
-  const Operands ops(at::empty({0, 0}, scales.options()), 0, packed, scales, zeros);
-  at::Tensor out = at::empty({layout.n, layout.k}, scales.options());
-  dequantize_rows(ops, layout, 0, layout.n, out);
-  return out;
+  return dequantize_with(packed, scales, zeros, std::string(scheme), dequantize_rows);
 }
 
 at::Tensor qlinear_cuda_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

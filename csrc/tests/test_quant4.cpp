@@ -9,21 +9,18 @@
 #include <vector>
 
 #include "kernels/quant4.h"
+#include "tests/quantized.h"
 
 namespace {
 
 using fastdist::Quant4Scheme;
-
-struct Quantized {
-  std::vector<uint8_t> packed;
-  std::vector<float> scales, zeros;
-};
+using fastdist::testing::Quantized;
 
 // Quantized in two calls over the row blocks [0, split) and [split, n / block_rows).
 Quantized quantize(const std::vector<float>& w, int64_t n, int64_t k, int64_t block, Quant4Scheme scheme,
                    int64_t split, int64_t block_rows = 1) {
   const int64_t blocks = n / block_rows * (k / block);
-  Quantized q{std::vector<uint8_t>(n * k / 2), std::vector<float>(blocks), std::vector<float>(blocks)};
+  Quantized q(n * k / 2, blocks);
   const int64_t cut = std::min(split, n / block_rows);
   EXPECT_EQ(fastdist::quant4_quantize_cpu(w.data(), k, block, block_rows, scheme, q.packed.data(), q.scales.data(),
                                           q.zeros.data(), 0, cut), 0);
@@ -129,9 +126,9 @@ TEST(Quant4, two_dimensional_blocks_share_one_scale_and_zero_over_their_rows) {
 
 TEST(Quant4, qlinear_matches_the_product_with_the_dequantized_weight_on_both_paths) {
   for (const Quant4Scheme scheme : {Quant4Scheme::kNF4, Quant4Scheme::kInt4}) {
-    for (const int64_t block : {int64_t{2}, int64_t{6}, int64_t{64}}) {
+    for (const int64_t block : {int64_t{2}, int64_t{4}, int64_t{6}, int64_t{64}}) {
       for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{9}}) {
-        const int64_t block_rows = block == 2 ? 3 : 1;
+        const int64_t block_rows = block == 2 ? 3 : block == 4 ? 7 : 1;
         const int64_t n = 21, k = block == 6 ? 318 : 320;
         const std::vector<float> w = random_weight(n * k, 5);
         const std::vector<float> x = random_weight(rows * k, 6);
@@ -147,8 +144,8 @@ TEST(Quant4, qlinear_matches_the_product_with_the_dequantized_weight_on_both_pat
                               bias.data(), fast.data(), 0, 10);
         fastdist::qlinear_cpu(x.data(), rows, k, q.packed.data(), q.scales.data(), zeros, n, block, block_rows, scheme,
                               bias.data(), fast.data(), 10, n);
-        fastdist::qlinear_cpu_portable(x.data(), rows, k, q.packed.data(), q.scales.data(), zeros, n, block,
-                                       block_rows, scheme, bias.data(), portable.data(), 0, n);
+        fastdist::qlinear_cpu(x.data(), rows, k, q.packed.data(), q.scales.data(), zeros, n, block, block_rows, scheme,
+                              bias.data(), portable.data(), 0, n, fastdist::Quant4Path::kPortable);
         for (int64_t m = 0; m < rows; ++m) {
           for (int64_t r = 0; r < n; ++r) {
             double want = bias[r], magnitude = std::fabs(bias[r]);
@@ -160,6 +157,36 @@ TEST(Quant4, qlinear_matches_the_product_with_the_dequantized_weight_on_both_pat
             EXPECT_NEAR(fast[m * n + r], want, tol) << "block " << block << " rows " << rows << " at " << m << "," << r;
             EXPECT_NEAR(portable[m * n + r], want, tol) << "portable, block " << block << " rows " << rows;
           }
+        }
+      }
+    }
+  }
+}
+
+TEST(Quant4, dequantize_paths_agree_bit_for_bit_on_every_block_width) {
+  // The AVX-512 decode (tables for blocks of 16 or more columns, spread scales for 2, 4 and 8) against the portable
+  // per-block table and the definition, with a tail shorter than 16 columns and a row range that does not start at 0.
+  for (const Quant4Scheme scheme : {Quant4Scheme::kNF4, Quant4Scheme::kInt4}) {
+    for (const int64_t block : {int64_t{2}, int64_t{4}, int64_t{6}, int64_t{8}, int64_t{16}, int64_t{32}}) {
+      for (const int64_t block_rows : {int64_t{1}, int64_t{8}}) {
+        const int64_t n = 16, k = block * (block == 6 ? 7 : 72 / block);
+        const std::vector<float> w = random_weight(n * k, 11);
+        const Quantized q = quantize(w, n, k, block, scheme, 1, block_rows);
+        const float* zeros = scheme == Quant4Scheme::kInt4 ? q.zeros.data() : nullptr;
+        std::vector<float> fast(n * k), portable(n * k);
+        fastdist::quant4_dequantize_cpu(q.packed.data(), q.scales.data(), zeros, k, block, block_rows, scheme,
+                                        fast.data(), 0, 5);
+        fastdist::quant4_dequantize_cpu(q.packed.data(), q.scales.data(), zeros, k, block, block_rows, scheme,
+                                        fast.data() + 5 * k, 5, n);
+        fastdist::quant4_dequantize_cpu(q.packed.data(), q.scales.data(), zeros, k, block, block_rows, scheme,
+                                        portable.data(), 0, n, fastdist::Quant4Path::kPortable);
+        for (int64_t i = 0; i < n * k; ++i) {
+          const int64_t at = (i / k / block_rows) * (k / block) + (i % k) / block;
+          const float code = static_cast<float>(code_at(q.packed, i));
+          const float want = scheme == Quant4Scheme::kNF4 ? fastdist::nf4_code(static_cast<int>(code)) * q.scales[at]
+                                                          : code * q.scales[at] + q.zeros[at];
+          ASSERT_EQ(portable[i], want) << "portable, block " << block << " x " << block_rows << " at " << i;
+          ASSERT_EQ(fast[i], want) << "block " << block << " x " << block_rows << " at " << i;
         }
       }
     }

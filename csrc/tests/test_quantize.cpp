@@ -10,21 +10,17 @@
 
 #include "kernels/bitpack.h"
 #include "kernels/quantize.h"
+#include "tests/quantized.h"
 
 namespace {
 
 using fastdist::QuantScheme;
-
-struct Quantized {
-  std::vector<uint8_t> packed;
-  std::vector<float> scales, zeros;
-};
+using fastdist::testing::Quantized;
 
 Quantized run(const std::vector<float>& x, int64_t group, int bits, QuantScheme scheme, bool stochastic,
               int64_t split) {
   const int64_t n = static_cast<int64_t>(x.size()), groups = n / group;
-  Quantized q{std::vector<uint8_t>(fastdist::quant_packed_bytes(n, bits)), std::vector<float>(groups),
-              std::vector<float>(groups)};
+  Quantized q(fastdist::quant_packed_bytes(n, bits), groups);
   fastdist::quantize_stats_cpu(x.data(), group, bits, scheme, q.scales.data(), q.zeros.data(), 0, groups);
   const int64_t bytes = static_cast<int64_t>(q.packed.size());
   const int64_t cut = std::min(split, bytes);

@@ -76,20 +76,47 @@ def test_parameter_counts_match_lora_at_the_same_budget():
     assert QBaRA(4096, 4096, 8).rank == 16
 
 
-@pytest.mark.parametrize("cls, kwargs", [(LoRA, {"r": 3}), (QALoRA, {"r": 3, "group": 8}), (QBaRA, {"r": 3}),
-                                         (QAHiRA, {})])
-def test_each_adapters_output_is_x_times_its_dense_update(cls, kwargs):
+ADAPTER_CASES = [(LoRA, {"r": 3}), (QALoRA, {"r": 3, "group": 8}), (QBaRA, {"r": 3}), (QAHiRA, {})]
+
+
+def random_adapter(cls, kwargs):
+    """A [48, 32] adapter with every parameter drawn from N(0, 1) (a non-zero update)."""
     torch.manual_seed(0)
     adapter = cls(32, 48, alpha=2.0, **kwargs)
     with torch.no_grad():
         for p in adapter.parameters():
             p.normal_()
+    return adapter
+
+
+@pytest.mark.parametrize("cls, kwargs", ADAPTER_CASES)
+def test_each_adapters_output_is_x_times_its_dense_update(cls, kwargs):
+    adapter = random_adapter(cls, kwargs)
     x = torch.randn(2, 5, 32)
     torch.testing.assert_close(adapter(x), x @ adapter.delta_weight().T, atol=1e-5, rtol=1e-5)
     dw = adapter.delta_weight()
     # constant on [h, g] tiles: the structure merge relies on
     assert torch.equal(dw, dw[::adapter.repeat_out, ::adapter.pool_in].repeat_interleave(adapter.repeat_out, 0)
                        .repeat_interleave(adapter.pool_in, 1))
+
+
+@pytest.mark.parametrize("cls, kwargs", ADAPTER_CASES)
+def test_add_to_gives_the_dense_updates_output_and_gradients(cls, kwargs):
+    # AdaptedLinear adds the update with the pooling and repeat folded into the factors (Q-BaRA, QA-LoRA) or by
+    # broadcasting over the output repeat (QA-HiRA); values and gradients (to x, to y and to the adapter's
+    # parameters) equal those of y + x @ dW.T
+    adapter = random_adapter(cls, kwargs)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    y = torch.randn(2, 5, 48, requires_grad=True)
+    weights = torch.randn(2, 5, 48)
+    results = []
+    for fn in (lambda: adapter.add_to(y, x), lambda: y + x @ adapter.delta_weight().T):
+        out = fn()
+        grads = torch.autograd.grad((out * weights).sum(), [x, y, *adapter.parameters()])
+        results.append((out, grads))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for got, want in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
 def test_qahira_reaches_a_higher_rank_than_lora_at_the_same_budget():

@@ -50,4 +50,7 @@ def test_finetune_runs_every_method_with_the_same_budget():
     assert summary["qbara"]["trainable"] == summary["qahira"]["trainable"] == summary["qlora"]["trainable"] == lora
     assert summary["qalora"]["trainable"] <= lora
     assert "merged_loss" in summary["qahira"] and len(result["runs"][0]["curve"]) == 2
+    # step times are taken method after method on each batch, and compared with LoRA on the float base seed by seed
+    assert all(len(r["step_samples_s"]) == len(r["step_cpu_samples_s"]) == 2 for r in result["runs"])
+    assert summary["lora-float"]["step_vs_lora_float"] == 1.0 and summary["qahira"]["step_vs_lora_float"] > 0
     assert adapters.finetune_tables(result)[0].rows

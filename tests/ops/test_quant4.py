@@ -151,6 +151,40 @@ def test_qlinear_results_do_not_depend_on_the_thread_count():
     assert torch.equal(one, qlinear(x, packed, scales, zeros, "int4"))
 
 
+@pytest.mark.parametrize("scheme, block, block_rows", [("nf4", 64, 1), ("int4", 4, 8), ("int4", 2, 1), ("nf4", 8, 2)])
+def test_tiled_forward_and_x_gradient_equal_the_products_and_do_not_depend_on_the_thread_count(scheme, block,
+                                                                                               block_rows):
+    # 40 rows of x take the dequantized tiles and the BLAS; narrow and 2-D blocks the vectorized decode
+    w = weight(48, 256, seed=8)
+    packed, scales, zeros = quantize4(w, scheme, block, block_rows)
+    g = torch.Generator().manual_seed(9)
+    x, grad = torch.randn(40, 256, generator=g), torch.randn(40, 48, generator=g)
+    wq = dequantize4(packed, scales, zeros, scheme)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qlinear(x, packed, scales, zeros, scheme), qlinear_grad_input(grad, packed, scales, zeros, scheme)
+    finally:
+        torch.set_num_threads(threads)
+    many = qlinear(x, packed, scales, zeros, scheme), qlinear_grad_input(grad, packed, scales, zeros, scheme)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    torch.testing.assert_close(many[0].double(), reference_linear(x, wq, None), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(many[1].double(), grad.double() @ wq.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_of_several_tiles_gives_the_products():
+    # 1100 x 4096 float32 is more than one 16 MiB tile: 1024 output rows, then 76
+    w = weight(1100, 4096, seed=10)
+    packed, scales, zeros = quantize4(w, "int4", 32)
+    g = torch.Generator().manual_seed(11)
+    x, grad, bias = torch.randn(40, 4096, generator=g), torch.randn(40, 1100, generator=g), torch.randn(1100)
+    wq = dequantize4(packed, scales, zeros, "int4").double()
+    torch.testing.assert_close(qlinear(x, packed, scales, zeros, "int4", bias).double(),
+                               reference_linear(x, wq, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(qlinear_grad_input(grad, packed, scales, zeros, "int4").double(), grad.double() @ wq,
+                               atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scheme", ["nf4", "int4"])
 @pytest.mark.parametrize("rows", [2, 40])
 @pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")

@@ -31,16 +31,18 @@ from torch import nn
 __all__ = ["Adapter", "LoRA", "QALoRA", "QAHiRA", "QBaRA"]
 
 
-def _pool(x: torch.Tensor, g: int) -> torch.Tensor:
-    return x if g == 1 else x.unflatten(-1, (x.shape[-1] // g, g)).mean(-1)
+def _pool_sum(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``g`` times the average pooling: the ``1 / g`` is folded into the adapter's (small) output instead."""
+    return x if g == 1 else x.unflatten(-1, (x.shape[-1] // g, g)).sum(-1)
 
 
 def _repeat(y: torch.Tensor, h: int) -> torch.Tensor:
-    return y if h == 1 else y.repeat_interleave(h, dim=-1)
+    return y if h == 1 else y.unsqueeze(-1).expand(*y.shape, h).flatten(-2)
 
 
 class Adapter(nn.Module):
-    """Base class: ``forward(x)`` is ``delta(x)``; ``delta_weight()`` the dense ``dW``."""
+    """Base class: ``forward(x)`` is ``delta(x)``; ``add_to(y, x)`` is ``y + delta(x)`` with the output repeat left to
+    broadcasting; ``delta_weight()`` the dense ``dW``."""
 
     method = ""
     pool_in = 1   # g
@@ -67,6 +69,23 @@ class Adapter(nn.Module):
         small = self.low_rank().float() * (self.scaling / self.pool_in)
         return small.repeat_interleave(self.repeat_out, 0).repeat_interleave(self.pool_in, 1)
 
+    def pooled_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The update before the output repeat: ``[..., d_out / h]``, ``delta(x)``'s every ``h``-th feature."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _repeat(self.pooled_delta(x), self.repeat_out)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y + delta(x)`` in ``y``'s dtype; the output repeat is a broadcast add, never materialized."""
+        z = self.pooled_delta(x).to(y.dtype)
+        h = self.repeat_out
+        return y + z if h == 1 else (y.unflatten(-1, (y.shape[-1] // h, h)) + z.unsqueeze(-1)).flatten(-2)
+
+
+def _scaled(z: torch.Tensor, c: float) -> torch.Tensor:
+    return z if c == 1.0 else z * c
+
 
 class _TwoFactor(Adapter):
     """``s rep_h(B A pool_g(x))`` with A kaiming-uniform (as PEFT and nn.Linear) and B zero."""
@@ -84,9 +103,24 @@ class _TwoFactor(Adapter):
     def low_rank(self) -> torch.Tensor:
         return self.B @ self.A
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(A', B', c)`` with ``delta(x) = c x A'^T B'^T``: the pooling and the repeat folded into the factors,
+        ``A' [r, d_in]`` (each column of A repeated g times, times ``s / g``) and ``B' [d_out, r]`` (each row of B
+        repeated h times). Only the small factors are expanded, so the activations never go through a pooling or a
+        repeat, and the adapter costs two thin matmuls, as LoRA does."""
+        a, b, g, h = self.A, self.B, self.pool_in, self.repeat_out
+        if h > 1:
+            b = b.unsqueeze(1).expand(b.shape[0], h, b.shape[1]).flatten(0, 1)
+        if g == 1:
+            return a, b, self.scaling
+        return a.unsqueeze(-1).expand(*a.shape, g).flatten(-2) * (self.scaling / g), b, 1.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = _pool(x.to(self.A.dtype), self.pool_in) @ self.A.T @ self.B.T
-        return _repeat(z * self.scaling, self.repeat_out)
+        a, b, c = self.factors()
+        return _scaled(x.to(a.dtype) @ a.T @ b.T, c)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y + self(x).to(y.dtype)
 
 
 def _balanced_rank(r: int, d_in: int, d_out: int, g: int, h: int) -> int:
@@ -161,8 +195,8 @@ class QAHiRA(Adapter):
     def low_rank(self) -> torch.Tensor:
         return self.M
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _repeat(_pool(x.to(self.M.dtype), 4) @ self.M.T * self.scaling, 8)
+    def pooled_delta(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled(_pool_sum(x.to(self.M.dtype), 4) @ self.M.T, self.scaling / 4)
 
     def config(self) -> dict:
         return {"method": self.method, "alpha": self.alpha}

@@ -31,8 +31,7 @@ class AdaptedLinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        return y + self.adapter(x).to(y.dtype)
+        return self.adapter.add_to(self.base(x), x)
 
 
 def _matches(name: str, targets: Sequence[str]) -> bool:

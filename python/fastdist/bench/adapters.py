@@ -9,7 +9,10 @@ scales read once, against the copy's bytes moved (read + write) in the same roun
 Fine-tuning (``--finetune``): a small LLaMA (transformers' LlamaConfig) pretrained on the Python standard library's
 sources, quantized to 4 bits, then fine-tuned on the English prose of ``pydoc_data/topics.py`` with each method at the
 same trainable-parameter budget, same data, same steps and seeds; held-out loss and next-token accuracy (mean +- std
-over seeds), trainable parameters, step time, peak memory, and for the mergeable methods the merged 4-bit loss.
+over seeds), trainable parameters, step time (the methods take turns on each batch, so every method's steps see the
+same machine load; also as a ratio to LoRA on the float base, seed by seed) in wall-clock and in the process's CPU
+time (which a loaded machine does not inflate when the run has one torch thread: ``--threads 1``), peak memory, and for
+the mergeable methods the merged 4-bit loss.
 """
 import argparse
 import statistics
@@ -319,38 +322,65 @@ def _build(method, state, rank, config):
     return model, adapters.adapter_parameters(model)
 
 
-def _finetune_one(method, state, data, held_out, steps, seed, rank, config):
+def _finetune_seed(methods, state, data, held_out, steps, seed, rank, config):
+    """Fine-tunes every method from the same start on the same batches, interleaved step by step (method after method
+    on each batch), so that the step times of all methods see the same machine load; the first step is warm-up."""
     import time
     from fastdist import adapters
     seq = config["max_position_embeddings"]
-    torch.manual_seed(seed)
-    model, params = _build(method, state, rank, config)
-    opt = torch.optim.AdamW(params, lr=LR)
+    runs = {}
+    for method in methods:
+        torch.manual_seed(seed)
+        try:
+            model, params = _build(method, state, rank, config)
+        except Exception as e:  # a peer that fails here is recorded, not hidden
+            runs[method] = {"method": method, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+            continue
+        runs[method] = {"model": model, "params": params, "opt": torch.optim.AdamW(params, lr=LR), "curve": [],
+                        "times": [], "cpu_times": []}
     g = torch.Generator().manual_seed(100 + seed)
-    curve, times_s = [], []
     for _ in range(steps):
         tokens = _batch(data, g, seq)
-        start = time.perf_counter()
-        loss = model(input_ids=tokens, labels=tokens).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        times_s.append(time.perf_counter() - start)
-        curve.append(loss.item())
-    model.eval()
-    loss, acc = _evaluate(model, held_out, seq)
-    row = {"method": method, "seed": seed, "trainable": sum(p.numel() for p in params), "loss": loss, "acc": acc,
-           "step_s": statistics.median(times_s), "curve": curve,
-           "base_bytes": sum(b.numel() * b.element_size() for b in model.buffers()) +
-           sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)}
-    # weights and training state: the frozen base, and per trainable float32 parameter its value, gradient and
-    # AdamW's two moments (activations are the same model's for every method and left out)
-    row["state_bytes"] = row["base_bytes"] + 16 * row["trainable"]
-    if FINETUNE[method][0] != "bnb-nf4":
-        merge_report = adapters.merge(model)
-        row["merged_loss"], row["merged_acc"] = _evaluate(model, held_out, seq)
-        row["merged_into"] = sorted({r["into"] for r in merge_report.values()})
-    return row
+        for method, run_ in runs.items():
+            if "error" in run_:
+                continue
+            try:
+                start, cpu_start = time.perf_counter(), time.process_time()
+                loss = run_["model"](input_ids=tokens, labels=tokens).loss
+                run_["opt"].zero_grad(set_to_none=True)
+                loss.backward()
+                run_["opt"].step()
+                run_["times"].append(time.perf_counter() - start)
+                run_["cpu_times"].append(time.process_time() - cpu_start)
+                run_["curve"].append(loss.item())
+            except Exception as e:
+                runs[method] = {"method": method, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+    rows = []
+    for method in methods:
+        run_ = runs[method]
+        if "error" in run_:
+            rows.append(run_)
+            continue
+        model, params = run_["model"], run_["params"]
+        model.eval()
+        loss, acc = _evaluate(model, held_out, seq)
+        timed = run_["times"][1:] or run_["times"]
+        cpu_timed = run_["cpu_times"][1:] or run_["cpu_times"]
+        row = {"method": method, "seed": seed, "trainable": sum(p.numel() for p in params), "loss": loss, "acc": acc,
+               "step_s": statistics.median(timed), "step_samples_s": run_["times"],
+               "step_cpu_s": statistics.median(cpu_timed), "step_cpu_samples_s": run_["cpu_times"],
+               "curve": run_["curve"],
+               "base_bytes": sum(b.numel() * b.element_size() for b in model.buffers()) +
+               sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)}
+        # weights and training state: the frozen base, and per trainable float32 parameter its value, gradient and
+        # AdamW's two moments (activations are the same model's for every method and left out)
+        row["state_bytes"] = row["base_bytes"] + 16 * row["trainable"]
+        if FINETUNE[method][0] != "bnb-nf4":
+            merge_report = adapters.merge(model)
+            row["merged_loss"], row["merged_acc"] = _evaluate(model, held_out, seq)
+            row["merged_into"] = sorted({r["into"] for r in merge_report.values()})
+        rows.append(row)
+    return rows
 
 
 def finetune(args: argparse.Namespace) -> dict:
@@ -372,14 +402,10 @@ def finetune(args: argparse.Namespace) -> dict:
         loss, acc = _evaluate(model, held_out, args.seq)
         base_rows.append({"base": base, "loss": loss, "acc": acc})
     runs = []
-    bar = progress(len(args.methods) * len(args.seeds), "finetune")
+    bar = progress(len(args.seeds), "finetune")
     for seed in args.seeds:
-        for method in args.methods:  # interleaved: every method once per seed
-            try:
-                runs.append(_finetune_one(method, state, data, held_out, args.steps, seed, rank, config))
-            except Exception as e:  # a peer that fails here is recorded, not hidden
-                runs.append({"method": method, "seed": seed, "error": f"{type(e).__name__}: {e}"})
-            bar.step(f"{method} seed {seed}")
+        runs += _finetune_seed(args.methods, state, data, held_out, args.steps, seed, rank, config)
+        bar.step(f"seed {seed}")
     summary = []
     for method in args.methods:
         ok = [r for r in runs if r["method"] == method and "error" not in r]
@@ -388,11 +414,17 @@ def finetune(args: argparse.Namespace) -> dict:
             continue
         entry = {"method": method, "base": FINETUNE[method][0], "trainable": ok[0]["trainable"], "seeds": len(ok),
                  "state_bytes": ok[0]["state_bytes"]}
-        for key in ("loss", "acc", "step_s", "merged_loss"):
+        for key in ("loss", "acc", "step_s", "step_cpu_s", "merged_loss"):
             values = [r[key] for r in ok if key in r]
             if values:
                 entry[key] = statistics.mean(values)
                 entry[key + "_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        # step times over LoRA on the float base's, seed by seed (the two were timed in the same rounds)
+        for key, name in (("step_s", "step_vs_lora_float"), ("step_cpu_s", "step_cpu_vs_lora_float")):
+            reference = {r["seed"]: r[key] for r in runs if r["method"] == "lora-float" and "error" not in r}
+            ratios = [r[key] / reference[r["seed"]] for r in ok if r["seed"] in reference]
+            if ratios:
+                entry[name] = statistics.mean(ratios)
         summary.append(entry)
     return {"config": {"model": config, "seq": args.seq, "batch": BATCH, "lr": LR, "steps": args.steps,
                        "pretrain_steps": args.pretrain_steps, "rank": rank, "targets": TARGETS,
@@ -412,6 +444,9 @@ def finetune_tables(result: dict) -> list[report.Part]:
                col("held-out loss", _pm("loss"), numeric=True), col("accuracy", _pm("acc"), numeric=True),
                col("merged loss", _pm("merged_loss"), numeric=True),
                col("step (ms)", lambda r: 1e3 * r["step_s"] if "step_s" in r else None, fixed(1)),
+               col("step vs lora-float", "step_vs_lora_float", times(2)),
+               col("step CPU (ms)", lambda r: 1e3 * r["step_cpu_s"] if "step_cpu_s" in r else None, fixed(1)),
+               col("CPU vs lora-float", "step_cpu_vs_lora_float", times(2)),
                col("weights + state (MiB)", lambda r: r["state_bytes"] / MIB if "state_bytes" in r else None,
                    fixed(2)),
                col("error", "error")]
