@@ -20,45 +20,7 @@ PACKAGE = os.path.dirname(os.path.abspath(fastdist.__file__))
 
 # file (relative to python/fastdist) -> "qualified name: what is missing", for files whose owners have yet to add
 # them. Remove an entry when its gap is closed.
-KNOWN_GAPS: dict[str, set[str]] = {
-    "adapters/methods.py": {
-        "fastdist.adapters.Adapter.__init__: parameters not documented (no Args: section)",
-        "fastdist.adapters.LoRA.__init__: parameters not documented (no Args: section)",
-        "fastdist.adapters.QAHiRA.__init__: parameters not documented (no Args: section)",
-        "fastdist.adapters.QAHiRA.forward: parameters not documented (no Args: section)",
-        "fastdist.adapters.QALoRA.__init__: parameters not documented (no Args: section)",
-        "fastdist.adapters.QBaRA.__init__: parameters not documented (no Args: section)",
-    },
-    "adapters/model.py": {
-        "fastdist.adapters.AdaptedLinear.forward: parameters not documented (no Args: section)",
-        "fastdist.adapters.AdaptedLinear.in_features: no docstring",
-        "fastdist.adapters.AdaptedLinear.out_features: no docstring",
-        "fastdist.adapters.adapter_parameters: parameters not documented (no Args: section)",
-        "fastdist.adapters.add_adapters: parameters options not annotated",
-        "fastdist.adapters.load_adapters: parameters not documented (no Args: section)",
-        "fastdist.adapters.save_adapters: parameters not documented (no Args: section)",
-    },
-    "adapters/quant.py": {
-        "fastdist.adapters.QuantLinear.__init__: parameters not documented (no Args: section)",
-        "fastdist.adapters.QuantLinear.forward: parameters not documented (no Args: section)",
-        "fastdist.adapters.QuantLinear.from_linear: parameters not documented (no Args: section)",
-    },
-    "comm/baselines.py": {
-        "fastdist.comm.bf16_allreduce: parameters not documented (no Args: section)",
-        "fastdist.comm.fp16_allreduce: parameters not documented (no Args: section)",
-        "fastdist.comm.make_powersgd_state: return not annotated",
-        "fastdist.comm.powersgd_allreduce: parameters state not annotated",
-    },
-    "comm/sketch.py": {
-        "fastdist.comm.ExactTimings.for_header: parameters not documented (no Args: section)",
-        "fastdist.comm.ExactTimings.for_union: parameters not documented (no Args: section)",
-        "fastdist.comm.sketch_allreduce: return not annotated",
-    },
-    "ops/quant4.py": {
-        "fastdist.ops.dequantize4: parameters not documented (no Args: section)",
-        "fastdist.ops.qlinear_grad_input: parameters not documented (no Args: section)",
-    },
-}
+KNOWN_GAPS: dict[str, set[str]] = {}
 
 
 def _public_objects():

@@ -42,7 +42,16 @@ def _repeat(y: torch.Tensor, h: int) -> torch.Tensor:
 
 class Adapter(nn.Module):
     """Base class: ``forward(x)`` is ``delta(x)``; ``add_to(y, x)`` is ``y + delta(x)`` with the output repeat left to
-    broadcasting; ``delta_weight()`` the dense ``dW``."""
+    broadcasting; ``delta_weight()`` the dense ``dW``.
+
+    Args:
+        in_features: the adapted layer's input features (divisible by the pooling ``g``).
+        out_features: the adapted layer's output features (divisible by the repeat ``h``).
+        name: the layer's path in its model, for error messages.
+
+    Raises:
+        ValueError: a layer shape the pooling or the repeat does not divide.
+    """
 
     method = ""
     pool_in = 1   # g
@@ -74,6 +83,14 @@ class Adapter(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``delta(x) = x @ dW.T``.
+
+        Args:
+            x: the layer's input ``[..., d_in]``.
+
+        Returns:
+            The update ``[..., d_out]``, to add to the base layer's output.
+        """
         return _repeat(self.pooled_delta(x), self.repeat_out)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +146,15 @@ def _balanced_rank(r: int, d_in: int, d_out: int, g: int, h: int) -> int:
 
 
 class LoRA(_TwoFactor):
-    """LoRA: ``dW = (alpha / r) B A`` (PEFT's ``LoraConfig(r, lora_alpha=alpha)`` computes the same)."""
+    """LoRA: ``dW = (alpha / r) B A`` (PEFT's ``LoraConfig(r, lora_alpha=alpha)`` computes the same).
+
+    Args:
+        in_features: the adapted layer's input features.
+        out_features: the adapted layer's output features.
+        r: the rank (>= 1).
+        alpha: the scale numerator, ``s = alpha / r`` (default ``r``, so ``s = 1``).
+        name: the layer's path in its model, for error messages.
+    """
 
     method = "lora"
 
@@ -144,7 +169,16 @@ class LoRA(_TwoFactor):
 
 
 class QALoRA(_TwoFactor):
-    """QA-LoRA: the input average-pooled by ``group`` (the quantization group) before ``A``, LoRA(r)'s budget."""
+    """QA-LoRA: the input average-pooled by ``group`` (the quantization group) before ``A``, LoRA(r)'s budget.
+
+    Args:
+        in_features: the adapted layer's input features (divisible by ``group``).
+        out_features: the adapted layer's output features.
+        r: the parameter budget as a LoRA rank (>= 1); the rank used is the largest within that budget.
+        group: the pooling group (>= 1), the base's quantization block so that the adapter merges exactly.
+        alpha: the scale numerator, ``s = alpha / r`` (default ``r``, so ``s = 1``).
+        name: the layer's path in its model, for error messages.
+    """
 
     method = "qalora"
 
@@ -162,7 +196,15 @@ class QALoRA(_TwoFactor):
 
 
 class QBaRA(_TwoFactor):
-    """Q-BaRA: pool the input by 2, rank 2r, repeat the output by 2: LoRA(r)'s parameter count, rank up to 2r."""
+    """Q-BaRA: pool the input by 2, rank 2r, repeat the output by 2: LoRA(r)'s parameter count, rank up to 2r.
+
+    Args:
+        in_features: the adapted layer's input features (even).
+        out_features: the adapted layer's output features (even).
+        r: the parameter budget as a LoRA rank (>= 1).
+        alpha: the scale numerator, ``s = alpha / r`` (default ``r``, so ``s = 1``).
+        name: the layer's path in its model, for error messages.
+    """
 
     method = "qbara"
     pool_in = 2
@@ -179,7 +221,15 @@ class QBaRA(_TwoFactor):
 
 
 class QAHiRA(Adapter):
-    """QA-HiRA: ``dW = (s / 4) rep_8(M pool_4(x))``, one zero-initialised matrix ``M [d_out/8, d_in/4]``."""
+    """QA-HiRA: ``dW = (s / 4) rep_8(M pool_4(x))``, one zero-initialised matrix ``M [d_out/8, d_in/4]``.
+
+    Args:
+        in_features: the adapted layer's input features (divisible by 4).
+        out_features: the adapted layer's output features (divisible by 8).
+        r: unused (QA-HiRA's size is fixed by the layer's); accepted so that every method is built alike.
+        alpha: the scale ``s`` (default 1).
+        name: the layer's path in its model, for error messages.
+    """
 
     method = "qahira"
     pool_in = 4

@@ -14,7 +14,12 @@ __all__ = ["AdaptedLinear", "add_adapters", "adapter_parameters", "adapter_state
 
 
 class AdaptedLinear(nn.Module):
-    """A frozen base (:class:`QuantLinear` or ``nn.Linear``) plus a trainable adapter: ``base(x) + adapter(x)``."""
+    """A frozen base (:class:`QuantLinear` or ``nn.Linear``) plus a trainable adapter: ``base(x) + adapter(x)``.
+
+    Args:
+        base: the layer to adapt; its parameters are frozen here.
+        adapter: the adapter, built for ``base``'s shape.
+    """
 
     def __init__(self, base: nn.Module, adapter: Adapter) -> None:
         super().__init__()
@@ -24,13 +29,23 @@ class AdaptedLinear(nn.Module):
 
     @property
     def in_features(self) -> int:
+        """The base layer's input features."""
         return self.base.in_features
 
     @property
     def out_features(self) -> int:
+        """The base layer's output features."""
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``base(x) + adapter(x)``, in the base output's dtype.
+
+        Args:
+            x: the input ``[..., in_features]``.
+
+        Returns:
+            The output ``[..., out_features]``.
+        """
         return self.adapter.add_to(self.base(x), x)
 
 
@@ -39,7 +54,7 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
 
 
 def add_adapters(model: nn.Module, method: "str | type[Adapter]", r: int | None = None,
-                 target_modules: Sequence[str] = ("q_proj", "v_proj"), **options) -> nn.Module:
+                 target_modules: Sequence[str] = ("q_proj", "v_proj"), **options: object) -> nn.Module:
     """Wraps every targeted linear layer of ``model`` (in place) with an adapter; everything else is frozen.
 
     Args:
@@ -88,7 +103,14 @@ def _adapted(model: nn.Module) -> list[tuple[str, AdaptedLinear]]:
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapters' parameters (the trainable ones)."""
+    """The adapters' parameters (the trainable ones).
+
+    Args:
+        model: a model with adapters installed by :func:`add_adapters`.
+
+    Returns:
+        The parameters of every adapter of ``model``, to hand to the optimizer.
+    """
     return [p for _, m in _adapted(model) for p in m.adapter.parameters()]
 
 
@@ -99,7 +121,12 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
-    """Writes the adapters' weights and configurations (not the base) to ``path``."""
+    """Writes the adapters' weights and configurations (not the base) to ``path``.
+
+    Args:
+        model: a model with adapters installed by :func:`add_adapters`.
+        path: the file to write (``torch.save`` format), read back by :func:`load_adapters`.
+    """
     configs = {name: {**m.adapter.config(), "shape": [m.out_features, m.in_features]} for name, m in _adapted(model)}
     torch.save({"configs": configs, "state": adapter_state_dict(model)}, path)
 
@@ -107,6 +134,14 @@ def save_adapters(model: nn.Module, path: str | os.PathLike) -> None:
 def load_adapters(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Loads adapters written by :func:`save_adapters` into ``model``: installs them where ``model`` has none yet,
     then copies the weights.
+
+    Args:
+        model: the model the adapters were made for (its base, quantized or not); adapters it has already must
+            match the saved ones' methods.
+        path: a file written by :func:`save_adapters`.
+
+    Returns:
+        ``model``, with the saved adapters' weights.
 
     Raises:
         ValueError: a saved layer missing from ``model``, or with another shape or method (named in the message).

@@ -16,6 +16,18 @@ class QuantLinear(nn.Module):
     The quantized weight (``packed``, ``scales``, ``zeros``) and the bias are buffers: they are in ``state_dict`` and
     move with ``.to()``, but are not parameters, so optimizers and DDP never see them. ``forward`` is the fused
     :func:`~fastdist.ops.qlinear`; gradients flow to the input only.
+
+    Args:
+        in_features: input features (divisible by ``block``).
+        out_features: output features (divisible by ``block_rows``).
+        bias: whether the layer has a bias (a float32 buffer).
+        scheme: ``"nf4"`` or ``"int4"`` (``int4`` has per-block zero points).
+        block: input columns per quantization block (even).
+        block_rows: output rows per quantization block.
+        device: where the buffers live.
+
+    Raises:
+        ValueError: an unknown scheme, or a block (or block_rows) that does not divide the layer's shape.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, scheme: str = "nf4", block: int = 64,
@@ -38,7 +50,22 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str = "nf4", block: int = 64, block_rows: int = 1,
                     name: str = "") -> "QuantLinear":
-        """Quantizes ``linear``'s weight; ``name`` (the module's path) goes into error messages."""
+        """Quantizes ``linear``'s weight; ``name`` (the module's path) goes into error messages.
+
+        Args:
+            linear: the float layer to quantize (left unchanged).
+            scheme: ``"nf4"`` or ``"int4"``.
+            block: input columns per quantization block (even, dividing ``linear.in_features``).
+            block_rows: output rows per quantization block (dividing ``linear.out_features``).
+            name: the layer's path in its model, for error messages.
+
+        Returns:
+            A new :class:`QuantLinear` on ``linear``'s device holding its quantized weight and its bias.
+
+        Raises:
+            ValueError: a block (or block_rows) that does not divide the layer's shape (the message names the layer).
+            RuntimeError: the weight cannot be quantized (NaN or inf; named too).
+        """
         where = f" '{name}'" if name else ""
         if linear.in_features % block:
             raise ValueError(f"QuantLinear: layer{where} has in_features = {linear.in_features}, not divisible by "
@@ -65,6 +92,14 @@ class QuantLinear(nn.Module):
         return dequantize4(self.packed, self.scales, self.zeros, self.scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + bias`` with ``W`` the dequantized weight, by the fused kernel.
+
+        Args:
+            x: the input ``[..., in_features]``.
+
+        Returns:
+            The output ``[..., out_features]``.
+        """
         return qlinear(x, self.packed, self.scales, self.zeros, self.scheme, self.bias)
 
     def extra_repr(self) -> str:

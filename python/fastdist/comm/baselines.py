@@ -33,6 +33,7 @@ import dataclasses
 import math
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,10 @@ import torch.distributed as dist
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
 from fastdist.distributed.fingerprint import check_same
+
+if TYPE_CHECKING:
+    # imported where used otherwise: importing fastdist.comm does not load torch's DDP hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 __all__ = [
     "BaselineStats",
@@ -185,7 +190,13 @@ def fp16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.Process
     Values beyond float16's range (65504) overflow to inf, as with the hook; op="avg" pre-divides by the
     world size (the hook itself), which makes overflow less likely.
 
-    Arguments and result as dense_allreduce's.
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the reduction.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         fp16_compress_hook,
@@ -196,7 +207,13 @@ def fp16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.Process
 def bf16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch's bf16_compress_hook on a raw tensor: bfloat16 on the wire (float32's range, 8-bit mantissa).
 
-    Arguments and result as dense_allreduce's.
+    Args:
+        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
+        op: "sum" or "avg".
+        group: the process group (None: the default group).
+
+    Returns:
+        `tensor`, holding the reduction.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         bf16_compress_hook,
@@ -395,7 +412,7 @@ class _OneTensorBucket:
 
 def make_powersgd_state(group: dist.ProcessGroup | None = None, *, rank: int = 4, start_iter: int = 2,
                         error_feedback: bool = True, warm_start: bool = True, min_compression_rate: float = 2,
-                        seed: int = 0):
+                        seed: int = 0) -> "PowerSGDState":
     """A torch PowerSGDState for powersgd_allreduce: rank-`rank` approximation, error feedback and warm start on.
 
     Args:
@@ -435,7 +452,8 @@ def _powersgd_plan(state, shape, esize, world):
         (p_elems, q_elems)
 
 
-def powersgd_allreduce(state, tensor: torch.Tensor, *, op: str = "sum", bucket_index: int = 0) -> torch.Tensor:
+def powersgd_allreduce(state: "PowerSGDState", tensor: torch.Tensor, *, op: str = "sum",
+                       bucket_index: int = 0) -> torch.Tensor:
     """torch's powerSGD_hook on `tensor` (viewed as rows of dim 0 x everything else), in place.
 
     The hook all-reduces P (n x r) and then Q (m x r); it averages, and op="sum" multiplies its result by the

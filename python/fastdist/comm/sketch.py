@@ -155,11 +155,26 @@ class ExactTimings:
         self.last_class: dict[tuple, int] = {}  # configuration -> size class of its last exact call's union
 
     def for_header(self, configuration: tuple) -> CollectiveRates:
-        """The rates a call sends and decides with: those of the previous exact call's union size class."""
+        """The rates a call sends and decides with: those of the previous exact call's union size class.
+
+        Args:
+            configuration: what the timings are kept by (world size, tensor shape, dtype, granularity).
+
+        Returns:
+            The CollectiveRates kept for that configuration and size class (created empty at first use).
+        """
         return self.by_class.setdefault((configuration, self.last_class.get(configuration)), CollectiveRates())
 
     def for_union(self, configuration: tuple, union_ring_bytes: int) -> CollectiveRates:
-        """The rates this exact call records into: its own union's size class, which the next call decides with."""
+        """The rates this exact call records into: its own union's size class, which the next call decides with.
+
+        Args:
+            configuration: the call's timed configuration, as given to :meth:`for_header`.
+            union_ring_bytes: the union all-reduce's ring bytes; its bit length is the size class.
+
+        Returns:
+            The CollectiveRates kept for that configuration and size class (created empty at first use).
+        """
         size_class = self.last_class[configuration] = union_ring_bytes.bit_length()
         return self.by_class.setdefault((configuration, size_class), CollectiveRates())
 
@@ -789,7 +804,8 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
                      group: dist.ProcessGroup | None = None, async_op: bool = False, lossless_slack: float = 2.0,
                      dense_fraction: float = 0.5, max_sketch_load: float = 1.0, residual: torch.Tensor | None = None,
                      exact_collective: str = "auto", timings: ExactTimings | None = None,
-                     step: int | None = None, agreed: dict | None = None, channel: Channel | None = None):
+                     step: int | None = None, agreed: dict | None = None,
+                     channel: Channel | None = None) -> torch.Tensor | _Pending:
     """Sums `tensor` over the ranks of `group`, sending only its union support (exact) or a sketch of it.
 
     Args:
@@ -891,10 +907,10 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
 
     method = _choose(mode, union.units * m, n * m, rows, c, lossless_slack, dense_fraction, max_sketch_load)
     common = (local, union, world, device, divisor)
-    exact_by, filed = "", None  # filed: where this call's exact timing goes (its own union's size class)
+    exact_by, union_rates = "", None  # where this call's exact timing goes (its own union's size class)
     if method == "exact":
         reduction, exact_by, union_ring_bytes = _exact_reduction(common, exact_collective, header, decided_with)
-        filed = timings.for_union(timed_config, union_ring_bytes)
+        union_rates = timings.for_union(timed_config, union_ring_bytes)
     elif method == "sketch":
         reduction = _SketchAllReduce(*common, rows, c, seed, residual)
     else:
@@ -910,14 +926,14 @@ def sketch_allreduce(tensor: torch.Tensor, *, ratio: float | None = None, cols: 
     def complete():
         global _last
         result = local.write_back(union, reduction.finish())
-        if filed is not None:  # from issuing the payload to here (a late wait() counts too)
+        if union_rates is not None:  # from issuing the payload to here (a late wait() counts too)
             seconds = time.perf_counter() - issued
             if channel is not None and reduction.exact_collective == "allreduce-union":
                 # on a channel the gather folds the header into its payload (its folded calls time the whole call),
                 # while the union all-reduce pays a header of its own every call: its figure carries the header
-                filed.record(reduction.exact_collective, header_seconds + seconds, 0.0, payload_bytes)
+                union_rates.record(reduction.exact_collective, header_seconds + seconds, 0.0, payload_bytes)
             else:
-                filed.record(reduction.exact_collective, seconds, header_seconds, payload_bytes)
+                union_rates.record(reduction.exact_collective, seconds, header_seconds, payload_bytes)
         header_bytes = ring_allgather_bytes(HEADER_FIXED_BYTES + HEADER_BITMAP_BYTES, world)
         _last = SketchStats(
             method=reduction.method, mode=mode, units=n, unit_size=m, local_units=local.units,

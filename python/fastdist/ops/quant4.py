@@ -52,7 +52,17 @@ def quantize4(w: torch.Tensor, scheme: str = "nf4", block: int = 64,
 
 
 def dequantize4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, scheme: str) -> torch.Tensor:
-    """The float32 weight ``w'`` ``[n, k]`` of :func:`quantize4`'s output."""
+    """The float32 weight ``w'`` ``[n, k]`` of :func:`quantize4`'s output.
+
+    Args:
+        packed: uint8 ``[n, k / 2]``, two 4-bit codes per byte.
+        scales: float32 ``[n / block_rows, k / block]``.
+        zeros: float32 of the scales' shape for int4, ``None`` for nf4.
+        scheme: ``"nf4"`` or ``"int4"``.
+
+    Returns:
+        ``w'`` float32 ``[n, k]``.
+    """
     return torch.ops.fastdist.quant4_dequantize.default(packed, scales, zeros, scheme)
 
 
@@ -73,7 +83,18 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: 
 
 def qlinear_grad_input(grad: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        scheme: str) -> torch.Tensor:
-    """``grad @ w'``: the gradient of :func:`qlinear` with respect to ``x``, ``[..., k]`` in ``grad``'s dtype."""
+    """``grad @ w'``: the gradient of :func:`qlinear` with respect to ``x``, ``[..., k]`` in ``grad``'s dtype.
+
+    Args:
+        grad: the gradient of :func:`qlinear`'s output, ``[..., n]``.
+        packed: uint8 ``[n, k / 2]``, two 4-bit codes per byte.
+        scales: float32 ``[n / block_rows, k / block]``.
+        zeros: float32 of the scales' shape for int4, ``None`` for nf4.
+        scheme: ``"nf4"`` or ``"int4"``.
+
+    Returns:
+        ``grad @ w'``, ``[..., k]`` in ``grad``'s dtype.
+    """
     return torch.ops.fastdist.qlinear_grad_input.default(grad, packed, scales, zeros, scheme)
 
 
