@@ -191,12 +191,7 @@ def fp16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.Process
     world size (the hook itself), which makes overflow less likely.
 
     Args:
-        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
-        op: "sum" or "avg".
-        group: the process group (None: the default group).
-
-    Returns:
-        `tensor`, holding the reduction.
+        tensor, op, group: as for :func:`dense_allreduce`; `tensor` is reduced in place and returned.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         fp16_compress_hook,
@@ -208,12 +203,7 @@ def bf16_allreduce(tensor: torch.Tensor, *, op: str = "sum", group: dist.Process
     """torch's bf16_compress_hook on a raw tensor: bfloat16 on the wire (float32's range, 8-bit mantissa).
 
     Args:
-        tensor: a dense float32/float16/bfloat16/float64 tensor, reduced in place.
-        op: "sum" or "avg".
-        group: the process group (None: the default group).
-
-    Returns:
-        `tensor`, holding the reduction.
+        tensor, op, group: as for :func:`dense_allreduce`; `tensor` is reduced in place and returned.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
         bf16_compress_hook,
