@@ -17,7 +17,7 @@ does; every shard gets one (possibly empty) every step, so the counts match the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -43,8 +43,12 @@ class _RowWise(torch.optim.Optimizer):
         return grad.indices()[0], grad.values()
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()``'s loss if given."""
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One update of every parameter that has a gradient; returns ``closure()``'s loss if given.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as for torch's optimizers (optional).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
