@@ -67,6 +67,13 @@ def test_gather_output_and_replicated_row_input_equal_the_single_process_layers(
 
 def test_chunked_linears_issue_one_collective_per_chunk_in_the_right_phase(tp_ranks):
     logs = tp_ranks(2, "collectives")[0]
+    # Each linear's forward exchanges its row count once (8 bytes per rank, not a tensor-parallel collective).
+    for sp in (False, True):
+        for k in (1, 3):
+            checks = [(phase, numel) for kind, phase, _, numel in logs[sp, k][0] if kind == "token_count"]
+            assert checks == [("forward", 2), ("forward", 2)]
+    logs = {key: ([r for r in records if r[0] != "token_count"], in_flight)
+            for key, (records, in_flight) in logs.items()}
     # No sequence parallelism: row forward all-reduces its output [rows, features] in k chunks (all in flight at
     # once), column backward all-reduces the input gradient [rows, features] in k chunks; nothing else.
     activation = COLLECTIVES_ROWS * COLLECTIVES_FEATURES

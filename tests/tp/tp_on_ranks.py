@@ -314,6 +314,7 @@ def block_collective_counts():
     for name, fwd in {"megatron_checkpoint": megatron_ckpt, "megatron": megatron_plain}.items():
         log = _step_log(fwd, x)
         out[name] = {p: log.numel("all_reduce", p) / activation / 2 for p in ("forward", "backward", "recompute")}
+        out[f"{name}_token_counts"] = {p: log.count("token_count", p) / 2 for p in ("forward", "backward", "recompute")}
     for recompute in (False, True):
         blocks = [OverlappedTransformerBlock.from_block(reference_block(s), None, recompute=recompute)
                   for s in (1, 2)]

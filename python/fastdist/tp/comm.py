@@ -30,7 +30,8 @@ from fastdist.distributed.compat import all_gather_single, reduce_scatter_single
 
 @dataclasses.dataclass
 class CollectiveRecord:
-    kind: str       # "all_reduce", "all_gather", "reduce_scatter", "ring_exchange" (send next, receive previous)
+    kind: str       # "all_reduce", "all_gather", "reduce_scatter", "ring_exchange" (send next, receive previous),
+                    # "token_count" (a linear's check that every rank passed as many rows)
     phase: str      # "forward", "backward", "recompute"
     numel: int      # elements of the full (reduced or gathered) tensor
     site: str       # who issued it, e.g. "row.forward", "oases.attn"
@@ -83,10 +84,29 @@ def count_collectives() -> Iterator[CollectiveLog]:
         _active_logs.remove(log)
 
 
+def recomputing() -> bool:
+    """Whether a forward called now runs inside autograd's backward (activation recomputation, as
+    ``torch.utils.checkpoint`` does)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _phase(backward):
     if backward:
         return "backward"
-    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "recompute" if recomputing() else "forward"
+
+
+def record_token_count_exchange(world_size: int) -> None:
+    """Records a linear's exchange of every rank's row count (an 8-byte all-gather the linear issues and waits for
+    itself) as kind ``"token_count"``, so that the log shows what each step pays for the check; never in flight.
+
+    Args:
+        world_size: the group's size (one count per rank).
+    """
+    if _active_logs:
+        rec = CollectiveRecord("token_count", _phase(False), world_size, "token_check")
+        for log in _active_logs:
+            log.records.append(rec)
 
 
 def _record(kind, numel, site, backward):

@@ -28,7 +28,8 @@ Collectives run asynchronously through :mod:`fastdist.tp.comm` (gloo runs them o
 is real on CPU; NCCL on its stream). Every rank must call with the same number of tokens: each call exchanges its
 token count (an 8-byte all-gather issued before the first GEMM and waited for before the first collective that
 depends on it), so ranks given different inputs raise on every rank instead of issuing collectives of different
-sizes, and the chosen chunk count is checked across ranks once per shape.
+sizes, and the chosen chunk count is checked across ranks once per shape. A forward recomputed in backward
+(activation checkpointing) repeats rows already checked, so it exchanges nothing.
 
 Under ``torch.compile(fullgraph=True)`` the collectives are torch's functional ones (the compiler schedules the
 overlap); the per-call token check and the cross-rank check of an automatic chunk choice run in eager calls only.
@@ -124,6 +125,7 @@ class _TokenCheck:
         self._mine = torch.tensor([rows if problem is None else -1], dtype=torch.int64)
         self._all = torch.empty(layer.world_size, dtype=torch.int64)
         self._work = all_gather_single(self._all, self._mine, group=layer.host_group, async_op=True)
+        comm.record_token_count_exchange(layer.world_size)
 
     def verify(self):
         if self._work is None:
@@ -408,6 +410,8 @@ class _ParallelLinear(nn.Module):
             if problem is not None:
                 raise ValueError(problem)
             return None
+        if problem is None and rows in self._chunks_by_rows and comm.recomputing():
+            return None  # a recomputed forward repeats the rows its checked forward passed, on every rank
         check = _TokenCheck(self, rows, problem)
         if problem is not None or rows not in self._chunks_by_rows:
             check.verify()
