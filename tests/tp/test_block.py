@@ -60,11 +60,13 @@ def test_oases_block_loads_a_gpt_block_state_dict_and_gathers_one_back(tp_ranks,
             assert torch.equal(got["gathered"][name], value), f"rank {rank}: {name} gathered by full_state_dict"
 
 
-def test_megatron_checkpointing_all_reduces_6_activations_per_layer_and_oases_recompute_4_and_recomputation_checks_no_row_counts(tp_ranks):
+def test_megatron_checkpointing_all_reduces_5_activations_per_layer_and_oases_recompute_4_and_recomputation_checks_no_row_counts(tp_ranks):
     counts = tp_ranks(2, "block_counts")[0]
     assert counts["megatron"] == {"forward": 2, "backward": 2, "recompute": 0}
-    assert counts["megatron_checkpoint"] == {"forward": 2, "backward": 2, "recompute": 2}
-    assert sum(counts["megatron_checkpoint"].values()) == 6
+    # torch's checkpoint stops recomputing once the MLP's GEMM has saved its input again: nothing saved needs the
+    # MLP's all-reduced output, so recomputation all-reduces the attention's output only.
+    assert counts["megatron_checkpoint"] == {"forward": 2, "backward": 2, "recompute": 1}
+    assert sum(counts["megatron_checkpoint"].values()) == 5
     # Each of the 4 linears checks its row count once per forward; the recomputed forward repeats checked rows.
     assert counts["megatron_token_counts"] == {"forward": 4, "backward": 0, "recompute": 0}
     assert counts["megatron_checkpoint_token_counts"] == {"forward": 4, "backward": 0, "recompute": 0}

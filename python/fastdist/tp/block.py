@@ -25,7 +25,7 @@ backward  B: MLP backward               -> all-reduce dB2 (input gradient of fc1
 With ``recompute=True`` the forward keeps only the block input and the two already-reduced outputs per
 sub-batch; backward recomputes the rest from them, so recomputation issues no forward all-reduce: 4 all-reduces
 of an activation per layer per step, where Megatron-style checkpointing (recompute the whole block, its
-collectives included) issues 6.
+collectives included) issues 5.
 """
 import math
 

@@ -9,8 +9,8 @@ Every collective fastdist.tp issues goes through :func:`all_reduce`, :func:`all_
 * ``"recompute"``: a forward collective issued while autograd runs a backward (activation recomputation).
 
 The log is what the collective-count tests and the benchmark read: Megatron-style checkpointing of a GPT block
-all-reduces 6 activations' worth per layer per step (2 forward, 2 backward, 2 again in recomputation), the Oases
-block with recompute 4.
+all-reduces 5 activations' worth per layer per step (2 forward, 2 backward, and the attention's again in
+recomputation, which stops before the MLP's), the Oases block with recompute 4.
 
 Under ``torch.compile`` the same calls issue torch's functional collectives
 (``torch.distributed._functional_collectives``), which the compiler can trace and schedule: they return a new

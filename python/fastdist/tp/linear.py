@@ -333,6 +333,22 @@ class _AllReduceGrad(torch.autograd.Function):
         return comm.all_reduce(grad.contiguous(), ctx.group, site="row.bias_grad", backward=True).wait(), None
 
 
+class _AllReduceOutput(torch.autograd.Function):
+    """Sums a row-parallel GEMM's partial output over the group (in place); identity backward. Kept apart from the
+    GEMM, as Megatron does, so that a recomputing checkpoint, which stops once every tensor backward needs has been
+    saved again, stops after the GEMM and skips an all-reduce whose result nothing saved depends on."""
+
+    @staticmethod
+    def forward(ctx, y, group, token_check):
+        _verify(token_check)  # the GEMM overlapped the exchange of the token counts
+        ctx.mark_dirty(y)
+        return comm.all_reduce(y, group, site="row.forward").wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
 # ---- the modules ----
 
 class _ParallelLinear(nn.Module):
@@ -583,7 +599,11 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x2 = _SplitLastDim.apply(x2, self.group)
         chunks = self.chunks_for(rows // self.world_size if self.sequence_parallel else rows)
-        y = _RowParallelMatmul.apply(x2.contiguous(), self.weight, self.group, chunks, self.sequence_parallel, check)
+        if chunks == 1 and not self.sequence_parallel and not comm.compiling():
+            y = _AllReduceOutput.apply(x2 @ self.weight.t(), self.group, check)
+        else:
+            y = _RowParallelMatmul.apply(x2.contiguous(), self.weight, self.group, chunks, self.sequence_parallel,
+                                         check)
         bias = self.bias
         if bias is not None and self.sequence_parallel:
             bias = _AllReduceGrad.apply(bias, self.group)
