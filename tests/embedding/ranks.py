@@ -283,6 +283,7 @@ def growing_and_shrinking_batches() -> list:
 
 def compiled() -> dict:
     """A model with a sharded bag table under torch.compile and the same model eager: loss and table gradient."""
+    from fastdist.embedding import fuse_lookups
     import models
     rank = dist.get_rank()
     out = {}
@@ -290,6 +291,7 @@ def compiled() -> dict:
         torch.manual_seed(0)
         model = models.DLRM(table_rows=(300,), sparse=False)
         model.embeddings[0] = ShardedEmbedding.from_embedding(model.embeddings[0])
+        fuse_lookups([model])  # as hybrid_parallel binds it: deferred when eager, looked up at once when compiled
         run = torch.compile(model) if name == "compiled" else model
         dense, ids, offsets, labels = models.dlrm_batch(rank, 0, table_rows=(300,))
         loss = F.binary_cross_entropy_with_logits(run(dense, ids, offsets), labels)
@@ -332,6 +334,8 @@ def suite(world: int, checkpoint: str) -> dict:
         out["compiled"] = compiled()
         out["traffic"] = traffic_by_vocabulary()
         out["prefetch collection"] = {p: prefetch_collection(p) for p in (False, True)}
+        out["fused"] = {fuse: fused_training(fuse) for fuse in (True, False, "prefetch")}
+        out["deferred"] = deferred_outputs()
         out["checkpoint"] = dcp_save(checkpoint)
     else:
         out["checkpoint"] = {"reloaded": dcp_load(checkpoint)}
@@ -379,7 +383,8 @@ def prefetch_training(schedule: str) -> dict:
             opt.step()
             if schedule == "after-step" and step + 1 < PREFETCH_STEPS:
                 table.prefetch(*prefetch_batch(rank, step + 1)[:3])
-        out[name] = {"y": ys, "start": table.row_start, "weight": table.weight.detach().clone()}
+        out[name] = {"y": ys, "start": table.row_start, "weight": table.weight.detach().clone(),
+                     "traffic": dict(table.traffic)}
     return out
 
 
@@ -456,3 +461,99 @@ def dcp_load(path: str) -> dict:
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state)
     return model.state_dict()
+
+
+# ---- tables called one by one, fused into one exchange ----
+
+class _CountAllToAll:
+    """Counts this rank's all_to_all_single calls (the exchanges' collectives) while active."""
+
+    def __enter__(self):
+        self.calls, self._original = 0, dist.all_to_all_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._original
+
+
+def fused_training(fuse: bool | str, steps: int = 3) -> dict:
+    """The DLRM through hybrid_parallel(fuse=...): its two sharded tables are called one by one in its forward
+    (fuse="prefetch": fused, each table prefetching the next batch after the forward). Losses, the full state
+    afterwards, and the AlltoAlls of each step's forward and backward."""
+    from fastdist.embedding import hybrid_parallel
+    import models
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = hybrid_parallel(models.DLRM(), min_rows=500, fuse=bool(fuse))
+    opts = dlrm_optimizers(model)
+    losses, forward, backward = [], [], []
+    for s in range(steps):
+        dense, ids, offsets, labels = models.dlrm_batch(rank, s)
+        for o in opts:
+            o.zero_grad()
+        with _CountAllToAll() as fwd:
+            loss = F.binary_cross_entropy_with_logits(model(dense, ids, offsets), labels)
+        if fuse == "prefetch" and s + 1 < steps:
+            _, next_ids, next_offsets, _ = models.dlrm_batch(rank, s + 1)
+            for table, i, o in zip(model.module.embeddings, next_ids, next_offsets):
+                if isinstance(table, ShardedEmbedding):
+                    table.prefetch(i, o)
+        with _CountAllToAll() as bwd:
+            loss.backward()
+        for o in opts:
+            o.step()
+        losses.append(loss.item())
+        forward.append(fwd.calls)
+        backward.append(bwd.calls)
+    state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    sharded = sorted(n.removeprefix("module.") for n, m in model.named_modules() if isinstance(m, ShardedEmbedding))
+    del model, opts
+    gc.collect()
+    return {"losses": losses, "state": state, "sharded": sharded, "forward": forward, "backward": backward}
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def deferred_outputs() -> dict:
+    """What a deferred output does before and at its first use: metadata without a lookup, the same table twice
+    in one exchange, a call under no_grad, and a custom autograd.Function refused in the backward."""
+    from fastdist.embedding import fuse_lookups
+    rank = dist.get_rank()
+    reference = reference_table({"seed": 12, "rows": 29})
+    bags = torch.nn.EmbeddingBag(29, DIM, mode="mean")
+    bags.weight.data.copy_(reference.weight.data)
+    table, bag_table = ShardedEmbedding.from_embedding(reference), ShardedEmbedding.from_embedding(bags)
+    fusion = fuse_lookups([table, bag_table])
+    a_ids, b_ids = torch.tensor([[1, 28], [5, 5 + rank]]), torch.tensor([3, 4, 20 + rank])
+    a, b, c = table(a_ids), table(b_ids), bag_table(b_ids, torch.tensor([0, 1]))
+    metadata = (tuple(a.shape), a.dim(), a.size(-1), b.dtype, len(c), c.requires_grad, fusion.pending)
+    total = a.sum() + b.sum() * 2 + c.pow(2).sum()  # the first use: one exchange for the three calls
+    after = fusion.pending
+    total.backward()
+    grad = table.weight.grad.clone()
+    want_a, want_b, want_c = reference(a_ids), reference(b_ids), bags(b_ids, torch.tensor([0, 1]))
+    outputs_equal = all(torch.equal(x.value, y) for x, y in zip((a, b, c), (want_a, want_b, want_c)))
+    with torch.no_grad():
+        quiet = table(b_ids)
+    quiet_value = quiet + 0
+    refused = ""
+    try:
+        _Scale.apply(table(a_ids)).sum().backward()
+    except RuntimeError as err:
+        refused = str(err)
+    return {"metadata": metadata, "pending after use": after, "outputs equal": outputs_equal,
+            "grad": grad, "start": table.row_start, "no_grad": quiet_value.requires_grad,
+            "refused": refused}

@@ -1,6 +1,7 @@
 """hybrid_parallel on users' models (a DLRM-style recommender, a nanoGPT-style LM) on 2 ranks trains exactly as one
 process on the concatenated batch: losses and every parameter after several optimizer steps, with the next batch
-prefetched too (bit for bit the run without); a table tied to the LM head is refused, never silently untied; the
+prefetched too (bit for bit the run without); the tables the model calls one by one share one exchange per step
+(deferred outputs, bit for bit the unfused run); a table tied to the LM head is refused, never silently untied; the
 collection places whole tables on ranks balanced by size; the README's recipe runs as written under torchrun."""
 import re
 
@@ -109,3 +110,53 @@ def test_readme_recipe_runs_as_written_under_torchrun(tmp_path):
     assert sorted(re.findall(r"rank (\d) loss \d+\.\d+", stdout)) == ["0", "1"], stdout
     shards = re.findall(r"ShardedEmbedding\(100000, 32, .*?rows \[(\d+), (\d+)\) on rank (\d) of 2", stdout)
     assert sorted(shards) == [("0", "50000", "0"), ("50000", "100000", "1")], stdout
+
+
+def test_tables_called_one_by_one_share_one_exchange_per_step(two_ranks):
+    # The DLRM calls its two sharded tables one by one. Fused (hybrid_parallel's default) the step makes one ids
+    # AlltoAll (a second when the ids outgrow the exchange's capacity, as on the first step) and one rows AlltoAll
+    # forward and one gradient AlltoAll backward for both tables; unfused, each table makes its own. Same training.
+    results = [r["fused"][True] for r in two_ranks]
+    check_equal_to_reference("dlrm", results, ["embeddings.0", "embeddings.1"])
+    for rank, r in enumerate(two_ranks):
+        fused, plain = r["fused"][True], r["fused"][False]
+        assert fused["backward"] == [1] * STEPS and plain["backward"] == [2] * STEPS, rank
+        assert fused["forward"][0] == 3 and all(n in (2, 3) for n in fused["forward"]), (rank, fused["forward"])
+        assert all(n >= 4 for n in plain["forward"]), (rank, plain["forward"])
+        assert fused["losses"] == plain["losses"], rank
+        for key, value in plain["state"].items():
+            assert torch.equal(fused["state"][key], value), (rank, key)
+
+
+def test_fused_tables_prefetch_together_and_train_as_without(two_ranks):
+    # Each table prefetches the next batch after the forward: the fusion issues both prefetches as one exchange
+    # once both tables have one, and the next step's fused lookup finishes it with one AlltoAll (the rows the
+    # update changed). Training is bit for bit the run without prefetch.
+    for rank, r in enumerate(two_ranks):
+        ours, plain = r["fused"]["prefetch"], r["fused"][True]
+        assert ours["forward"][1:] == [1] * (STEPS - 1), (rank, ours["forward"])
+        assert ours["losses"] == plain["losses"], rank
+        for key, value in plain["state"].items():
+            assert torch.equal(ours["state"][key], value), (rank, key)
+
+
+def test_deferred_outputs_answer_metadata_then_look_up_together_at_first_use(two_ranks):
+    # Three calls (one table twice, a bag table once) are recorded; shape, dim, size, dtype, len and requires_grad
+    # are answered without a lookup; the first torch op looks all three up. Outputs and the table's gradient equal
+    # the unsharded modules'; a call under no_grad stays without gradient; a custom autograd.Function, which
+    # bypasses __torch_function__, is refused in the backward instead of dropping the table's gradient.
+    table = ranks.reference_table({"seed": 12, "rows": 29})
+    loss = 0
+    for rank in range(WORLD):
+        a_ids, b_ids = torch.tensor([[1, 28], [5, 5 + rank]]), torch.tensor([3, 4, 20 + rank])
+        loss = loss + table(a_ids).sum() + table(b_ids).sum() * 2
+    loss.backward()
+    shards = []
+    for rank, got in enumerate(r["deferred"] for r in two_ranks):
+        assert got["metadata"] == ((2, 2, ranks.DIM), 3, ranks.DIM, torch.float32, 2, True, 3), rank
+        assert got["pending after use"] == 0 and got["outputs equal"], rank
+        assert got["no_grad"] is False, rank
+        assert "custom autograd.Function" in got["refused"] and "fuse=False" in got["refused"], rank
+        shards.append((got["start"], got["grad"]))
+    full = torch.cat([g for _, g in sorted(shards, key=lambda s: s[0])])
+    assert_close(full, table.weight.grad, "the table's gradient", rtol=1e-6, atol=1e-6)

@@ -100,3 +100,17 @@ def test_sharded_state_saved_with_torch_distributed_checkpoint_loads_on_any_worl
             assert state.keys() == want.keys()
             for key, value in want.items():
                 assert torch.equal(state[key], value), (world, rank, key)
+
+
+def test_every_prefetched_row_travels_once(job):
+    # With rows sent ahead, a row the pending update changes is not sent early (it waits for the lookup), one it
+    # leaves alone is not sent again: each schedule sends exactly the rows and gradient rows the unprefetched run
+    # sends; what the prefetch adds is one byte per requested row saying which rows wait, and a flag row per pair.
+    for rank, got in enumerate(r["prefetch"] for r in job):
+        for name in ranks.PREFETCH_OPTIMIZERS:
+            plain = got["plain"][name]["traffic"]
+            for schedule in ("2d", "ids", "after-step"):
+                ours = got[schedule][name]["traffic"]
+                assert (ours["rows"], ours["grad_rows"]) == (plain["rows"], plain["grad_rows"]), \
+                    (rank, name, schedule)
+            assert plain["control"] == 0 and got["2d"][name]["traffic"]["control"] > 0, (rank, name)

@@ -9,10 +9,13 @@ from the same initial weights on the same batches with SGD(--lr), one step per r
 rotated each repetition), warm-up steps first:
 
   fastdist      fastdist.embedding.hybrid_parallel: tables row-sharded (EmbeddingBag(sparse=True) -> ShardedEmbedding,
-                AlltoAll lookups and gradient rows), the MLPs under DDP
+                AlltoAll lookups and gradient rows), the MLPs under DDP; the tables the model calls one by one are
+                fused (LookupFusion): one exchange per step for all of them
+  fastdist-unfused  the same with hybrid_parallel(fuse=False): one exchange per table
   fastdist-2d   the same with the 2D schedule's lookahead: after each forward, every table prefetches the next
                 batch's ids (ShardedEmbedding.prefetch): the ids leave before the backward, the rows the update
-                leaves alone when the backward reaches the table, and the next lookup waits only for the rest
+                leaves alone when the backward reaches the table, and the next lookup waits only for the rest (the
+                tables' prefetches fused into one exchange, as their lookups are)
   fastdist-2d-ids  the same with prefetch(rows_ahead=False): only the ids go ahead, the lookup fetches every row
                 in one AlltoAll
   fastdist-collection  the same, with the model's tables written as one ShardedEmbeddingCollection (as TorchRec's
@@ -31,9 +34,9 @@ rotated each repetition), warm-up steps first:
 Columns: step is the median over repetitions of the slowest rank's fwd+bwd+optimizer step; samples/s is ranks x
 --batch over it; vs ddp-sparse is ddp-sparse's median over the method's; wire model is what a rank sends per step
 by the method's byte model (ring all-reduce / all-gather as fastdist.comm.wire; fastdist's own count of the ids,
-rows and gradient rows its AlltoAlls sent to other ranks plus the dense all-reduce); tx is what the busiest rank's
-interface really sent per step (simulated network only); tables/rank is the table weights a rank holds (SGD keeps
-no state); final loss is rank 0's loss at the last step, and the loss diff the largest difference from
+rows, gradient rows and a prefetch's flags its AlltoAlls sent to other ranks plus the dense all-reduce); tx is what
+the busiest rank's interface really sent per step (simulated network only); tables/rank is the table weights a rank
+holds (SGD keeps no state); final loss is rank 0's loss at the last step, and the loss diff the largest difference from
 ddp-dense's loss over all steps (the methods that start from the same weights train the same model).
 """
 from __future__ import annotations
@@ -57,8 +60,8 @@ from fastdist.bench.toolkit import all_max, at_least, comma_list, rounds, togeth
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
-METHODS = ["fastdist", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection", "ddp-sparse", "ddp-sketch-auto",
-           "ddp-dense", "torchrec", "local"]
+METHODS = ["fastdist", "fastdist-unfused", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection", "ddp-sparse",
+           "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
 DENSE_IN = 13
 HIDDEN = 64
 BASELINE = "ddp-sparse"
@@ -201,7 +204,7 @@ def build(name: str, config: dict):
     dense_tables = name == "ddp-dense"
     model = DLRM(config["tables"], config["rows"], config["dim"], sparse=not dense_tables)
     if name.startswith("fastdist") and name != "fastdist-collection":
-        model = hybrid_parallel(model, min_rows=2)
+        model = hybrid_parallel(model, min_rows=2, fuse=name != "fastdist-unfused")
     elif name == "fastdist-collection":
         model = hybrid_parallel(_CollectionDLRM(model))
     elif name in ("ddp-sparse", "ddp-dense", "ddp-sketch-auto"):
@@ -289,13 +292,15 @@ def bench_rank(config: dict) -> Any:
 
 
 def _traffic(model) -> int:
-    """Bytes fastdist's tables sent to other ranks so far (ids 8 B, rows and gradient rows 4 B per value)."""
+    """Bytes fastdist's tables sent to other ranks so far (ids 8 B, rows and gradient rows 4 B per value, a
+    prefetch's flags)."""
     from fastdist.embedding import ShardedEmbedding
     total = 0
     for m in model.modules():
         if isinstance(m, ShardedEmbedding):
             t = m.traffic
-            total += 8 * t["ids"] + m.weight.element_size() * m.embedding_dim * (t["rows"] + t["grad_rows"])
+            total += 8 * t["ids"] + m.weight.element_size() * m.embedding_dim * (t["rows"] + t["grad_rows"]) + \
+                t["control"]
     return total
 
 

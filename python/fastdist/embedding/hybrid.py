@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.distributed import global_ranks
+from fastdist.embedding.fused import LookupFusion
 from fastdist.embedding.sharded import ShardedEmbedding, group_rank_and_world, lookup, prefetch
 
 __all__ = ["ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel"]
@@ -113,7 +114,7 @@ def _tied_names(model):
 
 def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, min_rows: int = 65536,
                     comm_hook: Callable | None = None, comm_state: object = None,
-                    shard: Mapping[str, bool] | None = None, sharding: str = "row",
+                    shard: Mapping[str, bool] | None = None, sharding: str = "row", fuse: bool = True,
                     **ddp_options: object) -> nn.Module:
     """Shards every ``nn.Embedding``/``nn.EmbeddingBag`` of ``model`` with at least ``min_rows`` rows and wraps the
     rest in DDP; the training loop stays the user's (build the optimizer after this call: the tables' parameters
@@ -133,6 +134,9 @@ def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, mi
             ``comm_state`` its state.
         shard: ``{module name: bool}`` overriding the size rule per module.
         sharding: the tables' sharding (``"row"`` or ``"table"``).
+        fuse: bind the sharded tables to one :class:`~fastdist.embedding.LookupFusion`, so that the tables the
+            model calls one by one before using any of their outputs share one exchange per row width (one ids
+            and one rows AlltoAll forward, one gradient AlltoAll backward) instead of one each.
         **ddp_options: passed to ``DistributedDataParallel``.
 
     Returns:
@@ -161,12 +165,15 @@ def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, mi
     _, world = group_rank_and_world(group)
     table_group = dist.new_group(global_ranks(group)) if chosen and world > 1 else group
     owners = balance_tables({n: modules[n].num_embeddings * modules[n].embedding_dim for n in chosen}, world)
+    fusion = LookupFusion() if fuse else None
     for name in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         sharded = ShardedEmbedding.from_embedding(modules[name], group=table_group, sharding=sharding,
                                                   owner=owners[name], average_gradients=True)
         sharded.table_name = name
+        if fusion is not None:
+            fusion.bind(sharded)
         setattr(parent, attr, sharded)
     if world == 1:
         return model

@@ -143,11 +143,12 @@ class ShardedEmbedding(nn.Module):
         self.row_start, row_end = self.ranges[self.rank]
         self.weight = nn.Parameter(torch.empty(row_end - self.row_start, embedding_dim, dtype=dtype))
         self.calls = CallCounter()
-        self.traffic = {"ids": 0, "rows": 0, "grad_rows": 0}  # sent to other ranks (see lookup)
+        self.traffic = {"ids": 0, "rows": 0, "grad_rows": 0, "control": 0}  # sent to other ranks (see lookup)
         self._checked = False
         self._exchange_state: dict = {}  # the tables' fingerprint and the ids' capacity (see _issue_ids)
         self._prefetch = None  # a started lookup of the next batch (see prefetch)
         self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lookups awaiting their gradient
+        self.fusion = None  # a LookupFusion: calls are deferred and looked up together (see fused.py)
         self.reset_parameters()
 
     # ---- construction ----
@@ -230,8 +231,18 @@ class ShardedEmbedding(nn.Module):
         Raises:
             EmbeddingInputError: on every rank, when any rank's input was refused.
             MismatchError: on every rank, when the ranks' tables are configured differently.
+
+        A table bound to a :class:`~fastdist.embedding.LookupFusion` (``hybrid_parallel`` binds the tables it
+        shards) returns a deferred output instead, looked up with the fusion's other pending calls in one exchange
+        at the first use of any of them (see ``fastdist.embedding.fused``).
         """
-        return lookup([self], [(input, offsets, per_sample_weights)], self.group)[0]
+        inputs = (input, offsets, per_sample_weights)
+        fusion = self.fusion
+        if fusion is not None and self.world > 1:
+            if not torch.compiler.is_compiling():
+                return fusion.defer(self, inputs)
+            fusion.flush()  # keep the calls' order: the recorded ones first
+        return lookup([self], [inputs], self.group)[0]
 
     def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                  per_sample_weights: torch.Tensor | None = None, *, rows_ahead: bool = True) -> None:
@@ -247,8 +258,16 @@ class ShardedEmbedding(nn.Module):
             offsets: the next batch's bag offsets (bags only).
             per_sample_weights: the next batch's per-sample weights (``mode="sum"`` only).
             rows_ahead: send the rows the pending update leaves alone before the update (else only the ids).
+
+        A table bound to a :class:`~fastdist.embedding.LookupFusion` prefetches with the fusion's other tables in
+        one exchange: issued when every table of the fusion has been prefetched, else when the backward reaches the
+        tables or at the next lookup, whichever comes first.
         """
-        prefetch([self], [(input, offsets, per_sample_weights)], self.group, rows_ahead)
+        inputs = (input, offsets, per_sample_weights)
+        if self.fusion is not None and self.world > 1:
+            self.fusion.defer_prefetch(self, inputs, rows_ahead)
+        else:
+            prefetch([self], [inputs], self.group, rows_ahead)
 
     def wait_prefetch(self) -> None:
         """Waits until the rows a pending prefetch sent ahead have arrived (no collective; a benchmark's step then
@@ -552,10 +571,10 @@ def _issue_ids(route: _Route, async_op: bool) -> None:
     """
     modules, world, send_splits = route.modules, route.world, route.send_splits
     key = tuple(id(m) for m in modules)
-    state = modules[0]._exchange_state
-    if state.get("key") != key:  # the configuration's fingerprint, computed once per set of tables
-        state.clear()
-        state.update(key=key, print=fingerprint(_configs(modules)), capacity=0)
+    states = modules[0]._exchange_state  # per set of tables looked up together (fused sets may vary)
+    if key not in states:  # the configuration's fingerprint, computed once per set of tables
+        states[key] = {"print": fingerprint(_configs(modules)), "capacity": 0}
+    state = route.state = states[key]
     capacity = route.capacity = state["capacity"]
     header = torch.tensor([[count, route.number, state["print"], int(route.refusal is not None), max(send_splits)]
                            for count in send_splits], dtype=torch.int64)
@@ -584,7 +603,7 @@ def _receive_ids(route: _Route) -> None:
     _check_header(modules, headers, route.group, world, route.refusal)
     recv_splits = route.recv_splits = headers[:, 0].tolist()
     most = int(headers[:, 4].max())
-    modules[0]._exchange_state["capacity"] = (most + most // 4 + 7) // 8 * 8
+    route.state["capacity"] = (most + most // 4 + 7) // 8 * 8
     firsts = [received[r, _HEADER:_HEADER + min(recv_splits[r], capacity)] for r in range(world)]
     if most <= capacity:
         route.recv_ids = torch.cat(firsts)
@@ -627,14 +646,16 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
         Per table, what its forward returns.
 
     The first table's ``traffic`` counts what this rank sent to other ranks: ids (int64 slots, the headers and
-    the padding of the equal parts included), rows (its owned rows, ``embedding_dim`` values each) and gradient
-    rows (sent in the backward, counted when a lookup records one).
+    the padding of the equal parts included), rows (its owned rows, ``embedding_dim`` values each), gradient
+    rows (sent in the backward, counted when a lookup records one) and control bytes (a prefetch's flags).
     """
     pending = modules[0]._prefetch
     if pending is not None and pending.modules == list(modules):
         out = _finish_prefetch(pending, inputs)
         if out is not None:
             return out
+    else:
+        _drop_prefetches(modules)
     route = _prepare(modules, inputs, group)
     if route.world > 1:
         _issue_ids(route, async_op=False)
@@ -701,6 +722,21 @@ def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group
         m._prefetch = route  # with no backward in flight, the rows are sent at the next lookup
 
 
+def _drop_prefetches(modules) -> None:
+    """Drops the prefetches of ``modules`` that a lookup of another set of tables cannot finish (every rank makes
+    the same lookups, so every rank drops the same ones): their transfers are waited for and discarded."""
+    for m in modules:
+        route = m._prefetch
+        if route is None:
+            continue
+        if route.work is not None:
+            route.work.wait()
+        if route.advanced:
+            route.early_work.wait()
+        for t in route.modules:
+            t._prefetch = None
+
+
 def _touched_rows(m: ShardedEmbedding) -> torch.Tensor | bool:
     """The shard's rows the pending update may change: a mask, or True (every row) / False (none)."""
     if not m.weight.requires_grad:
@@ -717,8 +753,9 @@ def _touched_rows(m: ShardedEmbedding) -> torch.Tensor | bool:
 
 
 def _advance(route: _Route, update_done: bool) -> None:
-    """The prefetch's second half: the ids received, every row the pending update leaves alone sent (async), each
-    row followed by a flag column that is 1 where the row waits for the update (sent by the lookup)."""
+    """The prefetch's second half: the ids received, every row the pending update leaves alone sent (async). Which
+    rows wait for the update (sent by the lookup) goes first, one byte per requested row, so that every row
+    travels once: early or late, never both."""
     route.advanced = True
     try:
         _receive_ids(route)
@@ -736,13 +773,17 @@ def _advance(route: _Route, update_done: bool) -> None:
             elif touched is not False:
                 hit = touched.index_select(0, local)
                 late[slice(None) if where is None else where] = hit
-    message = torch.cat([rows.masked_fill(late.unsqueeze(1), 0), late.unsqueeze(1).to(rows.dtype)], 1)
-    route.pieces, route.late = pieces, late
-    route.early = message.new_empty((sum(route.send_splits), message.shape[1]))
-    route.early_work = dist.all_to_all_single(route.early, message, route.send_splits, route.recv_splits,
+    waits = late.new_empty(sum(route.send_splits), dtype=torch.uint8)  # which of this rank's requests wait
+    dist.all_to_all_single(waits, late.to(torch.uint8), route.send_splits, route.recv_splits, group=route.group)
+    route.pieces, route.late, route.waits = pieces, late, waits.bool()
+    early_send = _segments(~late, route.recv_splits)
+    early_recv = _segments(~route.waits, route.send_splits)
+    route.early = rows.new_empty((sum(early_recv), rows.shape[1]))
+    route.early_work = dist.all_to_all_single(route.early, rows[~late], early_recv, early_send,
                                               group=route.group, async_op=True)
     traffic, me = route.modules[0].traffic, route.rank
-    traffic["rows"] += sum(route.recv_splits) - route.recv_splits[me]
+    traffic["rows"] += sum(early_send) - early_send[me]
+    traffic["control"] += sum(route.recv_splits) - route.recv_splits[me]  # the bytes saying which rows wait
 
 
 def _segments(flags: torch.Tensor, splits: list) -> list:
@@ -771,14 +812,15 @@ def _finish_prefetch(route: _Route, inputs) -> list | None:
             return None
     else:
         route.early_work.wait()
-        early, late = route.early[:, :dim], route.early[:, dim] > 0.5
+        late = route.waits
         late_send, late_recv = _segments(route.late, route.recv_splits), _segments(late, route.send_splits)
         with torch.no_grad():
             fresh, _ = _owner_rows(modules, route.recv_ids[route.late])
         got, agreed = _flagged_exchange(route, fresh, late_send, late_recv, same)
         if not agreed:
             return None
-        received = early.clone()
+        received = got.new_empty((late.numel(), dim))
+        received[~late] = route.early
         received[late] = got
     if torch.is_grad_enabled():
         modules[0].traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[route.rank]
@@ -798,7 +840,9 @@ def _flagged_exchange(route: _Route, rows: torch.Tensor, send: list, recv: list,
         at += send[r]
     got = rows.new_empty((sum(recv) + route.world, rows.shape[1]))
     dist.all_to_all_single(got, torch.cat(parts), [c + 1 for c in recv], [c + 1 for c in send], group=route.group)
-    route.modules[0].traffic["rows"] += sum(send) - send[route.rank] + route.world - 1
+    traffic = route.modules[0].traffic
+    traffic["rows"] += sum(send) - send[route.rank]
+    traffic["control"] += (route.world - 1) * rows.shape[1] * rows.element_size()  # the flag rows
     heads = torch.tensor([0] + recv[:-1]).add(1).cumsum(0).sub(1).tolist()
     keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
     keep[heads] = False
@@ -862,8 +906,8 @@ def _watch(pieces):
         return None
     token = _Pending()
     for m, _, local in pieces:
-        if m.weight.requires_grad:
-            m._pending[token] = local
+        if m.weight.requires_grad:  # a table called twice in one exchange has two pieces
+            m._pending[token] = torch.cat([m._pending[token], local]) if token in m._pending else local
     return token
 
 
@@ -887,6 +931,8 @@ class _RowExchange(torch.autograd.Function):
         send_splits, recv_splits, group, pieces, token = ctx.plan
         if token is not None:
             token.started = True
+        for fusion in {id(m.fusion): m.fusion for m, _, _ in pieces if m.fusion is not None}.values():
+            fusion.issue_prefetches()  # the fused prefetches not issued yet leave now, their rows right after
         _advance_prefetches(pieces)
         received = grad.new_empty((sum(recv_splits), grad.shape[1]))
         work = dist.all_to_all_single(received, grad.contiguous(), recv_splits, send_splits, group=group,
