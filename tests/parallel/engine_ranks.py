@@ -407,16 +407,33 @@ def compiled(mesh: tuple[int, int, int], steps: int = 3) -> dict:
             "graphs": graphs, "compiled_modules": len(got["engine"].compiled), "recomputed_blocks": recomputed}
 
 
-def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step: int = 2) -> dict:
-    """Trains on ``mesh`` until rank ``failing_rank`` raises in step ``step``, in the user's ``loss_fn``
-    (``where="loss_fn"``) or in its stage's first block's forward (``"forward"``): every rank's exception, the
-    seconds its failing step took, and the steps that returned."""
-    raising = dist.get_rank() == failing_rank
+def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step: int = 2, how: str = "raise",
+                 out_dir: str | None = None, found_by: str = "process table") -> dict:
+    """Trains on ``mesh`` until rank ``failing_rank`` fails in step ``step``, in the user's ``loss_fn``
+    (``where="loss_fn"``) or in its stage's first block's forward (``"forward"``): it raises (``how="raise"``) or
+    its process is killed (``"kill"``: SIGKILL, as the OOM killer does). Every rank's exception, the seconds its
+    failing step took, and the steps that returned; with ``out_dir``, a rank that raised also writes that to
+    ``out_dir/rank<r>.json`` and raises again (a killed rank's job ends in spawn's RankError, which the test reads).
+    ``found_by="heartbeat"``: the ranks publish no process identity, so a dead one is found by its heartbeat."""
+    import json
+    import signal
+
+    from fastdist.distributed import failure
+    if found_by == "heartbeat":
+        failure._host_identity = lambda: ""   # as if every rank ran on a host of its own
+        failure.DEAD_AFTER_S = 1.5            # the test's bound: spawn waits 5 s for the others of a killed rank
+    rank = dist.get_rank()
+    failing = rank == failing_rank
     calls = {"step": 0}
 
+    def fail(error):
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise error
+
     def loss(logits, target):
-        if raising and where == "loss_fn" and calls["step"] == step:
-            raise ValueError("loss_fn: the user's loss raised")
+        if failing and where == "loss_fn" and calls["step"] == step:
+            fail(ValueError("loss_fn: the user's loss raised"))
         return loss_fn(logits, target)
 
     model = make_model("transformer_lm")
@@ -427,8 +444,8 @@ def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step
 
     def forward_raises(module, args, output):
         if calls["step"] == step:
-            raise RuntimeError("forward: the user's block raised")
-    if raising and where == "forward":
+            fail(RuntimeError("forward: the user's block raised"))
+    if failing and where == "forward":
         engine.module.pipeline_blocks[0].register_forward_hook(forward_raises)
     done = []
     for x, y in data:
@@ -442,9 +459,14 @@ def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step
             cause = e
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            return {"error": f"{type(e).__name__}: {e}", "cause": f"{type(cause).__name__}: {cause}",
-                    "notes": getattr(e, "__notes__", []), "seconds": seconds,
-                    "steps_done": done, "rank_attr": getattr(e, "rank", None), "again": again}
+            got = {"error": f"{type(e).__name__}: {e}", "cause": f"{type(cause).__name__}: {cause}",
+                   "notes": getattr(e, "__notes__", []), "seconds": seconds, "steps_done": done,
+                   "rank_attr": getattr(e, "rank", None), "died": getattr(e, "died", None), "again": again}
+            if out_dir is None:
+                return got
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump(got, f)
+            raise
         done.append(calls["step"])
     return {"error": None, "steps_done": done}
 

@@ -37,20 +37,29 @@ if TYPE_CHECKING:
 
 _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
 _POLL_S = 1.0  # how often a rank's exit is checked besides its report channel (a forked child may hold that open)
+_KILLED_GRACE_S = 5.0  # how long the others of a rank killed by a signal may take to report what they saw
 
 
 class RankError(RuntimeError):
     """A rank raised or died; carries the rank and its traceback.
 
+    Attributes:
+        rank: the failing rank.
+        others: for a rank killed by a signal, the tracebacks of the other ranks that raised within a few seconds
+            of its death (what they saw of it), by rank; else empty.
+
     Args:
         rank: the failing rank.
         world_size: the job's ranks.
         detail: its traceback, or how it died.
+        others: the other ranks' tracebacks, by rank (shown after ``detail``).
     """
 
-    def __init__(self, rank: int, world_size: int, detail: str):
+    def __init__(self, rank: int, world_size: int, detail: str, others: dict[int, str] | None = None):
         self.rank = rank
-        super().__init__(f"rank {rank} of {world_size} failed:\n{detail}")
+        self.others = dict(others or {})
+        seen = "".join(f"\n--- rank {r} raised meanwhile ---\n{text}" for r, text in sorted(self.others.items()))
+        super().__init__(f"rank {rank} of {world_size} failed:\n{detail}{seen}")
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -281,7 +290,8 @@ def spawn(fn: Callable[..., object], world_size: int, *args: object, backend: st
     Raises:
         RankError: a rank raised, died, or could not start (its main module or ``fn`` failed to load), with the
             first failing rank's traceback (the other ranks are killed). A rank that died without a word is
-            named before ranks whose collectives its death broke.
+            named before ranks whose collectives its death broke; for one killed by a signal (the OOM killer), the
+            errors the others raised within a few seconds follow (``RankError.others``).
         TimeoutError: the job outlived ``timeout``; every rank is killed and the stuck ranks' stacks are in it.
         ValueError: ``world_size < 1``, a cluster with fewer hosts than ranks, a timeout that is not positive and
             finite, or an ``fn`` defined where the ranks cannot import it (stdin, ``python -c``).
@@ -340,7 +350,11 @@ def _collect(ranks, limit_s):
             # A rank that died without a word is what broke the others' collectives: name it, not them.
             rank = silent[0]
             code = ranks[rank].wait_exit(2.0)
-            raise RankError(rank, world_size, _exit_reason(code) + _crash_stacks(ranks[rank]))
+            others = {}
+            if code is not None and code < 0:  # killed from outside (the OOM killer): what did the others see?
+                others = _errors_within(ranks, pending - {rank}, reports,
+                                        min(_KILLED_GRACE_S, deadline - time.monotonic()))
+            raise RankError(rank, world_size, _exit_reason(code) + _crash_stacks(ranks[rank]), others)
         failures = sorted((at, rank, status, detail) for rank, (status, detail, at) in reports.items()
                           if status != "ok")
         if failures:
@@ -354,6 +368,26 @@ def _collect(ranks, limit_s):
     for r in ranks:
         r.wait_exit(5.0)
     return results
+
+
+def _errors_within(ranks, others, reports, seconds):
+    """The tracebacks of the ranks among ``others`` that report an error within ``seconds`` (``reports``: what has
+    arrived already), by rank; stops early once every one of them has reported or exited."""
+    reports = dict(reports)
+    waiting = set(others) - set(reports)
+    deadline = time.monotonic() + seconds
+    while waiting and time.monotonic() < deadline:
+        mp.connection.wait([ranks[r].reports for r in waiting], timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+        for rank in sorted(waiting):
+            if ranks[rank].reports.poll():
+                try:
+                    reports[rank] = pickle.loads(ranks[rank].reports.recv_bytes())
+                except (EOFError, OSError):
+                    pass
+                waiting.discard(rank)
+            elif ranks[rank].exit_code() is not None:
+                waiting.discard(rank)
+    return {rank: detail for rank, (status, detail, _) in reports.items() if rank in others and status != "ok"}
 
 
 def _crash_stacks(rank):

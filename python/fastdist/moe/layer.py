@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fastdist.distributed import MismatchError, check_same, compat, fingerprint
+from fastdist.distributed import MismatchError, check_same, compat, failure, fingerprint
 from fastdist.moe.calibrate import calibrate as measure_cost_model
 from fastdist.moe.planner import CostModel, Plan, Planner, loads
 from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, moe_unpermute
@@ -53,6 +53,29 @@ from fastdist.ops.moe import capacity_for, moe_layout, moe_permute, moe_route, m
 __all__ = ["MoELayer", "step"]
 
 _STEP: contextvars.ContextVar = contextvars.ContextVar("fastdist_moe_step", default=None)
+_WATCHES: dict = {}  # the job's store -> this process's FailureWatch for MoE steps
+
+
+def _watch() -> failure.FailureWatch | None:
+    """This process's watch over MoE steps (one per process group), None on one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    if store not in _WATCHES:
+        _WATCHES.clear()
+        _WATCHES[store] = failure.FailureWatch("fastdist.moe")
+    return _WATCHES[store]
+
+
+def _failed(error: BaseException, context: str) -> BaseException:
+    """What to raise for ``error`` (raised here in ``context``): see fastdist.distributed.failure.FailureWatch.fail."""
+    watch = _watch()
+    return error if watch is None else watch.fail(error, _STEP.get(), context)
+
+
+def _guarded(context: str) -> contextlib.AbstractContextManager:
+    """Runs the ``with`` body under this process's MoE watch: an exception becomes what its ``fail`` returns."""
+    return failure.replaced_by(lambda e: _failed(e, context))
 
 
 @contextlib.contextmanager
@@ -66,16 +89,22 @@ def step(number: int) -> Iterator[None]:
     raises :class:`UnmatchedCallError` at the group's timeout. Inside ``step(i)`` the number is ``i``, so such a
     rank's next call raises MismatchError on every rank.
 
+    A step that raises on one rank (its loss, its forward, anything inside the ``with``) makes the other ranks raise
+    ``fastdist.distributed.RankFailedError`` naming it within seconds, wherever they wait (an MoE all-to-all, DDP's
+    reduce), instead of at the process group's timeout; so does a rank whose process dies. The job's process groups
+    are aborted then (fastdist.distributed.failure).
+
     Args:
         number: the step, counted alike on every rank (e.g. the training loop's iteration).
     """
     token = _STEP.set(int(number))
     try:
-        yield
+        with _guarded(""):
+            yield
     finally:
         _STEP.reset(token)
 
-class UnmatchedCallError(RuntimeError):
+class UnmatchedCallError(failure.JobFailureError):
     """No other rank joined this call of an MoE layer within the group's timeout.
 
     A rank that skipped or added a call of the model's only MoE layer, without :func:`step` numbers, pairs its later
@@ -120,10 +149,11 @@ class _AllToAll(torch.autograd.Function):
     the start or the end of the layer's backward on the step's clock."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, clock, marks_backward_start):
+    def forward(ctx, x, out_splits, in_splits, group, clock, marks_backward_start, layer_index):
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
         ctx.clock, ctx.marks_backward_start = clock, marks_backward_start
+        ctx.layer_index = layer_index
         out = x.new_empty((sum(out_splits), x.shape[1]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -134,10 +164,11 @@ class _AllToAll(torch.autograd.Function):
             ctx.clock.backward_start = time.perf_counter()
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), grad.shape[1]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        with _guarded(f"MoE layer {ctx.layer_index}'s backward"):
+            dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         if ctx.clock is not None and not ctx.marks_backward_start:
             ctx.clock.backward_end = time.perf_counter()
-        return grad_in, None, None, None, None, None
+        return grad_in, None, None, None, None, None, None
 
 
 class _ReplicaTraffic:
@@ -201,6 +232,10 @@ class _ReplicaTraffic:
     def finish_grads(self):
         """End of backward: adds the received replica gradients into the owner's .grad (in plan order); under data
         parallelism first sums this step's expert gradients over the expert's replicas and averages them."""
+        with _guarded(f"MoE layer {self.layer.layer_index}'s backward"):
+            self._finish_grads()
+
+    def _finish_grads(self):
         layer = self.layer
         params = (layer.w1, layer.b1, layer.w2, layer.b2)
         averaging = layer._averaging
@@ -253,7 +288,8 @@ class _OwnedExperts(torch.autograd.Function):
         traffic = ctx.traffic
         if traffic.clock is not None:  # the layer's backward ends here unless its input needs a gradient
             traffic.clock.backward_end = time.perf_counter()
-        traffic.post_grad_receives()
+        with _guarded(f"MoE layer {traffic.layer.layer_index}'s backward"):
+            traffic.post_grad_receives()
         traffic.finish_at_end_of_backward()
         if traffic.layer._averaging is not None:
             traffic.owned_grads = (gw1, gb1, gw2, gb2)
@@ -278,7 +314,8 @@ class _ReplicaParams(torch.autograd.Function):
         for i, e in enumerate(ctx.replica_experts):
             parts = replica_grads[4 * i:4 * i + 4]
             grads.append((e, torch.cat([p.reshape(-1) for p in parts]).contiguous()))
-        ctx.traffic.send_grads(grads)
+        with _guarded(f"MoE layer {ctx.traffic.layer.layer_index}'s backward"):
+            ctx.traffic.send_grads(grads)
         ctx.traffic.finish_at_end_of_backward()
         return None, None
 
@@ -392,6 +429,7 @@ class MoELayer(nn.Module):
         self.planner = Planner(balance, cost_model, max_replicas_per_rank, plan_interval, replan_gain,
                                planner_budget)
         self._make_replica_group()
+        _watch()  # publishes this rank's heartbeat, so that peers can name it if its process dies
         e_local = self.experts_per_rank
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(e_local, d_model, d_ff))
@@ -634,13 +672,21 @@ class MoELayer(nn.Module):
             raise MismatchError("MoELayer plan", {r: f"plan fingerprint {h[6]:#x}"
                                                   for r, h in enumerate(headers.tolist())})
         if self.planner.cost is None and self.balance in ("prophet", "shadow"):
-            raise RuntimeError(f"fastdist: MoELayer(balance={self.balance!r}) plans with a cost model and has none: "
-                               "call layer.calibrate() on every rank before the first forward (cache=PATH keeps "
-                               "the measurement), or pass cost_model=")
+            raise failure.agreed(RuntimeError(
+                f"fastdist: MoELayer(balance={self.balance!r}) plans with a cost model and has none: call "
+                "layer.calibrate() on every rank before the first forward (cache=PATH keeps the measurement), or "
+                "pass cost_model="))
 
     @torch.compiler.disable
     def _exchange(self, x, counts, offsets, row_of_slot, topk_weight):
-        """Everything whose sizes depend on the routing: the count all-gather, dispatch, experts and combine."""
+        """Everything whose sizes depend on the routing: the count all-gather, dispatch, experts and combine.
+
+        An exception here (other than the checks every rank makes alike) records this rank's failure and aborts the
+        process groups; a collective failed by another rank's failure raises RankFailedError naming it."""
+        with _guarded(f"MoE layer {self.layer_index}'s forward"):
+            return self._exchange_steps(x, counts, offsets, row_of_slot, topk_weight)
+
+    def _exchange_steps(self, x, counts, offsets, row_of_slot, topk_weight):
         start = time.perf_counter()
         self._check_bound()
         plan = self.plan if self.world > 1 else Plan()
@@ -663,8 +709,9 @@ class MoELayer(nn.Module):
             try:
                 compat.all_gather_single(gathered, mine, group=self.group)
             except RuntimeError as e:
-                if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-                    raise
+                timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+                if not timed_out or failure.recorded_failure() is not None:
+                    raise  # a rank failed (fastdist.distributed.failure names it)
                 raise UnmatchedCallError(self.layer_index, header[1], _STEP.get() is not None) from e
         else:
             gathered = mine
@@ -690,7 +737,8 @@ class MoELayer(nn.Module):
         else:
             send_rows, local_rows = rows, rows[:0]
         if self.world > 1:
-            received = _AllToAll.apply(send_rows, route.recv_splits, route.send_splits, self.group, clock, False)
+            received = _AllToAll.apply(send_rows, route.recv_splits, route.send_splits, self.group, clock, False,
+                                       self.layer_index)
         else:
             received = send_rows
         by_expert = received.index_select(0, route.to_expert_major)
@@ -710,8 +758,8 @@ class MoELayer(nn.Module):
             traffic.replica_params()  # no replica here; completes this rank's parameter sends
         y_received = torch.empty_like(y_by_expert).index_copy(0, route.to_expert_major, y_by_expert) \
             if y_by_expert.shape[0] else y_by_expert
-        y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group, clock, True) \
-            if self.world > 1 else y_received
+        y_sent = _AllToAll.apply(y_received, route.send_splits, route.recv_splits, self.group, clock, True,
+                                 self.layer_index) if self.world > 1 else y_received
         if route.local_experts:
             y_rows = y_sent.new_empty(rows.shape).index_copy(0, torch.cat([route.send_index, route.local_index]),
                                                              torch.cat([y_sent, y_local]))

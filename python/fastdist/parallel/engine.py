@@ -19,8 +19,9 @@ the user's model (on every rank, or on one); ``load_state_dict`` takes one and r
 ``optimizer_state_dict`` / ``load_optimizer_state_dict`` do the same for the optimizer's state.
 
 A model built on the meta device is allocated stage by stage (each rank its own, with the values the whole model
-would get from its init); ``compile=True`` compiles each stage's blocks; a rank whose step raises makes every other
-rank's step raise :class:`RankFailedError` naming it, at once rather than at the backend's timeout.
+would get from its init); ``compile=True`` compiles each stage's blocks; a rank whose step raises, or whose process
+dies, makes every other rank's step raise :class:`RankFailedError` naming it, at once rather than at the backend's
+timeout (:mod:`fastdist.distributed.failure`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.distributed import check_same, state_digest
+from fastdist.distributed.failure import FailureWatch, RankFailedError
 from fastdist.parallel import partition as part
 from fastdist.parallel.partition import Plan
 
@@ -50,27 +52,7 @@ class ParallelizeError(ValueError):
     """A configuration parallelize cannot run, raised on every rank (the message names the rank that found it)."""
 
 
-class RankFailedError(RuntimeError):
-    """Raised by ``Engine.step`` on every rank but the failing one when a rank raised during the step (in the
-    user's ``loss_fn`` or forward, or anywhere else): names that rank, the step and its exception.
-
-    Attributes:
-        rank: the global rank that raised first.
-        step: the step (1-based) in which it raised.
-
-    Args:
-        message: the error's message.
-        rank: the global rank that raised first (None: not known).
-        step: the step in which it raised (None: not known).
-    """
-
-    def __init__(self, message: str, rank: int | None, step: int | None):
-        super().__init__(message)
-        self.rank, self.step = rank, step
-
-
-_FAILURE_KEY = "fastdist.parallel/engine{}/failed"
-_engines_built = 0  # every rank builds engines in the same order (parallelize is collective): a key per engine
+_engines_built = 0  # every rank builds engines in the same order (parallelize is collective)
 
 
 def _agree(what: str, problem: str | None, group: dist.ProcessGroup | None) -> None:
@@ -86,14 +68,6 @@ def _agree(what: str, problem: str | None, group: dist.ProcessGroup | None) -> N
         rank, message = bad[0]
         others = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
         raise ParallelizeError(f"fastdist.parallelize ({what}): rank {rank}{others}: {message}")
-
-
-def _describe(error: BaseException) -> str:
-    """The exception at the root of ``error``'s causes (torch's pipelining wraps the user's), by type and message."""
-    root = error
-    while root.__cause__ is not None:
-        root = root.__cause__
-    return f"{type(root).__name__}: {root}"
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -263,9 +237,10 @@ class Engine:
             The batch's loss (the mean of the microbatches' ``loss_fn``, averaged over the data-parallel ranks), the
             same value on every rank.
         """
-        if self._failure is not None:
-            raise RankFailedError(f"{self._failure}; this engine cannot step again (its process groups were "
-                                  "aborted)", self._failure.rank, self._failure.step)
+        failed = self._watch.failure if self._watch is not None else None
+        if failed is not None:
+            raise RankFailedError(f"{failed}; this engine cannot step again (its process groups were aborted)",
+                                  failed.rank, failed.step, failed.died)
         inputs = _as_tuple(inputs)
         shapes = {"inputs": [(tuple(a.shape), str(a.dtype)) for a in inputs],
                   "target": (tuple(target.shape), str(target.dtype)), "step": self._steps}
@@ -278,7 +253,9 @@ class Engine:
         if problem:
             raise ValueError(f"fastdist.parallel: {problem}")
         self._steps += 1
-        try:
+        # A rank whose step raises records itself and aborts its process groups; its peers' collectives then fail
+        # and raise RankFailedError naming it (fastdist.distributed.failure), as they do for a rank that died.
+        with self._watch.guard(self._steps) if self._watch is not None else contextlib.nullcontext():
             self.optimizer.zero_grad(set_to_none=True)
             if self._schedule is None:
                 loss = self._plain_step(inputs, target)
@@ -287,43 +264,6 @@ class Engine:
             self._sum_tied_grads()
             self.optimizer.step()
             return self._shared_loss(loss)
-        except BaseException as e:
-            if self._world == 1:
-                raise
-            failure = self._fail(e)
-            if failure.rank == self._rank:
-                e.add_note(str(failure))
-                raise
-            raise failure from e
-
-    def _fail(self, error: BaseException) -> RankFailedError:
-        """A step raised on this rank: the first rank to fail in the job records itself in the store, then every
-        failing rank aborts its process groups, so peers blocked on it in a collective or a pipeline receive fail
-        at once (and abort theirs in turn) instead of waiting for the backend's timeout. Returns the error that
-        names the first failing rank."""
-        key = _FAILURE_KEY.format(self._uid)
-        mine = f"{self._rank}|{self._steps}|{_describe(error)[:1000]}"
-        try:
-            store = self._store
-            recorded = store.get(key).decode() if store.check([key]) else store.compare_set(key, "", mine).decode()
-        except Exception:  # noqa: BLE001 - the store's host may be gone: say what this rank knows
-            recorded = None
-        from torch.distributed.distributed_c10d import _abort_process_group
-        with contextlib.suppress(Exception):
-            _abort_process_group()
-        if recorded is None:
-            failure = RankFailedError(f"fastdist.parallel: step {self._steps} failed on rank {self._rank} "
-                                      f"({_describe(error)}) and the job's store could not say whether "
-                                      "another rank failed first", None, self._steps)
-        else:
-            rank, step, what = recorded.split("|", 2)
-            coordinate = tuple(int(i) for i in (self._grid == int(rank)).nonzero()[0]) if self._grid is not None \
-                else None
-            where = f" (mesh coordinate (dp, tp, pp) = {coordinate})" if coordinate else ""
-            failure = RankFailedError(f"fastdist.parallel: rank {rank}{where} raised in step {step}: {what}; every "
-                                      "rank's step stops and the process groups are aborted", int(rank), int(step))
-        self._failure = failure
-        return failure
 
     def _plain_step(self, inputs, target):
         m = self.plan.microbatches
@@ -864,11 +804,14 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         sched = build_schedule(schedule, pipe_stage, microbatches, loss_fn, recompute=recompute,
                                recompute_ratio=recompute_ratio)
     _engines_built += 1
-    store = dist.distributed_c10d._get_default_store() if distributed and world > 1 else None
+
+    def where(rank: int) -> str:
+        return f" (mesh coordinate (dp, tp, pp) = {tuple(int(i) for i in (grid == rank).nonzero()[0])})"
+    watch = FailureWatch("fastdist.parallel", where) if distributed and world > 1 else None
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
                   _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
-                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _failure=None,
-                  _aliases=aliases_of, _uid=_engines_built, _store=store, _grid=grid,
+                  compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _watch=watch,
+                  _aliases=aliases_of, _grid=grid,
                   _rank=dist.get_rank() if distributed else 0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
 
