@@ -201,10 +201,10 @@ def test_short_run_lossless_reducers_train_exactly_like_dense_and_every_reducer_
         assert by[name]["lossless"]
         assert set(by[name]["chosen_counts"]["embed"]) <= {"exact", "dense"}
     assert by["omnireduce"]["median_wire_bytes"] < dense["median_wire_bytes"]
-    assert abs(by["sketch-1x+ef"]["final_loss"] / dense["final_loss"] - 1) < 0.02      # the CI check
-    assert by["sketch-1x+ef"]["chosen_counts"]["out"] == {"sketch": 12}
-    # the sketch is sized from the calibrated union: r x c = 1.0 x |U| x row width
+    assert abs(by["sketch-1x+ef"]["final_loss"] / dense["final_loss"] - 1) < 0.02      # the 2% convergence target
     cal, cfg = result["calibration"], result["config"]
+    assert by["sketch-1x+ef"]["chosen_counts"]["out"] == {"sketch": cfg["steps"] - cfg["warmup"]}  # every timed step
+    # the sketch is sized from the calibrated union: r x c = 1.0 x |U| x row width
     ratio = by["sketch-1x+ef"]["ratios"]["embed"]
     assert ratio == pytest.approx(cal["embed"]["union_rows"] / (cfg["vocab"] * cfg["sketch_rows"]))
 

@@ -24,6 +24,7 @@ from fastdist.bench.report import col, fixed, integer
 from fastdist.bench.launch import add_launch_arguments, run_suite, tx_counter
 from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, parse_size, progress, rank_device,
                                      together)
+from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
 
 COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "broadcast"]
@@ -76,14 +77,14 @@ class Case:
             self.buf = self.src.clone()
             self.expected = (n * (n + 1) // 2 + n * (idx % 7)).to(dtype)
             self.bus_factor = 2 * (n - 1) / n
-            self.wire = 2 * (n - 1) / n * self.bytes
+            self.wire = ring_allreduce_bytes(self.bytes, n)
             self.call = lambda: dist.all_reduce(self.buf)
         elif name == "all_gather":
             chunk = count // n
             self.src = (r * 16 + torch.arange(chunk, device=device) % 13).to(dtype)
             self.buf = torch.empty(count, dtype=dtype, device=device)
             self.expected = ((idx // chunk) * 16 + (idx % chunk) % 13).to(dtype)
-            self.wire = (n - 1) / n * self.bytes
+            self.wire = ring_allgather_bytes(self.bytes // n, n)
             self.call = lambda: compat.all_gather_single(self.buf, self.src)
         elif name == "reduce_scatter":
             chunk = count // n
@@ -91,7 +92,7 @@ class Case:
             self.buf = torch.empty(chunk, dtype=dtype, device=device)
             own = r * chunk + torch.arange(chunk, device=device)
             self.expected = (n * (n + 1) // 2 + n * (own % 5)).to(dtype)
-            self.wire = (n - 1) / n * self.bytes
+            self.wire = ring_allgather_bytes(self.bytes // n, n)
             self.call = lambda: compat.reduce_scatter_single(self.buf, self.src)
         elif name in ("all_to_all", "all_to_all_uneven"):
             # uneven: rank s sends weight(s, d) units to rank d, weights 1..n: every rank still sends and
@@ -214,8 +215,7 @@ def plot(result: dict, path: str) -> None:
         ax.axhline(result["link_gbps"], color="k", linestyle="--", linewidth=1,
                    label=f"link rate {result['link_gbps']:.3g} GB/s")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("size per rank (bytes)")
-    ax.set_ylabel("busbw (GB/s)")
+    ax.set(xlabel="size per rank (bytes)", ylabel="busbw (GB/s)")
     env = result["env"]
     ax.set_title(f"fastdist-bench collectives: {env['ranks']} ranks, {env['backend']}\n{env['network']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)

@@ -53,8 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=at_least(1), default=16,
                    help="hidden size (default 16); activation = batch x seq x hidden float32 per boundary")
     p.add_argument("--expand", type=at_least(1), default=1, help="MLP expansion factor of each stage (default 1)")
-    p.add_argument("--width", type=at_least(1), default=None,
-                   help="shorthand: seq = width / hidden (values per sample)")
     p.add_argument("--steps", type=at_least(1), default=5, help="timed steps per method, >= 5 for a claim (default 5)")
     p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps per method first (default 2)")
     p.add_argument("--methods", type=comma_list(choices=METHODS), default=METHODS,
@@ -62,19 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from(args):
-    methods, seq = args.methods, args.seq
-    if args.width is not None:
-        if args.width % args.hidden:
-            raise SystemExit(f"fastdist-bench compress: --width {args.width} must be a multiple of --hidden "
-                             f"{args.hidden}")
-        seq = args.width // args.hidden
-    if "aqsgd4" in methods and args.warmup < 2:
+    if "aqsgd4" in args.methods and args.warmup < 2:
         raise SystemExit("fastdist-bench compress: aqsgd4 needs --warmup >= 2 (the two alternating batches' first "
                          "visits are sent in full and must not be timed)")
     if args.ranks < 2:
         raise SystemExit("fastdist-bench compress: a pipeline needs --ranks >= 2 (one stage per rank)")
-    return {"methods": methods, "batch": args.batch, "seq": seq, "hidden": args.hidden, "expand": args.expand,
-            "steps": args.steps, "warmup": args.warmup, "measure_tx": False}
+    return {"methods": args.methods, "batch": args.batch, "seq": args.seq, "hidden": args.hidden,
+            "expand": args.expand, "steps": args.steps, "warmup": args.warmup, "measure_tx": False}
 
 
 def _compressors(method, samples):

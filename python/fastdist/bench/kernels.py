@@ -528,8 +528,7 @@ def plot(result: dict, path: str) -> None:
         ax.text(r["pct_copy"], p, f" {r['pct_copy']:.1f}%, {r['speedup']:.1f}x torch", va="center", fontsize=7)
     ax.set_yticks(list(pos), [f"{r['op']} {r['case']}" for r in rows], fontsize=7)
     ax.axvline(100, color="black", linestyle=":", label=f"copy bandwidth {result['copy_gbps']:.1f} GB/s")
-    ax.set_xscale("log")
-    ax.set_xlabel("% of the copy bandwidth timed in the same rounds (bytes moved / time; log scale)")
+    ax.set(xscale="log", xlabel="% of the copy bandwidth timed in the same rounds (bytes moved / time; log scale)")
     env = result["env"]
     ax.set_title(f"fastdist kernels: {env['backend']}\nfastdist {env['fastdist']}, torch {env['torch']}, "
                  f"{env['date']}", fontsize=9)

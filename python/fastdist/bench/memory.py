@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from fastdist.bench import report
+from fastdist.bench.peers import checkpointed
 from fastdist.bench.report import KIB, MIB, col, fixed, integer, percent
 from fastdist.testing.models import ResidualCNN, ResNet50, TransformerLM
 from fastdist.bench.toolkit import at_least, comma_list, progress, sync, time_fn, up_to
@@ -119,11 +120,9 @@ def trim_heap() -> None:
 
 
 def _checkpoint_every_block(net):
-    from torch.utils.checkpoint import checkpoint
-
     for block in net.blocks:
         forward = block.forward
-        block.forward = lambda *a, f=forward: checkpoint(f, *a, use_reentrant=False)
+        block.forward = lambda *a, f=forward: checkpointed(f, *a)
 
 
 def run_config(spec: dict) -> dict:
@@ -295,11 +294,8 @@ def run(args: argparse.Namespace) -> dict | None:
         for model in models:
             shift = round_ % len(configs)  # rotate the order each round: no configuration always runs first
             for name, config, budget in configs[shift:] + configs[:shift]:
-                spec = dict(model=model, scale=args.scale, name=name, config=config, budget=budget,
-                            policy=args.policy, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                            min_bytes=args.min_bytes, depth=args.depth, swap_dir=args.swap_dir, device=args.device,
-                            memory_cap_bytes=int(args.memory_cap * 2**30) if args.memory_cap else None,
-                            max_batch=args.max_batch)
+                spec = dict(vars(args), model=model, name=name, config=config, budget=budget,
+                            memory_cap_bytes=int(args.memory_cap * 2**30) if args.memory_cap else None)
                 runs.setdefault((model, name), []).append(_run_child(spec, args.timeout))
                 bar.step(f"round {round_ + 1} {model} {name}")
     rows = [_merge_rounds(runs[(model, name)]) for model in models for name, _, _ in configs]
@@ -420,9 +416,8 @@ def plot(result: dict, path: str) -> None:
             ax.scatter(r["activation_peak_bytes"] / MIB, r["step_ms"], color=cmap(i % 10), s=60, label=name)
             ax.annotate(name, (r["activation_peak_bytes"] / MIB, r["step_ms"]), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")
-        ax.set_xlabel("activation peak (MiB, VmHWM over the step minus RSS before)")
-        ax.set_ylabel("step time (ms, median)")
-        ax.set_title(model)
+        ax.set(xlabel="activation peak (MiB, VmHWM over the step minus RSS before)", ylabel="step time (ms, median)",
+               title=model)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     env = result["env"]

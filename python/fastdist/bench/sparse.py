@@ -60,8 +60,9 @@ import torch.distributed as dist
 from fastdist.bench import report
 from fastdist.bench.report import MIB, col, fixed, percent, scaled, scientific, times
 from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_suite, tx_counter
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, progress, rank_device, rounds, shape_type, together,
-                                     up_to)
+from fastdist.bench.peers import ddp_sparse
+from fastdist.bench.toolkit import (all_max, at_least, comma_list, progress, rank_device, rounds, shape_type,
+                                     time_interleaved, together, up_to)
 
 METHODS = ["dense", "fp16", "agsparse", "omnireduce", "powersgd", "topk", "sketch", "auto"]
 DDP_METHODS = ["ddp-sparse", "auto", "auto-bg", "auto-nodh"]
@@ -101,13 +102,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="part ddp: comma-separated subset of " + ",".join(DDP_METHODS))
 
 
+CONFIG = ("methods", "reps", "warmup", "sketch_size", "sketch_rows", "topk_ratio", "powersgd_rank", "zipf", "seed",
+          "parts", "ddp_methods")
+"""The options the ranks are given as they are (the payload's config has them and those _config_from derives)."""
+
+
 def _config_from(args):
     (rows, dim), densities = args.shape, [d / 100 for d in args.densities]
-    return {"methods": args.methods, "rows": rows, "dim": dim, "densities": densities, "reps": args.reps,
-            "warmup": args.warmup, "sketch_size": args.sketch_size, "sketch_rows": args.sketch_rows,
-            "topk_ratio": args.topk_ratio, "powersgd_rank": args.powersgd_rank, "zipf": args.zipf,
-            "seed": args.seed, "measure_tx": False, "parts": args.parts, "ddp_table": list(args.ddp_table),
-            "ddp_density": args.ddp_density / 100, "ddp_methods": args.ddp_methods}
+    return {"rows": rows, "dim": dim, "densities": densities, "measure_tx": False, "ddp_table": list(args.ddp_table),
+            "ddp_density": args.ddp_density / 100, **{k: getattr(args, k) for k in CONFIG}}
 
 
 # --- one rank --------------------------------------------------------------------------------------
@@ -243,13 +246,12 @@ def _ddp_method(name, config):
     """(DDP model, optimizer, hook state or None) of part ddp's method `name`, from the same initial weights (seed)
     as every other."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fastdist.comm.hooks import SketchState, sketch_hook
     from fastdist.testing.models import BagModel
 
     torch.manual_seed(config["seed"])
-    model, state = DDP(BagModel(*config["ddp_table"])), None
+    model, state = ddp_sparse(BagModel(*config["ddp_table"])), None
     if name != "ddp-sparse":
         state = SketchState(mode="auto", seed=config["seed"], background=name == "auto-bg",
                             dense_hook=None if name == "auto-nodh" else allreduce_hook)
@@ -257,25 +259,28 @@ def _ddp_method(name, config):
     return model, torch.optim.SGD(model.parameters(), lr=0.01), state
 
 
+def _ddp_step(model, opt, batches):
+    """One training step of `model` on the next of `batches` (made before the timing)."""
+    def call():
+        ids, offsets, target = next(batches)
+        opt.zero_grad(set_to_none=True)
+        (model(ids, offsets) - target).square().mean().backward()
+        opt.step()
+    return call
+
+
 def _bench_ddp(config, rank, device):
     """Part ddp on this rank: rows of (method, step time, parameter difference from ddp-sparse) on rank 0."""
     methods = config["ddp_methods"]
     built = {name: _ddp_method(name, config) for name in methods}
-    samples = {name: [] for name in methods}
-    for it, name, phase in rounds(methods, config["warmup"], config["reps"], "sparse ddp", enabled=rank == 0):
-        model, opt, _ = built[name]
-        ids, offsets, target = _ddp_batch(config, rank, it)
-        with together(device) as watch:
-            opt.zero_grad(set_to_none=True)
-            (model(ids, offsets) - target).square().mean().backward()
-            opt.step()
-        if it >= config["warmup"]:
-            samples[name].append(watch.seconds)
+    steps = [_ddp_batch(config, rank, it) for it in range(config["warmup"] + config["reps"])]
+    calls = {name: _ddp_step(*built[name][:2], iter(steps)) for name in methods}
+    samples = time_interleaved(calls, config["warmup"], config["reps"], "sparse ddp", device=device)
     params = {name: torch.cat([p.detach().flatten() for p in built[name][0].parameters()]) for name in methods}
     reference = params[methods[0]]
     rows = []
     for name in methods:
-        times = all_max(samples[name], device)
+        times = samples[name]
         rows.append({"method": name, "time_ms": statistics.median(times) * 1e3,
                      "samples_ms": [t * 1e3 for t in times],
                      "param_diff": float((params[name] - reference).abs().max()),
@@ -397,9 +402,7 @@ def plot(result: dict, path: str) -> None:
     for j, d in enumerate(densities):
         ax_e.scatter([], [], facecolors="none", edgecolors="black", marker=markers[j % len(markers)],
                      label=f"{d * 100:g}% rows")
-    ax_e.set_xscale("log")
-    ax_e.set_xlabel("wire bytes per rank (model)")
-    ax_e.set_ylabel("relative L2 error ||g' - g|| / ||g||")
+    ax_e.set(xscale="log", xlabel="wire bytes per rank (model)", ylabel="relative L2 error ||g' - g|| / ||g||")
     ax_e.grid(True, which="both", alpha=0.3)
     ax_e.legend(fontsize=7, ncol=2)
     rows_, dim = config["rows"], config["dim"]

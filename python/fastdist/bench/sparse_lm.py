@@ -49,6 +49,7 @@ import math
 import statistics
 import types
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,7 @@ import torch.distributed as dist
 from fastdist.bench import report
 from fastdist.bench.report import KIB, col, fixed, percent, scaled, times
 from fastdist.bench.launch import add_launch_arguments, run_suite, tx_counter
+from fastdist.bench.peers import ddp_sparse, ddp_sparse_wire_bytes
 from fastdist.testing.corpus import ZipfMarkovCorpus
 from fastdist.testing.models import NegativeSampler, SparseLM, make_data, step_batch
 from fastdist.bench.toolkit import at_least, comma_list, progress, together, up_to
@@ -189,17 +191,14 @@ def parse_methods(text: str, sizes: Sequence[float]) -> list[str]:
     known = all_methods(sizes)
     groups = {"all": known, "baselines": BASELINES, "ours": OURS + sketch_methods(sizes),
               "sketch": sketch_methods(sizes)}
-    names = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        for name in groups.get(item, [item]):
-            if name not in known:
-                raise SystemExit(f"fastdist-bench sparse-lm: unknown method {name!r}; choose from "
-                                 f"{', '.join(known)} or a group ({', '.join(groups)})")
-            if name not in names:
-                names.append(name)
+    names = [name for item in (x.strip() for x in text.split(",")) if item for name in groups.get(item, [item])]
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"fastdist-bench sparse-lm: unknown method {name!r}; choose from "
+                             f"{', '.join(known)} or a group ({', '.join(groups)})")
     if not names:
         raise SystemExit("fastdist-bench sparse-lm: no methods given")
-    return names
+    return list(dict.fromkeys(names))
 
 
 class Method:
@@ -219,19 +218,16 @@ class Method:
         # torch's hook issues its second and third all-reduces from future callbacks, which gloo runs on
         # its own threads, so with several buckets in flight ranks can issue them in different orders and
         # deadlock. It gets one bucket (it still compresses each matrix of the bucket on its own).
-        self.ddp = DDP(self.model, bucket_cap_mb=1 << 16 if name == "powersgd" else 1e-6)
+        self.ddp = (ddp_sparse if name == "agsparse" else DDP)(self.model,
+                                                                bucket_cap_mb=1 << 16 if name == "powersgd" else 1e-6)
         self.opt = torch.optim.Adagrad(self.model.parameters(), lr=config["lr"])
         self.router = self.powersgd = None
         self.ratios = None
         if name == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-                fp16_compress_hook,
-            )
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
             self.ddp.register_comm_hook(None, fp16_compress_hook)
         elif name == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import (
-                powerSGD_hook as psgd,
-            )
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
             self.powersgd = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                                start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
                                                warm_start=True, random_seed=config["seed"])
@@ -291,10 +287,8 @@ class Method:
             size = esize if self.name == "dense" else 2
             return ring_allreduce_bytes(sum(self.numels) * size, w), ring_allreduce_bytes(sum(vrow) * size, w)
         if self.name == "agsparse":
-            sparse = 0
-            for i, width in enumerate((self.config["embed_dim"], self.config["dim"] + 1)):
-                chunks = [int(r) * (8 + width * esize) for r in local_rows[:, i].tolist()]  # int64 index + row
-                sparse += sum(chunks) - min(chunks)  # ring all-gatherv: the busiest rank forwards all but one
+            widths = (self.config["embed_dim"], self.config["dim"] + 1)
+            sparse = sum(ddp_sparse_wire_bytes(local_rows[:, i].tolist(), width) for i, width in enumerate(widths))
             return ring_allreduce_bytes((sum(self.numels) - sum(vrow)) * esize, w) + sparse, sparse
         if self.name == "powersgd":
             if step < POWERSGD_START:  # torch's hook all-reduces densely until start_powerSGD_iter
@@ -422,20 +416,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median (default 3)")
 
 
+CONFIG = ("steps", "vocab", "dim", "seq", "batch", "negatives", "exponent", "lr", "seed", "eval_batch", "sketch_rows",
+          "auto_ratio", "calibration_steps", "warmup")
+"""The options the ranks are given as they are (the payload's config has them and those make_config derives)."""
+
+
 def make_config(args: argparse.Namespace) -> dict:
     """The run's config from the parsed options."""
     sizes = tuple(args.sketch_sizes)
     embed_dim = args.dim if args.embed_dim is None else args.embed_dim
-    return {
-        "methods": parse_methods(args.methods, sizes), "sketch_sizes": sizes, "steps": args.steps,
-        "vocab": args.vocab, "dim": args.dim, "embed_dim": embed_dim, "seq": args.seq, "batch": args.batch,
-        "negatives": args.negatives, "exponent": args.exponent, "lr": args.lr, "optimizer": "adagrad",
-        "seed": args.seed,
-        "eval_every": args.eval_every or max(1, args.steps // 20), "eval_batch": args.eval_batch,
-        "sketch_rows": args.sketch_rows, "auto_ratio": args.auto_ratio,
-        "calibration_steps": args.calibration_steps, "warmup": args.warmup, "measure_tx": False,
-        "sparse_update": not args.dense_update,
-    }
+    return {"methods": parse_methods(args.methods, sizes), "sketch_sizes": sizes, "embed_dim": embed_dim,
+            "optimizer": "adagrad", "eval_every": args.eval_every or max(1, args.steps // 20), "measure_tx": False,
+            "sparse_update": not args.dense_update, **{k: getattr(args, k) for k in CONFIG}}
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -461,11 +453,10 @@ def summarize(result: dict) -> dict:
     for m in methods:
         for key in ("step_s", "wire_bytes", "sparse_wire_bytes", "tx_bytes"):  # tx_bytes is None without netsim
             m[f"median_{key}"] = statistics.median(m[key][warm:] or m[key]) if m[key] else None
-        picks = {}
+        picks = {}  # {matrix: {how it was reduced: timed steps}}, in the order first seen
         for c in m["chosen"][warm:]:
             for k, v in c.items():
-                picks.setdefault(k, {}).setdefault(v, 0)
-                picks[k][v] += 1
+                picks.setdefault(k, Counter())[v] += 1
         m["chosen_counts"] = picks
         if m["method"] in ("auto", "auto-bg") and picks:
             m["lossless"] = all(v in ("exact", "dense") for p in picks.values() for v in p)
@@ -567,8 +558,7 @@ def plot(result: dict, path: str) -> None:
     ax1.set_title("held-out loss", fontsize=9)
     ax2.set_title("second half of training (zoom)", fontsize=9)
     for ax in (ax1, ax2):
-        ax.set_xlabel("step")
-        ax.set_ylabel("held-out loss (full softmax, nats)")
+        ax.set(xlabel="step", ylabel="held-out loss (full softmax, nats)")
         ax.grid(True, alpha=0.3)
     ax1.legend(fontsize=7, ncol=2)
     for m in methods:
@@ -580,9 +570,7 @@ def plot(result: dict, path: str) -> None:
     front = sorted((m["median_wire_bytes"], m["final_loss"]) for m in methods if m["pareto"])
     if len(front) > 1:
         ax3.step(*zip(*front), where="post", color="grey", linewidth=0.8, alpha=0.6)
-    ax3.set_xscale("log")
-    ax3.set_xlabel("wire bytes per rank per step (median)")
-    ax3.set_ylabel("final held-out loss")
+    ax3.set(xscale="log", xlabel="wire bytes per rank per step (median)", ylabel="final held-out loss")
     ax3.set_title("squares: lossless, circles: lossy; filled: on the Pareto front", fontsize=9)
     ax3.grid(True, which="both", alpha=0.3)
     env, c = result["env"], result["config"]

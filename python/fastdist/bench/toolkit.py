@@ -23,7 +23,8 @@ from fastdist.distributed.timing import Stopwatch, Timing, all_max, all_sum, syn
 
 __all__ = ["SHAPE_GRAMMAR", "SIZE_GRAMMAR", "Bar", "Stopwatch", "Timing", "all_max", "all_sum", "at_least",
            "comma_list", "interleave", "parse_shape", "parse_size", "progress", "rank_device", "relative_error",
-           "rounds", "shape_type", "sync", "time_fn", "time_ranks", "together", "up_to", "worst_errors"]
+           "rounds", "shape_type", "sync", "time_fn", "time_interleaved", "time_ranks", "together", "up_to",
+           "worst_errors"]
 
 SIZE_GRAMMAR = ("a byte count such as 4096, 64K, 1.5M, 16MiB, 1GB or 2^20 (K/M/G/T are binary, "
                 "an optional 'iB' or 'B' follows, case-insensitive)")
@@ -266,6 +267,25 @@ def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *, enabled: 
     for it, name, phase in interleave(names, warmup, reps, shuffle):
         yield it, name, it >= warmup
         bar.step(f"{prefix}{phase} {name}")
+
+
+def time_interleaved(calls: dict[str, Callable[[], object]], warmup: int, reps: int, desc: str, *,
+                     shuffle: bool = False, device: torch.device | str | None = None) -> dict[str, list[float]]:
+    """{name: the slowest rank's seconds per timed repetition} of `calls` (name -> callable) run by `rounds`, every
+    rank starting each call together; the bar is drawn on rank 0. A collective.
+
+    Args:
+        shuffle: As for `interleave`.
+        device: Where the calls run (CUDA is synchronized around each).
+    """
+    samples: dict[str, list[float]] = {n: [] for n in calls}
+    for _, name, timed in rounds(list(calls), warmup, reps, desc, enabled=dist.get_rank() == 0, shuffle=shuffle):
+        with together(device) as watch:
+            calls[name]()
+        if timed:
+            samples[name].append(watch.seconds)
+    slowest = all_max([t for n in calls for t in samples[n]], device)  # a step lasts until its slowest rank is done
+    return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(calls)}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

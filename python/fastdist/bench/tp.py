@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 
 from fastdist import netsim
-from fastdist.bench import report
+from fastdist.bench import peers, report
 from fastdist.bench.report import col, fixed, integer, percent, times
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
-from fastdist.bench.toolkit import (all_max, at_least, comma_list, relative_error, rounds, shape_type, time_fn,
-                                     together, up_to, worst_errors)
+from fastdist.bench.toolkit import (at_least, comma_list, relative_error, shape_type, time_fn, time_interleaved, up_to,
+                                     worst_errors)
 from fastdist.comm.wire import ring_allreduce_bytes
 
 OP_KS = [1, 2, 4, 8, "auto"]
@@ -85,44 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-reps", type=at_least(1), default=45,
                    help="timed repetitions per row-op variant (cheap, and its k = 1 vs auto comparison is a few %%)")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions of every variant first")
-    p.add_argument("--skip-block", action="store_true", help="leave the GPT block out of --parts")
     p.add_argument("--gemm-check", type=shape_type(3), metavar="M,K,N", default=None,
                    help="only measure what splitting one GEMM into 2, 4, 8 row chunks costs on this process's "
                         "device (CUDA: bf16, events, L2 flushed; CPU: fp32), e.g. 8192,8192,8192")
 
 
 # --- one rank --------------------------------------------------------------------------------------
-
-def _interleaved(variants, reps, warmup, desc):
-    """{name: [seconds per rep]} of the slowest rank; `variants` maps name -> callable, run in a fresh order every
-    repetition."""
-    samples = {n: [] for n in variants}
-    for _, name, timed in rounds(variants, warmup, reps, desc, enabled=dist.get_rank() == 0, shuffle=True):
-        with together() as watch:
-            variants[name]()
-        if timed:
-            samples[name].append(watch.seconds)
-    slowest = all_max([t for n in variants for t in samples[n]])  # a step lasts until its slowest rank is done
-    return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(variants)}
-
-
-def _dtensor(module, plan, mesh):
-    """`module` made tensor-parallel by torch's parallelize_module on `mesh`: `plan` maps submodule paths (or ""
-    for the module itself) to "colwise" / "rowwise"."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = styles[plan[""]]() if "" in plan else {path: styles[kind]() for path, kind in plan.items()}
-    return parallelize_module(module, mesh, plan)
-
-
-def _ready(t):
-    """`t` once every collective that produces it is complete: DTensor's collectives are functional ones whose
-    result (an AsyncCollectiveTensor) is waited for only where it is read, so a timed call must read it."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
 
 def check_against(reference: Sequence[torch.Tensor], outputs: dict[str, Sequence[torch.Tensor]]) -> dict[str, float]:
     """{name: largest relative error over the ranks} of each variant's tensors against the reference's (the same
@@ -141,12 +109,12 @@ def _op_variants(config, model, mesh):
     layers = {k: RowParallelLinear.from_linear(full, None, overlap_chunks=k,
                                                cost_model=model if k == "auto" else None) for k in OP_KS}
     x = torch.randn(m, layers[1].in_per_rank)  # the same on every rank: the full input is it repeated t times
-    peer = _dtensor(copy.deepcopy(full), {"": "rowwise"}, mesh)
+    peer = peers.dtensor_parallel(copy.deepcopy(full), {"": "rowwise"}, mesh)
 
     def forward_of(layer):
         def call():
             with torch.no_grad():
-                return _ready(layer(x))
+                return peers.ready(layer(x))
         return call
 
     out = torch.empty(m, n)
@@ -170,14 +138,12 @@ def _op_variants(config, model, mesh):
 
 def training_step(module: torch.nn.Module, x: torch.Tensor, checkpointed: bool = False) -> Callable[[], tuple]:
     """One training step of `module` on `x` (fresh gradients); returns (output, input gradient)."""
-    from torch.utils.checkpoint import checkpoint
-
     def call():
         module.zero_grad(set_to_none=True)
         xs = x.detach().requires_grad_()
-        y = checkpoint(module, xs, use_reentrant=False) if checkpointed else module(xs)
+        y = peers.checkpointed(module, xs) if checkpointed else module(xs)
         y.sum().backward()
-        return y, _ready(xs.grad)
+        return y, peers.ready(xs.grad)
     return call
 
 
@@ -216,7 +182,7 @@ def _mlp_variants(config, model, mesh):
     ref = _MLP(hidden, ffn)
     x = torch.randn(tokens, hidden)
     modules = {"megatron": _FastdistMLP(ref, 1, model), "chunked": _FastdistMLP(ref, "auto", model),
-               "dtensor": _dtensor(copy.deepcopy(ref), {"fc1": "colwise", "fc2": "rowwise"}, mesh)}
+               "dtensor": peers.dtensor_parallel(copy.deepcopy(ref), {"fc1": "colwise", "fc2": "rowwise"}, mesh)}
     variants = {name: training_step(modules[name], x) for name in MLP_VARIANTS}
     errors = check_against(training_step(ref, x)(), {name: call() for name, call in variants.items()})
     return variants, errors, {name: chosen_chunks(modules[name]) for name in ("megatron", "chunked")}
@@ -236,10 +202,7 @@ def block_variants(config: dict, model: Any, mesh: Any) -> tuple[dict[str, Calla
     chunked = parallelize(copy.deepcopy(ref), None, overlap_chunks="auto", cost_model=model)
     oases = OverlappedTransformerBlock.from_block(ref, None, recompute=False)
     oases_recompute = OverlappedTransformerBlock.from_block(ref, None, recompute=True)
-    # GPTBlock's qkv output is head-major, so DTensor's contiguous column shard holds whole heads, and its attention
-    # takes the head count from the width it is given.
-    peer = _dtensor(copy.deepcopy(ref), {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise",
-                                         "mlp.fc2": "rowwise"}, mesh)
+    peer = peers.dtensor_parallel(copy.deepcopy(ref), peers.DTENSOR_GPT_BLOCK_PLAN, mesh)
     variants = {"megatron": training_step(megatron, x), "chunked": training_step(chunked, x),
                 "oases": training_step(oases, x), "dtensor": training_step(peer, x),
                 "megatron+recompute": training_step(megatron, x, True),
@@ -299,7 +262,7 @@ def bench_rank(config: dict) -> Any:
         variants, errors, chunks = _mlp_variants(config, model, mesh)
     else:
         variants, errors, chunks = block_variants(config, model, mesh)
-    samples = _interleaved(variants, reps, config["warmup"], f"tp {part} {config['label']}")
+    samples = time_interleaved(variants, config["warmup"], reps, f"tp {part} {config['label']}", shuffle=True)
     m, k_local, n = shape
     if part == "op":
         chunks = {str(k): auto_k if k == "auto" else k for k in OP_KS}
@@ -400,7 +363,7 @@ def run(args: argparse.Namespace) -> dict | None:
     if op_shape[1] % world or block[1] % world or block[0] % block[1] or block[3] < 2 or mlp[2] % world:
         raise SystemExit("fastdist-bench tp: K, heads and the MLP's ffn must divide by --ranks; hidden by heads; "
                          "block batch >= 2")
-    parts = [p for p in PARTS if p in args.parts and not (p == "block" and args.skip_block)]
+    parts = [p for p in PARTS if p in args.parts]
     plan = [(part, args.net, args.net) for part in parts]  # (part, label, net)
     if args.net == "auto":
         op_rate, gemm_s = balanced_rate("op", op_shape, world)
@@ -522,39 +485,28 @@ def tables(result: dict) -> list[report.Part]:
     return parts
 
 
-def _bars(ax, runs: list[dict], key: str, label_key: str, ylabel: str, title: str) -> None:
-    """One bar per variant and run (a group per variant), the runs side by side; the row op's predictions on
-    its bars."""
-    series = {f"{r['label']} ({r['net']})": [row["time_ms"] for row in r[key]] for r in runs}
-    groups = [row[label_key] for row in runs[0][key]] if runs else []
-    positions = report.grouped_bars(ax, groups, series, ylabel, title, rotation=20)
-    if key == "op_rows":
-        for i, (r, xs) in enumerate(zip(runs, positions)):
-            predicted = [(x, row["predicted_ms"]) for x, row in zip(xs, r[key]) if row.get("predicted_ms")]
-            ax.scatter([p[0] for p in predicted], [p[1] for p in predicted], color="black", marker="_", s=200,
-                       label="predicted" if i == 0 else None, zorder=3)
-        ax.legend(fontsize=8)
-
-
 def plot(result: dict, path: str) -> None:
     """Writes the suite's figure of `result` (its JSON payload) to `path` as PNG."""
     if not result["runs"]:
         raise SystemExit("fastdist-bench tp: --gemm-check has no plot; use --json")
-    panels = [key for key in ("op_rows", "mlp_rows", "block_rows") if any(r.get(key) for r in result["runs"])]
+    (m, k, n), (tokens, hidden, ffn), (h, heads, seq, batch) = result["op_shape"], result["mlp"], result["block"]
+    panels = {"op_rows": ("k", "row-parallel forward", f"row op {m}x{k}x{n} fp32 (k, or DTensor)"),
+              "mlp_rows": ("variant", "MLP fwd+bwd", f"column -> row MLP, {tokens} tokens, hidden {hidden}, ffn {ffn}"),
+              "block_rows": ("variant", "GPT block fwd+bwd",
+                             f"block hidden {h}, {heads} heads, seq {seq}, batch {batch}")}
+    panels = {key: panel for key, panel in panels.items() if any(r.get(key) for r in result["runs"])}
     _, fig, axes = report.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, key in zip(axes[0], panels):
-        runs = [r for r in result["runs"] if r.get(key)]
-        if key == "op_rows":
-            m, k, n = result["op_shape"]
-            _bars(ax, runs, key, "k", "row-parallel forward (ms, median)", f"row op {m}x{k}x{n} fp32 (k, or DTensor)")
-        elif key == "mlp_rows":
-            tokens, hidden, ffn = result["mlp"]
-            _bars(ax, runs, key, "variant", "MLP fwd+bwd (ms, median)",
-                  f"column -> row MLP, {tokens} tokens, hidden {hidden}, ffn {ffn}")
-        else:
-            h, heads, seq, batch = result["block"]
-            _bars(ax, runs, key, "variant", "GPT block fwd+bwd (ms, median)",
-                  f"block hidden {h}, {heads} heads, seq {seq}, batch {batch}")
+    for ax, (key, (label_key, what, title)) in zip(axes[0], panels.items()):
+        runs = [r for r in result["runs"] if r.get(key)]  # one bar per variant and run, the runs side by side
+        series = {f"{r['label']} ({r['net']})": [row["time_ms"] for row in r[key]] for r in runs}
+        positions = report.grouped_bars(ax, [row[label_key] for row in runs[0][key]], series,
+                                        f"{what} (ms, median)", title, rotation=20)
+        if key == "op_rows":  # the cost model's predictions on the row op's bars
+            for i, (r, xs) in enumerate(zip(runs, positions)):
+                predicted = [(x, row["predicted_ms"]) for x, row in zip(xs, r[key]) if row.get("predicted_ms")]
+                ax.scatter([p[0] for p in predicted], [p[1] for p in predicted], color="black", marker="_", s=200,
+                           label="predicted" if i == 0 else None, zorder=3)
+            ax.legend(fontsize=8)
     env = result["env"]
     kind = "simulated links" if any(r["link_gbps"] for r in result["runs"]) else "loopback"
     fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}; DTensor: torch's TP", fontsize=9)
