@@ -3,6 +3,7 @@ determined by its seed whatever the thread count, a state_dict resumes it bit fo
 hyper-parameters raise naming the problem, and divergence raises naming the block instead of returning NaNs."""
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -70,6 +71,7 @@ def test_resuming_from_a_state_dict_continues_the_run_exactly(dtype):
     assert got == want
     assert_same_state(resumed, straight)
     assert resumed.history == straight.history and resumed.sweeps == 6
+    assert resumed.loss_reference == straight.loss_reference is not None
 
 
 def test_a_state_dict_of_another_configuration_is_refused_naming_the_field():
@@ -91,6 +93,7 @@ def test_float32_follows_the_float64_trajectory_over_the_first_sweeps():
     ({"rho": {"a": 1.0, "s": 1.0}}, "rho"), ({"rho": {"a": 1.0, "s": 1.0, "o": 0.0}}, r"rho\['o'\]"),
     ({"tau": 0.5}, "tau"), ({"tau": math.inf}, "tau"), ({"loss": "hinge"}, "loss"), ({"duals": "some"}, "duals"),
     ({"damping": 0.0}, "damping"), ({"weight_decay": -1.0}, "weight_decay"), ({"dtype": torch.float16}, "dtype"),
+    ({"divergence_loss_factor": 0.5}, "divergence_loss_factor"),
 ])
 def test_hyper_parameters_out_of_range_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -156,3 +159,54 @@ def test_cuda_follows_the_cpu_trajectory():
         a, b = cpu.step(x, y), gpu.step(x.cuda(), y.cuda())
         assert b.lagrangian == pytest.approx(a.lagrangian, rel=1e-9)
     torch.testing.assert_close(gpu.weights["w"].cpu(), cpu.weights["w"])
+
+
+def digits_rows(samples):
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    return torch.tensor(d.images[:samples], dtype=torch.float32) / 16.0, torch.tensor(d.target[:samples])
+
+
+def test_a_network_loss_past_its_bound_raises_naming_where_the_forward_pass_leaves_the_auxiliary_states():
+    # a recorded case (init scale 0.01, digits rows): the auxiliary loss falls every sweep while the network's own
+    # loss climbs from 2.30 to 3.3 around sweep 8, its residuals 0.1-0.3
+    x, y = digits_rows(300)
+    m = ADMMiRNN(8, 16, 10, 8, rho=1.0, weight_decay=1e-3, init_scale=0.01, divergence_loss_factor=1.2)
+    losses = []
+    with pytest.raises(ADMMDivergenceError, match=r"network's loss .* passed 1.2 x its reference 2.30") as err:
+        for _ in range(12):
+            losses.append(m.step(x, y).loss)
+    assert m.loss_reference == pytest.approx(2.303, abs=1e-3)  # the 10 classes' prior and the start's loss
+    assert len(losses) >= 5 and max(losses) <= 1.2 * m.loss_reference  # it fires when the loss climbs, not before
+    assert re.fullmatch(r"s \(t=\d\)", err.value.block) and m.state_dict()["loss_reference"] == m.loss_reference
+    with pytest.raises(ADMMDivergenceError, match="diverged earlier"):
+        m.step(x, y)
+
+
+def test_the_loss_bound_names_the_output_when_the_auxiliary_loss_is_past_it_too():
+    m = ADMMiRNN(F, H, O, T, divergence_loss_factor=1.0)
+    x, y = batch(8, dtype=torch.float32), torch.arange(8) % O
+    m.step(x, y)
+    m.loss_reference = 1e-6  # as if the first batch had been fitted exactly: every loss now passes the bound
+    with pytest.raises(ADMMDivergenceError) as err:
+        m.step(x, y)
+    assert err.value.block == "o"
+
+
+def test_in_mini_batches_the_loss_bound_names_the_step_from_the_batchs_own_variables():
+    x, y = batch(32, dtype=torch.float64), torch.arange(32) % O
+    first, second = torch.arange(16), torch.arange(16, 32)
+
+    def model():
+        return ADMMiRNN(F, H, O, T, minibatch="carry", num_samples=32, dtype=torch.float64)
+
+    free = model()
+    free.step(x[first], y[first], first)
+    stats = free.step(x[second], y[second], second)
+    assert stats.loss > stats.aux_loss
+    m = model()  # the same run, its bound placed between the second batch's auxiliary and network losses
+    m.step(x[first], y[first], first)
+    m.loss_reference = (stats.loss + stats.aux_loss) / 2 / m.divergence_loss_factor
+    with pytest.raises(ADMMDivergenceError) as err:
+        m.step(x[second], y[second], second)
+    assert re.fullmatch(r"s \(t=\d\)|o", err.value.block)

@@ -3,6 +3,7 @@ tuned over a grid of the same size by training loss alone; the stability sweep a
 import argparse
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -108,3 +109,32 @@ def test_a_seeded_mini_batch_run_on_the_adding_problem_reports_every_seed_of_eve
     mb = next(r for r in result["runs"] if r["method"] == "admm-mb")
     assert math.isfinite(mb["final_loss"])  # one epoch = one sweep per mini-batch of 128 (all 32 samples here)
     assert result["summary"]["accuracy_gap"]["adding-50"]["best_baseline"] == "adam+clip"
+
+
+REFERENCE = os.environ.get("FASTDIST_ADMMIRNN_REF")
+RECORDING = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "admm-reference.json")
+
+
+def test_the_reference_mode_refuses_a_path_without_the_authors_code(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no common.py under"):
+        admm.run(parse(["--reference", str(tmp_path)]))
+
+
+def test_the_recorded_reference_comparison_renders_blocks_trajectories_and_their_script():
+    with open(RECORDING) as f:
+        data = json.load(f)
+    parts = results.tables_of(data)
+    assert [p.name for p in parts] == ["reference-blocks", "reference-trajectory", "reference-published"]
+    assert all(r["relation_rel_diff"] < 1e-12 for r in data["reference"]["blocks"])
+
+
+@pytest.mark.skipif(not (REFERENCE and os.path.isfile(os.path.join(REFERENCE, "common.py"))),
+                    reason="FASTDIST_ADMMIRNN_REF does not name a checkout of the authors' ADMMiRNN code (not "
+                           "vendored: no license)")
+def test_the_reference_mode_runs_the_authors_code_and_ours_side_by_side(tmp_path):
+    result = admm.run(parse(["--reference", REFERENCE, "--reference-iterations", "2", "--hidden", "4"]))
+    traj = result["reference"]["trajectory"]
+    assert len(traj["alpha10"]["loss_theirs"]) == len(traj["alpha10"]["loss_ours"]) == 3
+    assert len(result["reference"]["published"]["loss"]) == 1000
+    admm.plot(result, str(tmp_path / "ref.png"))
+    assert (tmp_path / "ref.png").stat().st_size > 0

@@ -148,6 +148,12 @@ class ADMMiRNN:
         divergence_window: A constraint whose residual grew in each of this many consecutive sweeps, by
             `divergence_factor` in all, raises ADMMDivergenceError.
         divergence_factor: See `divergence_window`.
+        divergence_loss_factor: The network's own loss on a batch (`SweepStats.loss`) past this multiple of the
+            reference loss raises ADMMDivergenceError naming where the forward pass leaves the auxiliary
+            variables; the reference is fixed at the first sweep: the larger of the initial weights' loss and the
+            loss of a constant prediction (the label frequencies, or the targets' mean under mse) on that batch.
+            Catches what the residual check cannot: small residuals amplified through the time steps. In
+            [1, inf]; inf turns the check off.
         minibatch: None: full batch, the per-sample variables bound to the first batch (the paper's setting).
             "carry": mini-batches of a data set of `num_samples` samples; every `step` passes the batch's sample
             indices, whose variables and duals are carried from their last batch (started at the forward pass, duals
@@ -164,6 +170,7 @@ class ADMMiRNN:
                  seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  divergence_window: int = 20, divergence_factor: float = 10.0,
+                 divergence_loss_factor: float = 10.0,
                  minibatch: str | None = None, num_samples: int | None = None):
         self.input_size = _check_positive_int("input_size", input_size)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
@@ -193,6 +200,7 @@ class ADMMiRNN:
         self.dtype, self.device, self.seed = dtype, device, int(seed)
         self.divergence_window = _check_positive_int("divergence_window", divergence_window)
         self.divergence_factor = _check_range("divergence_factor", divergence_factor, 1.0, math.inf)
+        self.divergence_loss_factor = _check_range("divergence_loss_factor", divergence_loss_factor, 1.0, math.inf)
         if minibatch not in _MINIBATCH:
             raise ValueError(f"ADMMiRNN: minibatch must be one of {_MINIBATCH}, got {minibatch!r}")
         if minibatch == "carry":
@@ -212,6 +220,7 @@ class ADMMiRNN:
             self.seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
         self.sweeps = 0
         self.history: dict[str, list[float]] = {k: [] for k in BLOCKS}
+        self.loss_reference: float | None = None  # the loss check's reference, fixed at the first sweep
         self.diverged: str | None = None
 
     # ---- weights and the network ----
@@ -434,6 +443,8 @@ class ADMMiRNN:
                              f"samples, got {x.shape[0]}: train full-batch on one batch, or pass minibatch='carry' "
                              "(with num_samples and index) or minibatch='reinit'")
         xt = x.transpose(0, 1).contiguous()
+        if self.loss_reference is None:
+            self.loss_reference = self._reference_loss(xt, y)
         if self.minibatch == "carry":
             store = self.variables, self.dual
             self.variables, self.dual = self._gather(xt, index)
@@ -448,7 +459,7 @@ class ADMMiRNN:
             flags, r, lagr, aux = self._primal_dual(xt, y)
         batch = y.shape[0]
         norms = torch.stack([r[k].pow(2).sum() / batch for k in BLOCKS]).sqrt()
-        out = self._forward(xt)[2]
+        _, fwd_s, out = self._forward(xt)
         summary = torch.cat([norms, torch.stack([self._loss_rows(out, y).mean(), aux, lagr])])
         bad = torch.stack([f for _, f in flags])
         values, bad = summary.tolist(), bad.tolist()  # the sweep's one synchronisation
@@ -459,7 +470,39 @@ class ADMMiRNN:
                                       f"{self.diverged} produced non-finite values (rho={self.rho}, tau={self.tau})")
         residuals = dict(zip(BLOCKS, values[:3]))
         self._watch(residuals)
+        bound = self.divergence_loss_factor * self.loss_reference
+        if 0 < self.loss_reference and not values[3] <= bound:
+            self.diverged = self._departure(fwd_s, r, index) if values[4] <= bound else "o"
+            raise ADMMDivergenceError(
+                self.diverged, f"ADMMiRNN: sweep {self.sweeps}: the network's loss {values[3]:.4g} passed "
+                f"{self.divergence_loss_factor:g} x its reference {self.loss_reference:.4g} (auxiliary loss "
+                f"{values[4]:.4g}, residuals " + ", ".join(f"{k} {v:.3g}" for k, v in residuals.items())
+                + f"): the forward pass leaves the auxiliary variables at block {self.diverged}; raise rho or "
+                "damping (mini-batches: or train full-batch)")
         return SweepStats(self.sweeps, values[3], values[4], values[5], residuals)
+
+    def _reference_loss(self, xt: torch.Tensor, y: torch.Tensor) -> float:
+        """The loss check's reference on the first batch: the larger of the current weights' loss and the loss of
+        the best constant prediction."""
+        start = self._loss_rows(self._forward(xt)[2], y).mean()
+        if self.loss == "cross_entropy":
+            p = torch.bincount(y, minlength=self.output_size).to(self.dtype) / y.shape[0]
+            constant = -(p * torch.log(p.clamp_min(torch.finfo(self.dtype).tiny))).sum()
+        else:
+            constant = 0.5 * (y - y.mean(0)).pow(2).sum(1).mean()
+        return float(torch.maximum(start, constant))
+
+    def _departure(self, fwd_s: torch.Tensor, r: dict[str, torch.Tensor], index: torch.Tensor | None) -> str:
+        """Names where the network's forward pass leaves the auxiliary variables: the first step whose state
+        differs from the auxiliary s_t by more than `divergence_factor` times what that step's own residuals
+        (r_a, r_s) account for; "o" (the head) when no step does."""
+        s = self.variables["s"]
+        if index is not None:  # mini-batch: the batch's rows, written back to the store by now
+            s = s.index_select(1, index)
+        gap = (fwd_s - s).pow(2).mean((1, 2)).sqrt()
+        own = (r["a"].pow(2).mean((1, 2)) + r["s"].pow(2).mean((1, 2))).sqrt()
+        beyond = (gap > self.divergence_factor * own).nonzero()
+        return f"s (t={int(beyond[0]) + 1})" if len(beyond) else "o"
 
     def _primal_dual(self, xt: torch.Tensor, y: torch.Tensor) -> tuple[list, dict, torch.Tensor, torch.Tensor]:
         """The sweep's primal updates and the dual step on the current variables: (flags, residuals, L, R at o)."""
@@ -611,12 +654,14 @@ class ADMMiRNN:
                 "duals": self.duals, "damping": self.damping, "weight_decay": self.weight_decay,
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "divergence_window": self.divergence_window, "divergence_factor": self.divergence_factor,
+                "divergence_loss_factor": self.divergence_loss_factor,
                 "minibatch": self.minibatch, "num_samples": self.num_samples}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: weights, per-sample variables, duals, the sweep count and the residual
         history of the divergence check, with the configuration they belong to (tensors are clones)."""
         return {"config": self._config(), "sweeps": self.sweeps, "diverged": self.diverged,
+                "loss_reference": self.loss_reference,
                 "history": {k: list(v) for k, v in self.history.items()},
                 "weights": {k: v.clone() for k, v in self.weights.items()},
                 "variables": {k: v.clone() for k, v in self.variables.items()},
@@ -631,7 +676,8 @@ class ADMMiRNN:
             state: what `state_dict()` returned (full-batch states saved before mini-batches existed load too).
         """
         mine = self._config()
-        config = {"minibatch": None, "num_samples": None, **state["config"]}  # states saved before mini-batches
+        # states saved before mini-batches and the loss check
+        config = {"minibatch": None, "num_samples": None, "divergence_loss_factor": 10.0, **state["config"]}
         for key, value in config.items():
             if mine.get(key) != value:
                 raise ValueError(f"ADMMiRNN.load_state_dict: {key} is {mine.get(key)!r} here but {value!r} in the "
@@ -646,4 +692,5 @@ class ADMMiRNN:
         self.weights, self.variables, self.dual = load("weights"), load("variables"), load("dual")
         self.seen = None if state.get("seen") is None else state["seen"].to(self.device).clone()
         self.sweeps, self.diverged = int(state["sweeps"]), state["diverged"]
+        self.loss_reference = state.get("loss_reference")
         self.history = {k: list(v) for k, v in state["history"].items()}

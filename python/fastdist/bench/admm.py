@@ -22,6 +22,12 @@ below both its first epoch's and the loss of always predicting the class frequen
 gradient's norm at the first and last input step, |dL/dx_1| / |dL/dx_T| (at the initialisation), shows vanishing
 (<< 1) or exploding (>> 1).
 Cost: one ADMMiRNN sweep against one full-batch SGD step with backpropagation through time, interleaved, median.
+
+--reference PATH (a checkout of the authors' NumPy code, which has no license: it is run from PATH, never copied)
+runs only the comparison with it (fastdist.admm.reference): every block updated once by their function and by
+ours from one shared state, their update functions driven as their training script drives them against ours on
+the same initial weights and one-sample batches of the digits read pixel by pixel as tokens, and their training
+script itself, unmodified.
 """
 from __future__ import annotations
 
@@ -271,12 +277,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions of the cost comparison (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of data split and initialisation (default 0)")
+    p.add_argument("--reference", metavar="PATH",
+                   help="run only the comparison with the authors' code, from a checkout at PATH (see above)")
+    p.add_argument("--reference-iterations", type=at_least(1), default=20,
+                   help="one-sample iterations of the reference trajectory (default 20)")
 
 
 def run(args: argparse.Namespace) -> dict:
     """Runs the suite; prints the header and tables; returns the JSON payload."""
     env = report.environment(backend="torch ops", device="cpu", ranks=1, network="none (single process)")
     print(report.format_environment(env))
+    if args.reference:
+        result = {"suite": "admm", "env": env, "config": vars(args),
+                  "reference": run_reference(args.reference, args.reference_iterations, args.hidden, args.seed,
+                                             args.threads)}
+        print(report.text_parts(tables(result)))
+        return result
     with report.torch_threads(args.threads):
         stability_tasks = [t for t in args.stability_tasks if t != "none"]
         tasks = {name: load_task(name, args.seed, adding_samples=args.adding_samples)
@@ -327,6 +343,58 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_reference(path: str, iterations: int, hidden: int, seed: int, threads: int) -> dict:
+    """The comparison with the authors' code at `path` (fastdist.admm.reference): the block check, trajectories
+    of theirs (alpha 10 as their script, alpha 1 as their functions' default) and ours, their script's own run."""
+    from fastdist.admm import reference as ref_mod
+    ref = ref_mod.load_reference(path)
+    state = ref_mod.block_state(seed=seed)
+    with report.torch_threads(threads):
+        blocks = ref_mod.block_check(state, ref_mod.their_block_updates(ref, state))
+        runs = {alpha: ref_mod.trajectory(ref, iterations, hidden, alpha=alpha, seed=seed) for alpha in (10.0, 1.0)}
+        published = ref_mod.published_run(path, seed)
+    return {"commit": ref_mod.reference_commit(path), "blocks": blocks,
+            "trajectory": {"alpha10": runs[10.0], "alpha1": runs[1.0]}, "published": published}
+
+
+def _reference_parts(result: dict) -> list[report.Part]:
+    r = result["reference"]
+    blocks = report.Part(
+        "reference-blocks", [col("block", "block"), col("relation", "relation"),
+                             col("relation holds to", "relation_rel_diff", scientific(0)),
+                             col("ours vs theirs", "ours_vs_theirs", scientific(1)),
+                             col("dL theirs", "dL_theirs", scientific(2)), col("dL ours", "dL_ours", scientific(2))],
+        r["blocks"], f"One state (T = 6, H = 5, 3 classes, 4 tokens, batch 1, float64) handed to both; every penalty "
+        "and their mu 0.1, their alpha 1. Relation: what holds between their update and ours (or L's gradient), "
+        "with its max relative difference; dL: the change of the augmented Lagrangian each update makes.")
+    t10, t1 = r["trajectory"]["alpha10"], r["trajectory"]["alpha1"]
+    st = t10["setting"]
+    rows = [{"it": i, "theirs10": t10["loss_theirs"][i], "theirs1": t1["loss_theirs"][i], "ours": t10["loss_ours"][i],
+             "u10": t10["norms_theirs"][i]["u"], "u_ours": t10["norms_ours"][i]["u"],
+             "rel": t10["rel_diff"][i]} for i in range(len(t10["loss_ours"]))]
+    traj = report.Part(
+        "reference-trajectory", [col("iteration", "it", integer), col("theirs, alpha 10", "theirs10", fixed(4)),
+                                 col("theirs, alpha 1", "theirs1", fixed(4)), col("ours", "ours", fixed(4)),
+                                 col("|u| theirs (alpha 10)", "u10", scientific(2)),
+                                 col("|u| ours", "u_ours", scientific(2)),
+                                 col("rel. diff (alpha 10)", "rel", scientific(1))],
+        rows, f"Network loss on the first {st['eval_samples']} samples of {st['task']} (prior {st['prior_loss']:.3f}) "
+        f"after each one-sample iteration from the same initialisation (randn * 0.01, hidden {st['hidden']}, seed "
+        f"{st['seed']}); rho {st['rho']:g} both, their mu {st['mu']:g}; ours minibatch='reinit', tau 1, damping "
+        f"1e-3. Max relative difference: {t10['max_rel_diff']:.3f} (alpha 10), {t1['max_rel_diff']:.3f} (alpha 1).")
+    pub = r["published"]
+    marks = [i for i in (0, 1, 2, 3, 5, 10, 20, 50, 100, 200, 500) if i < len(pub["loss"])] + [len(pub["loss"]) - 1]
+    prow = [{"it": i + 1, "loss": pub["loss"][i], **{k: pub["norms"][i][k] for k in "uwvc"}} for i in marks]
+    published = report.Part(
+        "reference-published", [col("iteration", "it", integer), col("loss", "loss", fixed(3))]
+        + [col(f"|{k}| after", k, scientific(2)) for k in "uwvc"],
+        prow, f"Their rnn_text.py as published (hidden 128, 25-character chunks, rho 0.025, mu 1e-8, alpha 10), "
+        f"numpy seeded; loss per character before the iteration's update, weight norms after it. Vocabulary "
+        f"{pub['vocab']} (uniform loss {math.log(pub['vocab']):.3f}); the characters' frequencies alone give "
+        f"{pub['unigram_loss']:.3f}.")
+    return [blocks, traj, published]
+
+
 def _summary(result: dict) -> dict:
     """Per method: the fraction of stability runs that converged; per task: ADMM's tuned accuracy vs the best
     baseline's."""
@@ -374,6 +442,8 @@ def _stability_rows(result):
 
 def tables(result: dict) -> list[report.Part]:
     """The suite's tables of `result` (its JSON payload)."""
+    if "reference" in result:
+        return _reference_parts(result)
     c = result["config"]
     adding = (f" Adding problem: test acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the "
               "sum." if any(t.startswith("adding") for t in c["tasks"]) else "")
@@ -411,7 +481,19 @@ def tables(result: dict) -> list[report.Part]:
 
 
 def plot(result: dict, path: str) -> None:
-    """Training loss and test accuracy of the tuned runs against epochs and wall time, one row per task."""
+    """Training loss and test accuracy of the tuned runs against epochs and wall time, one row per task (the
+    reference comparison: the loss trajectories)."""
+    if "reference" in result:
+        plt, fig, ax = report.subplots(1, 1, figsize=(7, 4))
+        for key, label in (("alpha10", "theirs, alpha 10"), ("alpha1", "theirs, alpha 1")):
+            ax.plot(result["reference"]["trajectory"][key]["loss_theirs"], label=label)
+        ax.plot(result["reference"]["trajectory"]["alpha10"]["loss_ours"], label="ours", lw=2.5)
+        ax.set_xlabel("iteration (one sample)")
+        ax.set_ylabel("network loss (evaluation set)")
+        ax.set_yscale("log")
+        ax.legend()
+        report.save_figure(fig, path)
+        return
     tasks = list(dict.fromkeys(r["task"] for r in result["tuned"]))
     plt, fig, axes = report.subplots(len(tasks), 3, figsize=(16, 4 * len(tasks)), squeeze=False)
     cmap = plt.get_cmap("tab10")
