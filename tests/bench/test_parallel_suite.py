@@ -22,6 +22,16 @@ def test_the_suite_is_registered_with_a_small_tour_entry():
     assert vocab * dim <= 4096 * 64 and layers <= 4 and int(argv[argv.index("--reps") + 1]) >= 5
 
 
+def test_the_tp_part_runs_at_the_link_net_names_unless_tp_nets_does():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    parallel.add_arguments(p)
+    assert parallel._tp_nets(p.parse_args([])) == ["loopback", "1gbit"]
+    assert parallel._tp_nets(p.parse_args(["--net", "100mbit"])) == ["100mbit"]
+    assert parallel._tp_nets(p.parse_args(["--net", "100mbit", "--tp-nets", "loopback"])) == ["loopback"]
+
+
 def test_uniform_bounds_split_layers_as_deepspeeds_uniform_partition_does():
     for n, stages in [(10, 2), (11, 2), (10, 3), (3, 3), (17, 4)]:
         bounds = parallel.uniform_bounds(n, stages)

@@ -35,7 +35,7 @@ thread, gloo's threads included). Parts (--parts):
               stage-aware recompute, at its own memory cap) with the cost model's prediction and error for each,
               then the model's simulation of pp 4..64 and 8..64 microbatches (a projection, not measured).
   tp          forward + backward of one GPT block (--tp-block hidden,heads,seq,batch) on 2 ranks at each
-              --tp-nets network: bench/tp.py's variants (fastdist.tp's Megatron-style, chunked and Oases
+              --tp-nets network (default: --net when it names a link, else loopback and 1gbit): bench/tp.py's variants (fastdist.tp's Megatron-style, chunked and Oases
               mappings, and torch's DTensor parallelize_module with Colwise/RowwiseParallel, each checked against
               the unsharded block) and the tp=2 module fastdist.parallelize builds for the same block.
   boundaries  fastdist.parallel.transport's comparison at --boundary-net: compressed activations and gradients
@@ -109,8 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 'auto' (default): the smallest under the memory cap")
     p.add_argument("--tp-block", type=shape_type(4), default="256,4,64,8",
                    help="tp part: GPT block hidden,heads,seq,batch (default 256,4,64,8)")
-    p.add_argument("--tp-nets", type=comma_list(network), default="loopback,1gbit",
-                   help="tp part: networks, 'loopback' or link rates (default loopback,1gbit)")
+    p.add_argument("--tp-nets", type=comma_list(network), default=None,
+                   help="tp part: networks, 'loopback' or link rates (default: --net when it names a link, else "
+                        "loopback,1gbit)")
     p.add_argument("--cap-fraction", type=float, default=0.5,
                    help="pipeline rows: the per-stage memory cap lies this fraction of the way from what "
                         "fastdist's stage-aware recompute needs at r0 = 1 to what torch's 1F1B without recompute "
@@ -666,6 +667,13 @@ def _validate(args: argparse.Namespace) -> None:
                          "batch >= 2")
 
 
+def _tp_nets(args: argparse.Namespace) -> list[str]:
+    """The tp part's networks: --tp-nets, else --net when it names a link, else loopback and 1 Gbit/s."""
+    if args.tp_nets is not None:
+        return list(args.tp_nets)
+    return [args.net] if args.net != "loopback" else ["loopback", "1gbit"]
+
+
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and tables on the printing rank; returns the JSON payload (None on the
     other torchrun ranks)."""
@@ -677,7 +685,7 @@ def run(args: argparse.Namespace) -> dict | None:
     launches: dict[str, list[str]] = {}  # network -> the parts run on it, in one launch
     for part in _PART_RANKS:
         if part in args.parts and part not in result["not_run"]:
-            for net in (args.tp_nets if part == "tp" else [args.net]):
+            for net in (_tp_nets(args) if part == "tp" else [args.net]):
                 launches.setdefault(net, []).append(part)
     env = None
     with _large_blocks_returned():
