@@ -81,7 +81,21 @@ def test_bad_arguments_raise(batch):
         GraphClassifier(3, 8, 2, encoder="gat")
     with pytest.raises(ValueError, match="use GraphClassifier"):
         HAPClassifier(3, 8, 2, pooler="topk")
+    with pytest.raises(ValueError, match="unknown readout 'max'"):
+        GraphClassifier(3, 8, 2, readout="max")
     with pytest.raises(ValueError, match="ratio"):
         GraphClassifier(3, 8, 2, ratio=1.5)
     with pytest.raises(ValueError, match=r"x must be \[num_nodes, 3\]"):
         build("hap")(x[:, :2], edge_index, b)
+
+
+@pytest.mark.parametrize("readout, sees_count", [("mean", False), ("sum", True), ("mean+sum", True)])
+def test_only_a_readout_with_the_sum_tells_a_graph_from_two_copies_of_it(readout, sees_count):
+    one = data.make_dataset("tree-cycle", 2)[1]
+    n = one.num_nodes
+    two = data.Graph(torch.cat([one.x, one.x]), torch.cat([one.edge_index, one.edge_index + n], 1), one.y)
+    x, edge_index, b, _ = data.collate([one, two])
+    torch.manual_seed(0)
+    model = GraphClassifier(1, 8, 2, levels=2, pooler="mean", readout=readout).double()
+    logits, _ = model(x.double(), edge_index, b)
+    assert torch.allclose(logits[0], logits[1]) != sees_count

@@ -111,3 +111,15 @@ def test_unknown_sets_and_too_few_graphs_raise():
         data.make_dataset("mutag")
     with pytest.raises(ValueError, match="fewer than the 3 classes"):
         data.make_dataset("communities", 2)
+
+
+def test_with_degree_appends_the_one_hot_degree_capped_at_max_degree():
+    graphs = data.make_dataset("tree-cycle", 12)
+    out = data.with_degree(graphs, max_degree=3)
+    for g, h in zip(graphs, out):
+        assert torch.equal(h.x[:, :1], g.x) and h.x.shape == (g.num_nodes, 1 + 4) and h.y == g.y
+        assert torch.equal(h.edge_index, g.edge_index)
+        assert h.x[:, 1:].argmax(1).tolist() == np.minimum(_degrees(g), 3).tolist()
+        assert (h.x[:, 1:].sum(1) == 1).all()
+    with pytest.raises(ValueError, match="max_degree"):
+        data.with_degree(graphs, max_degree=0)

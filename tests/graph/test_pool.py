@@ -80,7 +80,8 @@ def test_outputs_keep_the_input_dtype(dtype):
     assert x_out.dtype == adj_out.dtype == losses.total().dtype == dtype
 
 
-@pytest.mark.parametrize("kw", [{}, {"moa": False}, {"gcont": False}, {"hops": 0}])
+@pytest.mark.parametrize("kw", [{}, {"moa": False}, {"gcont": False}, {"hops": 0}, {"normalize": True},
+                                {"content_scale": 0.1}])
 def test_gradients_reach_every_parameter(kw):
     pool = make_pool(**kw)
     x, adj, mask = random_batch([5, 8, 3])
@@ -153,10 +154,23 @@ def test_bad_inputs_raise_clear_errors(mutate, error, match):
 
 
 @pytest.mark.parametrize("kw, match", [({"heads": 4, "out_channels": 6}, "divide"), ({"num_clusters": 0}, ">= 1"),
-                                       ({"hops": -1}, "hops"), ({"dropout": 1.0}, "dropout")])
+                                       ({"hops": -1}, "hops"), ({"dropout": 1.0}, "dropout"),
+                                       ({"content_scale": 0.0}, "content_scale"),
+                                       ({"content_scale": float("nan")}, "content_scale")])
 def test_bad_hyper_parameters_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         HAPPool(**({"in_channels": 6, "num_clusters": 3, "heads": 2} | kw))
+
+
+def test_content_scale_shrinks_the_shared_content_and_normalize_gives_the_pooled_part_unit_scale():
+    x, adj, mask = random_batch([5, 8, 3])
+    full, small = make_pool(seed=1), make_pool(seed=1, content_scale=0.1)
+    torch.testing.assert_close(small.content, 0.1 * full.content)
+    pool = make_pool(seed=1, normalize=True)
+    x_out, _, _ = pool(x, adj, mask)
+    part = x_out - pool.content  # what the graph contributes, before the shared content is added
+    torch.testing.assert_close(part.mean(-1), torch.zeros(3, 3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(part.var(-1, unbiased=False), torch.ones(3, 3), atol=1e-3, rtol=0)
 
 
 def _sparse(x, adj, mask):

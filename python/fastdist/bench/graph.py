@@ -1,9 +1,12 @@
 """`fastdist-bench graph`: graph-classification accuracy of HAP against PyG's poolers, k-fold cross-validated.
 
-Every pooler (fastdist.graph.POOLERS: HAP and its two ablations, PyG's DiffPool, MinCut, TopK, SAG, ASAP, and
-global mean pooling without hierarchy) sits in the same GraphClassifier: the same encoder, hidden size, levels,
-readout and head, trained with the same optimizer (Adam), learning rate, batch size, epochs and early stopping.
-Nothing is tuned per pooler. Protocol, per data set (fastdist.graph.data, generated, no downloads):
+Every pooler (fastdist.graph.POOLERS: HAP, its two ablations and two candidate fixes, PyG's DiffPool, MinCut,
+TopK, SAG, ASAP, and global mean pooling without hierarchy) sits in the same GraphClassifier: the same node features,
+encoder, hidden size, levels, readout and head, trained with the same optimizer (Adam), learning rate, batch size,
+epochs and early stopping. The one searched setting is the weight of the auxiliary losses, and only for the poolers
+that have them (AUX_POOLERS: every HAP variant, DiffPool, MinCut): each trains once per weight of --aux-weights
+(the same grid for all of them) and the weight with the best validation accuracy (ties: lower validation loss) is
+kept, per fold. Protocol, per data set (fastdist.graph.data, generated, no downloads):
 
   stratified k-fold cross-validation (sklearn StratifiedKFold, shuffled, seeded); in each fold a stratified
   --val-fraction of the training part is the validation split; train up to --epochs, keep the weights of the
@@ -15,13 +18,18 @@ is the wall time of one training epoch (median over all epochs of all folds; eve
 The structure-blind reference (logistic regression on the node count and degree histogram) runs on the same folds.
 Defaults are the full protocol (10 folds, 100 epochs, patience 20, 1000 graphs per generated set, all 1797 digits);
 --folds/--epochs/--graphs/--datasets/--poolers scale it down, and the caption states the scale that ran.
+--merge joins recordings of the same protocol on different data sets (run side by side) into one, whose targets
+count over all of their data sets.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
+import os
 import statistics
+import sys
 import textwrap
 import time
 
@@ -32,10 +40,10 @@ import torch.nn.functional as F
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, text
 from fastdist.bench.toolkit import at_least, comma_list, progress, up_to
-from fastdist.graph.classifier import POOLERS
+from fastdist.graph.classifier import AUX_POOLERS, POOLERS, READOUTS
 from fastdist.graph.data import DATASETS
 
-__all__ = ["add_arguments", "plot", "run", "run_fold", "splits", "tables"]
+__all__ = ["add_arguments", "merge", "plot", "run", "run_fold", "run_searched", "splits", "tables"]
 
 
 # Neither module imports torch_geometric at import time: the suite lists its choices without it.
@@ -60,16 +68,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=at_least(1), default=64, help="hidden size of every network (default 64)")
     p.add_argument("--levels", type=at_least(0), default=2, help="pooling levels (default 2)")
     p.add_argument("--encoder", choices=["gcn", "gin"], default="gcn", help="GNN encoder (default gcn)")
+    p.add_argument("--readout", choices=READOUTS, default="mean+sum",
+                   help="graph readout after every block (default mean+sum: the sum sees the node count)")
+    p.add_argument("--features", choices=["degree", "plain"], default="degree",
+                   help="node features: the data set's own plus a one-hot degree (default), or its own only (the "
+                        "structure sets' constant 1)")
     p.add_argument("--ratio", type=up_to(0.99), default=0.5, help="coarsening ratio per level (default 0.5)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="graphs per training step (default 64)")
     p.add_argument("--val-fraction", type=up_to(0.5), default=0.1,
                    help="share of each training fold held out for early stopping (default 0.1)")
-    p.add_argument("--aux-weight", type=float, default=1.0,
-                   help="weight of every pooler's auxiliary losses in the training loss (default 1, as their papers)")
+    p.add_argument("--aux-weights", type=comma_list(at_least(0.0, float)), default=[0.0, 0.1, 1.0],
+                   help="weights of the auxiliary losses searched, per fold on the validation split, for every "
+                        "pooler that has them (default 0,0.1,1; one value: no search)")
     p.add_argument("--seed", type=int, default=0, help="seeds data, folds, initialization and batching")
     p.add_argument("--threads", type=at_least(1), default=1,
                    help="torch threads (default 1: these graphs are small; more threads mostly wait)")
+    p.add_argument("--search-folds", type=at_least(1), default=None,
+                   help="search the auxiliary-loss weight on the first N folds only; later folds train once with "
+                        "the weight those chose most often (default: search on every fold)")
+    p.add_argument("--partial", metavar="PATH", default=None,
+                   help="after every fold, write the result so far to PATH (kept if the run is stopped)")
+    p.add_argument("--merge", type=comma_list(), default=None, metavar="JSON,JSON,...",
+                   help="train nothing: join these recordings (the same protocol on different data sets) into one")
 
 
 def splits(labels: np.ndarray, folds: int, val_fraction: float, seed: int) -> list[tuple[np.ndarray, ...]]:
@@ -108,14 +129,18 @@ def _evaluate(model, batches):
 
 
 def run_fold(graphs, split, pooler: str, args: argparse.Namespace, classes: int, num_nodes: int,
-             fold: int) -> dict:
-    """Trains one pooler's classifier on one fold with early stopping; returns its test accuracy and timings."""
+             fold: int, aux_weight: float = 0.0) -> dict:
+    """Trains one pooler's classifier on one fold with early stopping; returns its test accuracy and timings.
+
+    Every pooler and every auxiliary-loss weight of one fold starts from the same seed (initialization and batch
+    order)."""
     from fastdist.graph import GraphClassifier
 
     train, val, test = split
     torch.manual_seed(args.seed * 1000 + fold)
     model = GraphClassifier(graphs[0].x.shape[1], args.hidden, classes, levels=args.levels, pooler=pooler,
-                            encoder=args.encoder, num_nodes=num_nodes, ratio=args.ratio)
+                            encoder=args.encoder, num_nodes=num_nodes, ratio=args.ratio,
+                            readout=getattr(args, "readout", "mean"))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + fold)
     val_batches = _batches(graphs, val, 256)
@@ -125,7 +150,7 @@ def run_fold(graphs, split, pooler: str, args: argparse.Namespace, classes: int,
         start = time.perf_counter()
         for x, edge_index, batch, y in _batches(graphs, train, args.batch_size, gen):
             logits, aux = model(x, edge_index, batch, num_graphs=len(y))
-            loss = F.cross_entropy(logits, y) + args.aux_weight * aux
+            loss = F.cross_entropy(logits, y) + aux_weight * aux if aux_weight else F.cross_entropy(logits, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -138,8 +163,22 @@ def run_fold(graphs, split, pooler: str, args: argparse.Namespace, classes: int,
             break
     model.load_state_dict(best)
     test_acc, _ = _evaluate(model, _batches(graphs, test, 256))
-    return {"fold": fold, "test_acc": test_acc, "val_acc": best_key[0], "best_epoch": best_epoch,
-            "epochs": len(epoch_s), "epoch_s": epoch_s, "params": sum(p.numel() for p in model.parameters())}
+    return {"fold": fold, "test_acc": test_acc, "val_acc": best_key[0], "val_loss": -best_key[1],
+            "best_epoch": best_epoch, "epochs": len(epoch_s), "epoch_s": epoch_s, "aux_weight": aux_weight,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def run_searched(graphs, split, pooler: str, args: argparse.Namespace, classes: int, num_nodes: int,
+                 fold: int) -> dict:
+    """run_fold, for a pooler with auxiliary losses once per weight of args.aux_weights, keeping the run with the
+    best validation accuracy (ties: lower validation loss); every run of the search is in its "grid"."""
+    if pooler not in AUX_POOLERS:
+        return run_fold(graphs, split, pooler, args, classes, num_nodes, fold)
+    grid = [run_fold(graphs, split, pooler, args, classes, num_nodes, fold, w) for w in args.aux_weights]
+    best = max(grid, key=lambda r: (r["val_acc"], -r["val_loss"]))
+    keep = ("aux_weight", "val_acc", "val_loss", "test_acc", "best_epoch", "epochs")
+    return best | {"epoch_s": [t for r in grid for t in r["epoch_s"]],
+                   "grid": [{k: r[k] for k in keep} for r in grid]}
 
 
 def _degree_reference(graphs, fold_splits):
@@ -158,9 +197,57 @@ def _degree_reference(graphs, fold_splits):
     return accs
 
 
+def merge(recordings: list[dict]) -> dict:
+    """One result from recordings of the same protocol on different data sets: rows and references joined,
+    targets counted over every data set. The environment is the first recording's, its command the merge's.
+
+    Raises:
+        ValueError: a recording of another suite, settings other than the data sets that differ, a data set twice.
+    """
+    if not recordings or any(r.get("suite") != "graph" for r in recordings):
+        raise ValueError("graph --merge: give one or more recordings of the graph suite")
+
+    def protocol(r):  # what must agree: everything but the data sets, the output paths and how far each got
+        return {k: v for k, v in r["config"].items()
+                if k not in ("datasets", "merge", "json", "plot", "partial", "run_folds")}
+
+    first = recordings[0]
+    for r in recordings[1:]:
+        diff = sorted(k for k in protocol(first).keys() | protocol(r).keys()
+                      if protocol(first).get(k) != protocol(r).get(k))
+        if diff:
+            raise ValueError(f"graph --merge: the recordings differ in {', '.join(diff)}, not only in data sets")
+    datasets = [d for r in recordings for d in r["config"]["datasets"]]
+    if len(set(datasets)) < len(datasets):
+        raise ValueError(f"graph --merge: a data set is in more than one recording: {datasets}")
+    rows = [row for r in recordings for row in r["rows"]]
+    env = dict(first["env"])
+    env["merged_commands"] = [r["env"].get("command") for r in recordings]
+    env["command"] = " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+    env["load_averages"] = [r["env"].get("load_average") for r in recordings]
+    run_folds = {d: r["config"]["run_folds"] for r in recordings for d in r["config"]["datasets"]}
+    config = first["config"] | {"datasets": datasets, "merge": None, "json": None, "plot": None, "partial": None,
+                                "run_folds": min(run_folds.values())}
+    if len(set(run_folds.values())) > 1:
+        config["run_folds_by_dataset"] = run_folds
+    return {"suite": "graph", "env": env, "config": config,
+            "rows": rows, "references": [ref for r in recordings for ref in r["references"]],
+            "targets": _targets(rows)}
+
+
 def run(args: argparse.Namespace) -> dict:
-    """Runs the suite; prints the header and tables; returns the JSON payload."""
+    """Runs the suite (or, with --merge, joins recordings); prints the header and tables; returns the payload."""
     from fastdist.graph import data
+
+    if args.merge:
+        recordings = []
+        for path in args.merge:
+            with open(path) as f:
+                recordings.append(json.load(f))
+        result = merge(recordings)
+        print(report.format_environment(result["env"]))
+        print(report.text_parts(tables(result)))
+        return result
 
     env = report.environment(backend="cpu (plain torch + torch_geometric)", device="cpu", ranks=1,
                              network="none (single process)")
@@ -173,6 +260,8 @@ def run(args: argparse.Namespace) -> dict:
         for name in args.datasets:
             count = args.graphs or (1797 if name == "digits" else 1000)
             graphs = data.make_dataset(name, min(count, 1797) if name == "digits" else count, seed=args.seed)
+            if args.features == "degree":
+                graphs = data.with_degree(graphs)
             labels = np.array([g.y for g in graphs])
             sets[name] = (graphs, splits(labels, args.folds, args.val_fraction, args.seed)[:run_folds])
         bar = progress(len(sets) * run_folds * len(args.poolers), "graph")
@@ -183,39 +272,83 @@ def run(args: argparse.Namespace) -> dict:
             for fold, split in enumerate(fold_splits):
                 shift = fold % len(args.poolers)
                 for pooler in args.poolers[shift:] + args.poolers[:shift]:
-                    runs[pooler].append(run_fold(graphs, split, pooler, args, classes, num_nodes, fold))
+                    if pooler in AUX_POOLERS and args.search_folds is not None and fold >= args.search_folds:
+                        weight = _searched_weight(runs[pooler][:args.search_folds])
+                        runs[pooler].append(run_fold(graphs, split, pooler, args, classes, num_nodes, fold, weight))
+                    else:
+                        runs[pooler].append(run_searched(graphs, split, pooler, args, classes, num_nodes, fold))
                     bar.step(f"{name} fold {fold + 1} {pooler}")
-            for pooler in args.poolers:
-                accs = [r["test_acc"] for r in runs[pooler]]
-                epochs = [t for r in runs[pooler] for t in r["epoch_s"]]
-                rows.append({"dataset": name, "pooler": pooler, "acc_mean": statistics.mean(accs),
-                             "acc_std": statistics.pstdev(accs), "accs": accs,
-                             "epoch_ms": 1e3 * statistics.median(epochs), "params": runs[pooler][0]["params"],
-                             "epochs_run": [r["epochs"] for r in runs[pooler]],
-                             "best_epochs": [r["best_epoch"] for r in runs[pooler]], "epoch_s": epochs,
-                             "graphs": len(graphs), "classes": classes, "mean_nodes": num_nodes})
-            ref = _degree_reference(graphs, fold_splits)
-            references.append({"dataset": name, "acc_mean": statistics.mean(ref), "acc_std": statistics.pstdev(ref),
-                               "accs": ref, "chance": 1 / classes})
-    config = vars(args) | {"run_folds": run_folds}
-    config.pop("func", None)
-    result = {"suite": "graph", "env": env, "config": config, "rows": rows, "references": references}
-    result["targets"] = _targets(rows)
+                if args.partial:  # every fold so far, in case the run is stopped before it ends
+                    done = _rows(name, runs, graphs, classes, num_nodes, args.poolers)
+                    ref = _reference(name, graphs, fold_splits[:fold + 1], classes)
+                    _write(args.partial, _result(env, args, run_folds, rows + done, references + [ref]))
+            rows += _rows(name, runs, graphs, classes, num_nodes, args.poolers)
+            references.append(_reference(name, graphs, fold_splits, classes))
+    result = _result(env, args, run_folds, rows, references)
     print(report.text_parts(tables(result)))
     return result
 
 
+def _searched_weight(searched: list[dict]) -> float:
+    """The auxiliary-loss weight the search folds chose most often (ties: the better mean validation accuracy)."""
+    by: dict[float, list[float]] = {}
+    for r in searched:
+        by.setdefault(r["aux_weight"], []).append(r["val_acc"])
+    return max(by, key=lambda w: (len(by[w]), statistics.mean(by[w])))
+
+
+def _rows(name, runs, graphs, classes, num_nodes, poolers):
+    rows = []
+    for pooler in poolers:
+        accs = [r["test_acc"] for r in runs[pooler]]
+        epochs = [t for r in runs[pooler] for t in r["epoch_s"]]
+        rows.append({"dataset": name, "pooler": pooler, "acc_mean": statistics.mean(accs),
+                     "acc_std": statistics.pstdev(accs), "accs": accs,
+                     "epoch_ms": 1e3 * statistics.median(epochs), "params": runs[pooler][0]["params"],
+                     "epochs_run": [r["epochs"] for r in runs[pooler]],
+                     "best_epochs": [r["best_epoch"] for r in runs[pooler]], "epoch_s": epochs,
+                     "val_accs": [r["val_acc"] for r in runs[pooler]],
+                     "aux_weights": [r["aux_weight"] for r in runs[pooler]] if pooler in AUX_POOLERS else None,
+                     "grids": [r.get("grid") for r in runs[pooler]] if pooler in AUX_POOLERS else None,
+                     "graphs": len(graphs), "classes": classes, "mean_nodes": num_nodes})
+    return rows
+
+
+def _reference(name, graphs, fold_splits, classes):
+    ref = _degree_reference(graphs, fold_splits)
+    return {"dataset": name, "acc_mean": statistics.mean(ref), "acc_std": statistics.pstdev(ref), "accs": ref,
+            "chance": 1 / classes}
+
+
+def _result(env, args, run_folds, rows, references):
+    config = vars(args) | {"run_folds": run_folds}
+    config.pop("func", None)
+    if rows:
+        config["run_folds"] = min(run_folds, min(len(r["accs"]) for r in rows))
+    result = {"suite": "graph", "env": env, "config": config, "rows": rows, "references": references}
+    result["targets"] = _targets(rows)
+    return result
+
+
+def _write(path, result):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
 def _targets(rows):
     """HAP's targets: best mean accuracy on >= 3 of >= 5 data sets and never more than one std below the best;
-    epoch time within 2x of DiffPool's at the same number of clusters."""
+    epoch time within 2x of DiffPool's at the same number of clusters. HAP is "hap"; its ablations and candidate
+    fixes are not its competitors, so the best other is the best of the rest."""
     lines, checks = [], {}
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     by = {(r["dataset"], r["pooler"]): r for r in rows}
-    if all((d, "hap") in by for d in datasets) and len({r["pooler"] for r in rows}) > 1:
+    if all((d, "hap") in by for d in datasets) and any(not r["pooler"].startswith("hap") for r in rows):
         best_count, within = 0, True
         detail = []
         for d in datasets:
-            others = [r for r in rows if r["dataset"] == d and r["pooler"] != "hap"]
+            others = [r for r in rows if r["dataset"] == d and not r["pooler"].startswith("hap")]
             best = max(others, key=lambda r: r["acc_mean"])
             hap = by[(d, "hap")]
             wins = hap["acc_mean"] >= best["acc_mean"]
@@ -241,12 +374,24 @@ def _targets(rows):
 
 def _scale(c):
     folds = f"{c['run_folds']} of {c['folds']} folds" if c["run_folds"] < c["folds"] else f"{c['folds']} folds"
+    if c.get("run_folds_by_dataset"):  # a merge of runs stopped at different folds
+        folds = f"of {c['folds']} folds " + ", ".join(f"{n} on {d}" for d, n in c["run_folds_by_dataset"].items())
     graphs = c["graphs"] or "1000 (digits 1797)"
-    return (f"{folds}, up to {c['epochs']} epochs (patience {c['patience']}), {graphs} graphs per set, "
-            f"{c['encoder']} encoder, hidden {c['hidden']}, {c['levels']} levels, ratio {c['ratio']}, "
-            f"auxiliary losses x{c.get('aux_weight', 1.0):g}, Adam lr "
-            f"{c['lr']}, batch {c['batch_size']}, {c['threads']} torch thread(s); mean +- std of test accuracy (%) "
-            "over folds")
+    if "aux_weights" in c:
+        weights = c["aux_weights"]
+        where = ("per fold" if not c.get("search_folds") else
+                 f"on the first {c['search_folds']} fold(s), then kept" if c["search_folds"] > 1 else
+                 "on the first fold, then kept")
+        aux = (f"auxiliary losses x{weights[0]:g}" if len(weights) == 1 else "auxiliary-loss weight chosen from {"
+               + ", ".join(f"{w:g}" for w in weights) + f"}} by validation accuracy {where}")
+    else:  # recordings from before the search
+        aux = f"auxiliary losses x{c.get('aux_weight', 1.0):g}"
+    features = {"degree": "one-hot degree node features, ", "plain": "no degree features, "}[c.get("features",
+                                                                                               "plain")]
+    return (f"{folds}, up to {c['epochs']} epochs (patience {c['patience']}), {graphs} graphs per set, {features}"
+            f"{c['encoder']} encoder, {c.get('readout', 'mean')} readout, hidden {c['hidden']}, {c['levels']} levels, "
+            f"ratio {c['ratio']}, {aux}, Adam lr {c['lr']}, batch {c['batch_size']}, {c['threads']} torch "
+            "thread(s); mean +- std of test accuracy (%) over folds")
 
 
 def tables(result: dict) -> list[report.Part]:
@@ -275,9 +420,14 @@ def tables(result: dict) -> list[report.Part]:
     cost_cols = [col("data set", "dataset"), col("pooler", "pooler"), col("epoch (ms)", "epoch_ms", fixed(0)),
                  col("parameters", "params", integer),
                  col("epochs run (mean)", lambda r: statistics.mean(r["epochs_run"]), fixed(1))]
+    # columns that old recordings lack come out empty, and the table drops them
+    cost_cols += [col("validation (%)", lambda r: 100 * statistics.mean(r["val_accs"]) if "val_accs" in r else None,
+                      fixed(1)),
+                  col("aux weight per fold", lambda r: ", ".join(f"{w:g}" for w in r["aux_weights"])
+                      if r.get("aux_weights") else None)]
     return [report.Part("accuracy", acc_cols, wide, caption, notes),
             report.Part("cost", cost_cols, rows, "Epoch time: median wall time of one training epoch over all "
-                        "epochs of all folds.")]
+                        "epochs of all folds (of every run of the auxiliary-weight search).")]
 
 
 def plot(result: dict, path: str) -> None:

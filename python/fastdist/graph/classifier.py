@@ -5,6 +5,8 @@ from PyG, ReLU after each) before the first level and after every level, a reado
 mean node embedding, summed over blocks), and a two-layer MLP head. The poolers:
 
   hap, hap-no-moa, hap-no-gcont   fastdist.graph.HAPPool (and its two ablations), dense after the first level
+  hap-small-c, hap-norm           HAP with the global content C started 10x smaller, or with layer-normalized
+                                  pooled features (HAPPool's content_scale=0.1, normalize=True): candidate fixes
   diffpool                        PyG dense_diff_pool, assignment by a GNN of the encoder's kind (DiffPool's design)
   mincut                          PyG dense_mincut_pool, assignment by a linear layer (MinCutPool's design)
   topk, sag, asap                 PyG TopKPooling, SAGPooling, ASAPooling (sparse: keep a ratio of the nodes)
@@ -12,7 +14,8 @@ mean node embedding, summed over blocks), and a two-layer MLP head. The poolers:
 
 Dense poolers keep ceil(num_nodes * ratio^l) clusters at level l; sparse poolers keep a `ratio` of each graph's
 nodes; after a dense level the encoder block is PyG's dense counterpart (DenseGCNConv, DenseGINConv), the same
-operator on a dense adjacency.
+operator on a dense adjacency. The dense poolers (AUX_POOLERS) return auxiliary losses that the training loss adds
+with a weight; the sparse ones and mean pooling have none.
 """
 from __future__ import annotations
 
@@ -24,11 +27,17 @@ from torch import nn
 from fastdist.graph._pyg import require
 from fastdist.graph.pool import HAPPool, densify
 
-__all__ = ["DENSE_POOLERS", "POOLERS", "GraphClassifier", "HAPClassifier"]
+__all__ = ["AUX_POOLERS", "DENSE_POOLERS", "POOLERS", "READOUTS", "GraphClassifier", "HAPClassifier"]
 
-POOLERS = ("hap", "hap-no-moa", "hap-no-gcont", "diffpool", "mincut", "topk", "sag", "asap", "mean")
-DENSE_POOLERS = ("hap", "hap-no-moa", "hap-no-gcont", "diffpool", "mincut")
+HAP_POOLERS = ("hap", "hap-no-moa", "hap-no-gcont", "hap-small-c", "hap-norm")
+POOLERS = HAP_POOLERS + ("diffpool", "mincut", "topk", "sag", "asap", "mean")
+DENSE_POOLERS = HAP_POOLERS + ("diffpool", "mincut")
+AUX_POOLERS = DENSE_POOLERS
 ENCODERS = ("gcn", "gin")
+READOUTS = ("mean", "sum", "mean+sum")
+# HAPPool's arguments per HAP pooler: the ablations and the candidate fixes
+_HAP_KW = {"hap": {}, "hap-no-moa": {"moa": False}, "hap-no-gcont": {"gcont": False},
+           "hap-small-c": {"content_scale": 0.1}, "hap-norm": {"normalize": True}}
 
 
 def _mlp(i: int, o: int) -> nn.Sequential:
@@ -78,16 +87,20 @@ class GraphClassifier(nn.Module):
         layers: Convolutions per encoder block.
         dropout: Dropout before the head's last layer.
         hops, heads: HAPPool's multi-hop order and attention heads (HAP poolers only).
+        readout: How a block's node embeddings become a graph vector: "mean", "sum", or "mean+sum" (both,
+            concatenated; the sum sees the node count, which a mean cannot).
     """
 
     def __init__(self, in_channels: int, hidden: int, num_classes: int, levels: int = 2, pooler: str = "hap",
                  encoder: str = "gcn", num_nodes: int = 32, ratio: float = 0.5, layers: int = 2,
-                 dropout: float = 0.0, hops: int = 2, heads: int = 4) -> None:
+                 dropout: float = 0.0, hops: int = 2, heads: int = 4, readout: str = "mean") -> None:
         super().__init__()
         if pooler not in POOLERS:
             raise ValueError(f"GraphClassifier: unknown pooler {pooler!r}; choose from {', '.join(POOLERS)}")
         if encoder not in ENCODERS:
             raise ValueError(f"GraphClassifier: unknown encoder {encoder!r}; choose from {', '.join(ENCODERS)}")
+        if readout not in READOUTS:
+            raise ValueError(f"GraphClassifier: unknown readout {readout!r}; choose from {', '.join(READOUTS)}")
         for name, value, low in (("in_channels", in_channels, 1), ("hidden", hidden, 1),
                                  ("num_classes", num_classes, 2), ("levels", levels, 0), ("num_nodes", num_nodes, 1),
                                  ("layers", layers, 1)):
@@ -96,7 +109,7 @@ class GraphClassifier(nn.Module):
         if not 0 < ratio < 1:
             raise ValueError(f"GraphClassifier: ratio must be in (0, 1), got {ratio}")
         pyg = require("torch_geometric.nn")
-        self.in_channels, self.pooler, self.levels = in_channels, pooler, levels
+        self.in_channels, self.pooler, self.levels, self.readout = in_channels, pooler, levels, readout
         self.clusters = [max(1, math.ceil(num_nodes * ratio ** (level + 1))) for level in range(levels)]
         dense = pooler in DENSE_POOLERS
         self.blocks = nn.ModuleList([_Block(encoder, False, in_channels, hidden, layers)]
@@ -104,8 +117,7 @@ class GraphClassifier(nn.Module):
         pools = []
         for k in self.clusters:
             if pooler.startswith("hap"):
-                pools.append(HAPPool(hidden, k, hops=hops, heads=heads, moa=pooler != "hap-no-moa",
-                                     gcont=pooler != "hap-no-gcont"))
+                pools.append(HAPPool(hidden, k, hops=hops, heads=heads, **_HAP_KW[pooler]))
             elif pooler == "diffpool":
                 pools.append(_Block(encoder, True, hidden, k, 1).convs[0])
             elif pooler == "mincut":
@@ -117,7 +129,8 @@ class GraphClassifier(nn.Module):
             elif pooler == "asap":
                 pools.append(pyg.ASAPooling(hidden, ratio))
         self.pools = nn.ModuleList(pools)
-        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+        width = 2 * hidden if readout == "mean+sum" else hidden
+        self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout),
                                   nn.Linear(hidden, num_classes))
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor,
@@ -141,7 +154,7 @@ class GraphClassifier(nn.Module):
         num_graphs = int(batch.max()) + 1 if num_graphs is None else num_graphs
         aux = x.new_zeros(())
         h = self.blocks[0](x, (edge_index, edge_weight))
-        readout = pyg.global_mean_pool(h, batch, size=num_graphs)
+        readout = self._read(h, batch, num_graphs)
         adj = mask = None
         for level, block in enumerate(self.blocks[1:]):
             if self.pooler == "mean":
@@ -167,11 +180,18 @@ class GraphClassifier(nn.Module):
                     aux = aux + cut + ortho
                 mask = None  # every cluster of a pooled graph is real
                 h = block(h, adj)
-            if h.dim() == 3:
-                readout = readout + h.mean(1)
-            else:
-                readout = readout + pyg.global_mean_pool(h, batch, size=num_graphs)
+            readout = readout + self._read(h, batch, num_graphs)
         return self.head(readout), aux
+
+    def _read(self, h: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
+        """The graph vectors of one block's output: sparse [nodes, F] by `batch`, or dense [B, K, F] (all real)."""
+        pyg = require("torch_geometric.nn")
+        parts = []
+        if self.readout in ("mean", "mean+sum"):
+            parts.append(h.mean(1) if h.dim() == 3 else pyg.global_mean_pool(h, batch, size=num_graphs))
+        if self.readout in ("sum", "mean+sum"):
+            parts.append(h.sum(1) if h.dim() == 3 else pyg.global_add_pool(h, batch, size=num_graphs))
+        return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
 
 class HAPClassifier(GraphClassifier):
@@ -181,13 +201,14 @@ class HAPClassifier(GraphClassifier):
 
     Args:
         in_channels, hidden, num_classes, levels: as for GraphClassifier.
-        pooler: "hap", "hap-no-moa" or "hap-no-gcont".
-        **kwargs: GraphClassifier's other arguments (encoder, num_nodes, ratio, layers, dropout, hops, heads).
+        pooler: "hap" or one of its variants ("hap-no-moa", "hap-no-gcont", "hap-small-c", "hap-norm").
+        **kwargs: GraphClassifier's other arguments (encoder, num_nodes, ratio, layers, dropout, hops, heads,
+            readout).
     """
 
     def __init__(self, in_channels: int, hidden: int, num_classes: int, levels: int = 2, pooler: str = "hap",
                  **kwargs: object) -> None:
         if not pooler.startswith("hap"):
-            raise ValueError(f"HAPClassifier: pooler must be hap, hap-no-moa or hap-no-gcont, got {pooler!r}; "
+            raise ValueError(f"HAPClassifier: pooler must be hap or one of its variants, got {pooler!r}; "
                              "use GraphClassifier for PyG's poolers")
         super().__init__(in_channels, hidden, num_classes, levels, pooler=pooler, **kwargs)

@@ -13,7 +13,10 @@ generated from a seed, classes balanced, 10-100 nodes per graph:
 and `digits`, scikit-learn's bundled 8x8 digits (1797 images, 10 classes) as graphs: the non-zero pixels are the
 nodes, with features (intensity, row, column) scaled to [0, 1], joined to their 8 neighbours.
 
-`degree_baseline` is the structure-blind reference: logistic regression on the node count and the degree histogram.
+`with_degree` appends a one-hot node degree to every node's features: with the constant feature alone a GCN's
+normalized mean aggregation cannot count neighbours, so the usual protocol for unlabelled graphs (as for the TU
+social sets) gives the degree as a feature. `degree_baseline` is the structure-blind reference: logistic regression
+on the node count and the degree histogram.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["DATASETS", "Graph", "collate", "degree_baseline", "degree_features", "make_dataset", "num_classes"]
+__all__ = ["DATASETS", "Graph", "collate", "degree_baseline", "degree_features", "make_dataset", "num_classes",
+           "with_degree"]
 
 DATASETS = ("house-cycle", "communities", "cycle-parity", "tree-cycle", "digits")
 _CLASSES = {"house-cycle": 2, "communities": 3, "cycle-parity": 2, "tree-cycle": 2, "digits": 10}
@@ -194,6 +198,27 @@ def degree_features(graphs: list[Graph], max_degree: int = 16) -> np.ndarray:
         hist = np.bincount(np.minimum(deg, max_degree), minlength=max_degree + 1)
         rows.append(np.concatenate([[g.num_nodes], hist]))
     return np.asarray(rows, dtype=np.float64)
+
+
+def with_degree(graphs: list[Graph], max_degree: int = 10) -> list[Graph]:
+    """The ``graphs`` with a one-hot node degree (max_degree + 1 columns, the last for degrees >= max_degree)
+    appended to each node's features.
+
+    Args:
+        graphs: Graphs as make_dataset returns them.
+        max_degree: Degrees from this one up share the last column.
+
+    Raises:
+        ValueError: max_degree below 1.
+    """
+    if not isinstance(max_degree, int) or max_degree < 1:
+        raise ValueError(f"with_degree: max_degree must be an int >= 1, got {max_degree!r}")
+    out = []
+    for g in graphs:
+        deg = torch.bincount(g.edge_index[0], minlength=g.num_nodes).clamp_max(max_degree)
+        onehot = torch.nn.functional.one_hot(deg, max_degree + 1).to(g.x.dtype)
+        out.append(Graph(torch.cat([g.x, onehot], 1), g.edge_index, g.y))
+    return out
 
 
 def degree_baseline(graphs: list[Graph], folds: int = 5, seed: int = 0) -> tuple[float, float]:

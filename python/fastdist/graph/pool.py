@@ -64,12 +64,17 @@ class HAPPool(nn.Module):
         gcont: False drops the global content: the queries are a function of the graph's summary only, nothing is
             added to the pooled features and the content loss is zero (an ablation).
         dropout: Dropout on the attention weights (training only).
+        content_scale: The global content C starts as a normal matrix times content_scale / sqrt(F'); below 1 the
+            content, the same for every graph, no longer drowns the graph-specific part of the pooled features at
+            initialization (must be > 0: a zero C gives every cluster the same query, and they never part).
+        normalize: Layer-normalize the attention read-out before C is added, so the graph-specific part of the
+            pooled features has unit scale whatever the scale of the values.
         check_inputs: Validate shapes, dtypes, empty graphs and non-finite values on every call (one host sync).
     """
 
     def __init__(self, in_channels: int, num_clusters: int, hops: int = 2, heads: int = 4,
                  out_channels: int | None = None, moa: bool = True, gcont: bool = True, dropout: float = 0.0,
-                 check_inputs: bool = True) -> None:
+                 content_scale: float = 1.0, normalize: bool = False, check_inputs: bool = True) -> None:
         super().__init__()
         out_channels = in_channels if out_channels is None else out_channels
         for name, value, low in (("in_channels", in_channels, 1), ("num_clusters", num_clusters, 1),
@@ -82,8 +87,11 @@ class HAPPool(nn.Module):
             raise ValueError(f"HAPPool: heads={heads} must divide out_channels={out_channels}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"HAPPool: dropout must be in [0, 1), got {dropout}")
+        if not (isinstance(content_scale, (int, float)) and math.isfinite(content_scale) and content_scale > 0):
+            raise ValueError(f"HAPPool: content_scale must be a finite number > 0, got {content_scale!r}")
         self.in_channels, self.out_channels, self.num_clusters = in_channels, out_channels, num_clusters
         self.hops, self.heads, self.moa, self.gcont = hops, heads, moa, gcont
+        self.content_scale, self.normalize = float(content_scale), normalize
         self.check_inputs = check_inputs
         self.key = nn.Linear(in_channels, out_channels, bias=False)
         self.value = nn.Linear(in_channels, out_channels)
@@ -92,15 +100,18 @@ class HAPPool(nn.Module):
         # Per head, a softmax over hop orders 0..hops; zero logits start every head at the uniform mix.
         self.hop_logits = nn.Parameter(torch.zeros(heads, hops + 1)) if hops else None
         if gcont:
-            self.content = nn.Parameter(torch.randn(num_clusters, out_channels) / math.sqrt(out_channels))
+            self.content = nn.Parameter(torch.randn(num_clusters, out_channels) * (content_scale
+                                                                                   / math.sqrt(out_channels)))
             self.summary = nn.Linear(in_channels, out_channels)
         else:
             self.seeds = nn.Linear(in_channels, num_clusters * out_channels)
+        self.norm = nn.LayerNorm(out_channels) if normalize else None
         self.dropout = nn.Dropout(dropout)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels} -> {self.out_channels}, clusters={self.num_clusters}, hops={self.hops}, "
-                f"heads={self.heads}, moa={self.moa}, gcont={self.gcont}")
+                f"heads={self.heads}, moa={self.moa}, gcont={self.gcont}, content_scale={self.content_scale:g}, "
+                f"normalize={self.normalize}")
 
     def _check(self, x: torch.Tensor, adj: torch.Tensor, mask: torch.Tensor) -> None:
         if x.dim() != 3 or adj.dim() != 3:
@@ -198,6 +209,8 @@ class HAPPool(nn.Module):
         pooled = (att @ values.view(batch, nodes, heads, dh).transpose(1, 2))  # [B, h, K, dh]
         pooled = pooled.transpose(1, 2).reshape(batch, k, self.out_channels)
         x_out = self.out(pooled)
+        if self.norm is not None:
+            x_out = self.norm(x_out)
         if self.gcont:
             x_out = x_out + self.content
 
