@@ -11,8 +11,9 @@ A table's rows live on their owners only: row sharding splits them in contiguous
    it gives the receive splits and checks the call on every rank at once; ids past the capacity (set from the
    previous call's largest count, the same on every rank) follow in a second AlltoAll;
 4. each owner reads its rows from its shard and they come back by the reverse ``all_to_all_single``;
-5. ``moe_unpermute`` puts them back in unique-id order and ``F.embedding``/``F.embedding_bag`` expands them to
-   the batch (bags: sum, mean, per-sample weights, padding excluded, as ``nn.EmbeddingBag``).
+5. each table takes its unique ids' rows out of the received ones (inside the exchange's autograd node, whose
+   backward puts the tables' gradient rows back in send order in one pass) and ``F.embedding``/``F.embedding_bag``
+   expands them to the batch (bags: sum, mean, per-sample weights, padding excluded, as ``nn.EmbeddingBag``).
 
 Backward runs the same path reversed: the expand sums the gradient rows of each unique id locally, an
 asynchronous AlltoAll carries one row per unique id to its owner, and a callback at the end of the backward adds
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdist.distributed import CallCounter, check_same, fingerprint, global_ranks
-from fastdist.ops.moe import moe_layout, moe_unpermute
+from fastdist.ops.moe import moe_layout
 
 __all__ = ["EmbeddingInputError", "ShardedEmbedding", "lookup", "prefetch", "row_ranges"]
 
@@ -662,23 +663,33 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
         _receive_ids(route)
         _count_rows(route)
         rows, pieces = _owner_rows(modules, route.recv_ids)
-        plan = (route.send_splits, route.recv_splits, group, pieces, _watch(pieces))
+        plan = (route.send_splits, route.recv_splits, group, pieces, _watch(pieces), _slots(route))
         rows = _RowExchange.apply(rows, plan, *[m.weight for m in modules])
     else:  # one rank: the unique ids in table order, each table's rows with nn.Embedding's gradient
         rows = torch.cat([_local_rows(m, u) for m, u in zip(modules, route.uniques)])
     return _expand_all(route, rows)
 
 
-def _expand_all(route: _Route, rows: torch.Tensor) -> list:
-    """Each table's output from the rows of the unique ids (in send order)."""
+def _slots(route: _Route) -> list | None:
+    """Per table, the positions of its unique ids' rows in send order; None when the send order is the unique-id
+    order. Unique ids are sorted, so a row-sharded table's come already grouped by owner (one table: no
+    reordering); several tables in one exchange, or table sharding, interleave owners."""
     owner = route.owner
-    # Unique ids are sorted, so a row-sharded table's come already grouped by owner: the layout is the identity
-    # and the rows need no reordering (several tables in one exchange, or table sharding, interleave owners).
-    in_order = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
-    by_unique = rows if in_order else moe_unpermute(rows, route.row_of_slot.to(rows.device))
+    if owner.numel() < 2 or bool((owner[1:] >= owner[:-1]).all()):
+        return None
+    slot_of_unique, out, start = route.row_of_slot[:, 0].to(owner.device), [], 0
+    for u in route.uniques:
+        out.append(slot_of_unique[start:start + u.numel()])
+        start += u.numel()
+    return out
+
+
+def _expand_all(route: _Route, rows: torch.Tensor | tuple) -> list:
+    """Each table's output from the rows of its unique ids: one tensor in unique-id order, or one per table."""
     out, start = [], 0
-    for m, u, inv, (ids, offsets, psw) in zip(route.modules, route.uniques, route.inverses, route.inputs):
-        mine = by_unique[start:start + u.numel()]
+    for i, (m, u, inv, (ids, offsets, psw)) in enumerate(zip(route.modules, route.uniques, route.inverses,
+                                                            route.inputs)):
+        mine = rows[i] if isinstance(rows, tuple) else rows[start:start + u.numel()]
         start += u.numel()
         out.append(_expand(m, mine, u, inv, ids, offsets, psw))
     return out
@@ -824,7 +835,7 @@ def _finish_prefetch(route: _Route, inputs) -> list | None:
         received[late] = got
     if torch.is_grad_enabled():
         modules[0].traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[route.rank]
-    plan = (route.send_splits, route.recv_splits, route.group, route.pieces, _watch(route.pieces))
+    plan = (route.send_splits, route.recv_splits, route.group, route.pieces, _watch(route.pieces), _slots(route))
     rows = _Prefetched.apply(received, plan, *[m.weight for m in modules])
     return _expand_all(route, rows)
 
@@ -920,15 +931,16 @@ class _RowExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, plan, *weights):
-        send_splits, recv_splits, group, _, _ = plan
+        send_splits, recv_splits, group = plan[:3]
         ctx.plan = plan
         out = rows.new_empty((sum(send_splits), rows.shape[1]))
         dist.all_to_all_single(out, rows.contiguous(), send_splits, recv_splits, group=group)
-        return out
+        return _by_table(out, plan[5])
 
     @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits, group, pieces, token = ctx.plan
+    def backward(ctx, *grads):
+        send_splits, recv_splits, group, pieces, token, slots = ctx.plan
+        grad = grads[0] if slots is None else _to_send_order(grads, slots)
         if token is not None:
             token.started = True
         for fusion in {id(m.fusion): m.fusion for m, _, _ in pieces if m.fusion is not None}.values():
@@ -942,13 +954,28 @@ class _RowExchange(torch.autograd.Function):
         return (None, None) + (None,) * len(pieces)
 
 
+def _by_table(rows, slots):
+    """The exchanged rows (send order) as one tensor per table (its unique ids' rows), or as they are when
+    ``slots`` is None. Split inside the exchange's autograd node, whose backward puts the tables' gradients back
+    in send order in one pass (a reorder and per-table slices of one tensor would each cost a zero-filled
+    full-size gradient and a scatter in the backward)."""
+    return rows if slots is None else tuple(rows.index_select(0, s) for s in slots)
+
+
+def _to_send_order(grads, slots):
+    out = grads[0].new_empty((sum(s.numel() for s in slots), grads[0].shape[1]))
+    for g, s in zip(grads, slots):
+        out.index_copy_(0, s, g)
+    return out
+
+
 class _Prefetched(_RowExchange):
     """A prefetched lookup's rows, already exchanged: the forward passes them on, the backward is the exchange's."""
 
     @staticmethod
     def forward(ctx, rows, plan, *weights):
         ctx.plan = plan
-        return rows
+        return _by_table(rows, plan[5])
 
 
 def _add_gradients(work, received, pieces, token=None):
