@@ -48,8 +48,9 @@ _MINIBATCH = (None, "carry", "reinit")
 
 
 class ADMMDivergenceError(RuntimeError):
-    """The ADMM iteration diverged; `block` names the first block whose update went non-finite, or the constraint
-    whose residual kept growing.
+    """The ADMM iteration diverged; `block` names the first block whose update went non-finite, the constraint
+    whose residual kept growing, or (the network's loss past its bound) the step where the forward pass left the
+    auxiliary variables.
 
     Args:
         block: the block (or constraint) that diverged first.

@@ -5,7 +5,7 @@ Tasks (no downloads): digits-rows (scikit-learn's 8x8 digits read row by row: 8 
 digits-pixels (the same digits pixel by pixel: 64 steps of 1 feature), text (1600 sequences of 20 one-hot tokens
 over a vocabulary of 8, each drawn from one of 4 seeded ZipfMarkovCorpus languages; the class is the language),
 digits-28 (the digits upscaled bilinearly to 28x28 and read row by row, MNIST's shape: 28 steps of 28 features),
-adding-50/100/200 (the adding problem: T steps of (value ~ U(0,1), marker), one marker in each half; regress the sum
+adding-20/50/100/200 (the adding problem: T steps of (value ~ U(0,1), marker), one marker in each half; regress the sum
 of the two marked values; R = (o - y)^2 / 2; "test acc" is the fraction of test samples within 0.04 of the target).
 
 Methods: admm (ADMMiRNN full batch: one sweep over the training set per epoch), admm-mb (ADMMiRNN
@@ -44,7 +44,7 @@ from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, percent, scientific, times, yes_no
 from fastdist.bench.toolkit import at_least, comma_list, interleave, progress, time_fn
 
-TASKS = ["digits-rows", "digits-pixels", "text", "digits-28", "adding-50", "adding-100", "adding-200"]
+TASKS = ["digits-rows", "digits-pixels", "text", "digits-28", "adding-20", "adding-50", "adding-100", "adding-200"]
 ADDING_TOLERANCE = 0.04  # an adding-problem prediction within this of the sum counts as correct
 OPTIMIZERS = {"sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
               "sgd-momentum": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
