@@ -20,6 +20,7 @@ Users see this through ``fastdist.parallelize``'s ``Engine.step`` and ``fastdist
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -173,23 +174,36 @@ def start_heartbeat() -> None:
             return
         rank = dist.get_rank()
         store.set(_PROCESS_KEY.format(rank), _process_identity())
-        _HEART["store"] = store
-        threading.Thread(target=_beat, args=(store, rank), daemon=True, name="fastdist-heartbeat").start()
+        if "stop" in _HEART:  # a heartbeat for an earlier process group
+            _HEART["stop"].set()
+        stop = threading.Event()
+        thread = threading.Thread(target=_beat, args=(store, rank, stop), daemon=True, name="fastdist-heartbeat")
+        _HEART.update(store=store, stop=stop, thread=thread)
+        thread.start()
 
 
-def _beat(store: Any, rank: int) -> None:
+def _beat(store: Any, rank: int, stop: threading.Event) -> None:
     key = _BEAT_KEY.format(rank)
-    while _HEART.get("store") is store:
+    while not stop.is_set():
         try:
             store.add(key, 1)
         except Exception:  # noqa: BLE001 - the store is gone (its host ended): nobody can read a heartbeat
             return
-        time.sleep(HEARTBEAT_S)
-        if not dist.is_initialized():  # destroyed, or aborted after a failure: this group's job is over
-            with _HEART_LOCK:
-                if _HEART.get("store") is store:
-                    _HEART.pop("store")
+        if stop.wait(HEARTBEAT_S) or not dist.is_initialized():  # destroyed, or aborted after a failure
             return
+
+
+@atexit.register
+def _stop_heartbeat() -> None:
+    """Stops the heartbeat before the interpreter exits: a daemon thread ended inside the store's C++ call would
+    abort the process ("terminate called without an active exception")."""
+    with _HEART_LOCK:
+        stop, thread = _HEART.pop("stop", None), _HEART.pop("thread", None)
+        _HEART.pop("store", None)
+    if stop is not None:
+        stop.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=5.0)
 
 
 def _find_dead(store: Any, world: int, me: int, deadline_s: float) -> tuple[int, str] | None:

@@ -590,9 +590,10 @@ class MoELayer(nn.Module):
             self._prefetched = _ReplicaTraffic(self, self.plan)
 
     def _check_bound(self):
-        if self._unbound:
-            raise RuntimeError("fastdist: this MoELayer was unpickled, which leaves its process group out; call "
-                               "layer.attach(group) on every rank of the group before using it")
+        if self._unbound:  # raised before any collective: nothing to abort (agreed), the layer can be attached
+            raise failure.agreed(RuntimeError(
+                "fastdist: this MoELayer was unpickled, which leaves its process group out; call layer.attach(group) "
+                "on every rank of the group before using it"))
 
     # ---- compute ----
 
