@@ -133,6 +133,28 @@ def test_profiled_pieces_have_positive_times_and_the_blocks_save_activations():
     assert all(p.grad is None for p in model.parameters())  # profiling left no gradients behind
 
 
+def test_a_meta_device_model_is_profiled_one_piece_at_a_time_and_saves_what_the_real_model_saves():
+    tokens = _tokens(0)
+    real = P.profile_pieces(P.analyze(make_model("meta_ready_gpt"), (tokens,)), reps=3)
+    with torch.device("meta"):
+        model = make_model("meta_ready_gpt")
+    analysis = P.analyze(model, (tokens.to("meta"),))
+    analysis.example_args = (tokens,)  # the stages' own code runs on the real batch (as parallelize sets it)
+    costs = P.profile_meta_pieces(analysis, torch.device("cpu"), reps=3)
+    assert [c.name for c in costs] == [c.name for c in real]
+    assert all(c.forward_ms > 0 and c.backward_ms > 0 and len(c.samples_ms) == 3 for c in costs)
+    assert [c.params for c in costs] == [c.params for c in real]
+    # the bytes autograd saves per piece, as the whole model's profile counts them, but for a storage the blocks
+    # share (the causal mask: counted once, on the whole model's first block; here on every block, 1 KiB)
+    for got, want in zip(costs, real):
+        assert abs(got.activation_bytes - want.activation_bytes) <= 1024, (got.name, got.activation_bytes,
+                                                                            want.activation_bytes)
+    assert len({id(c.samples_ms) for c in costs[1:-1]}) == 1  # alike blocks are timed once
+    assert all(p.is_meta for p in model.parameters())  # nothing of the user's model was allocated
+    plan = P.make_plan(analysis, costs, 2, "time")
+    assert plan.balance == "time" and sum(s.params for s in plan.stages) == sum(c.params for c in costs)
+
+
 @pytest.mark.parametrize("split_points, message", [
     ([5], "must be increasing block indices in 0..4"),
     ([2, 1], "make 3 stages; the mesh has 2"),

@@ -613,8 +613,9 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             process from ``model.to_empty(device=...); torch.manual_seed(seed); model.apply(init)``, which for
             torch's layers built in the order they are registered is the model built normally after
             ``torch.manual_seed(seed)``. Every floating-point parameter and buffer must be set by ``init``
-            (one left unset is an error naming it). Such a model is balanced by parameters (nothing to time) and
-            each stage is checked by running it rather than against the whole model.
+            (one left unset is an error naming it). Such a model is balanced by time with its pieces allocated
+            one at a time on rank 0 (by parameters when a piece cannot run alone), and each stage is checked by
+            running it rather than against the whole model.
         seed: the seed of that initialization.
         device: where a meta-device model's stages are allocated (default: this rank's CUDA device when CUDA is
             available, else the CPU).
@@ -708,15 +709,23 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         problem = (f"{pp} pipeline stages but {type(model).__name__} has only {analysis.num_blocks} blocks in "
                    f"{analysis.blocks_path}: use at most {analysis.num_blocks} stages")
     _agree("cutting the model", problem, None)
-    if on_meta and balance == "time":  # nothing to time on the meta device
-        balance = "params"
+    costs = None
     if balance == "time" and split_points is None and pp > 1:
-        costs = part.profile_pieces(analysis, reps=profile_reps) if dist.get_rank() == 0 or world == 1 else None
+        if dist.get_rank() == 0 or world == 1:
+            if on_meta:  # one piece allocated at a time; a piece that cannot run alone: balance by parameters
+                try:
+                    costs = part.profile_meta_pieces(analysis, device, reps=profile_reps)
+                except Exception:  # noqa: BLE001 - any failure of a piece alone: the other ranks wait for the broadcast
+                    costs = None
+            else:
+                costs = part.profile_pieces(analysis, reps=profile_reps)
         if world > 1:
             box = [costs]
             dist.broadcast_object_list(box, src=0)
             costs = box[0]
-    else:
+        if costs is None:
+            balance = "params"
+    if costs is None:
         costs = part.param_costs(analysis)
     ratios = [_recompute_ratio(recompute, recompute_ratio, s, pp, schedule) for s in range(pp)]
     plan, problem = _attempt(lambda: part.make_plan(

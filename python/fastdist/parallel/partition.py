@@ -427,6 +427,82 @@ def profile_pieces(analysis: Analysis, reps: int = 5, warmup: int = 1) -> list[P
             for p in range(n + 2)]
 
 
+def profile_meta_pieces(analysis: Analysis, device: torch.device, reps: int = 5, warmup: int = 1) -> list[PieceCost]:
+    """Times every piece of a model built on the meta device, allocating one piece at a time.
+
+    Each piece runs as a stage of its own (:func:`build_stage`: "pre" alone as a first stage, a block as a middle
+    stage, "post" alone as a last stage), its tensors allocated on ``device`` with random values (timing needs no
+    initialization), on the analysed batch (pre) or a random activation of the cut's shape; forward and backward
+    (of the output's sum) are timed, median of ``reps`` after ``warmup``, and the bytes autograd saves are counted
+    as :func:`profile_pieces` counts them. Blocks of one structure (class, tensor shapes and dtypes) are timed once.
+    At most one piece's tensors exist at a time, so the model never has to fit.
+
+    Raises:
+        Exception: a piece that cannot run on its own (a value another piece computes reaches it from the meta
+            device); the caller balances by parameters then.
+    """
+    n = analysis.num_blocks
+    blocks = analysis.model.get_submodule(analysis.blocks_path)
+    timed: dict[Any, tuple[float, float, int, list[float]]] = {}
+
+    def structure(module):
+        return type(module), tuple((k, tuple(t.shape), t.dtype) for k, t in
+                                   [*module.named_parameters(), *module.named_buffers()])
+
+    def run(first_block, last_block, index):
+        stage = build_stage(analysis, first_block, last_block, index, 3)
+        empty: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for sub in stage.modules():
+                for slots in (sub._parameters, sub._buffers):
+                    for k, t in slots.items():
+                        if t is not None and t.is_meta:
+                            slots[k] = _empty_like(t, device, empty)
+                            (slots[k].normal_(0.0, 0.02) if slots[k].is_floating_point() else slots[k].zero_())
+        params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        fwd, bwd, samples, saved = [], [], [], 0
+        for rep in range(warmup + reps):
+            if index == 0:
+                args = analysis.example_args
+            else:
+                shape, dtype = analysis.cut_shapes[first_block]
+                args = (torch.randn(shape, device=device).to(dtype).requires_grad_(dtype.is_floating_point),)
+            seen: set = set()
+
+            def pack(t):
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if key[0] not in params and key not in seen:
+                    seen.add(key)
+                return t
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = stage(*args)
+            mid = time.perf_counter()
+            out.float().sum().backward()
+            end = time.perf_counter()
+            stage.zero_grad(set_to_none=True)
+            if rep >= warmup:
+                fwd.append((mid - start) * 1e3)
+                bwd.append((end - mid) * 1e3)
+                samples.append((end - start) * 1e3)
+                saved = sum(nbytes for _, nbytes in seen)
+        return statistics.median(fwd), statistics.median(bwd), saved, samples
+
+    costs = []
+    for p in range(n + 2):
+        if p == 0:
+            got = run(0, 0, 0)
+        elif p == n + 1:
+            got = run(n, n, 2)
+        else:
+            key = structure(blocks[p - 1])
+            if key not in timed:
+                timed[key] = run(p - 1, p, 1)
+            got = timed[key]
+        costs.append(PieceCost(analysis.piece_names[p], got[0], got[1], got[2], analysis.piece_params[p], got[3]))
+    return costs
+
+
 # ---- choosing the cuts ----
 
 def stage_costs(costs: Sequence[float], starts: Sequence[int], n: int) -> list[float]:
