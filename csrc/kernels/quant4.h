@@ -18,8 +18,9 @@
 // scales (and zeros) are [n / block_rows, k / block], row-major.
 //
 // qlinear: out[m, r] = sum_c x[m, c] * w'[r, c] (+ bias[r]) for x [rows, k] float32. Each output is summed by one
-// thread in a fixed order (per chunk of columns, lanes, then chunks in order), so results do not depend on the
-// thread count; the order differs from a plain dot product by float rounding.
+// thread in a fixed order (16 lanes of partial sums, each over its columns in order, then reduced pairwise), so
+// results do not depend on the thread count, the row range or the number of rows of x given together; the
+// order differs from a plain dot product by float rounding.
 //
 // Torch-free: raw pointers and sizes only. Arrays are contiguous.
 #pragma once

@@ -164,12 +164,14 @@ TEST(Quant4, qlinear_matches_the_product_with_the_dequantized_weight_on_both_pat
 }
 
 TEST(Quant4, dequantize_paths_agree_bit_for_bit_on_every_block_width) {
-  // The AVX-512 decode (tables for blocks of 16 or more columns, spread scales for 2, 4 and 8) against the portable
-  // per-block table and the definition, with a tail shorter than 16 columns and a row range that does not start at 0.
+  // The AVX-512 decode (tables for blocks of a multiple of 16 columns, each lane's scale picked from the blocks its
+  // 16 columns touch for any other width) against the portable per-block table and the definition, with a tail
+  // shorter than 16 columns and a row range that does not start at 0.
   for (const Quant4Scheme scheme : {Quant4Scheme::kNF4, Quant4Scheme::kInt4}) {
-    for (const int64_t block : {int64_t{2}, int64_t{4}, int64_t{6}, int64_t{8}, int64_t{16}, int64_t{32}}) {
+    for (const int64_t block : {int64_t{2}, int64_t{4}, int64_t{6}, int64_t{8}, int64_t{12}, int64_t{16}, int64_t{24},
+                                int64_t{32}, int64_t{48}, int64_t{100}}) {
       for (const int64_t block_rows : {int64_t{1}, int64_t{8}}) {
-        const int64_t n = 16, k = block * (block == 6 ? 7 : 72 / block);
+        const int64_t n = 16, k = block <= 8 ? 72 : 7 * block;
         const std::vector<float> w = random_weight(n * k, 11);
         const Quantized q = quantize(w, n, k, block, scheme, 1, block_rows);
         const float* zeros = scheme == Quant4Scheme::kInt4 ? q.zeros.data() : nullptr;
@@ -187,6 +189,33 @@ TEST(Quant4, dequantize_paths_agree_bit_for_bit_on_every_block_width) {
                                                           : code * q.scales[at] + q.zeros[at];
           ASSERT_EQ(portable[i], want) << "portable, block " << block << " x " << block_rows << " at " << i;
           ASSERT_EQ(fast[i], want) << "block " << block << " x " << block_rows << " at " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Quant4, qlinear_gives_the_same_bits_for_a_row_of_x_alone_or_among_others_on_every_block_width) {
+  // Few rows of x decode straight into registers, more go through a buffer of decoded rows; blocks of 2-16 columns,
+  // of multiples of 32 and of other widths, and k with a last partial group of 32 columns: the sums are the same.
+  for (const Quant4Scheme scheme : {Quant4Scheme::kNF4, Quant4Scheme::kInt4}) {
+    for (const int64_t block : {int64_t{2}, int64_t{6}, int64_t{8}, int64_t{16}, int64_t{24}, int64_t{64},
+                                int64_t{96}}) {
+      const int64_t n = 16, k = block * ((300 + block - 1) / block), all_rows = 11;
+      const Quantized q = quantize(random_weight(n * k, 21), n, k, block, scheme, 3);
+      const float* zeros = scheme == Quant4Scheme::kInt4 ? q.zeros.data() : nullptr;
+      const std::vector<float> x = random_weight(all_rows * k, 22);
+      std::vector<float> together(all_rows * n);
+      fastdist::qlinear_cpu(x.data(), all_rows, k, q.packed.data(), q.scales.data(), zeros, n, block, 1, scheme,
+                            nullptr, together.data(), 0, n);
+      for (const int64_t rows : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{5}}) {
+        std::vector<float> some(rows * n);
+        fastdist::qlinear_cpu(x.data(), rows, k, q.packed.data(), q.scales.data(), zeros, n, block, 1, scheme,
+                              nullptr, some.data(), 0, 5);
+        fastdist::qlinear_cpu(x.data(), rows, k, q.packed.data(), q.scales.data(), zeros, n, block, 1, scheme,
+                              nullptr, some.data(), 5, n);
+        for (int64_t i = 0; i < rows * n; ++i) {
+          ASSERT_EQ(some[i], together[i]) << "block " << block << ", " << rows << " rows, at " << i;
         }
       }
     }

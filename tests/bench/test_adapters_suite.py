@@ -38,12 +38,20 @@ def test_cli_run_times_every_alternative_with_raw_samples(tmp_path):
     assert "qlinear" in adapters.tables(result)[0].markdown()
 
 
-def test_finetune_runs_every_method_with_the_same_budget():
+def test_finetune_runs_every_method_with_the_same_budget_and_learning_rate_grid():
     pytest.importorskip("transformers")
     args = _args(["--finetune", "--pretrain-steps", "2", "--steps", "2", "--seeds", "0,1", "--hidden", "64",
-                  "--seq", "32", "--methods", "lora-float,qlora,qalora,qbara,qahira"])
+                  "--seq", "32", "--methods", "lora-float,qlora,qalora,qbara,qahira", "--lrs", "0.001,0.01"])
     result = adapters.finetune(args)
     summary = {r["method"]: r for r in result["summary"]}
+    # every method ran at every rate of the grid, and reports the rate of its lowest mean validation loss
+    assert sorted((r["method"], r["lr"]) for r in result["grid"]) == sorted(
+        (m, lr) for m in summary for lr in (0.001, 0.01))
+    for method, entry in summary.items():
+        rates = {r["lr"]: r["val_loss"] for r in result["grid"] if r["method"] == method}
+        assert entry["lr"] == min(rates, key=rates.get)
+        assert entry["val_loss"] == rates[entry["lr"]]
+    assert [p.name for p in adapters.finetune_tables(result)] == ["finetune", "grid", "bases"]
     assert set(summary) == {"lora-float", "qlora", "qalora", "qbara", "qahira"}
     assert all("error" not in r and r["seeds"] == 2 for r in summary.values())
     lora = summary["lora-float"]["trainable"]

@@ -138,10 +138,11 @@ def test_qlinear_with_bfloat16_input_returns_bfloat16_of_the_float32_result():
     torch.testing.assert_close(got, qlinear(x.float(), packed, scales, None, "nf4").to(torch.bfloat16), atol=0, rtol=0)
 
 
-def test_qlinear_results_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("rows", [1, 4, 16])  # codes decoded into registers (up to 4 rows), or through a buffer
+def test_qlinear_results_do_not_depend_on_the_thread_count(rows):
     w = weight(512, 256, seed=6)
     packed, scales, zeros = quantize4(w, "int4", 64)
-    x = torch.randn(4, 256)
+    x = torch.randn(rows, 256)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -149,6 +150,18 @@ def test_qlinear_results_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, qlinear(x, packed, scales, zeros, "int4"))
+
+
+@pytest.mark.parametrize("scheme, block, k", [("nf4", 64, 576), ("int4", 4, 296), ("nf4", 6, 294), ("int4", 96, 576)])
+def test_a_row_of_x_gives_the_same_bits_alone_or_among_up_to_32_rows(scheme, block, k):
+    # 1-4 rows decode the codes straight into registers, 5-32 through a buffer of decoded rows: one summation order
+    # (k = 294 and 296 end in a partial group of 32 columns)
+    w = weight(40, k, seed=10)
+    packed, scales, zeros = quantize4(w, scheme, block)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(11))
+    together = qlinear(x, packed, scales, zeros, scheme)
+    for rows in (1, 2, 4, 5, 17):
+        assert torch.equal(qlinear(x[:rows], packed, scales, zeros, scheme), together[:rows]), rows
 
 
 @pytest.mark.parametrize("scheme, block, block_rows", [("nf4", 64, 1), ("int4", 4, 8), ("int4", 2, 1), ("nf4", 8, 2)])

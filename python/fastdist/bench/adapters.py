@@ -8,8 +8,9 @@ scales read once, against the copy's bytes moved (read + write) in the same roun
 
 Fine-tuning (``--finetune``): a small LLaMA (transformers' LlamaConfig) pretrained on the Python standard library's
 sources, quantized to 4 bits, then fine-tuned on the English prose of ``pydoc_data/topics.py`` with each method at the
-same trainable-parameter budget, same data, same steps and seeds; held-out loss and next-token accuracy (mean +- std
-over seeds), trainable parameters, step time (the methods take turns on each batch, so every method's steps see the
+same trainable-parameter budget, same data, same steps and seeds, and the same learning-rate grid (``--lrs``: each
+method's rate is the one with its lowest mean loss on a validation split carved from the fine-tuning text, never the
+held-out one); held-out loss and next-token accuracy (mean +- std over seeds) at that rate, every rate's losses, trainable parameters, step time (the methods take turns on each batch, so every method's steps see the
 same machine load; also as a ratio to LoRA on the float base, seed by seed) in wall-clock and in the process's CPU
 time (which a loaded machine does not inflate when the run has one torch thread: ``--threads 1``), peak memory, and for
 the mergeable methods the merged 4-bit loss.
@@ -64,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--methods", type=comma_list(str), default=list(METHODS), help=",".join(METHODS))
+    p.add_argument("--lrs", type=comma_list(float), default=[LR],
+                   help=f"fine-tuning learning rates, the same grid for every method (default {LR})")
 
 
 def _bnb_linear(weight: torch.Tensor, block: int):
@@ -233,9 +236,10 @@ def _text_bytes(paths, limit):
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
 
 
-def corpora(pretrain_bytes: int = 4 << 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Byte tokens: the standard library's sources (pretraining), and pydoc's English topics split 90/10 into
-    fine-tuning and held-out text. Always on the machine, nothing downloaded."""
+def corpora(pretrain_bytes: int = 4 << 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Byte tokens: the standard library's sources (pretraining), and pydoc's English topics split 80/10/10 into
+    fine-tuning, validation (to choose the learning rate) and held-out text. Always on the machine, nothing
+    downloaded."""
     import glob
     import os
     import sysconfig
@@ -245,8 +249,8 @@ def corpora(pretrain_bytes: int = 4 << 20) -> tuple[torch.Tensor, torch.Tensor, 
     from pydoc_data import topics
     prose = torch.frombuffer(bytearray("\n\n".join(topics.topics.values()).encode("utf-8", "replace")),
                              dtype=torch.uint8).long()
-    cut = int(0.9 * prose.numel())
-    return pretrain, prose[:cut], prose[cut:]
+    val, cut = int(0.8 * prose.numel()), int(0.9 * prose.numel())
+    return pretrain, prose[:val], prose[val:cut], prose[cut:]
 
 
 def _batch(data, g, seq):
@@ -322,26 +326,28 @@ def _build(method, state, rank, config):
     return model, adapters.adapter_parameters(model)
 
 
-def _finetune_seed(methods, state, data, held_out, steps, seed, rank, config):
-    """Fine-tunes every method from the same start on the same batches, interleaved step by step (method after method
-    on each batch), so that the step times of all methods see the same machine load; the first step is warm-up."""
+def _finetune_seed(methods, lrs, state, data, val, held_out, steps, seed, rank, config):
+    """Fine-tunes every method at every learning rate from the same start on the same batches, interleaved step by
+    step (run after run on each batch), so that the step times of all runs see the same machine load; the first step
+    is warm-up."""
     import time
     from fastdist import adapters
     seq = config["max_position_embeddings"]
     runs = {}
     for method in methods:
-        torch.manual_seed(seed)
-        try:
-            model, params = _build(method, state, rank, config)
-        except Exception as e:  # a peer that fails here is recorded, not hidden
-            runs[method] = {"method": method, "seed": seed, "error": f"{type(e).__name__}: {e}"}
-            continue
-        runs[method] = {"model": model, "params": params, "opt": torch.optim.AdamW(params, lr=LR), "curve": [],
-                        "times": [], "cpu_times": []}
+        for lr in lrs:
+            torch.manual_seed(seed)
+            try:
+                model, params = _build(method, state, rank, config)
+            except Exception as e:  # a peer that fails here is recorded, not hidden
+                runs[method, lr] = {"method": method, "lr": lr, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+                continue
+            runs[method, lr] = {"model": model, "params": params, "opt": torch.optim.AdamW(params, lr=lr),
+                                "curve": [], "times": [], "cpu_times": []}
     g = torch.Generator().manual_seed(100 + seed)
     for _ in range(steps):
         tokens = _batch(data, g, seq)
-        for method, run_ in runs.items():
+        for key, run_ in runs.items():
             if "error" in run_:
                 continue
             try:
@@ -354,19 +360,20 @@ def _finetune_seed(methods, state, data, held_out, steps, seed, rank, config):
                 run_["cpu_times"].append(time.process_time() - cpu_start)
                 run_["curve"].append(loss.item())
             except Exception as e:
-                runs[method] = {"method": method, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+                runs[key] = {"method": key[0], "lr": key[1], "seed": seed, "error": f"{type(e).__name__}: {e}"}
     rows = []
-    for method in methods:
-        run_ = runs[method]
+    for (method, lr), run_ in runs.items():
         if "error" in run_:
             rows.append(run_)
             continue
         model, params = run_["model"], run_["params"]
         model.eval()
+        val_loss, _ = _evaluate(model, val, seq)
         loss, acc = _evaluate(model, held_out, seq)
         timed = run_["times"][1:] or run_["times"]
         cpu_timed = run_["cpu_times"][1:] or run_["cpu_times"]
-        row = {"method": method, "seed": seed, "trainable": sum(p.numel() for p in params), "loss": loss, "acc": acc,
+        row = {"method": method, "lr": lr, "seed": seed, "trainable": sum(p.numel() for p in params),
+               "val_loss": val_loss, "loss": loss, "acc": acc,
                "step_s": statistics.median(timed), "step_samples_s": run_["times"],
                "step_cpu_s": statistics.median(cpu_timed), "step_cpu_samples_s": run_["cpu_times"],
                "curve": run_["curve"],
@@ -380,14 +387,25 @@ def _finetune_seed(methods, state, data, held_out, steps, seed, rank, config):
             row["merged_loss"], row["merged_acc"] = _evaluate(model, held_out, seq)
             row["merged_into"] = sorted({r["into"] for r in merge_report.values()})
         rows.append(row)
+        runs[method, lr] = None  # frees the model before the next one is merged
     return rows
 
 
+def _mean_std(entry: dict, rows: list[dict], keys) -> None:
+    for key in keys:
+        values = [r[key] for r in rows if key in r]
+        if values:
+            entry[key] = statistics.mean(values)
+            entry[key + "_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def finetune(args: argparse.Namespace) -> dict:
-    """Pretrains once, then fine-tunes every method for every seed; raw curves kept."""
+    """Pretrains once, then fine-tunes every method at every learning rate for every seed; raw curves kept. Each
+    method's summary is at its learning rate of lowest mean validation loss."""
     config = model_config(args.hidden, args.layers, args.seq)
     rank = args.rank if args.rank is not None else max(1, args.hidden // 64)
-    pre, data, held_out = corpora()
+    lrs = list(dict.fromkeys(args.lrs))
+    pre, data, val, held_out = corpora()
     state = pretrain(args.pretrain_steps, pre, config)
     base_rows = []
     import transformers
@@ -404,32 +422,37 @@ def finetune(args: argparse.Namespace) -> dict:
     runs = []
     bar = progress(len(args.seeds), "finetune")
     for seed in args.seeds:
-        runs += _finetune_seed(args.methods, state, data, held_out, args.steps, seed, rank, config)
+        runs += _finetune_seed(args.methods, lrs, state, data, val, held_out, args.steps, seed, rank, config)
         bar.step(f"seed {seed}")
-    summary = []
+    summary, grid = [], []
     for method in args.methods:
-        ok = [r for r in runs if r["method"] == method and "error" not in r]
-        if not ok:
+        by_lr = {lr: [r for r in runs if r["method"] == method and r["lr"] == lr and "error" not in r] for lr in lrs}
+        for lr, ok in by_lr.items():
+            if ok:
+                entry = {"method": method, "lr": lr, "seeds": len(ok)}
+                _mean_std(entry, ok, ("val_loss", "loss", "acc"))
+                grid.append(entry)
+        tried = [lr for lr in lrs if by_lr[lr]]
+        if not tried:
             summary.append({"method": method, "error": next(r["error"] for r in runs if r["method"] == method)})
             continue
-        entry = {"method": method, "base": FINETUNE[method][0], "trainable": ok[0]["trainable"], "seeds": len(ok),
-                 "state_bytes": ok[0]["state_bytes"]}
-        for key in ("loss", "acc", "step_s", "step_cpu_s", "merged_loss"):
-            values = [r[key] for r in ok if key in r]
-            if values:
-                entry[key] = statistics.mean(values)
-                entry[key + "_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        # step times over LoRA on the float base's, seed by seed (the two were timed in the same rounds)
+        best = min(tried, key=lambda lr: statistics.mean(r["val_loss"] for r in by_lr[lr]))
+        ok = by_lr[best]
+        entry = {"method": method, "base": FINETUNE[method][0], "lr": best, "trainable": ok[0]["trainable"],
+                 "seeds": len(ok), "state_bytes": ok[0]["state_bytes"]}
+        _mean_std(entry, ok, ("val_loss", "loss", "acc", "step_s", "step_cpu_s", "merged_loss"))
+        # step times over LoRA on the float base's at the same rate, seed by seed (timed in the same rounds)
         for key, name in (("step_s", "step_vs_lora_float"), ("step_cpu_s", "step_cpu_vs_lora_float")):
-            reference = {r["seed"]: r[key] for r in runs if r["method"] == "lora-float" and "error" not in r}
-            ratios = [r[key] / reference[r["seed"]] for r in ok if r["seed"] in reference]
+            reference = {(r["seed"], r["lr"]): r[key] for r in runs if r["method"] == "lora-float" and "error" not in r}
+            ratios = [r[key] / reference[r["seed"], r["lr"]] for r in runs
+                      if r["method"] == method and "error" not in r and (r["seed"], r["lr"]) in reference]
             if ratios:
                 entry[name] = statistics.mean(ratios)
         summary.append(entry)
-    return {"config": {"model": config, "seq": args.seq, "batch": BATCH, "lr": LR, "steps": args.steps,
+    return {"config": {"model": config, "seq": args.seq, "batch": BATCH, "lrs": lrs, "steps": args.steps,
                        "pretrain_steps": args.pretrain_steps, "rank": rank, "targets": TARGETS,
                        "seeds": args.seeds},
-            "bases": base_rows, "summary": summary, "runs": runs}
+            "bases": base_rows, "summary": summary, "grid": grid, "runs": runs}
 
 
 def _pm(key):
@@ -441,6 +464,7 @@ def _pm(key):
 def finetune_tables(result: dict) -> list[report.Part]:
     cfg = result["config"]
     columns = [col("method", "method"), col("base", "base"), col("trainable", "trainable", fixed(0)),
+               col("lr", "lr", lambda v: f"{v:g}"), col("validation loss", _pm("val_loss"), numeric=True),
                col("held-out loss", _pm("loss"), numeric=True), col("accuracy", _pm("acc"), numeric=True),
                col("merged loss", _pm("merged_loss"), numeric=True),
                col("step (ms)", lambda r: 1e3 * r["step_s"] if "step_s" in r else None, fixed(1)),
@@ -451,9 +475,18 @@ def finetune_tables(result: dict) -> list[report.Part]:
                    fixed(2)),
                col("error", "error")]
     bases = [col("base", "base"), col("held-out loss", "loss", fixed(4)), col("accuracy", "acc", fixed(4))]
+    # recordings made before the learning-rate grid have one rate, "lr", and no validation split
+    lrs = cfg.get("lrs", [cfg.get("lr")])
+    rate = (f"AdamW lr {lrs[0]:g}" if len(lrs) == 1 else
+            f"AdamW lr grid {', '.join(f'{lr:g}' for lr in lrs)}, each method at its lowest mean validation loss")
     caption = (f"LLaMA {cfg['model']['hidden_size']}d x {cfg['model']['num_hidden_layers']} layers, byte tokens; "
                f"{cfg['pretrain_steps']} pretraining steps on stdlib sources, {cfg['steps']} fine-tuning steps on "
-               f"pydoc topics (batch {cfg['batch']} x {cfg['seq']}, AdamW lr {cfg['lr']}), adapters on "
+               f"pydoc topics (batch {cfg['batch']} x {cfg['seq']}, {rate}), adapters on "
                f"{','.join(cfg['targets'])}, budget LoRA r = {cfg['rank']}, seeds {cfg['seeds']}; mean +- std.")
-    return [report.Part("finetune", columns, result["summary"], caption),
-            report.Part("bases", bases, result["bases"], "The bases before fine-tuning.")]
+    parts = [report.Part("finetune", columns, result["summary"], caption)]
+    if len(result.get("grid", [])) > len(result["summary"]):
+        grid = [col("method", "method"), col("lr", "lr", lambda v: f"{v:g}"),
+                col("validation loss", _pm("val_loss"), numeric=True), col("held-out loss", _pm("loss"), numeric=True),
+                col("accuracy", _pm("acc"), numeric=True)]
+        parts.append(report.Part("grid", grid, result["grid"], "Every learning rate of the grid (mean +- std)."))
+    return parts + [report.Part("bases", bases, result["bases"], "The bases before fine-tuning.")]
