@@ -10,8 +10,9 @@ Fine-tuning (``--finetune``): a small LLaMA (transformers' LlamaConfig) pretrain
 sources, quantized to 4 bits, then fine-tuned on the English prose of ``pydoc_data/topics.py`` with each method at the
 same trainable-parameter budget, same data, same steps and seeds, and the same learning-rate grid (``--lrs``: each
 method's rate is the one with its lowest mean loss on a validation split carved from the fine-tuning text, never the
-held-out one); held-out loss and next-token accuracy (mean +- std over seeds) at that rate, every rate's losses, trainable parameters, step time (the methods take turns on each batch, so every method's steps see the
-same machine load; also as a ratio to LoRA on the float base, seed by seed) in wall-clock and in the process's CPU
+held-out one); held-out loss and next-token accuracy (mean +- std over seeds) at that rate, every rate's losses,
+trainable parameters, step time (the methods take turns on each batch, so every method's steps see the same machine
+load; also as a ratio to LoRA on the float base, seed by seed) in wall-clock and in the process's CPU
 time (which a loaded machine does not inflate when the run has one torch thread: ``--threads 1``), peak memory, and for
 the mergeable methods the merged 4-bit loss.
 """

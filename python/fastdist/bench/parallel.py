@@ -35,9 +35,10 @@ thread, gloo's threads included). Parts (--parts):
               stage-aware recompute, at its own memory cap) with the cost model's prediction and error for each,
               then the model's simulation of pp 4..64 and 8..64 microbatches (a projection, not measured).
   tp          forward + backward of one GPT block (--tp-block hidden,heads,seq,batch) on 2 ranks at each
-              --tp-nets network (default: --net when it names a link, else loopback and 1gbit): bench/tp.py's variants (fastdist.tp's Megatron-style, chunked and Oases
-              mappings, and torch's DTensor parallelize_module with Colwise/RowwiseParallel, each checked against
-              the unsharded block) and the tp=2 module fastdist.parallelize builds for the same block.
+              --tp-nets network (default: --net when it names a link, else loopback and 1gbit): bench/tp.py's
+              variants (fastdist.tp's Megatron-style, chunked and Oases mappings, and torch's DTensor
+              parallelize_module with Colwise/RowwiseParallel, each checked against the unsharded block) and the
+              tp=2 module fastdist.parallelize builds for the same block.
   boundaries  fastdist.parallel.transport's comparison at --boundary-net: compressed activations and gradients
               inside torch's schedules against StageBoundary in a GPipe loop, TopK packing through Schedule1F1B,
               and uncompressed 1F1B.
@@ -63,7 +64,9 @@ from torch import nn
 from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_to_core, run_ranks
 from fastdist.bench.report import MIB, col, fixed, percent, scientific, times
-from fastdist.bench.toolkit import all_max, all_sum, at_least, comma_list, network, rounds, shape_type, together
+from fastdist.bench.peers import checkpointed
+from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, network, rounds, shape_type,
+                                    time_interleaved, together)
 
 PEERS = ["torch-1f1b+recompute", "torch-1f1b", "deepspeed+recompute", "deepspeed"]
 """The pipeline peers a user would pick instead, on the same model, data and microbatches."""
@@ -169,9 +172,7 @@ class Checkpointed(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.inner, x, use_reentrant=False)
+        return checkpointed(self.inner, x)
 
 
 def build_gpt(gpt: Sequence[int], seed: int) -> nn.Module:
@@ -485,18 +486,6 @@ def check_losses(rows: list[dict], tolerance: float = CHECK_TOLERANCE) -> None:
 
 # ---- partition balance ----
 
-def interleaved(calls: dict[str, Any], reps: int, warmup: int, desc: str) -> dict[str, list[float]]:
-    """{name: this rank's seconds per timed repetition} of `calls` (name -> callable) run interleaved, every
-    rank starting each call together. A collective."""
-    samples: dict[str, list[float]] = {n: [] for n in calls}
-    for _, name, timed in rounds(list(calls), warmup, reps, desc, enabled=dist.get_rank() == 0):
-        with together() as watch:
-            calls[name]()
-        if timed:
-            samples[name].append(watch.seconds)
-    return samples
-
-
 def _stage_step(module: nn.Module, x: torch.Tensor, target: torch.Tensor | None):
     def call():
         module.zero_grad(set_to_none=True)
@@ -537,7 +526,7 @@ def _balance_rank(config: dict) -> dict | None:
         inp = x if rank == 0 else torch.randn(mb, seq, dim, requires_grad=True)
         calls[name] = _stage_step(module, inp, y if rank == world - 1 else None)
     # the ranks time their own stage at once, as they would run in the pipeline
-    samples = interleaved(calls, config["reps"], config["warmup"], "parallel balance")
+    samples = time_interleaved(calls, config["warmup"], config["reps"], "parallel balance", slowest_rank=False)
     mine = [statistics.median(samples[n]) for n in calls]
     every = all_sum([t if r == rank else 0.0 for t in mine for r in range(world)])
     if rank != 0:
@@ -616,10 +605,7 @@ def _tp_rank(config: dict) -> dict | None:
     errors.update(tp.check_against(tp.training_step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
     chunks[PARALLELIZE_TP] = tp.chosen_chunks(module)  # "auto" chooses at the first call
     names = list(variants)
-    mine = interleaved(variants, config["reps"], config["warmup"], f"parallel tp {config['net']}")
-    slowest = all_max([t for n in names for t in mine[n]])  # a step lasts until its slowest rank is done
-    reps = config["reps"]
-    samples = {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
+    samples = time_interleaved(variants, config["warmup"], config["reps"], f"parallel tp {config['net']}")
     rows = tp.timing_rows(samples, names, "variant", errors, chunks)
     return {"rows": rows} if rank == 0 else None
 

@@ -270,13 +270,15 @@ def rounds(names: Sequence[Any], warmup: int, reps: int, desc: str, *, enabled: 
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], warmup: int, reps: int, desc: str, *,
-                     shuffle: bool = False, device: torch.device | str | None = None) -> dict[str, list[float]]:
+                     shuffle: bool = False, device: torch.device | str | None = None,
+                     slowest_rank: bool = True) -> dict[str, list[float]]:
     """{name: the slowest rank's seconds per timed repetition} of `calls` (name -> callable) run by `rounds`, every
     rank starting each call together; the bar is drawn on rank 0. A collective.
 
     Args:
         shuffle: As for `interleave`.
         device: Where the calls run (CUDA is synchronized around each).
+        slowest_rank: False: this rank's own seconds (for ranks that run different work, e.g. pipeline stages).
     """
     samples: dict[str, list[float]] = {n: [] for n in calls}
     for _, name, timed in rounds(list(calls), warmup, reps, desc, enabled=dist.get_rank() == 0, shuffle=shuffle):
@@ -284,6 +286,8 @@ def time_interleaved(calls: dict[str, Callable[[], object]], warmup: int, reps: 
             calls[name]()
         if timed:
             samples[name].append(watch.seconds)
+    if not slowest_rank:
+        return samples
     slowest = all_max([t for n in calls for t in samples[n]], device)  # a step lasts until its slowest rank is done
     return {n: slowest[i * reps:(i + 1) * reps] for i, n in enumerate(calls)}
 
