@@ -73,8 +73,10 @@ def _failed(error: BaseException, context: str) -> BaseException:
     return error if watch is None else watch.fail(error, _STEP.get(), context)
 
 
-def _guarded(context: str) -> contextlib.AbstractContextManager:
-    """Runs the ``with`` body under this process's MoE watch: an exception becomes what its ``fail`` returns."""
+def _guarded(layer_index: int | None = None, phase: str = "") -> contextlib.AbstractContextManager:
+    """Runs the ``with`` body under this process's MoE watch: an exception becomes what its ``fail`` returns, named
+    as raised in MoE layer ``layer_index``'s ``phase`` ("forward" or "backward"; None: the step itself)."""
+    context = "" if layer_index is None else f"MoE layer {layer_index}'s {phase}"
     return failure.replaced_by(lambda e: _failed(e, context))
 
 
@@ -99,7 +101,7 @@ def step(number: int) -> Iterator[None]:
     """
     token = _STEP.set(int(number))
     try:
-        with _guarded(""):
+        with _guarded():
             yield
     finally:
         _STEP.reset(token)
@@ -164,7 +166,7 @@ class _AllToAll(torch.autograd.Function):
             ctx.clock.backward_start = time.perf_counter()
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), grad.shape[1]))
-        with _guarded(f"MoE layer {ctx.layer_index}'s backward"):
+        with _guarded(ctx.layer_index, "backward"):
             dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         if ctx.clock is not None and not ctx.marks_backward_start:
             ctx.clock.backward_end = time.perf_counter()
@@ -232,7 +234,7 @@ class _ReplicaTraffic:
     def finish_grads(self):
         """End of backward: adds the received replica gradients into the owner's .grad (in plan order); under data
         parallelism first sums this step's expert gradients over the expert's replicas and averages them."""
-        with _guarded(f"MoE layer {self.layer.layer_index}'s backward"):
+        with _guarded(self.layer.layer_index, "backward"):
             self._finish_grads()
 
     def _finish_grads(self):
@@ -288,7 +290,7 @@ class _OwnedExperts(torch.autograd.Function):
         traffic = ctx.traffic
         if traffic.clock is not None:  # the layer's backward ends here unless its input needs a gradient
             traffic.clock.backward_end = time.perf_counter()
-        with _guarded(f"MoE layer {traffic.layer.layer_index}'s backward"):
+        with _guarded(traffic.layer.layer_index, "backward"):
             traffic.post_grad_receives()
         traffic.finish_at_end_of_backward()
         if traffic.layer._averaging is not None:
@@ -314,7 +316,7 @@ class _ReplicaParams(torch.autograd.Function):
         for i, e in enumerate(ctx.replica_experts):
             parts = replica_grads[4 * i:4 * i + 4]
             grads.append((e, torch.cat([p.reshape(-1) for p in parts]).contiguous()))
-        with _guarded(f"MoE layer {ctx.traffic.layer.layer_index}'s backward"):
+        with _guarded(ctx.traffic.layer.layer_index, "backward"):
             ctx.traffic.send_grads(grads)
         ctx.traffic.finish_at_end_of_backward()
         return None, None
@@ -684,7 +686,7 @@ class MoELayer(nn.Module):
 
         An exception here (other than the checks every rank makes alike) records this rank's failure and aborts the
         process groups; a collective failed by another rank's failure raises RankFailedError naming it."""
-        with _guarded(f"MoE layer {self.layer_index}'s forward"):
+        with _guarded(self.layer_index, "forward"):
             return self._exchange_steps(x, counts, offsets, row_of_slot, topk_weight)
 
     def _exchange_steps(self, x, counts, offsets, row_of_slot, topk_weight):
