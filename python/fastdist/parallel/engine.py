@@ -26,8 +26,6 @@ timeout (:mod:`fastdist.distributed.failure`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import fnmatch
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,6 +40,7 @@ from fastdist.distributed import check_same, state_digest
 from fastdist.distributed.failure import FailureWatch, RankFailedError
 from fastdist.parallel import partition as part
 from fastdist.parallel.partition import Plan
+from fastdist.parallel.tensor import expand_tp_plan, shard_of, shard_stage
 
 __all__ = ["Engine", "ParallelizeError", "RankFailedError", "parallelize", "plain_optimizer_state_dict"]
 
@@ -118,88 +117,6 @@ def _second_batch(args: tuple, seed: int = 1234) -> tuple:
             lo, hi = int(a.min()), int(a.max())
             out.append(torch.randint(lo, hi + 1, a.shape, generator=g, dtype=a.dtype).to(a.device))
     return tuple(out)
-
-
-# ---- tensor parallelism: where each sharded parameter's slice of the full one sits ----
-
-@dataclasses.dataclass
-class _Shard:
-    """How a tensor-parallel parameter of the stage relates to the full one: ``rows`` of the [out, in] weight (a
-    column-parallel layer, its bias too) or a ``cols`` slice (a row-parallel weight); ``transposed``: the user's
-    layer stores [in, out] (GPT-2's Conv1D)."""
-    rows: torch.Tensor | None
-    cols: tuple[int, int] | None
-    transposed: bool
-
-
-_MARK_BASE, _MARK_DIGITS = 256, 3  # row numbers written into a weight's first columns, in digits exact in any dtype
-
-
-def _dense_layers(module: nn.Module) -> dict[str, nn.Module]:
-    from fastdist.tp.linear import is_conv1d
-    return {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
-
-
-def _tp_shard(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, overlap: int | str) -> dict[str, _Shard]:
-    """Shards ``stage`` over ``group`` with fastdist.tp.parallelize and returns each sharded parameter's layout.
-
-    fastdist.tp decides each layer's layout (contiguous, or [q | k | v] blocks). To learn it, every dense weight's
-    first columns are overwritten with its row numbers before sharding; the shards' first columns then say which
-    rows each rank took, and the real values are copied in from the saved weights.
-    """
-    from fastdist import tp
-    from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear, dense_parameters, is_conv1d
-
-    dense = _dense_layers(stage)
-    saved = {}
-    digits = {}
-    with torch.no_grad():
-        for name, layer in dense.items():
-            weight, _ = dense_parameters(layer)
-            saved[name] = (weight.detach().clone(), is_conv1d(layer))
-            k = min(_MARK_DIGITS, weight.shape[1])
-            digits[name] = k
-            rows = torch.arange(weight.shape[0])
-            for d in range(k):
-                weight[:, d] = ((rows // _MARK_BASE ** d) % _MARK_BASE).to(weight.dtype)
-    try:
-        tp.parallelize(stage, group, plan=plan, overlap_chunks=overlap)
-    except ValueError as e:
-        if "found no transformer block" in str(e):
-            raise ValueError(f"{e}. With parallelize(tp_plan=...) name them with wildcards, e.g. "
-                             "{'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise'}") from e
-        raise
-    layouts = {}
-    modules = dict(stage.named_modules())
-    with torch.no_grad():
-        for name, (full, transposed) in saved.items():
-            layer = modules[name]
-            if isinstance(layer, ColumnParallelLinear):
-                marks = layer.weight[:, :digits[name]].round().long()
-                rows = sum(marks[:, d] * _MARK_BASE ** d for d in range(digits[name]))
-                layer.weight.copy_(full[rows])
-                layouts[f"{name}.weight"] = _Shard(rows, None, transposed)
-                if layer.bias is not None:
-                    layouts[f"{name}.bias"] = _Shard(rows, None, False)
-            elif isinstance(layer, RowParallelLinear):
-                cols = (layer.rank * layer.in_per_rank, (layer.rank + 1) * layer.in_per_rank)
-                layer.weight.copy_(full[:, cols[0]:cols[1]])
-                layouts[f"{name}.weight"] = _Shard(None, cols, transposed)
-            else:
-                dense_parameters(layer)[0].copy_(full)
-    return layouts
-
-
-def _expand_tp_plan(stage: nn.Module, plan: Mapping[str, str] | None) -> dict[str, str] | None:
-    if plan is None:
-        return None
-    names = [n for n in _dense_layers(stage)]
-    out = {}
-    for pattern, style in plan.items():
-        for n in names:
-            if fnmatch.fnmatchcase(n, pattern):
-                out[n] = style
-    return out
 
 
 # ---- the engine ----
@@ -430,7 +347,7 @@ class Engine:
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor):  # copied: the optimizer updates its state in place (step too)
                     if v.dim() > 0:
-                        v = _shard_of(v, layout) if layout is not None and v.shape != p.shape else v
+                        v = shard_of(v, layout) if layout is not None and v.shape != p.shape else v
                         if v.shape != p.shape:
                             raise ValueError(f"fastdist.parallel: load_optimizer_state_dict: {name}'s {k!r} has "
                                              f"shape {tuple(v.shape)}, this rank's parameter {tuple(p.shape)}")
@@ -499,17 +416,11 @@ class Engine:
                 full = state_dict[name]
                 layout = self._layouts.get(name)
                 if layout is not None:
-                    full = _shard_of(full, layout)
+                    full = shard_of(full, layout)
                 if tuple(full.shape) != tuple(t.shape):
                     raise ValueError(f"fastdist.parallel: load_state_dict: {name} has shape {tuple(full.shape)}, "
                                      f"this rank expects {tuple(t.shape)}")
                 t.copy_(full)
-
-
-def _shard_of(full: torch.Tensor, layout: _Shard) -> torch.Tensor:
-    """This rank's tensor-parallel slice of a full parameter (or of a tensor of its shape)."""
-    full = full.t() if layout.transposed else full
-    return full[:, layout.cols[0]:layout.cols[1]] if layout.cols is not None else full[layout.rows]
 
 
 def plain_optimizer_state_dict(state_dict: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -785,11 +696,11 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     # ---- tensor parallel, data parallel, pipeline ----
     layouts = {}
     if tp > 1:
-        expanded = _expand_tp_plan(stage, tp_plan)
+        expanded = expand_tp_plan(stage, tp_plan)
         _agree("the tensor-parallel plan", None if expanded is None or expanded else
                f"tp_plan {dict(tp_plan)} names no nn.Linear (or Conv1D) of stage {pp_i}: its layers would stay "
                "replicated on the tensor-parallel ranks", None)
-        layouts = _tp_shard(stage, groups["tp"], expanded, tp_overlap)
+        layouts = shard_stage(stage, groups["tp"], expanded, tp_overlap)
     compiled = _compile_blocks(stage.pipeline_blocks, compile)
     runner: nn.Module = stage
     ddp = None
