@@ -14,6 +14,7 @@
 
 namespace {
 
+using fastdist::packed_bytes;
 using fastdist::SketchHash;
 using fastdist::StorageType;
 using u128 = unsigned __int128;
@@ -144,7 +145,7 @@ int64_t first_mismatch(const std::vector<float>& got, const std::vector<float>& 
 }
 
 std::vector<uint8_t> random_bitmap(int64_t n, double density, std::mt19937_64& rng) {
-  std::vector<uint8_t> bitmap((n + 7) / 8, 0);
+  std::vector<uint8_t> bitmap(packed_bytes(n), 0);
   std::bernoulli_distribution keep(density);
   for (int64_t u = 0; u < n; ++u)
     if (keep(rng)) bitmap[u >> 3] |= static_cast<uint8_t>(1 << (u & 7));
@@ -311,7 +312,7 @@ void check_nonzero_bitmap(std::mt19937_64& rng) {
         v = p == 0 ? static_cast<U>(U{1} << (rng() % (8 * sizeof(U) - 1))) : p == 1 ? sign : 0;
         if (p == 0 && rng() % 2) v |= sign;
       }
-      const int64_t bytes = (n + 7) / 8;
+      const int64_t bytes = packed_bytes(n);
       std::vector<uint8_t> want(bytes, 0);
       for (int64_t u = 0; u < n; ++u) {
         bool any = false;
@@ -503,7 +504,7 @@ TEST(Sketch, count_sketch_decode_units_cpu_equals_the_full_decode_of_each_listed
     const int64_t n = 3000 / m + 20;
     const SketchHash h = fastdist::make_sketch_hash(rng() >> 1, 3, m % 2 ? 97 : 40009);
     const std::vector<float> table = random_values(3 * h.cols, 1.0, rng);
-    const std::vector<uint8_t> all(static_cast<size_t>((n + 7) / 8), 0xFF);
+    const std::vector<uint8_t> all(static_cast<size_t>(packed_bytes(n)), 0xFF);
     std::vector<float> full(n * m);
     fastdist::count_sketch_decode_cpu(table.data(), all.data(), n, m, h, full.data(), 0, n);
     std::vector<int64_t> units;
@@ -526,7 +527,7 @@ TEST(Sketch, decode_of_a_sketch_without_collisions_is_exact) {
   std::mt19937_64 rng(12);
   const int64_t n = 100000;
   std::vector<float> x(n, 0.0f);
-  std::vector<uint8_t> support((n + 7) / 8, 0);
+  std::vector<uint8_t> support(packed_bytes(n), 0);
   for (int k = 0; k < 10; ++k) {
     const int64_t i = static_cast<int64_t>(rng() % n);
     x[i] = static_cast<float>(k + 1) * 0.5f;
