@@ -86,6 +86,7 @@ phase_ranks() {
     step "moe-cpu-${ranks}r-1epr" 200 "$PY -m fastdist.bench moe --ranks $ranks --experts-per-rank 1 --steps 20 \
       --json $out/moe-cpu-${ranks}r-1epr.json --plot $out/moe-cpu-${ranks}r-1epr.png"
   done
+  step parallel-2x2x2-8r 300 "$PY -m pytest tests/parallel/test_engine.py -q -p no:cacheprovider -k 2x2x2_mesh"
   # issue 3's end-to-end step time with a core per rank (2-core VM: the 4 ranks' compute is most of a step; even
   # with a core each, one rank's 106 ms of compute bounds the sketch's gain over AGsparse near 1.36x: README)
   if $PY -c "import sys; from fastdist import netsim; ok, why = netsim.available(); print(why); sys.exit(not ok)" \

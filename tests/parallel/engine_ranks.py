@@ -85,6 +85,55 @@ def nanogpt_init(module: nn.Module) -> None:
             torch.nn.init.zeros_(module.bias)
 
 
+class MoEBlock(nn.Module):
+    """A pre-norm transformer block whose MLP is a fastdist.moe MoELayer (dropless top-2, no replicas, no auxiliary
+    loss: a pipeline's loss_fn sees only the last stage's output)."""
+
+    def __init__(self, dim: int, heads: int, experts: int, group):
+        super().__init__()
+        from fastdist.moe import MoELayer
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.moe = MoELayer(dim, 2 * dim, experts, k=2, dropless=True, balance="none", aux_loss_coef=0.0, group=group)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.moe(self.norm2(x))
+
+
+class MoEGPT(MetaReadyGPT):
+    """MetaReadyGPT with MoE blocks, expert parallel over ``group`` (None on one process: every expert here). Its
+    values are set by name from seeded generators (:func:`set_moe_values`), so the expert-parallel model on a rank
+    holds its slice of the single-process model's experts."""
+
+    def __init__(self, group=None, experts: int = 4, layers: int = 4):
+        nn.Module.__init__(self)
+        dim = 32
+        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(SEQ, dim)
+        self.blocks = nn.ModuleList(MoEBlock(dim, 4, experts, group) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
+        set_moe_values(self)
+
+
+def set_moe_values(model: nn.Module) -> None:
+    """Every parameter from a generator seeded by its name, drawn at the single-process shape (all experts) and
+    sliced to this rank's experts."""
+    import zlib
+
+    from fastdist.moe import MoELayer
+    layers = {f"{path}.{w}": m for path, m in model.named_modules() if isinstance(m, MoELayer)
+              for w in ("w1", "b1", "w2", "b2")}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            layer = layers.get(name)
+            shape = (layer.num_experts, *p.shape[1:]) if layer is not None else p.shape
+            value = 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            if layer is not None:
+                value = value[layer.first_expert:layer.first_expert + layer.experts_per_rank]
+            p.copy_(value + (1.0 if name.endswith("norm1.weight") or name.endswith("norm2.weight") else 0.0))
+
+
 def make_model(name: str, layers: int = 4) -> nn.Module:
     """The seeded model ``name`` ("transformer_lm", "nanogpt", "gpt2", "llama": Hugging Face's, small, built from a
     config, nothing downloaded)."""
@@ -102,6 +151,8 @@ def make_model(name: str, layers: int = 4) -> nn.Module:
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                          eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
+    if name == "moe_gpt":  # one process: every expert on it
+        return MoEGPT()
     if name == "llama":
         import transformers
         transformers.logging.set_verbosity_error()
@@ -142,15 +193,18 @@ def reference(name: str, steps: int = STEPS, layers: int = 4) -> tuple[list[floa
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: int = 4, meta: bool = False,
-          optimizer=None, **options) -> dict:
+          optimizer=None, model: nn.Module | None = None, before=None, **options) -> dict:
     """parallelize on ``mesh`` ((dp, tp, pp) or a DeviceMesh) + ``steps`` steps on this rank: losses, the gathered
     state dict (rank 0 only) before and after training, the plan. ``meta``: the model is built on the meta
-    device."""
-    if meta:
+    device; ``model``: this model instead of ``make_model(name)``; ``before(engine)`` runs before the first step
+    (its value is returned as "before")."""
+    if model is not None:
+        pass
+    elif meta:
         with torch.device("meta"):
             model = make_model(name, layers)
     else:
@@ -166,6 +220,7 @@ def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: in
     engine = fastdist.parallel.parallelize(model, mesh=mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
                                            optimizer=optimizer or make_optimizer, microbatches=microbatches, **options)
     initial = engine.state_dict() if meta else None
+    prepared = before(engine) if before is not None else None
     losses = [engine.step(x, y).item() for x, y in data]
     state = engine.state_dict()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -174,7 +229,7 @@ def train(name: str, mesh, microbatches: int = 2, steps: int = STEPS, layers: in
             "still_meta": meta and all(p.is_meta for p in model.parameters()),
             "stage_params": sum(p.numel() for p in engine.module.parameters()),
             "split_points": engine.plan.split_points, "coordinate": engine.coordinate,
-            "wire_bytes": getattr(engine.pipeline_stage, "wire_bytes", None), "engine": engine}
+            "wire_bytes": getattr(engine.pipeline_stage, "wire_bytes", None), "engine": engine, "before": prepared}
 
 
 def error_of(fn, *args, **kwargs) -> str | None:
@@ -472,7 +527,18 @@ def failing_step(where: str, mesh: tuple[int, int, int], failing_rank: int, step
 
 
 def _plain(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k != "engine"}
+    return {k: v for k, v in result.items() if k not in ("engine", "before")}
+
+
+def swap_every_block(engine) -> object:
+    """fastdist.memory installed on this rank's stage as on any module: a plan swapping each of its blocks to the
+    file store (every saved tensor of 1 KiB or more), applied with ``fm.apply``."""
+    import fastdist.memory as fm
+    stage = engine.module
+    names = [n for n, m in stage.named_modules() if any(m is b for b in stage.pipeline_blocks)]
+    plan = fm.Plan("delta", 0, {n: "swap" for n in names}, 0, 0, 0.0, 1.0, True, 1024, 2, "file",
+                   fm.Profile([], 0, 0.0, 0.0), {})
+    return fm.apply(stage, plan)
 
 
 def compose(kind: str) -> dict:
@@ -497,6 +563,20 @@ def compose(kind: str) -> dict:
         result = _plain(train("transformer_lm", (2, 1, 1), dp_comm_hook=hook))
         result["hook_steps"] = states[0].iter
         return result
+    if kind == "swap":
+        swapped = train("transformer_lm", (1, 1, 2), schedule="1f1b", before=swap_every_block)
+        stats = swapped["before"].stats()
+        swapped["before"].remove()
+        return {"swapped": _plain(swapped), "plain": _plain(train("transformer_lm", (1, 1, 2), schedule="1f1b")),
+                "bytes_swapped": stats["bytes_swapped"], "bytes_read": stats["bytes_read"]}
+    if kind.startswith("moe:"):
+        from torch.distributed.device_mesh import init_device_mesh
+        shape = tuple(int(d) for d in kind[4:].split(","))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp", "pp"))
+        model = MoEGPT(group=mesh.get_group("dp"))
+        result = train("moe_gpt", mesh, model=model)
+        local = {n: tuple(p.shape) for n, p in result["engine"].module.named_parameters() if n.endswith(".w1")}
+        return {**_plain(result), "local_expert_shapes": local}
     raise KeyError(kind)
 
 

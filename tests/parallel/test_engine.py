@@ -144,6 +144,34 @@ def test_a_fastdist_comm_hook_reduces_the_data_parallel_gradients(engine_ranks):
                      **LOSS_TOLERANCE)
 
 
+def test_an_moe_layer_in_each_stage_expert_parallel_over_the_data_parallel_group_trains_like_one_process(
+        engine_ranks):
+    # (dp, tp, pp) = (2, 1, 2): each stage's MoE layers hold 2 of the 4 experts on each data-parallel rank
+    want_losses, want_state = reference("moe_gpt")
+    ranks = engine_ranks(4, "compose:moe:2,1,2")
+    for rank, got in enumerate(ranks):
+        assert all(shape[0] == 2 for shape in got["local_expert_shapes"].values()), f"rank {rank}: experts sharded"
+        assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"rank {rank}: losses",
+                     **LOSS_TOLERANCE)
+    state = ranks[0]["state"]
+    for key, want in want_state.items():  # the experts gathered from both data-parallel ranks: all 4 of them
+        assert_close(state[key], want, f"{key} after {STEPS} steps", **PARAM_TOLERANCE)
+
+
+def test_memory_swap_installed_on_a_stage_trains_bit_for_bit_as_the_stage_without_it(engine_ranks):
+    ranks = engine_ranks(2, "compose:swap")
+    for rank, got in enumerate(ranks):
+        assert got["bytes_swapped"] > 0 and got["bytes_read"] > 0, f"rank {rank}: the stage's activations swapped"
+        assert got["swapped"]["losses"] == got["plain"]["losses"], f"rank {rank}"
+    for key, want in ranks[0]["plain"]["state"].items():
+        assert torch.equal(ranks[0]["swapped"]["state"][key], want), key
+
+
+@pytest.mark.slow
+def test_transformer_lm_on_a_2x2x2_mesh_of_eight_ranks_trains_like_one_process(engine_ranks):
+    _assert_trains_like_one_process(engine_ranks, 8, "transformer_lm", "2,2,2")
+
+
 @pytest.mark.timing
 def test_parallelize_on_one_process_costs_at_most_3_percent_more_than_a_plain_loop():
     from engine_ranks import overhead

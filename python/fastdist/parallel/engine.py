@@ -18,6 +18,11 @@ optimizer step, so both copies stay equal. ``Engine.state_dict()`` gathers the f
 the user's model (on every rank, or on one); ``load_state_dict`` takes one and re-shards it to this mesh, and
 ``optimizer_state_dict`` / ``load_optimizer_state_dict`` do the same for the optimizer's state.
 
+A stage may hold fastdist.moe ``MoELayer``s expert parallel over the data-parallel group (built with
+``group=mesh.get_group("dp")`` of the DeviceMesh passed as ``mesh``): each layer then averages its own experts'
+gradients (:func:`fastdist.moe.data_parallel` wraps the stage), and the checkpoints gather and re-slice its experts
+like tensor-parallel shards.
+
 A model built on the meta device is allocated stage by stage (each rank its own, with the values the whole model
 would get from its init); ``compile=True`` compiles each stage's blocks; a rank whose step raises, or whose process
 dies, makes every other rank's step raise :class:`RankFailedError` naming it, at once rather than at the backend's
@@ -26,6 +31,7 @@ timeout (:mod:`fastdist.distributed.failure`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -94,12 +100,24 @@ def _mesh_shape(mesh: Any) -> tuple[tuple[int, int, int] | None, str | None]:
     return tuple(int(d) for d in mesh), None
 
 
+_EXPERT_WEIGHTS = ("w1", "b1", "w2", "b2")
+
+
+def _expert_layers(model: nn.Module) -> dict[str, Any]:
+    """The expert weights' names of ``model``'s expert-parallel MoE layers (fastdist.moe, on a group of more than one
+    rank), each with its layer: each rank holds other experts under the same names."""
+    from fastdist.moe.layer import MoELayer
+    return {f"{path}.{w}" if path else w: m for path, m in model.named_modules()
+            if isinstance(m, MoELayer) and m.world > 1 for w in _EXPERT_WEIGHTS}
+
+
 def _model_structure(model: nn.Module) -> dict:
     """Every parameter's and buffer's shape, dtype and content digest, by name: what must be the same on every rank
-    (a model built from another seed differs in the digests)."""
+    (a model built from another seed differs in the digests; expert-parallel experts differ by design)."""
     out = {}
+    experts = _expert_layers(model)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        digest = None if t.is_meta else tuple(state_digest(t.detach().cpu()).tolist())  # meta: no values yet
+        digest = None if t.is_meta or name in experts else tuple(state_digest(t.detach().cpu()).tolist())
         out[name] = (tuple(t.shape), str(t.dtype), digest)
     return out
 
@@ -258,11 +276,29 @@ class Engine:
         return {k: merged[k] for k in self._keys}
 
     def _local_state(self) -> dict[str, torch.Tensor]:
-        local = {}
-        for name, t in self.module.state_dict().items():
-            layout = self._layouts.get(name)
-            local[name] = (self._gather_tp(t, layout) if layout is not None else t).detach().cpu().clone()
-        return local
+        return {name: self._full(name, t).detach().cpu().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t)
+                for name, t in self.module.state_dict().items()}  # not a tensor: a module's extra state
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's ``t`` of parameter ``name`` as the user's unparallelized model holds it: tensor-parallel shards
+        gathered over the tp group, an expert-parallel layer's experts over its (data-parallel) group."""
+        layout, layer = self._layouts.get(name), self._experts.get(name)
+        if layout is not None:
+            return self._gather_tp(t, layout)
+        if layer is not None:
+            parts = [torch.empty_like(t) for _ in range(layer.world)]
+            dist.all_gather(parts, t.detach().contiguous(), group=layer.group)
+            return torch.cat(parts)
+        return t
+
+    def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_full`: this rank's part of the whole model's ``full``."""
+        layout, layer = self._layouts.get(name), self._experts.get(name)
+        if layout is not None:
+            return shard_of(full, layout)
+        if layer is not None and full.dim() > 0 and full.shape[0] == layer.num_experts:
+            return full[layer.first_expert:layer.first_expert + layer.experts_per_rank]
+        return full
 
     def _collect(self, what: str, dst: int | None, local: Callable[[], Any]) -> list[Any] | None:
         """Every pipeline stage's ``local()`` (built with tensor-parallel gathers) on every rank (``dst`` None), or
@@ -274,6 +310,8 @@ class Engine:
         gather = dst is None or self._world == 1
         where = None if gather else tuple(int(i) for i in (self._grid == dst).nonzero()[0])
         if where is not None and where[0] != self.coordinate[0]:  # another data-parallel replica: the same values
+            if self._experts:  # but its own experts, which dst's replica gathers from it
+                local()
             return None
         mine = local()
         if where is not None and where[1] != self.coordinate[1]:  # dst's tensor-parallel index sends the stage's
@@ -310,11 +348,10 @@ class Engine:
     def _local_optimizer_state(self) -> dict[str, Any]:
         state = {}
         for name, p in self._named_optimizer_params():
-            layout = self._layouts.get(name)
             entry = {}
             for k, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
-                    v = self._gather_tp(v, layout) if layout is not None and v.shape == p.shape else v
+                    v = self._full(name, v) if v.shape == p.shape else v
                     v = v.detach().cpu().clone()
                 entry[k] = v
             if entry:
@@ -342,12 +379,11 @@ class Engine:
             entry = next((saved[a] for a in self._aliases.get(name, [name]) if a in saved), None)
             if entry is None:
                 continue
-            layout = self._layouts.get(name)
             mine = {}
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor):  # copied: the optimizer updates its state in place (step too)
                     if v.dim() > 0:
-                        v = shard_of(v, layout) if layout is not None and v.shape != p.shape else v
+                        v = self._shard(name, v) if v.shape != p.shape else v
                         if v.shape != p.shape:
                             raise ValueError(f"fastdist.parallel: load_optimizer_state_dict: {name}'s {k!r} has "
                                              f"shape {tuple(v.shape)}, this rank's parameter {tuple(p.shape)}")
@@ -413,10 +449,10 @@ class Engine:
             raise KeyError(f"fastdist.parallel: load_state_dict: missing {missing[:5]}")
         with torch.no_grad():
             for name, t in own.items():
-                full = state_dict[name]
-                layout = self._layouts.get(name)
-                if layout is not None:
-                    full = shard_of(full, layout)
+                if not isinstance(t, torch.Tensor):  # a module's extra state (get_extra_state)
+                    self.module.get_submodule(name.rpartition(".")[0]).set_extra_state(state_dict[name])
+                    continue
+                full = self._shard(name, state_dict[name])
                 if tuple(full.shape) != tuple(t.shape):
                     raise ValueError(f"fastdist.parallel: load_state_dict: {name} has shape {tuple(full.shape)}, "
                                      f"this rank expects {tuple(t.shape)}")
@@ -510,7 +546,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
             sketch_hook)``).
         split_points: the first block of every stage after the first (indices or names such as "blocks.4"):
             overrides the balancing.
-        balance: "time" (profiled forward+backward per piece, on rank 0) or "params".
+        balance: "time" (profiled forward+backward per piece, on rank 0) or "params" (taken for a model with
+            expert-parallel fastdist.moe layers, whose pieces cannot run on one rank alone).
         blocks: the path of the block list (default: the largest ``nn.ModuleList`` of alike modules).
         tp_plan: ``{"module.path": "colwise" | "rowwise"}`` with ``*`` wildcards, overriding fastdist.tp's
             block detection (needed for blocks it does not recognise, e.g. ``nn.MultiheadAttention``).
@@ -611,6 +648,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     dp_i, tp_i, pp_i = coordinate
 
     # ---- cut: analyse on every rank (cheap), profile on rank 0, plan everywhere from rank 0's numbers ----
+    model_experts = _expert_layers(model)
     micro = tuple(a.tensor_split(microbatches)[0] for a in example)
     analysis, problem = _attempt(lambda: part.analyze(model, tuple(a.to("meta") for a in micro) if on_meta else micro,
                                                       blocks))
@@ -619,8 +657,18 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     if problem is None and pp > analysis.num_blocks:
         problem = (f"{pp} pipeline stages but {type(model).__name__} has only {analysis.num_blocks} blocks in "
                    f"{analysis.blocks_path}: use at most {analysis.num_blocks} stages")
+    if problem is None and model_experts:
+        dp_ranks = sorted(int(r) for r in grid[:, tp_i, pp_i]) if grid is not None else [0]
+        wrong = sorted({name.rpartition(".")[0] for name, layer in model_experts.items()
+                        if sorted(layer._group_ranks(layer.group)) != dp_ranks})
+        if wrong:
+            problem = (f"the MoE layers {wrong[:3]} are expert parallel over another group than this rank's data-"
+                       f"parallel ranks {dp_ranks}: build them with group=mesh.get_group('dp') of the DeviceMesh "
+                       "passed as mesh=")
     _agree("cutting the model", problem, None)
     costs = None
+    if model_experts and balance == "time":  # its pieces all-to-all over the dp group: none can be timed alone
+        balance = "params"
     if balance == "time" and split_points is None and pp > 1:
         if dist.get_rank() == 0 or world == 1:
             if on_meta:  # one piece allocated at a time; a piece that cannot run alone: balance by parameters
@@ -704,8 +752,13 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     compiled = _compile_blocks(stage.pipeline_blocks, compile)
     runner: nn.Module = stage
     ddp = None
+    experts = _expert_layers(stage)
     if dp > 1:
-        ddp = runner = DistributedDataParallel(stage, process_group=groups["dp"])
+        if experts:  # DDP for the replicated weights; each MoE layer averages its own experts over dp
+            from fastdist.moe import data_parallel
+            ddp = runner = data_parallel(stage, process_group=groups["dp"])
+        else:
+            ddp = runner = DistributedDataParallel(stage, process_group=groups["dp"])
         if dp_comm_hook is not None:
             hook = dp_comm_hook(groups["dp"]) if callable(dp_comm_hook) else dp_comm_hook
             ddp.register_comm_hook(*hook)
@@ -731,7 +784,7 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
     return Engine(plan=plan, module=stage, optimizer=opt, mesh=mesh_obj, coordinate=coordinate, loss_fn=loss_fn,
                   _runner=runner, _ddp=ddp, _schedule=sched, pipeline_stage=pipe_stage, _tied=tied, _layouts=layouts,
                   compiled=compiled, _groups=groups, _world=world, _keys=keys, _steps=0, _watch=watch,
-                  _aliases=aliases_of, _grid=grid,
+                  _aliases=aliases_of, _grid=grid, _experts=experts,
                   _rank=dist.get_rank() if distributed else 0,
                   _input_shapes=[(tuple(a.shape), str(a.dtype)) for a in example])
 
