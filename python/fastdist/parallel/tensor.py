@@ -4,6 +4,7 @@ full state dict and re-sharding a loaded one)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import fnmatch
 from collections.abc import Mapping
 
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Shard", "dense_layers", "expand_tp_plan", "shard_of", "shard_stage"]
+__all__ = ["OasesBlock", "Shard", "TP_OVERLAPS", "dense_layers", "expand_tp_plan", "install_oases", "shard_of",
+           "shard_stage"]
 
 
 @dataclasses.dataclass
@@ -48,7 +50,8 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
         stage: this rank's pipeline stage, sharded in place.
         group: the tensor-parallel group.
         plan: {layer name: "colwise" | "rowwise"}, or None for fastdist.tp's default policy.
-        overlap: ``overlap_chunks`` of the parallel linears ("auto" or an int).
+        overlap: ``overlap_chunks`` of the parallel linears ("auto" or an int), or "oases": every block runs
+            under the Oases sub-batch schedule (:class:`OasesBlock`), its linears unchunked.
     """
     from fastdist import tp
     from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear, dense_parameters, is_conv1d
@@ -65,8 +68,9 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
             rows = torch.arange(weight.shape[0])
             for d in range(k):
                 weight[:, d] = ((rows // _MARK_BASE ** d) % _MARK_BASE).to(weight.dtype)
+    oases = overlap == "oases"
     try:
-        tp.parallelize(stage, group, plan=plan, overlap_chunks=overlap)
+        tp.parallelize(stage, group, plan=plan, overlap_chunks=1 if oases else overlap)
     except ValueError as e:
         if "found no transformer block" in str(e):
             raise ValueError(f"{e}. With parallelize(tp_plan=...) name them with wildcards, e.g. "
@@ -90,6 +94,8 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
                 layouts[f"{name}.weight"] = Shard(None, cols, transposed)
             else:
                 dense_parameters(layer)[0].copy_(full)
+    if oases:
+        install_oases(stage, group)
     return layouts
 
 
@@ -120,3 +126,337 @@ def shard_of(full: torch.Tensor, layout: Shard) -> torch.Tensor:
     """
     full = full.t() if layout.transposed else full
     return full[:, layout.cols[0]:layout.cols[1]] if layout.cols is not None else full[layout.rows]
+
+
+# ---- tp_overlap="oases": the user's blocks under the Oases sub-batch schedule ----
+
+# A pre-norm block's (first norm, attention, second norm, MLP) children, per naming convention: fastdist's GPTBlock,
+# nanoGPT and Hugging Face GPT-2, fastdist.testing's Block, Hugging Face LLaMA, Meta's LLaMA.
+_BLOCK_STYLES = (("ln1", "attn", "ln2", "mlp"), ("ln_1", "attn", "ln_2", "mlp"), ("norm1", "attn", "norm2", "mlp"),
+                 ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
+                 ("attention_norm", "attention", "ffn_norm", "feed_forward"))
+# Arguments a block uses itself rather than passing to its attention (cross-attention of an encoder-decoder).
+_BLOCK_OWN_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask")
+# A key/value cache serves generation; the schedule trains, and its sub-batches would each append to one cache.
+_CACHE_ARGUMENTS = {"cache": None, "past_key_values": None, "past_key_value": None, "layer_past": None,
+                    "use_cache": False}
+# The first call of every Oases block is checked against the block's own (tensor-parallel) forward: relative error.
+_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+_CHECK_TOLERANCE_LOW_PRECISION = 3e-2
+TP_OVERLAPS = ("auto", "oases")
+"""The named ``tp_overlap`` choices besides an int (the parallel linears' chunk count)."""
+
+
+@dataclasses.dataclass
+class _Branch:
+    """One residual branch ``x + f(norm(x))`` of a block; ``row``: its row-parallel linear, whose partial sums the
+    schedule all-reduces (None: the branch is replicated and computes whole on every rank)."""
+    norm: nn.Module
+    call: object  # (normalized sub-batch, sub-batch index) -> the branch's output (a partial sum when `row`)
+    row: nn.Module | None
+
+
+def _local_forwards(module: nn.Module):
+    """Instance forwards that make ``module``'s parallel linears compute their shard with no collective: a column
+    linear's ``x W^T + b`` (its input gradient then a partial sum), a row linear's ``x W^T`` (the partial sum; its
+    bias is the schedule's to add once)."""
+    from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear
+
+    forwards = {}
+    for m in module.modules():
+        if isinstance(m, ColumnParallelLinear):
+            forwards[m] = (lambda layer: lambda x: torch.nn.functional.linear(x, layer.weight, layer.bias))(m)
+        elif isinstance(m, RowParallelLinear):
+            forwards[m] = (lambda layer: lambda x, residual=None: x @ layer.weight.t())(m)
+    return forwards
+
+
+class _Installed:
+    """``with`` body runs with ``forwards`` installed as the modules' instance forwards; restored after."""
+
+    def __init__(self, forwards):
+        self.forwards = forwards
+
+    def __enter__(self):
+        for m, f in self.forwards.items():
+            m.forward = f
+
+    def __exit__(self, *exc):
+        for m in self.forwards:
+            m.__dict__.pop("forward", None)
+
+
+def _dropout_problem(block: nn.Module) -> str | None:
+    for name, m in block.named_modules():
+        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else getattr(m, "dropout", None)
+        if isinstance(p, float) and p > 0:
+            return f"{name or type(block).__name__} has dropout {p}"
+    return None
+
+
+class OasesBlock:
+    """The Oases sub-batch schedule installed as a user's block's forward, on the block's own (sharded) layers.
+
+    The block must be a pre-norm ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` with its children named in one of
+    the conventions of ``_BLOCK_STYLES``; each branch holding a row-parallel linear (sharded by fastdist.tp) becomes
+    a partial sum that the schedule all-reduces while the other sub-batch computes, a branch without one
+    (``nn.MultiheadAttention`` left replicated) computes whole. Parameters are the block's own: nothing is copied.
+    The first call is checked against the block's own forward (raises on every rank when they differ).
+
+    Args:
+        block: the sharded block (its ``forward`` is replaced; :meth:`remove` restores it).
+        group: the tensor-parallel group.
+        name: the block's path, named in errors.
+    """
+
+    def __init__(self, block: nn.Module, group: dist.ProcessGroup | None, name: str):
+        from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear
+
+        self.block, self.group, self.name = block, group, name
+        self.world = dist.get_world_size(group)
+        where = f"{name} ({type(block).__name__})"
+        style = next((s for s in _BLOCK_STYLES if all(isinstance(getattr(block, c, None), nn.Module) for c in s)),
+                     None)
+        if style is None:
+            raise ValueError(
+                f"fastdist: tp_overlap='oases' cannot map block {where}: the Oases schedule runs pre-norm blocks "
+                f"whose children are named as one of {[s for s in _BLOCK_STYLES]} (first norm, attention, second "
+                f"norm, MLP); it has {list(dict(block.named_children()))}. Use tp_overlap='auto' or an int for it")
+        self.style = style
+        self.branches = []
+        for norm, branch in ((style[0], style[1]), (style[2], style[3])):
+            module = getattr(block, branch)
+            rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
+            cols = [m for m in module.modules() if isinstance(m, ColumnParallelLinear)]
+            if len(rows) > 1 or (cols and not rows):
+                raise ValueError(f"fastdist: tp_overlap='oases' cannot map block {where}: its {branch} holds "
+                                 f"{len(cols)} column- and {len(rows)} row-parallel linears; the schedule needs "
+                                 "column linears feeding one row linear per branch (or none)")
+            if rows and (rows[0].sequence_parallel or not rows[0].input_is_parallel):
+                raise ValueError(f"fastdist: tp_overlap='oases' cannot map block {where}: its {branch}'s row "
+                                 "linear must take the column linears' output (input_is_parallel, no sequence "
+                                 "parallelism)")
+            if any(c.activation != "none" or c.gather_output or c.sequence_parallel for c in cols):
+                raise ValueError(f"fastdist: tp_overlap='oases' cannot map block {where}: a column linear of its "
+                                 f"{branch} fuses an activation, gathers or is sequence-parallel")
+            self.branches.append(_Branch(getattr(block, norm), branch, rows[0] if rows else None))
+        if not any(b.row is not None for b in self.branches):
+            raise ValueError(f"fastdist: tp_overlap='oases' cannot map block {where}: none of its linears is "
+                             "tensor-parallel")
+        problem = _dropout_problem(block)
+        if problem:
+            raise ValueError(f"fastdist: tp_overlap='oases' cannot map block {where}: {problem}; every rank would "
+                             "drop different elements of its partial sums. Set dropout to 0 (as large-model "
+                             "pre-training does) or use tp_overlap='auto'")
+        self.local = _local_forwards(block)
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.signature = inspect.signature(block.forward)
+        self.checked = False
+        self.original = block.__dict__.get("forward")
+        block.forward = self.forward
+
+    def remove(self) -> None:
+        """Restores the block's own forward."""
+        if self.original is None:
+            self.block.__dict__.pop("forward", None)
+        else:
+            self.block.forward = self.original
+
+    def _attention_call(self, arguments: dict, batch: int, sizes: list[int]):
+        """(u, sub-batch index) -> the attention's output on that sub-batch, with the block's other arguments
+        (masks, rotary tables) split like the hidden states where they have the batch's leading size."""
+        attn = getattr(self.block, self.style[1])
+        def split(v):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+                return list(v.split(sizes))
+            if isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v):
+                parts = [split(t) for t in v]
+                return [tuple(p[i] if isinstance(p, list) else p for p in parts) for i in range(len(sizes))]
+            return v
+        parts = {k: split(v) for k, v in arguments.items()}
+        def at(i):
+            return {k: (v[i] if isinstance(v, list) else v) for k, v in parts.items()}
+        if isinstance(attn, nn.MultiheadAttention):
+            mask = next(iter(arguments.values()), None)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+                raise ValueError(f"fastdist: tp_overlap='oases': block {self.name}'s attention mask has 3 dimensions; "
+                                 "only a [seq, seq] mask is supported")
+            return lambda u, i: attn(u, u, u, attn_mask=mask, need_weights=False)[0]
+        return lambda u, i: _first_tensor(attn(u, **at(i)))
+
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        """The block on ``x`` ``[batch, seq, hidden]`` (``batch >= 2``) under the Oases schedule."""
+        from fastdist.tp.block import check_block_input
+        bound = self.signature.bind(x, *args, **kwargs)
+        arguments = {}
+        for k, v in list(bound.arguments.items())[1:]:
+            if self.signature.parameters[k].kind == inspect.Parameter.VAR_KEYWORD:
+                arguments.update(v)
+            elif k in _BLOCK_OWN_ARGUMENTS:
+                if v is not None:
+                    raise ValueError(f"fastdist: tp_overlap='oases': block {self.name} got {k}; cross-attention "
+                                     "is not mapped")
+            else:
+                arguments[k] = v
+        arguments.update({k: v for k, v in _CACHE_ARGUMENTS.items() if k in arguments})
+        check_block_input(x, f"the Oases schedule of block {self.name}", self.group, self.world)
+        sizes = [t.shape[0] for t in x.tensor_split(2)]
+        calls = [self._attention_call(arguments, x.shape[0], sizes), lambda u, i: getattr(self.block, self.style[3])(u)]
+        plan = (self, calls, torch.is_grad_enabled())
+        y = _OasesFn.apply(x, plan, *self.params)
+        if not self.checked:
+            self._check(x, args, kwargs, y)
+        return y
+
+    def _check(self, x, args, kwargs, y):
+        """The block's own forward on the same input (its parallel linears' collectives); raises on every rank when
+        the schedule computed something else (a forward that is not the pre-norm residual form)."""
+        self.checked = True
+        with torch.no_grad():
+            self.remove()
+            try:
+                want = self.block(x, *args, **kwargs)
+            finally:
+                self.block.forward = self.forward
+            want = _first_tensor(want)
+            error = ((y.detach() - want).abs().max() / want.abs().max().clamp_min(1e-30)).reshape(1).double()
+        dist.all_reduce(error, op=dist.ReduceOp.MAX, group=self.group)
+        tolerance = _CHECK_TOLERANCE.get(x.dtype, _CHECK_TOLERANCE_LOW_PRECISION)
+        if not error.item() <= tolerance:
+            from fastdist.distributed.failure import agreed
+            raise agreed(ValueError(
+                f"fastdist: tp_overlap='oases' cannot map block {self.name} ({type(self.block).__name__}): the "
+                f"schedule, which computes x + attn(norm1(x)) then + mlp(norm2(.)) from its children {self.style}, "
+                f"differs from the block's own forward by {error.item():.3g} of its output. Use tp_overlap='auto' "
+                "or an int for it"))
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return next(o for o in out if isinstance(o, torch.Tensor))
+
+
+def _leaf(t):
+    return t.detach().requires_grad_(True)
+
+
+class _Sub:
+    """One sub-batch's tensors per branch between the schedule's steps."""
+
+    def __init__(self, x, n):
+        self.xin = [x] + [None] * n
+        self.u, self.uin, self.p, self.r, self.rin, self.out = ([None] * n for _ in range(6))
+        self.gu, self.gx_part, self.gx = ([None] * (n + 1) for _ in range(3))
+
+
+class _OasesFn(torch.autograd.Function):
+    """A block as one autograd node whose forward and backward run the Oases schedule over two sub-batches, as
+    fastdist.tp.block's does for its own block, on any sequence of residual branches: each branch's input and
+    reduced output are detached leaves, so each piece is differentiated on its own (torch.autograd.grad) in the
+    schedule's order, and every parameter's gradient is collected once per piece."""
+
+    @staticmethod
+    def forward(ctx, x, plan, *params):
+        from fastdist.tp.block import _OneInFlight
+        oases, calls, build = plan
+        branches, n = oases.branches, len(oases.branches)
+        subs = [_Sub(_leaf(b), n) for b in x.tensor_split(2)]
+        ar = _OneInFlight(oases.group, backward=False)
+
+        def finish(s, b):  # the branch's residual, once its partial sum is reduced
+            if branches[b].row is not None:
+                ar.wait_for(s.r[b])
+                s.rin[b] = _leaf(s.r[b]) if build else s.r[b]
+                bias = branches[b].row.bias
+                s.out[b] = s.xin[b] + (s.rin[b] if bias is None else s.rin[b] + bias)
+            s.xin[b + 1] = _leaf(s.out[b]) if build else s.out[b]
+
+        with torch.set_grad_enabled(build), _Installed(oases.local):
+            for b, branch in enumerate(branches):
+                for i, s in enumerate(subs):
+                    if b > 0:
+                        finish(s, b - 1)
+                    if branch.row is None:
+                        s.out[b] = s.xin[b] + calls[b](branch.norm(s.xin[b]), i)
+                        continue
+                    s.u[b] = branch.norm(s.xin[b])
+                    s.uin[b] = _leaf(s.u[b]) if build else s.u[b]
+                    s.p[b] = calls[b](s.uin[b], i)
+                    s.r[b] = s.p[b].detach()
+                    ar.issue(s.r[b], f"oases.forward.{branch.call}")
+            for s in subs:
+                finish(s, n - 1)
+        if build:
+            ctx.state = (oases, subs)
+        return torch.cat([s.out[n - 1].detach() for s in subs])
+
+    @staticmethod
+    def backward(ctx, gy):
+        from fastdist.tp.block import _OneInFlight
+        oases, subs = ctx.state
+        ctx.state = None
+        branches, n, params = oases.branches, len(oases.branches), oases.params
+        param_grads = [None] * len(params)
+
+        def grad(outputs, grad_outputs, inputs):
+            got = torch.autograd.grad(outputs, list(inputs) + params, grad_outputs, allow_unused=True)
+            for j, g in enumerate(got[len(inputs):]):
+                if g is not None:
+                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+            return got[:len(inputs)]
+
+        ar = _OneInFlight(oases.group, backward=True)
+
+        def input_grad(s, b):  # the gradient w.r.t. branch b's input, once its partial input gradient is reduced
+            if branches[b].row is not None:
+                ar.wait_for(s.gu[b])
+                (g,) = grad([s.u[b]], [s.gu[b]], [s.xin[b]])
+                s.gx[b] = s.gx_part[b] + g
+            return s.gx[b]
+
+        for s, g in zip(subs, gy.tensor_split(2)):
+            s.gx[n] = g
+        order = list(reversed(range(len(subs))))  # the last sub-batch's output gradient is ready first
+        for b in reversed(range(n)):
+            branch = branches[b]
+            for i in order:
+                s = subs[i]
+                g_out = s.gx[n] if b == n - 1 else input_grad(s, b + 1)
+                if branch.row is None:
+                    (s.gx[b],) = grad([s.out[b]], [g_out], [s.xin[b]])
+                    continue
+                s.gx_part[b], g_r = grad([s.out[b]], [g_out], [s.xin[b], s.rin[b]])
+                (s.gu[b],) = grad([s.p[b]], [g_r], [s.uin[b]])
+                ar.issue(s.gu[b], f"oases.backward.{branch.call}")
+        gx = torch.cat([input_grad(subs[i], 0) for i in range(len(subs))])
+        return (gx, None, *param_grads)
+
+
+def install_oases(stage: nn.Module, group: dist.ProcessGroup | None) -> list[OasesBlock]:
+    """Runs every block of ``stage`` that holds a row-parallel linear under the Oases schedule.
+
+    Args:
+        stage: a stage already sharded by :func:`shard_stage`.
+        group: the tensor-parallel group.
+
+    Returns:
+        The installed schedules, one per block.
+
+    Raises:
+        ValueError: a sharded block the schedule cannot map (the message names it and why).
+    """
+    from fastdist.tp.linear import RowParallelLinear
+
+    def sharded(m):
+        return any(isinstance(c, RowParallelLinear) for c in m.modules())
+
+    names = {id(m): n for n, m in stage.named_modules()}
+    blocks = getattr(stage, "pipeline_blocks", None)
+    if blocks is None:  # the outermost modules named as a block style
+        blocks = []
+        for n, m in stage.named_modules():
+            if not any(n.startswith(names[id(b)] + ".") for b in blocks) and \
+                    any(all(isinstance(getattr(m, c, None), nn.Module) for c in style) for style in _BLOCK_STYLES):
+                blocks.append(m)
+    return [OasesBlock(b, group, names.get(id(b), type(b).__name__)) for b in blocks if sharded(b)]

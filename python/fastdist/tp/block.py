@@ -39,7 +39,7 @@ from fastdist.distributed.compat import all_gather_single
 from fastdist.ops.epilogue import bias_epilogue
 from fastdist.tp import comm
 
-__all__ = ["GPTBlock", "OverlappedTransformerBlock"]
+__all__ = ["GPTBlock", "OverlappedTransformerBlock", "check_block_input"]
 
 
 def _attention(qkv, batch, seq, head_dim):
@@ -285,6 +285,47 @@ class _OasesBlockFn(torch.autograd.Function):
         return (gx, None, *param_grads)
 
 
+def _block_input_problem(x, what, hidden):
+    if x.dim() != 3 or (hidden is not None and x.shape[-1] != hidden):
+        return f"fastdist: {what} input must be [batch, seq, {hidden or 'hidden'}], got shape {list(x.shape)}"
+    if x.shape[0] < 2:
+        return f"fastdist: {what} splits the batch into two sub-batches; it needs batch >= 2, got {x.shape[0]}"
+    return None
+
+
+def check_block_input(x: torch.Tensor, what: str, group: dist.ProcessGroup | None, world_size: int,
+                      hidden: int | None = None) -> None:
+    """Checks a sub-batched block's input ``[batch >= 2, seq, hidden]`` on every rank together: each rank's shape
+    and dtype are all-gathered (8 bytes x 3 per rank) before the first collective whose size depends on them, so
+    ranks given different inputs raise MismatchError on every rank, and a rank whose input is invalid raises its own
+    error while the others raise MismatchError, instead of all-reducing tensors of different sizes.
+
+    Args:
+        x: this rank's input.
+        what: the block, named in errors.
+        group: the tensor-parallel group.
+        world_size: its size.
+        hidden: the expected last dimension (None: any).
+    """
+    problem = _block_input_problem(x, what, hidden)
+    if world_size == 1 or comm.compiling():
+        if problem is not None:
+            raise ValueError(problem)
+        return
+    mine = torch.tensor([-1, -1, -1] if problem else [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, -2)],
+                        dtype=torch.int64)
+    gathered = torch.empty(3 * world_size, dtype=torch.int64)
+    all_gather_single(gathered, mine, group=comm.host_group(group))
+    if problem is not None:
+        raise ValueError(problem)
+    rows = gathered.view(world_size, 3).tolist()
+    if any(r != rows[0] for r in rows):
+        names = {v: str(k) for k, v in _DTYPE_CODES.items()}
+        shown = {r: "invalid input" if b < 0 else f"batch={b}, seq={s}, dtype={names.get(d, 'other')}"
+                 for r, (b, s, d) in zip(global_ranks(group), rows)}
+        raise MismatchError(f"{what} input rows (batch, seq) and dtype; every rank must pass the same", shown)
+
+
 class OverlappedTransformerBlock(nn.Module):
     """A tensor-parallel :class:`GPTBlock` whose all-reduces overlap compute (the Oases schedule, module docstring).
 
@@ -408,42 +449,9 @@ class OverlappedTransformerBlock(nn.Module):
         layer.load_full_block(block)
         return layer
 
-    def _input_problem(self, x):
-        if x.dim() != 3 or x.shape[-1] != self.hidden:
-            return f"fastdist: OverlappedTransformerBlock input must be [batch, seq, {self.hidden}], got shape " \
-                   f"{list(x.shape)}"
-        if x.shape[0] < 2:
-            return f"fastdist: OverlappedTransformerBlock splits the batch into two sub-batches; it needs batch >= " \
-                   f"2, got {x.shape[0]}"
-        return None
-
-    def _check_input(self, x):
-        """Every rank's input shape and dtype, all-gathered (8 bytes x 3 per rank) before the first collective whose
-        size depends on them: ranks given different inputs raise MismatchError on every rank, and a rank whose
-        input is invalid raises its own error while the others raise MismatchError, instead of all-reducing
-        tensors of different sizes."""
-        problem = self._input_problem(x)
-        if self.world_size == 1 or comm.compiling():
-            if problem is not None:
-                raise ValueError(problem)
-            return
-        mine = torch.tensor([-1, -1, -1] if problem else [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, -2)],
-                            dtype=torch.int64)
-        gathered = torch.empty(3 * self.world_size, dtype=torch.int64)
-        all_gather_single(gathered, mine, group=comm.host_group(self.group))
-        if problem is not None:
-            raise ValueError(problem)
-        rows = gathered.view(self.world_size, 3).tolist()
-        if any(r != rows[0] for r in rows):
-            names = {v: str(k) for k, v in _DTYPE_CODES.items()}
-            shown = {r: "invalid input" if b < 0 else f"batch={b}, seq={s}, dtype={names.get(d, 'other')}"
-                     for r, (b, s, d) in zip(global_ranks(self.group), rows)}
-            raise MismatchError("OverlappedTransformerBlock input rows (batch, seq) and dtype; every rank must pass "
-                                "the same", shown)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block on ``x`` of shape ``[batch, seq, hidden]``, ``batch >= 2``, replicated on the group's ranks."""
-        self._check_input(x)
+        check_block_input(x, "OverlappedTransformerBlock", self.group, self.world_size, self.hidden)
         meta = (self.group, self.head_dim, self.eps, self.recompute)
         return _OasesBlockFn.apply(x, meta, *[self.get_parameter(n) for n in _PARAMS])
 
