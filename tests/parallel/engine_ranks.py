@@ -358,6 +358,20 @@ def case(name: str):
     if kind == "optimizer":
         source, _, target = rest.partition("->")
         return optimizer_moves(*(tuple(int(d) for d in m.split(",")) for m in (source, target)))
+    if kind == "dcp":  # dcp:<model>:<source mesh>-><target mesh>
+        model, _, meshes = rest.partition(":")
+        source, _, target = meshes.partition("->")
+        import tempfile
+        where = [tempfile.mkdtemp(prefix="fastdist-dcp-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(where, src=0)
+        try:
+            return sharded_checkpoint(model, *(tuple(int(x) for x in m.split(",")) for m in (source, target)),
+                                      where[0])
+        finally:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                import shutil
+                shutil.rmtree(where[0], ignore_errors=True)
     if kind == "compile":
         return compiled(tuple(int(d) for d in rest.split(",")))
     if kind == "device_mesh":
@@ -398,15 +412,15 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def reference_adamw(saved_after: int = 2, steps: int = STEPS) -> dict:
-    """Single-process AdamW training: the losses, and the losses of its last steps when the model and optimizer
-    are reloaded after ``saved_after`` steps from ``plain_optimizer_state_dict`` of a state ``load`` gives."""
-    model = make_model("transformer_lm")
+def reference_adamw(saved_after: int = 2, steps: int = STEPS, name: str = "transformer_lm") -> dict:
+    """Single-process AdamW training of model ``name``: the losses of every step."""
+    model = make_model(name)
     opt = adamw(model.parameters())
     losses = []
     for tokens, target in batches(steps):
         opt.zero_grad()
-        loss = loss_fn(model(tokens), target)
+        out = model(tokens)
+        loss = loss_fn(out.logits if hasattr(out, "logits") else out, target)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -445,6 +459,46 @@ def optimizer_moves(source: tuple[int, int, int], target: tuple[int, int, int]) 
     first_rank = dist.get_rank() == 0
     return {"saved": opt_state if first_rank else None, "reloaded": reloaded if first_rank else None,
             "resumed": resumed, "plain": plain_losses, "whole": reference_adamw()["losses"]}
+
+
+def sharded_checkpoint(model: str, source: tuple[int, int, int], target: tuple[int, int, int], path: str) -> dict:
+    """AdamW trained 2 steps on ``source`` and saved with ``save_sharded`` into ``path``; an engine on ``target``
+    built from other values loads it (model and optimizer) and trains 3 more steps. The gathered state dicts of
+    both, the files each rank wrote, and the losses."""
+    import torch.distributed.checkpoint as dcp
+    first = train(model, source, steps=2, optimizer=adamw)["engine"]
+    first.save_sharded(path)
+    saved = first.state_dict()
+    other = make_model(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.0)
+    data = batches()
+    d = dist.get_rank() // (target[1] * target[2])
+    data = [(x.chunk(target[0])[d], y.chunk(target[0])[d]) for x, y in data]
+    options = {"tp_overlap": 2, **({"tp_plan": TRANSFORMER_LM_TP} if model == "transformer_lm" else {})} \
+        if target[1] > 1 else {}
+    engine = fastdist.parallel.parallelize(other, mesh=target, example_inputs=(data[0][0],), loss_fn=loss_fn,
+                                           optimizer=adamw, microbatches=2, **options)
+    engine.load_sharded(path)
+    loaded = engine.state_dict()
+    steps_after_load = engine._steps
+    resumed = [engine.step(x, y).item() for x, y in data[2:]]
+    first_rank = dist.get_rank() == 0
+    plain = None
+    if first_rank:  # DCP's own conversion to one torch.save file: the plain model's names under "model."
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        dcp_to_torch_save(path, os.path.join(path, "whole.pt"))
+        whole = torch.load(os.path.join(path, "whole.pt"), weights_only=False)
+        plain = {k[len("model."):]: v for k, v in whole.items() if k.startswith("model.")}
+    files = {}  # the files holding each model tensor's chunks
+    for index, info in dcp.FileSystemReader(path).read_metadata().storage_data.items():
+        if index.fqn.startswith("model."):
+            files.setdefault(index.fqn[len("model."):], set()).add(info.relative_path)
+    files = {k: sorted(v) for k, v in files.items()}
+    return {"saved": saved if first_rank else None, "loaded": loaded if first_rank else None, "resumed": resumed,
+            "steps_after_load": steps_after_load, "files": files, "plain": plain,
+            "whole": reference_adamw(name=model)["losses"]}
 
 
 def compiled(mesh: tuple[int, int, int], steps: int = 3) -> dict:

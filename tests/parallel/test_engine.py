@@ -167,6 +167,27 @@ def test_memory_swap_installed_on_a_stage_trains_bit_for_bit_as_the_stage_withou
         assert torch.equal(ranks[0]["swapped"]["state"][key], want), key
 
 
+@pytest.mark.parametrize("world, case, sharded", [
+    (2, "dcp:transformer_lm:1,2,1->1,1,2", "blocks.0.mlp.0.weight"),
+    (2, "dcp:gpt2:1,2,1->1,1,2", "transformer.h.0.attn.c_attn.weight"),  # Conv1D: [in, out], q/k/v row runs
+    (4, "dcp:transformer_lm:1,2,2->2,1,2", "blocks.3.mlp.2.weight")])
+def test_a_sharded_checkpoint_each_rank_writes_its_part_of_loads_on_another_mesh_and_resumes_adamw(
+        engine_ranks, world, case, sharded):
+    ranks = engine_ranks(world, case)
+    first = ranks[0]
+    files = first["files"]
+    assert len(files[sharded]) == 2, f"{sharded}'s tensor-parallel shards written by their 2 ranks: {files[sharded]}"
+    assert len({f for written in files.values() for f in written}) == world, "every rank wrote a part"
+    for key, want in first["saved"].items():  # the gathered model after loading on the other mesh: bit for bit
+        assert torch.equal(first["loaded"][key], want), key
+        assert torch.equal(first["plain"][key], want), f"{key} in DCP's conversion to the plain model"
+    for rank, got in enumerate(ranks):
+        assert got["steps_after_load"] == 2
+        # Adam's moments and step came back too: training goes on as the single process does
+        assert_close(torch.tensor(got["resumed"]), torch.tensor(got["whole"][2:]), f"rank {rank}: resumed losses",
+                     **LOSS_TOLERANCE)
+
+
 @pytest.mark.slow
 def test_transformer_lm_on_a_2x2x2_mesh_of_eight_ranks_trains_like_one_process(engine_ranks):
     _assert_trains_like_one_process(engine_ranks, 8, "transformer_lm", "2,2,2")

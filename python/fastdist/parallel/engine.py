@@ -17,6 +17,8 @@ A parameter held by two stages (a tied embedding and LM head) gets the sum of bo
 optimizer step, so both copies stay equal. ``Engine.state_dict()`` gathers the full model's state dict, keyed as
 the user's model (on every rank, or on one); ``load_state_dict`` takes one and re-shards it to this mesh, and
 ``optimizer_state_dict`` / ``load_optimizer_state_dict`` do the same for the optimizer's state.
+``save_sharded`` / ``load_sharded`` write and read a ``torch.distributed.checkpoint`` directory instead, each rank
+its own pieces, re-sharded on load to any mesh.
 
 A stage may hold fastdist.moe ``MoELayer``s expert parallel over the data-parallel group (built with
 ``group=mesh.get_group("dp")`` of the DeviceMesh passed as ``mesh``): each layer then averages its own experts'
@@ -439,6 +441,20 @@ class Engine:
         self._steps = int(state["steps"])
         if state.get("transport") is not None:
             self.pipeline_stage.load_transport_state_dict(state["transport"])
+
+    def save_sharded(self, path: str, optimizer: bool = True) -> None:
+        """Saves the model (and optimizer) through ``torch.distributed.checkpoint`` into the directory ``path``: each
+        rank writes its own stage's tensors and tensor- or expert-parallel shards, placed in the full model's
+        tensors and keyed by its names (``model.<name>``, ``optimizer.state.<name>.<key>``), so that
+        :meth:`load_sharded` re-shards them onto any mesh. A collective (:mod:`fastdist.parallel.checkpoint`)."""
+        from fastdist.parallel.checkpoint import save_sharded
+        save_sharded(self, path, optimizer)
+
+    def load_sharded(self, path: str, optimizer: bool = True) -> None:
+        """Loads what :meth:`save_sharded` wrote on any mesh: each rank reads the pieces it holds here, in place
+        (the step count too). A collective."""
+        from fastdist.parallel.checkpoint import load_sharded
+        load_sharded(self, path, optimizer)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Loads a full model's state dict (as :meth:`state_dict` returns, or the unparallelized model's), each
