@@ -26,7 +26,33 @@ def test_the_suite_is_registered_with_a_tour_entry():
 def test_every_method_gets_a_grid_of_the_same_size():
     args = parse(["--grid", "2"])
     assert {len(admm._grid(m, args)) for m in admm.METHODS} == {2}
-    assert len(admm.RHO_GRID) == len(next(iter(admm.LR_GRID.values())))
+    assert {len(g) for g in admm.LR_GRID.values()} == {len(admm.RHO_GRID)}
+
+
+def test_the_five_value_grid_brackets_the_three_value_grid_for_every_method():
+    three, five = parse(["--grid", "3"]), parse(["--grid", "5"])
+    for m in admm.METHODS:
+        small, wide = admm._grid(m, three), admm._grid(m, five)
+        assert wide[:3] == small  # --grid 3 is the grid of the earlier recordings
+        assert min(wide) < min(small) and max(wide) > max(small)
+
+
+def test_a_grid_larger_than_the_grids_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--grid", str(len(admm.RHO_GRID) + 1)])
+    assert "is not in (0, 5]" in capsys.readouterr().err
+
+
+def test_cost_only_times_the_sweep_against_one_bptt_step_without_training(tmp_path):
+    result = admm.run(parse(["--cost-only", "--tasks", "digits-rows,text", "--hidden", "4", "--reps", "2"]))
+    assert "tuned" not in result and [c["task"] for c in result["cost"]] == ["digits-rows", "text"]
+    for c in result["cost"]:
+        assert len(c["samples"]["admm"]) == len(c["samples"]["sgd"]) == 2
+        assert c["ratio"] == pytest.approx(c["admm_s"] / c["sgd_s"])
+    assert result["env"]["load_average"]  # a timing under other work says so
+    assert [p.name for p in admm.tables(result)] == ["cost"]
+    admm.plot(result, str(tmp_path / "cost.png"))
+    assert (tmp_path / "cost.png").stat().st_size > 0
 
 
 def test_bad_flags_are_refused(capsys):

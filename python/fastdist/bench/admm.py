@@ -11,7 +11,8 @@ of the two marked values; R = (o - y)^2 / 2; "test acc" is the fraction of test 
 Methods: admm (ADMMiRNN full batch: one sweep over the training set per epoch), admm-mb (ADMMiRNN
 minibatch="carry" on the baselines' shuffled mini-batches: one sweep per batch) and the SGD family.
 
-Tuning: every method gets a grid of --grid values (ADMMiRNN: rho; the baselines: lr), the same size for all; the
+Tuning: every method gets a grid of --grid values (ADMMiRNN: rho; the baselines: lr), the same size for all (3: the
+default grids; 5: each extended by one value on either side); the
 setting with the lowest final training loss is kept (the test set is not used to choose); with --seeds K the kept
 setting is rerun from K - 1 further initialisations (and mini-batch orders). Runs are interleaved: methods alternate
 within each grid value and seed, so load drift on a shared machine falls on all of them. One epoch is one
@@ -21,7 +22,10 @@ short (digits-rows) and long (digits-pixels) task; a run converges when its fina
 below both its first epoch's and the loss of always predicting the class frequencies. For the baselines the
 gradient's norm at the first and last input step, |dL/dx_1| / |dL/dx_T| (at the initialisation), shows vanishing
 (<< 1) or exploding (>> 1).
-Cost: one ADMMiRNN sweep against one full-batch SGD step with backpropagation through time, interleaved, median.
+Cost: one ADMMiRNN sweep against one full-batch SGD step with backpropagation through time, interleaved, median;
+--cost-only runs that alone (the recording to take under a timing lock).
+Plots: training loss and test accuracy against epochs and against wall time; per stability task the final loss and
+the baselines' input-gradient ratio by init scale and their gradient norms per epoch at the extreme scales.
 
 --reference PATH (a checkout of the authors' NumPy code, which has no license: it is run from PATH, never copied)
 runs only the comparison with it (fastdist.admm.reference): every block updated once by their function and by
@@ -42,7 +46,7 @@ from torch import nn
 from fastdist.admm import ADMMDivergenceError, ADMMiRNN
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer, percent, scientific, times, yes_no
-from fastdist.bench.toolkit import at_least, comma_list, interleave, progress, time_fn
+from fastdist.bench.toolkit import at_least, comma_list, interleave, progress, time_fn, up_to
 
 TASKS = ["digits-rows", "digits-pixels", "text", "digits-28", "adding-20", "adding-50", "adding-100", "adding-200"]
 ADDING_TOLERANCE = 0.04  # an adding-problem prediction within this of the sum counts as correct
@@ -52,9 +56,11 @@ OPTIMIZERS = {"sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
               "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr)}
 BASELINES = [f"{o}{c}" for o in OPTIMIZERS for c in ("", "+clip")]
 METHODS = ["admm", "admm-mb"] + BASELINES
-LR_GRID = {"sgd": [0.3, 0.1, 0.03], "sgd-momentum": [0.1, 0.03, 0.01], "adam": [0.01, 0.003, 0.001],
-           "rmsprop": [0.01, 0.003, 0.001]}
-RHO_GRID = [1.0, 3.0, 10.0]
+# --grid K takes the first K values: the first three are the recorded default grids, the fourth and fifth extend
+# each grid by one value on either side, so --grid 5 brackets a best found at an end of the 3-value grid
+LR_GRID = {"sgd": [0.3, 0.1, 0.03, 1.0, 0.01], "sgd-momentum": [0.1, 0.03, 0.01, 0.3, 0.003],
+           "adam": [0.01, 0.003, 0.001, 0.03, 0.0003], "rmsprop": [0.01, 0.003, 0.001, 0.03, 0.0003]}
+RHO_GRID = [1.0, 3.0, 10.0, 0.3, 30.0]
 
 
 def adding_problem(samples: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,8 +263,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="subset of " + ",".join(METHODS))
     p.add_argument("--hidden", type=at_least(1), default=32, help="hidden size (default 32)")
     p.add_argument("--epochs", type=at_least(1), default=30, help="epochs (ADMM sweeps) per tuning run (default 30)")
-    p.add_argument("--grid", type=at_least(1), default=3, help="grid size of rho (ADMM) and of lr (baselines), "
-                                                                  "the same for every method, at most 3 (default 3)")
+    p.add_argument("--grid", type=up_to(len(RHO_GRID), int), default=3,
+                   help="grid size of rho (ADMM) and of lr (baselines), the same for every method, at most "
+                        f"{len(RHO_GRID)}: 3 is rho 1,3,10; 5 adds 0.3 and 30 (the lr grids likewise; default 3)")
     p.add_argument("--tau", type=float, default=1.0, help="ADMMiRNN tau (fixed, not tuned; default 1)")
     p.add_argument("--weight-decay", type=float, default=1e-3,
                    help="ADMMiRNN's Omega = wd/2 |theta|^2, the paper's regulariser (fixed, not tuned; default 1e-3)")
@@ -277,6 +284,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions of the cost comparison (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of data split and initialisation (default 0)")
+    p.add_argument("--cost-only", action="store_true",
+                   help="time only the sweep-cost comparison of --tasks (no training; the run to record under a "
+                        "timing lock)")
     p.add_argument("--reference", metavar="PATH",
                    help="run only the comparison with the authors' code, from a checkout at PATH (see above)")
     p.add_argument("--reference-iterations", type=at_least(1), default=20,
@@ -291,6 +301,16 @@ def run(args: argparse.Namespace) -> dict:
         result = {"suite": "admm", "env": env, "config": vars(args),
                   "reference": run_reference(args.reference, args.reference_iterations, args.hidden, args.seed,
                                              args.threads)}
+        print(report.text_parts(tables(result)))
+        return result
+    if args.cost_only:
+        bar = progress(len(args.tasks), "admm cost")
+        cost = []
+        with report.torch_threads(args.threads):
+            for t in args.tasks:
+                cost.append(_sweep_cost(load_task(t, args.seed, adding_samples=args.adding_samples), args))
+                bar.step(f"cost {t}")
+        result = {"suite": "admm", "env": env, "config": vars(args), "cost": cost}
         print(report.text_parts(tables(result)))
         return result
     with report.torch_threads(args.threads):
@@ -355,6 +375,38 @@ def run_reference(path: str, iterations: int, hidden: int, seed: int, threads: i
         published = ref_mod.published_run(path, seed)
     return {"commit": ref_mod.reference_commit(path), "blocks": blocks,
             "trajectory": {"alpha10": runs[10.0], "alpha1": runs[1.0]}, "published": published}
+
+
+def _plot_stability(row, runs: list[dict], task: str, style) -> None:
+    """One stability task: final training loss (the prior's as a line) and the input-gradient ratio at
+    initialisation against the init scale; the SGD-family runs' median gradient norm per epoch at the smallest and
+    the largest scale."""
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    for m in methods:
+        mine = sorted((r for r in runs if r["method"] == m), key=lambda r: r["scale"])
+        scales = [r["scale"] for r in mine]
+        final = [r["curve"]["loss"][-1] if r["curve"]["loss"] else math.nan for r in mine]
+        row[0].plot(scales, final, marker="o", **style(m, m))
+        if mine and mine[0].get("grad_ratio"):
+            row[1].plot(scales, [max(r["grad_ratio"]["ratio"], 1e-30) for r in mine], marker="o", **style(m, m))
+            for ax, r in ((row[2], mine[0]), (row[3], mine[-1])):
+                ax.plot(range(1, len(r["curve"]["grad_norm"]) + 1), r["curve"]["grad_norm"], **style(m, m))
+    if runs:
+        row[0].axhline(runs[0]["prior_loss"], color="k", lw=0.8, ls=":", label="class prior")
+    smallest, largest = min(r["scale"] for r in runs), max(r["scale"] for r in runs)
+    for ax, (xl, yl, title) in zip(row, [
+            ("init scale", "final training loss", f"{task}: stability"),
+            ("init scale", "|dL/dx_1| / |dL/dx_T| at init (0 plotted as 1e-30)", f"{task}: vanishing / exploding"),
+            ("epoch", "median gradient norm (before clipping)", f"{task}: init scale {smallest:g}"),
+            ("epoch", "median gradient norm (before clipping)", f"{task}: init scale {largest:g}")]):
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.set_title(title)
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    for ax in row[:2]:
+        ax.set_xscale("log")
+    row[0].legend(fontsize=6)
 
 
 def _reference_parts(result: dict) -> list[report.Part]:
@@ -445,6 +497,13 @@ def tables(result: dict) -> list[report.Part]:
     if "reference" in result:
         return _reference_parts(result)
     c = result["config"]
+    cost = report.Part(
+        "cost", [col("task", "task"), col("batch", "batch", integer),
+                 col("ADMM sweep (ms)", lambda r: 1e3 * r["admm_s"], fixed(1)),
+                 col("SGD+BPTT step (ms)", lambda r: 1e3 * r["sgd_s"], fixed(1)), col("ratio", "ratio", times(1))],
+        result["cost"], f"Full-batch, median of {c['reps']} interleaved repetitions, {c['threads']} torch thread(s).")
+    if "tuned" not in result:  # --cost-only
+        return [cost]
     adding = (f" Adding problem: test acc = fraction of test sequences predicted within {ADDING_TOLERANCE} of the "
               "sum." if any(t.startswith("adding") for t in c["tasks"]) else "")
     batched = "baselines' and admm-mb's" if "admm-mb" in c["methods"] else "baselines'"
@@ -462,11 +521,6 @@ def tables(result: dict) -> list[report.Part]:
         f"{c['stability_epochs']} epochs, by init scale; in brackets |dL/dx_1| / |dL/dx_T| at initialisation "
         "(baselines).",
         [f"{m}: {100 * f:.0f}% of runs converged" for m, f in result["summary"]["converged_fraction"].items()])
-    cost = report.Part(
-        "cost", [col("task", "task"), col("batch", "batch", integer),
-                 col("ADMM sweep (ms)", lambda r: 1e3 * r["admm_s"], fixed(1)),
-                 col("SGD+BPTT step (ms)", lambda r: 1e3 * r["sgd_s"], fixed(1)), col("ratio", "ratio", times(1))],
-        result["cost"], f"Full-batch, median of {c['reps']} interleaved repetitions, {c['threads']} torch thread(s).")
     parts = [tuned] + ([stab] if result["stability"] else []) + [cost]
     if result.get("seeds"):
         parts.insert(1, report.Part(
@@ -481,8 +535,9 @@ def tables(result: dict) -> list[report.Part]:
 
 
 def plot(result: dict, path: str) -> None:
-    """Training loss and test accuracy of the tuned runs against epochs and wall time, one row per task (the
-    reference comparison: the loss trajectories)."""
+    """Training loss and test accuracy of the tuned runs against epochs and against wall time, one row per task;
+    one row per stability task (final loss by init scale, the baselines' |dL/dx_1| / |dL/dx_T|, the median gradient
+    norm per epoch at each scale); the reference comparison: the loss trajectories."""
     if "reference" in result:
         plt, fig, ax = report.subplots(1, 1, figsize=(7, 4))
         for key, label in (("alpha10", "theirs, alpha 10"), ("alpha1", "theirs, alpha 1")):
@@ -494,25 +549,42 @@ def plot(result: dict, path: str) -> None:
         ax.legend()
         report.save_figure(fig, path)
         return
+    if "tuned" not in result:  # --cost-only
+        plt, fig, ax = report.subplots(1, 1, figsize=(7, 4))
+        report.grouped_bars(ax, [f"{r['task']} (B={r['batch']})" for r in result["cost"]],
+                            {"ADMM sweep": [1e3 * r["admm_s"] for r in result["cost"]],
+                             "SGD+BPTT step": [1e3 * r["sgd_s"] for r in result["cost"]]}, "ms (median)",
+                            title="one full-batch ADMMiRNN sweep vs one SGD step with BPTT")
+        report.save_figure(fig, path)
+        return
     tasks = list(dict.fromkeys(r["task"] for r in result["tuned"]))
-    plt, fig, axes = report.subplots(len(tasks), 3, figsize=(16, 4 * len(tasks)), squeeze=False)
+    stab_tasks = list(dict.fromkeys(r["task"] for r in result["stability"]))
+    plt, fig, axes = report.subplots(len(tasks) + len(stab_tasks), 4, figsize=(20, 4 * (len(tasks) + len(stab_tasks))),
+                                     squeeze=False)
     cmap = plt.get_cmap("tab10")
+    colour = {m: cmap(i % 10) for i, m in enumerate(dict.fromkeys(r["method"] for r in result["tuned"]))}
+
+    def style(method: str, label: str) -> dict:
+        return dict(color=colour.get(method, "k"), lw=2.5 if method.startswith("admm") else 1.2,
+                    ls="--" if method.endswith("+clip") else "-", label=label)
+
+    panels = [("epoch", "loss"), ("epoch", "test_acc"), ("time_s", "loss"), ("time_s", "test_acc")]
     for row, t in zip(axes, tasks):
-        for i, r in enumerate(x for x in result["tuned"] if x["task"] == t):
+        for r in (x for x in result["tuned"] if x["task"] == t):
             cv = r["curve"]
-            style = dict(color=cmap(i % 10), lw=2.5 if r["method"].startswith("admm") else 1.2,
-                         ls="--" if r["method"].endswith("+clip") else "-", label=f"{r['method']} ({r['value']:g})")
-            epochs = range(1, len(cv["loss"]) + 1)
-            row[0].plot(epochs, cv["loss"], **style)
-            row[1].plot(epochs, cv["test_acc"], **style)
-            row[2].plot(cv["time_s"], cv["test_acc"], **style)
-        row[0].set_yscale("log")
-        for ax, (xl, yl) in zip(row, [("epoch", "training loss"), ("epoch", "test accuracy"),
-                                      ("wall time (s)", "test accuracy")]):
-            ax.set_xlabel(xl)
-            ax.set_ylabel(yl)
+            epochs = list(range(1, len(cv["loss"]) + 1))
+            for ax, (xk, yk) in zip(row, panels):
+                ax.plot(epochs if xk == "epoch" else cv["time_s"], cv[yk], **style(r["method"],
+                                                                                   f"{r['method']} ({r['value']:g})"))
+        for ax, (xk, yk) in zip(row, panels):
+            if yk == "loss":
+                ax.set_yscale("log")
+            ax.set_xlabel("epoch (full-batch admm: one sweep)" if xk == "epoch" else "training wall time (s)")
+            ax.set_ylabel("training loss" if yk == "loss" else "test accuracy")
             ax.set_title(t)
             ax.grid(True, alpha=0.3)
         row[0].legend(fontsize=6)
+    for row, t in zip(axes[len(tasks):], stab_tasks):
+        _plot_stability(row, [r for r in result["stability"] if r["task"] == t], t, style)
     fig.suptitle(f"fastdist-bench admm: {result['env']['device']}", fontsize=9)
     report.save_figure(fig, path)
