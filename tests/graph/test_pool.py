@@ -223,6 +223,17 @@ def test_densify_refuses_a_graph_larger_than_the_padding_and_an_unsorted_batch()
     assert xd.shape == (2, 10, 6) and md.sum().item() == 13
 
 
+def test_the_sparse_wrapper_refuses_graphs_larger_than_its_padding_empty_graphs_and_other_feature_sizes():
+    x, adj, mask = random_batch([5, 8])
+    xs, edge_index, batch, weight = _sparse(x, adj, mask)
+    with pytest.raises(ValueError, match=r"graph\(s\) \[1\] have 8 nodes.*max_num_nodes=6"):
+        SparseHAPPool(make_pool(), max_num_nodes=6)(xs, edge_index, batch, weight)
+    with pytest.raises(ValueError, match="4 features per node.*in_channels=6"):
+        SparseHAPPool(make_pool())(xs[:, :4], edge_index, batch, weight)
+    with pytest.raises(ValueError, match=r"graph\(s\) \[1\].*no nodes"):  # graph 1 of three has no nodes
+        SparseHAPPool(make_pool())(xs, edge_index, batch * 2, weight)
+
+
 def test_the_dense_pool_imports_without_torch_geometric_and_the_sparse_path_names_the_extra():
     code = ("import sys; sys.modules['torch_geometric'] = None\n"
             "import torch, fastdist, fastdist.graph as g\n"

@@ -14,8 +14,9 @@ mean node embedding, summed over blocks), and a two-layer MLP head. The poolers:
 
 Dense poolers keep ceil(num_nodes * ratio^l) clusters at level l; sparse poolers keep a `ratio` of each graph's
 nodes; after a dense level the encoder block is PyG's dense counterpart (DenseGCNConv, DenseGINConv), the same
-operator on a dense adjacency. The dense poolers (AUX_POOLERS) return auxiliary losses that the training loss adds
-with a weight; the sparse ones and mean pooling have none.
+operator on a dense adjacency (for GIN degree-normalized, D^-1/2 A D^-1/2: GIN sums over a pooled adjacency that
+carries whole clusters' edge mass). The dense poolers (AUX_POOLERS) return auxiliary losses that the training loss
+adds with a weight; the sparse ones and mean pooling have none.
 """
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ class _Block(nn.Module):
             self.convs = nn.ModuleList(conv(_mlp(a, b)) for a, b in zip(dims, dims[1:]))
 
     def forward(self, x, graph, mask=None):
+        if self.dense and self.encoder == "gin":
+            # A pooled adjacency S^T A S sums edge mass over whole clusters and GIN sums over it unnormalized, so
+            # activations grow with cluster size; D^-1/2 A D^-1/2 keeps them at the scale of the input graph's.
+            deg = graph.sum(-1).clamp(min=1).rsqrt()
+            graph = deg[..., :, None] * graph * deg[..., None, :]
         for conv in self.convs:
             if self.dense:
                 x = conv(x, graph, mask)
@@ -147,10 +153,17 @@ class GraphClassifier(nn.Module):
 
         Returns:
             (logits [num_graphs, num_classes], the sum of the poolers' auxiliary losses, a scalar).
+
+        Raises:
+            ValueError: x not [num_nodes, in_channels], an empty batch, a graph without nodes (num_graphs larger
+                than the graphs `batch` holds), an unsorted or mis-sized `batch`, edges to nodes that do not exist,
+                a mis-sized edge_weight, NaN or infinite features.
         """
         pyg = require("torch_geometric.nn")
         if x.dim() != 2 or x.shape[1] != self.in_channels:
             raise ValueError(f"GraphClassifier: x must be [num_nodes, {self.in_channels}], got {tuple(x.shape)}")
+        if not torch.compiler.is_compiling():
+            num_graphs = self._check(x, edge_index, batch, edge_weight, num_graphs)
         num_graphs = int(batch.max()) + 1 if num_graphs is None else num_graphs
         aux = x.new_zeros(())
         h = self.blocks[0](x, (edge_index, edge_weight))
@@ -182,6 +195,38 @@ class GraphClassifier(nn.Module):
                 h = block(h, adj)
             readout = readout + self._read(h, batch, num_graphs)
         return self.head(readout), aux
+
+    @staticmethod
+    def _check(x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor, edge_weight: torch.Tensor | None,
+               num_graphs: int | None) -> int:
+        """Raises ValueError for a batch the poolers would misread (most would silently drop or pad); returns the
+        number of graphs."""
+        if x.shape[0] == 0:
+            raise ValueError("GraphClassifier: the batch has no nodes")
+        if batch.shape != (x.shape[0],) or batch.dtype != torch.long:
+            raise ValueError(f"GraphClassifier: batch must be int64 [num_nodes] = [{x.shape[0]}], got "
+                             f"{batch.dtype} {list(batch.shape)}")
+        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"GraphClassifier: edge_index must be [2, E], got {tuple(edge_index.shape)}")
+        if edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= x.shape[0]):
+            raise ValueError(f"GraphClassifier: edge_index refers to nodes outside 0..{x.shape[0] - 1}")
+        if edge_weight is not None and edge_weight.shape != (edge_index.shape[1],):
+            raise ValueError(f"GraphClassifier: edge_weight must be [E] = [{edge_index.shape[1]}], got "
+                             f"{list(edge_weight.shape)}")
+        if bool((batch[1:] < batch[:-1]).any()) or int(batch[0]) < 0:
+            raise ValueError("GraphClassifier: batch must be sorted and >= 0 (nodes of one graph together, graphs in "
+                             "order)")
+        needed = int(batch[-1]) + 1
+        if num_graphs is not None and num_graphs < needed:
+            raise ValueError(f"GraphClassifier: num_graphs={num_graphs} but batch numbers {needed} graphs")
+        counts = torch.bincount(batch, minlength=num_graphs or needed)
+        empty = (counts == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"GraphClassifier: graph(s) {empty[:8]} of the batch have no nodes; drop empty graphs "
+                             "before batching (a pooled or read-out empty graph has no meaning)")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("GraphClassifier: x has NaN or infinite features")
+        return num_graphs or needed
 
     def _read(self, h: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
         """The graph vectors of one block's output: sparse [nodes, F] by `batch`, or dense [B, K, F] (all real)."""
