@@ -141,3 +141,48 @@ def test_merge_joins_one_protocol_on_different_sets_and_counts_the_targets_over_
         graph.merge([recording("a", 0.9, 0.8), recording("b", 0.9, 0.7, folds=5)])
     with pytest.raises(ValueError, match="more than one recording"):
         graph.merge([recording("a", 0.9, 0.8), recording("a", 0.9, 0.7)])
+
+
+_TINY = ["--datasets", "tree-cycle", "--poolers", "hap,mean", "--folds", "3", "--epochs", "1", "--graphs", "12",
+         "--hidden", "4", "--aux-weights", "0,1", "--search-folds", "1"]
+
+
+def _accs(result):
+    return {(r["dataset"], r["pooler"]): (r["accs"], r["aux_weights"]) for r in result["rows"]}
+
+
+def test_a_stopped_run_resumes_at_its_next_fold_and_fold_pieces_merge_into_the_whole_run(tmp_path, monkeypatch):
+    ran = []
+    real = graph.run_fold
+
+    def counted(graphs, split, pooler, args, classes, num_nodes, fold, aux_weight=0.0):
+        ran.append((pooler, fold))
+        return real(graphs, split, pooler, args, classes, num_nodes, fold, aux_weight)
+
+    monkeypatch.setattr(graph, "run_fold", counted)
+    whole = graph.run(parse(_TINY))
+    stopped = str(tmp_path / "stopped.json")
+    graph.run(parse(_TINY + ["--run-folds", "1", "--partial", stopped]))  # stopped after its first fold
+    ran.clear()
+    resumed = graph.run(parse(_TINY + ["--resume", "--partial", stopped]))
+    assert sorted(set(ran)) == [(p, f) for p in ("hap", "mean") for f in (1, 2)]  # fold 0 is not run again
+    assert _accs(resumed) == _accs(whole) and resumed["references"] == whole["references"]
+    assert len(resumed["env"]["resumed"]) == 1
+
+    first, rest = str(tmp_path / "first.json"), str(tmp_path / "rest.json")
+    graph.run(parse(_TINY + ["--run-folds", "2", "--partial", first]))
+    graph.run(parse(_TINY + ["--from-fold", "2", "--search-from", first, "--partial", rest]))
+    merged = graph.merge([json.load(open(first)), json.load(open(rest))])
+    assert _accs(merged) == _accs(whole) and merged["references"] == whole["references"]
+    assert merged["config"]["run_folds"] == 3 and merged["config"]["datasets"] == ["tree-cycle"]
+
+
+def test_pieces_that_do_not_fit_together_are_refused(tmp_path):
+    first = str(tmp_path / "first.json")
+    graph.run(parse(_TINY + ["--run-folds", "1", "--partial", first]))
+    with pytest.raises(ValueError, match="differs in epochs"):
+        graph.run(parse(_TINY + ["--epochs", "2", "--resume", "--partial", first]))
+    with pytest.raises(ValueError, match="name the piece that ran them with --search-from"):
+        graph.run(parse(_TINY + ["--from-fold", "1"]))
+    with pytest.raises(ValueError, match="more than one recording"):
+        graph.merge([json.load(open(first)), json.load(open(first))])

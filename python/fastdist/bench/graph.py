@@ -87,10 +87,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-folds", type=at_least(1), default=None,
                    help="search the auxiliary-loss weight on the first N folds only; later folds train once with "
                         "the weight those chose most often (default: search on every fold)")
+    p.add_argument("--from-fold", type=at_least(0), default=0,
+                   help="start at this fold (0-based) and run to --run-folds: one piece of the run, for --merge")
+    p.add_argument("--search-from", metavar="PATH", default=None,
+                   help="the piece (its --partial file) whose first --search-folds folds chose the auxiliary-loss "
+                        "weights, for a piece that starts after them (--from-fold)")
     p.add_argument("--partial", metavar="PATH", default=None,
-                   help="after every fold, write the result so far to PATH (kept if the run is stopped)")
+                   help="after every fold, write the result so far, with every fold's runs, to PATH (kept if the "
+                        "run is stopped)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run stopped in --partial PATH from its next fold (the same protocol and data "
+                        "sets, or an error); folds already there are not run again")
     p.add_argument("--merge", type=comma_list(), default=None, metavar="JSON,JSON,...",
                    help="train nothing: join these recordings (the same protocol on different data sets) into one")
+
+
+# settings that say which part of a run a recording holds and where it goes, not how it trains
+_PIECE_KEYS = ("datasets", "merge", "json", "plot", "partial", "run_folds", "resume", "from_fold", "search_from")
 
 
 def splits(labels: np.ndarray, folds: int, val_fraction: float, seed: int) -> list[tuple[np.ndarray, ...]]:
@@ -209,7 +222,7 @@ def merge(recordings: list[dict]) -> dict:
 
     def protocol(r):  # what must agree: everything but the data sets, the output paths and how far each got
         return {k: v for k, v in r["config"].items()
-                if k not in ("datasets", "merge", "json", "plot", "partial", "run_folds")}
+                if k not in _PIECE_KEYS}
 
     first = recordings[0]
     for r in recordings[1:]:
@@ -219,7 +232,8 @@ def merge(recordings: list[dict]) -> dict:
             raise ValueError(f"graph --merge: the recordings differ in {', '.join(diff)}, not only in data sets")
     datasets = [d for r in recordings for d in r["config"]["datasets"]]
     if len(set(datasets)) < len(datasets):
-        raise ValueError(f"graph --merge: a data set is in more than one recording: {datasets}")
+        recordings = _join_pieces(recordings)
+        datasets = [d for r in recordings for d in r["config"]["datasets"]]
     rows = [row for r in recordings for row in r["rows"]]
     env = dict(first["env"])
     env["merged_commands"] = [r["env"].get("command") for r in recordings]
@@ -227,12 +241,56 @@ def merge(recordings: list[dict]) -> dict:
     env["load_averages"] = [r["env"].get("load_average") for r in recordings]
     run_folds = {d: r["config"]["run_folds"] for r in recordings for d in r["config"]["datasets"]}
     config = first["config"] | {"datasets": datasets, "merge": None, "json": None, "plot": None, "partial": None,
+                                "resume": False, "from_fold": 0, "search_from": None,
                                 "run_folds": min(run_folds.values())}
     if len(set(run_folds.values())) > 1:
         config["run_folds_by_dataset"] = run_folds
     return {"suite": "graph", "env": env, "config": config,
             "rows": rows, "references": [ref for r in recordings for ref in r["references"]],
             "targets": _targets(rows)}
+
+
+def _join_pieces(recordings: list[dict]) -> list[dict]:
+    """Recordings with the pieces of one data set (different folds, each with its per-fold "runs") joined into one
+    recording per data set, its rows recomputed from all of their folds.
+
+    Raises:
+        ValueError: a data set in recordings without per-fold runs, or the same fold of it twice.
+    """
+    by: dict[str, list[dict]] = {}
+    for r in recordings:
+        for d in r["config"]["datasets"]:
+            by.setdefault(d, []).append(r)
+    out = []
+    for d, pieces in by.items():
+        if len(pieces) == 1 and len(pieces[0]["config"]["datasets"]) == 1:
+            out.append(pieces[0])
+            continue
+        if any(d not in p.get("runs", {}) for p in pieces):
+            raise ValueError(f"graph --merge: data set {d} is in more than one recording, and not every one is a "
+                             "piece with per-fold runs (a --partial file)")
+        runs, refs = {}, {}
+        for p in pieces:
+            piece = p["runs"][d]
+            folds = sorted({r["fold"] for r in next(iter(piece.values()))})
+            if set(folds) & set(refs):
+                raise ValueError(f"graph --merge: fold(s) {sorted(set(folds) & set(refs))} of {d} are in more than "
+                                 "one recording")
+            ref = next(x for x in p["references"] if x["dataset"] == d)
+            refs.update(zip(folds, ref["accs"]))
+            for pooler, fold_runs in piece.items():
+                runs.setdefault(pooler, []).extend(fold_runs)
+        runs = {pooler: sorted(v, key=lambda r: r["fold"]) for pooler, v in runs.items()}
+        row = next(x for p in pieces for x in p["rows"] if x["dataset"] == d)
+        rows = _rows(d, runs, row["graphs"], row["classes"], row["mean_nodes"], list(runs))
+        accs = [refs[f] for f in sorted(refs)]
+        reference = {"dataset": d, "acc_mean": statistics.mean(accs), "acc_std": statistics.pstdev(accs),
+                     "accs": accs, "chance": 1 / row["classes"]}
+        first = pieces[0]
+        out.append({"suite": "graph", "env": first["env"] | {"pieces": [p["env"] for p in pieces]},
+                    "config": first["config"] | {"datasets": [d], "run_folds": len(accs)}, "rows": rows,
+                    "references": [reference]})
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -251,9 +309,10 @@ def run(args: argparse.Namespace) -> dict:
 
     env = report.environment(backend="cpu (plain torch + torch_geometric)", device="cpu", ranks=1,
                              network="none (single process)")
-    print(report.format_environment(env))
     run_folds = min(args.run_folds or args.folds, args.folds)
-    rows, references = [], []
+    done = _resumed(args, env) if args.resume else {}
+    searched = _search_runs(args)
+    print(report.format_environment(env))
     with report.torch_threads(args.threads):
         env["torch_threads"] = torch.get_num_threads()
         sets = {}
@@ -264,29 +323,104 @@ def run(args: argparse.Namespace) -> dict:
                 graphs = data.with_degree(graphs)
             labels = np.array([g.y for g in graphs])
             sets[name] = (graphs, splits(labels, args.folds, args.val_fraction, args.seed)[:run_folds])
-        bar = progress(len(sets) * run_folds * len(args.poolers), "graph")
+        bar = progress(len(sets) * (run_folds - min(args.from_fold, run_folds)) * len(args.poolers), "graph")
         for name, (graphs, fold_splits) in sets.items():
             classes = data.num_classes(name)
             num_nodes = round(statistics.mean(g.num_nodes for g in graphs))
-            runs = {p: [] for p in args.poolers}
+            runs = done.setdefault(name, {p: [] for p in args.poolers})
             for fold, split in enumerate(fold_splits):
+                if fold < args.from_fold:
+                    continue
+                if fold in {r["fold"] for r in runs[args.poolers[0]]}:  # done before the run was resumed
+                    for pooler in args.poolers:
+                        bar.step(f"{name} fold {fold + 1} {pooler} (resumed)")
+                    continue
                 shift = fold % len(args.poolers)
                 for pooler in args.poolers[shift:] + args.poolers[:shift]:
                     if pooler in AUX_POOLERS and args.search_folds is not None and fold >= args.search_folds:
-                        weight = _searched_weight(runs[pooler][:args.search_folds])
+                        chose = [r for r in runs[pooler] + searched.get(name, {}).get(pooler, [])
+                                 if r["fold"] < args.search_folds]
+                        weight = _searched_weight(chose)
                         runs[pooler].append(run_fold(graphs, split, pooler, args, classes, num_nodes, fold, weight))
                     else:
                         runs[pooler].append(run_searched(graphs, split, pooler, args, classes, num_nodes, fold))
                     bar.step(f"{name} fold {fold + 1} {pooler}")
                 if args.partial:  # every fold so far, in case the run is stopped before it ends
-                    done = _rows(name, runs, graphs, classes, num_nodes, args.poolers)
-                    ref = _reference(name, graphs, fold_splits[:fold + 1], classes)
-                    _write(args.partial, _result(env, args, run_folds, rows + done, references + [ref]))
-            rows += _rows(name, runs, graphs, classes, num_nodes, args.poolers)
-            references.append(_reference(name, graphs, fold_splits, classes))
-    result = _result(env, args, run_folds, rows, references)
+                    _write(args.partial, _collect(env, args, run_folds, sets, done, keep_runs=True))
+    result = _collect(env, args, run_folds, sets, done, keep_runs=bool(args.partial))
     print(report.text_parts(tables(result)))
     return result
+
+
+def _collect(env, args, run_folds, sets, done, keep_runs):
+    """The result of the folds in `done` ({data set: {pooler: [run per fold]}}); with keep_runs, those runs too,
+    so that --resume can continue it."""
+    from fastdist.graph import data
+
+    rows, references = [], []
+    for name, runs in done.items():
+        folds = sorted(r["fold"] for r in runs[args.poolers[0]])
+        if folds:
+            graphs, fold_splits = sets[name]
+            num_nodes = round(statistics.mean(g.num_nodes for g in graphs))
+            rows += _rows(name, runs, len(graphs), data.num_classes(name), num_nodes, args.poolers)
+            references.append(_reference(name, graphs, [fold_splits[f] for f in folds], data.num_classes(name)))
+    result = _result(env, args, run_folds, rows, references)
+    if keep_runs:
+        result["runs"] = done
+    return result
+
+
+def _search_runs(args) -> dict:
+    """{data set: {pooler: runs of the search folds}} from --search-from, for a piece that starts after them.
+
+    Raises:
+        ValueError: such a piece without --search-from, or a --search-from without every search fold.
+    """
+    if args.search_folds is None or args.from_fold < args.search_folds:
+        return {}
+    if not args.search_from:
+        raise ValueError(f"graph --from-fold {args.from_fold}: the auxiliary-loss weights are chosen on the first "
+                         f"{args.search_folds} fold(s); name the piece that ran them with --search-from PATH")
+    with open(args.search_from) as f:
+        runs = json.load(f).get("runs", {})
+    out = {}
+    for name in args.datasets:
+        out[name] = {p: [r for r in runs.get(name, {}).get(p, []) if r["fold"] < args.search_folds]
+                     for p in args.poolers if p in AUX_POOLERS}
+        short = [p for p, v in out[name].items() if len(v) < args.search_folds]
+        if short:
+            raise ValueError(f"graph --search-from {args.search_from}: {name} lacks the first {args.search_folds} "
+                             f"fold(s) of {', '.join(short)}")
+    return out
+
+
+def _resumed(args, env) -> dict:
+    """The runs per data set, pooler and fold of the stopped run in args.partial; notes the resumption in `env`.
+
+    Raises:
+        ValueError: no --partial, or it holds another protocol, data sets or poolers.
+    """
+    if not args.partial:
+        raise ValueError("graph --resume: name the stopped run's file with --partial PATH")
+    if not os.path.exists(args.partial):
+        return {}  # nothing ran yet: start from the first fold
+    with open(args.partial) as f:
+        stopped = json.load(f)
+    ignore = _PIECE_KEYS + ("func",)
+    mine = {k: v for k, v in vars(args).items() if k not in ignore} | {"datasets": args.datasets}
+    theirs = {k: v for k, v in stopped["config"].items() if k not in ignore} | {
+        "datasets": stopped["config"]["datasets"]}
+    diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if diff or "runs" not in stopped:
+        raise ValueError(f"graph --resume: {args.partial} is another run (it differs in "
+                         f"{', '.join(diff) or 'having no per-fold runs'}); resume it with its own flags")
+    # when and under what load each part ran: the first start's environment, every later start's date and load
+    env["resumed"] = stopped["env"].get("resumed", []) + [{"date": env.get("date"),
+                                                            "load_average": env.get("load_average")}]
+    for key in ("date", "load_average"):
+        env[key] = stopped["env"].get(key, env.get(key))
+    return stopped["runs"]
 
 
 def _searched_weight(searched: list[dict]) -> float:
@@ -297,7 +431,7 @@ def _searched_weight(searched: list[dict]) -> float:
     return max(by, key=lambda w: (len(by[w]), statistics.mean(by[w])))
 
 
-def _rows(name, runs, graphs, classes, num_nodes, poolers):
+def _rows(name, runs, num_graphs, classes, num_nodes, poolers):
     rows = []
     for pooler in poolers:
         accs = [r["test_acc"] for r in runs[pooler]]
@@ -310,7 +444,7 @@ def _rows(name, runs, graphs, classes, num_nodes, poolers):
                      "val_accs": [r["val_acc"] for r in runs[pooler]],
                      "aux_weights": [r["aux_weight"] for r in runs[pooler]] if pooler in AUX_POOLERS else None,
                      "grids": [r.get("grid") for r in runs[pooler]] if pooler in AUX_POOLERS else None,
-                     "graphs": len(graphs), "classes": classes, "mean_nodes": num_nodes})
+                     "graphs": num_graphs, "classes": classes, "mean_nodes": num_nodes})
     return rows
 
 
