@@ -11,11 +11,21 @@ from engine_ranks import STEPS, reference, train
 from helpers import assert_close
 from torch import nn
 
+from fastdist import tp
 from fastdist.distributed import spawn
+from fastdist.parallel.tensor import oases_pays
 from fastdist.tp import comm
 
 # The sub-batches sum the same products in another order: float32 rounding is all that may differ.
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+# Calibrated by hand: a link about as slow as the GEMMs (8 ms per all-reduce against 10-40 ms of a branch's GEMMs),
+# and a free one.
+SLOW_LINK = tp.CostModel(alpha=1e-5, beta=1e6, gemm_rate=1e7, world_size=2)
+FAST_LINK = tp.CostModel(alpha=1e-7, beta=1e12, gemm_rate=1e7, world_size=2)
+# nanoGPT's n_embd = 16 on 2 ranks: attention qkv (16 -> 24), proj (8 -> 16); MLP fc (16 -> 32), proj (32 -> 16)
+GEMMS = [[(16, 24), (8, 16)], [(16, 32), (32, 16)]]
 
 
 class PostNormBlock(nn.Module):
@@ -76,17 +86,22 @@ def ranks_run(cases):
     out = {}
     for case in cases:
         kind, _, arg = case.partition(":")
-        if kind == "train":
+        if kind in ("train", "auto"):
             name, mesh = arg.split(":")
-            got = train(name, tuple(int(v) for v in mesh.split(",")), tp_overlap="oases")
+            if kind == "auto":
+                tp.set_default_cost_model(SLOW_LINK)
+            got = train(name, tuple(int(v) for v in mesh.split(",")), tp_overlap="oases" if kind == "train" else "auto")
             out[case] = {k: got[k] for k in ("losses", "state")}
+            out[case]["chosen"] = [list(getattr(b.forward, "__self__", None).chosen.values())
+                                   for b in got["engine"].module.pipeline_blocks]
+            tp.set_default_cost_model(tp.CostModel())
         else:
             out[case] = _error_of({"post_norm": PostNormBlock, "oddly_named": OddlyNamedBlock}[arg])
     return out
 
 
 JOBS = {2: ("train:nanogpt:1,2,1", "train:gpt2:1,2,1", "train:transformer_lm:1,2,1", "bad:post_norm",
-            "bad:oddly_named"),
+            "bad:oddly_named", "auto:nanogpt:1,2,1"),
         4: ("train:nanogpt:1,2,2",)}
 
 
@@ -115,6 +130,19 @@ def test_a_block_the_schedule_cannot_map_raises_naming_it_on_every_rank(case, sa
     for rank, error in enumerate(r[f"bad:{case}"] for r in _job(2)):
         assert error is not None and "tp_overlap='oases' cannot map block blocks.0" in error and says in error, \
             f"rank {rank}: {error}"
+
+
+def test_auto_takes_the_schedule_where_the_cost_model_predicts_it_pays_and_trains_like_one_process():
+    assert oases_pays(SLOW_LINK, GEMMS, 8 * 16, 16, torch.float32, 2)
+    assert not oases_pays(FAST_LINK, GEMMS, 8 * 16, 16, torch.float32, 2), "a free link leaves nothing to hide"
+    assert not oases_pays(tp.CostModel(), GEMMS, 8 * 16, 16, torch.float32, 2), "uncalibrated: the plain block"
+    want_losses, want_state = reference("nanogpt")
+    ranks = [r["auto:nanogpt:1,2,1"] for r in _job(2)]
+    for rank, got in enumerate(ranks):
+        assert got["chosen"] == [[True]] * 4, f"rank {rank}: every block's microbatch shape takes the schedule"
+        assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), f"rank {rank}: losses", **TOLERANCE)
+    for key, want in want_state.items():
+        assert_close(ranks[0]["state"][key], want, f"{key} after {STEPS} steps", **TOLERANCE)
 
 
 def test_the_schedule_all_reduces_each_sharded_branch_once_per_sub_batch_each_way():

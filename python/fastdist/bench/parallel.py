@@ -38,7 +38,7 @@ thread, gloo's threads included). Parts (--parts):
               --tp-nets network (default: --net when it names a link, else loopback and 1gbit): bench/tp.py's
               variants (fastdist.tp's Megatron-style, chunked and Oases mappings, and torch's DTensor
               parallelize_module with Colwise/RowwiseParallel, each checked against the unsharded block) and the
-              tp=2 module fastdist.parallelize builds for the same block.
+              tp=2 modules fastdist.parallelize builds for the same block (tp_overlap "auto" and "oases").
   boundaries  fastdist.parallel.transport's comparison at --boundary-net: compressed activations and gradients
               inside torch's schedules against StageBoundary in a GPipe loop, TopK packing through Schedule1F1B,
               and uncompressed 1F1B.
@@ -78,6 +78,8 @@ TP_VARIANTS = ["megatron", "chunked", "oases", "dtensor"]
 """bench/tp.py's GPT-block variants this suite times (its +recompute variants are left to that suite)."""
 PARALLELIZE_TP = "parallelize tp=2"
 """The tp row of fastdist.parallelize: the stage module its mesh (1, 2, 1) builds for the block."""
+PARALLELIZE_TP_OASES = "parallelize tp=2 oases"
+"""The same with ``tp_overlap="oases"``: the user's block under the Oases sub-batch schedule."""
 PARTS = ["pipeline", "balance", "cost", "tp", "boundaries"]
 SWEEP_STAGES = (4, 8, 16, 32, 64)
 SWEEP_MICROBATCHES = (8, 16, 32, 64)
@@ -571,7 +573,7 @@ class OneBlock(nn.Module):
         return self.blocks[0](x)
 
 
-def _parallelized_block(config: dict):
+def _parallelized_block(config: dict, tp_overlap: int | str = "auto"):
     """(the tp=2 module fastdist.parallelize builds for bench/tp.py's GPT block, the block, its input): the same
     block and input as bench/tp.py's variants (its seeds)."""
     from fastdist.parallel import parallelize
@@ -583,7 +585,7 @@ def _parallelized_block(config: dict):
     x = torch.randn(batch, seq, hidden)
     engine = parallelize(OneBlock(copy.deepcopy(ref)), mesh=(1, dist.get_world_size(), 1), example_inputs=(x,),
                          loss_fn=lambda out, target: out.float().pow(2).mean(),
-                         optimizer=lambda params: torch.optim.AdamW(params), tp_overlap="auto")
+                         optimizer=lambda params: torch.optim.AdamW(params), tp_overlap=tp_overlap)
     return engine.module, ref, x
 
 
@@ -604,6 +606,10 @@ def _tp_rank(config: dict) -> dict | None:
     variants[PARALLELIZE_TP] = tp.training_step(module, x)
     errors.update(tp.check_against(tp.training_step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
     chunks[PARALLELIZE_TP] = tp.chosen_chunks(module)  # "auto" chooses at the first call
+    oases, _, _ = _parallelized_block(config, "oases")
+    variants[PARALLELIZE_TP_OASES] = tp.training_step(oases, x)
+    errors.update(tp.check_against(tp.training_step(ref, x)(),
+                                   {PARALLELIZE_TP_OASES: variants[PARALLELIZE_TP_OASES]()}))
     names = list(variants)
     samples = time_interleaved(variants, config["warmup"], config["reps"], f"parallel tp {config['net']}")
     rows = tp.timing_rows(samples, names, "variant", errors, chunks)

@@ -3,14 +3,19 @@
 full state dict and re-sharding a loaded one)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
-import inspect
 import fnmatch
+import inspect
+import types
+import warnings
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fastdist.distributed import check_same
 
 __all__ = ["OasesBlock", "Shard", "TP_OVERLAPS", "dense_layers", "expand_tp_plan", "install_oases", "shard_of",
            "shard_stage"]
@@ -50,8 +55,10 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
         stage: this rank's pipeline stage, sharded in place.
         group: the tensor-parallel group.
         plan: {layer name: "colwise" | "rowwise"}, or None for fastdist.tp's default policy.
-        overlap: ``overlap_chunks`` of the parallel linears ("auto" or an int), or "oases": every block runs
-            under the Oases sub-batch schedule (:class:`OasesBlock`), its linears unchunked.
+        overlap: "oases": every block runs under the Oases sub-batch schedule (:class:`OasesBlock`), its linears
+            unchunked; "auto": each block runs under it where fastdist.tp's calibrated cost model predicts that it
+            pays (:func:`oases_pays`), else its linears' chunk counts are the model's; an int: the linears'
+            ``overlap_chunks``.
     """
     from fastdist import tp
     from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear, dense_parameters, is_conv1d
@@ -68,9 +75,9 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
             rows = torch.arange(weight.shape[0])
             for d in range(k):
                 weight[:, d] = ((rows // _MARK_BASE ** d) % _MARK_BASE).to(weight.dtype)
-    oases = overlap == "oases"
+    oases = overlap in TP_OVERLAPS
     try:
-        tp.parallelize(stage, group, plan=plan, overlap_chunks=1 if oases else overlap)
+        tp.parallelize(stage, group, plan=plan, overlap_chunks=1 if overlap == "oases" else overlap)
     except ValueError as e:
         if "found no transformer block" in str(e):
             raise ValueError(f"{e}. With parallelize(tp_plan=...) name them with wildcards, e.g. "
@@ -95,7 +102,7 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
             else:
                 dense_parameters(layer)[0].copy_(full)
     if oases:
-        install_oases(stage, group)
+        install_oases(stage, group, auto=overlap == "auto")
     return layouts
 
 
@@ -207,13 +214,17 @@ class OasesBlock:
         block: the sharded block (its ``forward`` is replaced; :meth:`remove` restores it).
         group: the tensor-parallel group.
         name: the block's path, named in errors.
+        auto: run the schedule only for input shapes where fastdist.tp's calibrated cost model predicts that it
+            beats the block's own forward by more than the model's error (:func:`oases_pays`); the block's own
+            forward otherwise, and wherever the model is uncalibrated.
     """
 
-    def __init__(self, block: nn.Module, group: dist.ProcessGroup | None, name: str):
+    def __init__(self, block: nn.Module, group: dist.ProcessGroup | None, name: str, auto: bool = False):
         from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear
 
-        self.block, self.group, self.name = block, group, name
+        self.block, self.group, self.name, self.auto = block, group, name, auto
         self.world = dist.get_world_size(group)
+        self.chosen: dict[tuple, bool] = {}
         where = f"{name} ({type(block).__name__})"
         style = next((s for s in _BLOCK_STYLES if all(isinstance(getattr(block, c, None), nn.Module) for c in s)),
                      None)
@@ -249,10 +260,15 @@ class OasesBlock:
                              "drop different elements of its partial sums. Set dropout to 0 (as large-model "
                              "pre-training does) or use tp_overlap='auto'")
         self.local = _local_forwards(block)
+        # (K, N) of each sharded branch's GEMMs, for the cost model
+        self.gemms = [[(m.in_features, m.out_per_rank) if isinstance(m, ColumnParallelLinear) else
+                       (m.in_per_rank, m.out_features) for m in getattr(block, br.call).modules()
+                       if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] for br in self.branches]
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.signature = inspect.signature(block.forward)
         self.checked = False
         self.original = block.__dict__.get("forward")
+        self.own = self.original or types.MethodType(type(block).forward, block)
         block.forward = self.forward
 
     def remove(self) -> None:
@@ -287,6 +303,8 @@ class OasesBlock:
     def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         """The block on ``x`` ``[batch, seq, hidden]`` (``batch >= 2``) under the Oases schedule."""
         from fastdist.tp.block import check_block_input
+        if self.auto and not self._chosen(x):
+            return self.own(x, *args, **kwargs)
         bound = self.signature.bind(x, *args, **kwargs)
         arguments = {}
         for k, v in list(bound.arguments.items())[1:]:
@@ -304,9 +322,21 @@ class OasesBlock:
         calls = [self._attention_call(arguments, x.shape[0], sizes), lambda u, i: getattr(self.block, self.style[3])(u)]
         plan = (self, calls, torch.is_grad_enabled())
         y = _OasesFn.apply(x, plan, *self.params)
-        if not self.checked:
-            self._check(x, args, kwargs, y)
+        if not self.checked and self._check(x, args, kwargs, y) is False:
+            return self.own(x, *args, **kwargs)
         return y
+
+    def _chosen(self, x):
+        """Whether the schedule runs for ``x``'s shape (auto mode): decided once per shape, agreed by the ranks."""
+        from fastdist.tp.cost import default_cost_model
+        key = (tuple(x.shape), x.dtype)
+        if key not in self.chosen:
+            use = x.dim() == 3 and x.shape[0] >= 2 and oases_pays(
+                default_cost_model(), self.gemms, x.shape[0] * x.shape[1], x.shape[-1], x.dtype, self.world)
+            check_same(f"tp_overlap='auto': the Oases schedule for block {self.name} on {list(x.shape)}", use,
+                       self.group)
+            self.chosen[key] = use
+        return self.chosen[key]
 
     def _check(self, x, args, kwargs, y):
         """The block's own forward on the same input (its parallel linears' collectives); raises on every rank when
@@ -322,6 +352,11 @@ class OasesBlock:
             error = ((y.detach() - want).abs().max() / want.abs().max().clamp_min(1e-30)).reshape(1).double()
         dist.all_reduce(error, op=dist.ReduceOp.MAX, group=self.group)
         tolerance = _CHECK_TOLERANCE.get(x.dtype, _CHECK_TOLERANCE_LOW_PRECISION)
+        if not error.item() <= tolerance and self.auto:
+            warnings.warn(f"fastdist: tp_overlap='auto' leaves block {self.name} to its own forward: the Oases "
+                          f"schedule differs from it by {error.item():.3g} of its output", UserWarning, stacklevel=3)
+            self.chosen = collections.defaultdict(bool)
+            return False
         if not error.item() <= tolerance:
             from fastdist.distributed.failure import agreed
             raise agreed(ValueError(
@@ -433,12 +468,13 @@ class _OasesFn(torch.autograd.Function):
         return (gx, None, *param_grads)
 
 
-def install_oases(stage: nn.Module, group: dist.ProcessGroup | None) -> list[OasesBlock]:
+def install_oases(stage: nn.Module, group: dist.ProcessGroup | None, auto: bool = False) -> list[OasesBlock]:
     """Runs every block of ``stage`` that holds a row-parallel linear under the Oases schedule.
 
     Args:
         stage: a stage already sharded by :func:`shard_stage`.
         group: the tensor-parallel group.
+        auto: :class:`OasesBlock`'s ``auto``; a block the schedule cannot map then keeps its own forward.
 
     Returns:
         The installed schedules, one per block.
@@ -459,4 +495,64 @@ def install_oases(stage: nn.Module, group: dist.ProcessGroup | None) -> list[Oas
             if not any(n.startswith(names[id(b)] + ".") for b in blocks) and \
                     any(all(isinstance(getattr(m, c, None), nn.Module) for c in style) for style in _BLOCK_STYLES):
                 blocks.append(m)
-    return [OasesBlock(b, group, names.get(id(b), type(b).__name__)) for b in blocks if sharded(b)]
+    installed = []
+    for b in blocks:
+        if not sharded(b):
+            continue
+        try:
+            installed.append(OasesBlock(b, group, names.get(id(b), type(b).__name__), auto))
+        except ValueError:
+            if not auto:
+                raise
+    return installed
+
+
+def _simulate(gemm, comm, busy, order):
+    """Seconds of one direction of the schedule: ``order`` lists (branch, sub-batch) computations in issue order;
+    each one's GEMMs take ``gemm[branch]``, then its all-reduce ``comm[branch]`` (one in flight), which takes
+    ``busy[branch]`` of compute from whatever runs beside it; a sub-batch's next branch waits for its all-reduce."""
+    compute = link = 0.0
+    ready = {}
+    for b, s in order:
+        start = max(compute, ready.get(s, 0.0))
+        compute = start + gemm[b] + (busy[b] if link > start else 0.0)
+        link = max(link, compute) + comm[b]
+        ready[s] = link
+    return max(compute, link)
+
+
+def oases_pays(model, gemms: list[list[tuple[int, int]]], tokens: int, hidden: int, dtype: torch.dtype,
+               world: int) -> bool:
+    """Whether the Oases schedule is predicted to beat the plain tensor-parallel block (each branch's GEMMs, then
+    its all-reduce, forward and backward) by more than the model's error: fastdist.tp's cost model times each
+    sharded branch's GEMMs and all-reduce on half the tokens and the schedule is simulated (:func:`_simulate`).
+    Only the GEMMs are counted (attention's other compute would hide more): the prediction errs toward the plain
+    block.
+
+    Args:
+        model: a :class:`fastdist.tp.CostModel`; uncalibrated: False.
+        gemms: (K, N) of each sharded branch's GEMMs, per branch.
+        tokens: the block's input rows (batch x seq).
+        hidden: the all-reduced width.
+        dtype: the activations' dtype.
+        world: the tensor-parallel ranks.
+    """
+    from fastdist.tp.cost import CHUNK_TOLERANCE
+    if not model.calibrated or not any(gemms):
+        return False
+    nbytes = tokens * hidden * torch.empty((), dtype=dtype).element_size()
+    branches = [b for b, g in enumerate(gemms) if g]
+
+    def gemm(rows):  # forward GEMMs; backward computes two of each shape (input and weight gradients)
+        return {b: sum(model.gemm_time(rows, k, n, dtype) for k, n in gemms[b]) for b in branches}
+
+    whole, half = gemm(tokens), gemm(-(-tokens // 2))
+    comm_whole = {b: model.allreduce_time(nbytes, world) for b in branches}
+    comm_half = {b: model.allreduce_time(nbytes / 2, world) for b in branches}
+    busy = {b: model.comm_compute_time(nbytes / 2) for b in branches}
+    plain = sum(3 * whole[b] + 2 * comm_whole[b] for b in branches)
+    forward = [(b, s) for b in branches for s in (0, 1)]
+    backward = [(b, s) for b in reversed(branches) for s in (1, 0)]
+    oases = _simulate(half, comm_half, busy, forward) + \
+        _simulate({b: 2 * g for b, g in half.items()}, comm_half, busy, backward)
+    return plain > oases * (1 + max(CHUNK_TOLERANCE, model.error))
