@@ -36,8 +36,11 @@ def test_cli_run_times_every_method_and_the_exact_ones_train_alike(tmp_path):
     assert list(rows) == embedding.METHODS
     for r in rows.values():
         assert len(r["samples_ms"]) == 2 and r["time_ms"] > 0
-    for name in ("fastdist", "ddp-sparse"):
+    for name in ("fastdist", "fastdist-priority", "fastdist-2d", "ddp-sparse"):
         assert rows[name]["loss_diff_vs_ddp_dense"] < 1e-5, name
+    # each step's phases are timed on every rank
+    assert list(rows["fastdist-2d"]["phases_ms"]) == list(embedding.PHASES)
+    assert all(len(v) == 2 for v in rows["fastdist-2d"]["phases_ms"].values())
     # fastdist's tables are split in two; its wire counts what its AlltoAlls really sent, below dense DDP's
     assert rows["fastdist"]["table_bytes"] == rows["ddp-sparse"]["table_bytes"] / 2
     assert 0 < rows["fastdist"]["wire_bytes"] < rows["ddp-dense"]["wire_bytes"]

@@ -329,6 +329,7 @@ def suite(world: int, checkpoint: str) -> dict:
         out["dlrm"] = hybrid_training("dlrm", 3)
         out["dlrm-table"] = hybrid_training("dlrm", 3, sharding="table")
         out["dlrm-prefetch"] = hybrid_training("dlrm", 3, prefetch=True)
+        out["dlrm-prioritized"] = prioritized_training()
         out["gpt"] = hybrid_training("gpt", 3)
         out["tied"] = tied_refusal()
         out["compiled"] = compiled()
@@ -557,3 +558,73 @@ def deferred_outputs() -> dict:
     return {"metadata": metadata, "pending after use": after, "outputs equal": outputs_equal,
             "grad": grad, "start": table.row_start, "no_grad": quiet_value.requires_grad,
             "refused": refused}
+
+
+# ---- the 2D schedule's priority queue ----
+
+STALL_S = 0.3  # rank 1 starts its tables' gradient exchange this late, so rank 0's is in flight meanwhile
+
+
+class _CollectiveLog:
+    """This rank's all_to_all_single and all_reduce calls while active, in issue order, and when each completed:
+    a list of [kind, issued (s), done (s) or None], observed from outside the queue."""
+
+    def __enter__(self):
+        import time
+        self.calls, self._originals = [], (dist.all_to_all_single, dist.all_reduce)
+
+        def logged(kind, fn):
+            def call(*args, **kwargs):
+                entry = [kind, time.perf_counter(), None]
+                self.calls.append(entry)
+                work = fn(*args, **kwargs)
+                if work is None:
+                    entry[2] = time.perf_counter()
+                else:
+                    work.get_future().add_done_callback(lambda _: entry.__setitem__(2, time.perf_counter()))
+                return work
+            return call
+        dist.all_to_all_single = logged("alltoall", self._originals[0])
+        dist.all_reduce = logged("allreduce", self._originals[1])
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single, dist.all_reduce = self._originals
+
+
+def prioritized_training(steps: int = 3) -> dict:
+    """The DLRM through hybrid_parallel(prioritize=True), rank 1 starting its tables' gradient exchange STALL_S
+    late in every backward: losses, the full state, how many buckets the queue held, and per step the collectives
+    of the backward as _CollectiveLog saw them."""
+    import time
+
+    from fastdist.embedding import hybrid_parallel
+    import models
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = hybrid_parallel(models.DLRM(), min_rows=500, prioritize=True)
+    def stall(module, inputs, out):  # the table's output gradient arrives, rank 1 waits before the exchange
+        if rank == 1:
+            out.register_hook(lambda grad: time.sleep(STALL_S))
+
+    for m in model.modules():
+        if isinstance(m, ShardedEmbedding):
+            m.register_forward_hook(stall)
+    opts = dlrm_optimizers(model)
+    losses, backward = [], []
+    for s in range(steps):
+        dense, ids, offsets, labels = models.dlrm_batch(rank, s)
+        for o in opts:
+            o.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(dense, ids, offsets), labels)
+        with _CollectiveLog() as log:
+            loss.backward()
+        for o in opts:
+            o.step()
+        losses.append(loss.item())
+        backward.append(log.calls)
+    state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    held, idle = model.collective_queue.held, model.collective_queue.idle()
+    del model, opts
+    gc.collect()
+    return {"losses": losses, "state": state, "held": held, "idle": idle, "backward": backward}

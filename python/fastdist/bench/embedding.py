@@ -12,6 +12,8 @@ rotated each repetition), warm-up steps first:
                 AlltoAll lookups and gradient rows), the MLPs under DDP; the tables the model calls one by one are
                 fused (LookupFusion): one exchange per step for all of them
   fastdist-unfused  the same with hybrid_parallel(fuse=False): one exchange per table
+  fastdist-priority  fastdist-unfused with hybrid_parallel(prioritize=True): the 2D schedule's priority queue holds
+                DDP's dense buckets while a table exchange of the backward is due or in flight
   fastdist-2d   the same with the 2D schedule's lookahead: after each forward, every table prefetches the next
                 batch's ids (ShardedEmbedding.prefetch): the ids leave before the backward, the rows the update
                 leaves alone when the backward reaches the table, and the next lookup waits only for the rest (the
@@ -20,8 +22,8 @@ rotated each repetition), warm-up steps first:
                 in one AlltoAll
   fastdist-collection  the same, with the model's tables written as one ShardedEmbeddingCollection (as TorchRec's
                 users write one EmbeddingBagCollection): every table in one exchange per step
-  ddp-sparse    DDP over the whole model with EmbeddingBag(sparse=True): gloo's sparse all-reduce of the table
-                gradients (an all-gather of every rank's rows: AGsparse)
+  ddp-sparse    fastdist.bench.peers.ddp_sparse: DDP over the whole model with EmbeddingBag(sparse=True), gloo's
+                sparse all-reduce of the table gradients (a ring all-gather of every rank's rows: AGsparse)
   ddp-sketch-auto  the same with fastdist's sketch_hook (SketchState(mode="auto"): per call dense, the exact union
                 or a count-sketch, lossless here as the union is small) as DDP's comm hook
   ddp-dense     DDP over the whole model with dense table gradients (ring all-reduce of the full tables)
@@ -33,7 +35,8 @@ rotated each repetition), warm-up steps first:
 
 Columns: step is the median over repetitions of the slowest rank's fwd+bwd+optimizer step; samples/s is ranks x
 --batch over it; vs ddp-sparse is ddp-sparse's median over the method's; wire model is what a rank sends per step
-by the method's byte model (ring all-reduce / all-gather as fastdist.comm.wire; fastdist's own count of the ids,
+by the method's byte model, the busiest rank's (dense DDP: a ring all-reduce as fastdist.comm.wire; ddp-sparse:
+peers.ddp_sparse_wire_bytes, gloo's ring all-gatherv of the ranks' (index, row) lists; fastdist's own count of the ids,
 rows, gradient rows and a prefetch's flags its AlltoAlls sent to other ranks plus the dense all-reduce); tx is what
 the busiest rank's interface really sent per step (simulated network only); tables/rank is the table weights a rank
 holds (SGD keeps no state); final loss is rank 0's loss at the last step, and the loss diff the largest difference from
@@ -45,6 +48,7 @@ import argparse
 import gc
 import os
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -57,11 +61,12 @@ from fastdist.bench import report
 from fastdist.bench.launch import add_launch_arguments, pin_local_rank, run_suite, tx_counter
 from fastdist.bench.report import MIB, col, fixed, scaled, scientific, times
 from fastdist.bench.toolkit import all_max, at_least, comma_list, rounds, together
-from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
+from fastdist.bench.peers import ddp_sparse, ddp_sparse_wire_bytes
+from fastdist.comm.wire import ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
-METHODS = ["fastdist", "fastdist-unfused", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection", "ddp-sparse",
-           "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
+METHODS = ["fastdist", "fastdist-unfused", "fastdist-priority", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection",
+           "ddp-sparse", "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
 DENSE_IN = 13
 HIDDEN = 64
 BASELINE = "ddp-sparse"
@@ -204,11 +209,14 @@ def build(name: str, config: dict):
     dense_tables = name == "ddp-dense"
     model = DLRM(config["tables"], config["rows"], config["dim"], sparse=not dense_tables)
     if name.startswith("fastdist") and name != "fastdist-collection":
-        model = hybrid_parallel(model, min_rows=2, fuse=name != "fastdist-unfused")
+        model = hybrid_parallel(model, min_rows=2, fuse=name not in ("fastdist-unfused", "fastdist-priority"),
+                                prioritize=name == "fastdist-priority")
     elif name == "fastdist-collection":
         model = hybrid_parallel(_CollectionDLRM(model))
-    elif name in ("ddp-sparse", "ddp-dense", "ddp-sketch-auto"):
+    elif name == "ddp-dense":
         model = DistributedDataParallel(model)
+    elif name in ("ddp-sparse", "ddp-sketch-auto"):
+        model = ddp_sparse(model)
         if name == "ddp-sketch-auto":
             from fastdist.comm.hooks import SketchState, sketch_hook
             model.register_comm_hook(SketchState(mode="auto"), sketch_hook)
@@ -217,20 +225,33 @@ def build(name: str, config: dict):
     return model, [torch.optim.SGD(model.parameters(), lr=config["lr"])]
 
 
+PHASES = ("forward", "prefetch", "backward", "optimizer", "drain")
+"""A step's phases, timed on each rank: forward (the lookups included), the next batch's prefetch call, backward
+(with the gradient exchanges and DDP's all-reduce it waits for), the optimizer step, the wait for rows sent ahead."""
+
+
 def _step(model, opts, batch, ahead=None, rows_ahead=True):
+    """One training step; returns (loss, the seconds of each of PHASES on this rank)."""
+    marks = [time.perf_counter()]
     for o in opts:
         o.zero_grad(set_to_none=True)
     loss = model(batch)
+    marks.append(time.perf_counter())
     if ahead is not None:  # the next batch's lookups start before this backward (fastdist-2d)
         for table, ids in zip(model.module.embeddings, ahead["ids"]):
             table.prefetch(ids, ahead["offsets"], rows_ahead=rows_ahead)
+    marks.append(time.perf_counter())
     loss.backward()
+    marks.append(time.perf_counter())
     for o in opts:
         o.step()
+    marks.append(time.perf_counter())
     if ahead is not None:  # the rows sent ahead belong to this step, not to the methods timed next
         for table in model.module.embeddings:
             table.wait_prefetch()
-    return loss.item()
+    value = loss.item()
+    marks.append(time.perf_counter())
+    return value, [b - a for a, b in zip(marks, marks[1:])]
 
 
 def wire_model(name: str, config: dict, world: int, model: nn.Module, batch: dict) -> float | None:
@@ -240,9 +261,13 @@ def wire_model(name: str, config: dict, world: int, model: nn.Module, batch: dic
                           if "embeddings" not in n)
     if name == "ddp-dense":
         return ring_allreduce_bytes(dense_bytes + 4 * tables * rows * dim, world)
-    if name == "ddp-sparse":  # gloo coalesces each table's sparse gradient and all-gathers (index, row) lists
-        unique = sum(int(torch.unique(i).numel()) for i in batch["ids"])
-        return ring_allreduce_bytes(dense_bytes, world) + ring_allgather_bytes(unique * (8 + 4 * dim), world)
+    if name == "ddp-sparse":  # gloo all-gathers each table's coalesced (index, row) lists in a ring (peers' model)
+        mine = torch.tensor([int(torch.unique(i).numel()) for i in batch["ids"]])
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        rows = torch.stack(every)  # [rank, table]
+        return ring_allreduce_bytes(dense_bytes, world) + sum(ddp_sparse_wire_bytes(rows[:, t].tolist(), dim)
+                                                              for t in range(tables))
     return None
 
 
@@ -259,7 +284,7 @@ def bench_rank(config: dict) -> Any:
         torch.manual_seed(0)
         local = DLRM(config["tables"], config["rows"], config["dim"], sparse=True)
         built["local"] = (local, [torch.optim.SGD(local.parameters(), lr=config["lr"])])
-    samples = {m: {"ms": [], "tx": [], "loss": [], "wire": []} for m in methods}
+    samples = {m: {"ms": [], "tx": [], "loss": [], "wire": [], "phases_ms": []} for m in methods}
     for it, name, timed in rounds(methods, config["warmup"], config["steps"], "embedding", enabled=rank == 0):
         batch = make_batch(config, rank, it)
         if name == "torchrec":
@@ -270,13 +295,16 @@ def bench_rank(config: dict) -> Any:
         before = _traffic(model)
         tx0 = tx_counter(config["measure_tx"])
         with together() as watch:
-            loss = _step(model, opts, batch, ahead, rows_ahead=name == "fastdist-2d")
+            loss, phases = _step(model, opts, batch, ahead, rows_ahead=name == "fastdist-2d")
         tx = tx_counter(config["measure_tx"]) - tx0
         seconds, tx_max = all_max([watch.seconds, float(tx)])
+        every = [None] * world
+        dist.all_gather_object(every, [1e3 * p for p in phases])
         s = samples[name]
         s["loss"].append(loss)
         if timed:
             s["ms"].append(1e3 * seconds)
+            s["phases_ms"].append(every)  # [rank][phase]
             s["tx"].append(tx_max)
             sent = _traffic(model) - before
             wire = wire_model(name, config, world, model, batch) if not name.startswith("fastdist") else sent + \
@@ -317,7 +345,10 @@ def _summarise(name, s, memory, reference_losses, world, config):
     diff = None
     if reference_losses is not None and name not in ("torchrec", "local"):
         diff = max(abs(a - b) for a, b in zip(s["loss"], reference_losses))
+    phases = {p: [statistics.median(step[r][i] for step in s["phases_ms"]) for r in range(world)]
+              for i, p in enumerate(PHASES)} if s["phases_ms"] else None
     return {"method": name, "time_ms": ms, "samples_ms": s["ms"], "samples_per_s": world * config["batch"] / ms * 1e3,
+            "phases_ms": phases, "samples_phases_ms": s["phases_ms"],
             "wire_bytes": statistics.median(wire) if wire else None,
             "tx_bytes": statistics.median(s["tx"]) if config["measure_tx"] else None, "table_bytes": memory,
             "final_loss": s["loss"][-1], "losses": s["loss"], "loss_diff_vs_ddp_dense": diff}
@@ -362,6 +393,10 @@ def tables(result: dict) -> list[report.Part]:
     if "local" in by and BASELINE in by:
         share = 1 - by["local"]["time_ms"] / by[BASELINE]["time_ms"]
         notes.append(f"communication share of ddp-sparse's step (1 - local / ddp-sparse): {100 * share:.0f}%.")
+    for r in rows:
+        if r.get("phases_ms") and r["method"] != "local":
+            notes.append(f"{r['method']} phases (ms, median per rank, slowest rank): " + ", ".join(
+                f"{p} {max(v):.1f}" for p, v in r["phases_ms"].items() if max(v) >= 0.05))
     if "torchrec" in by:
         notes.append("torchrec's tables start from TorchRec's own initialization, so its loss is not comparable.")
     return [report.Part("step", columns, rows, caption, notes)]

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.distributed import global_ranks
 from fastdist.embedding.fused import LookupFusion
+from fastdist.embedding.schedule import CollectiveQueue, prioritized_hook
 from fastdist.embedding.sharded import ShardedEmbedding, group_rank_and_world, lookup, prefetch
 
 __all__ = ["ShardedEmbeddingCollection", "balance_tables", "hybrid_parallel"]
@@ -115,7 +116,7 @@ def _tied_names(model):
 def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, min_rows: int = 65536,
                     comm_hook: Callable | None = None, comm_state: object = None,
                     shard: Mapping[str, bool] | None = None, sharding: str = "row", fuse: bool = False,
-                    **ddp_options: object) -> nn.Module:
+                    prioritize: bool = False, **ddp_options: object) -> nn.Module:
     """Shards every ``nn.Embedding``/``nn.EmbeddingBag`` of ``model`` with at least ``min_rows`` rows and wraps the
     rest in DDP; the training loop stays the user's (build the optimizer after this call: the tables' parameters
     are now their shards).
@@ -139,6 +140,11 @@ def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, mi
             and one rows AlltoAll forward, one gradient AlltoAll backward) instead of one each. Off by default:
             on this project's 4-rank runs the fused form was level or slower (half the collectives, but a table's
             gradient rows no longer travel while the next table is still being differentiated).
+        prioritize: order the collectives by when the next iteration needs them (the 2D schedule's priority
+            queue, :class:`~fastdist.embedding.schedule.CollectiveQueue`): DDP's buckets (through ``comm_hook``,
+            or torch's all-reduce hook) are held while any table exchange is in flight or due in this backward,
+            and leave as the last one completes. The queue is the returned DDP module's ``collective_queue``.
+            Off by default (see docs/embedding.md for its measured effect).
         **ddp_options: passed to ``DistributedDataParallel``.
 
     Returns:
@@ -168,12 +174,14 @@ def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, mi
     table_group = dist.new_group(global_ranks(group)) if chosen and world > 1 else group
     owners = balance_tables({n: modules[n].num_embeddings * modules[n].embedding_dim for n in chosen}, world)
     fusion = LookupFusion() if fuse else None
+    queue = CollectiveQueue() if prioritize and chosen and world > 1 else None
     for name in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         sharded = ShardedEmbedding.from_embedding(modules[name], group=table_group, sharding=sharding,
                                                   owner=owners[name], average_gradients=True)
         sharded.table_name = name
+        sharded.queue = queue
         if fusion is not None:
             fusion.bind(sharded)
         setattr(parent, attr, sharded)
@@ -184,6 +192,11 @@ def hybrid_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, mi
         return model
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model, process_group=group, **ddp_options)
-    if comm_hook is not None:
+    if queue is not None:
+        ddp.register_comm_hook(comm_state if comm_hook is not None else ddp.process_group,
+                               prioritized_hook(queue, comm_hook))
+        queue.add_tables(m for m in model.modules() if isinstance(m, ShardedEmbedding))
+        ddp.collective_queue = queue
+    elif comm_hook is not None:
         ddp.register_comm_hook(comm_state, comm_hook)
     return ddp

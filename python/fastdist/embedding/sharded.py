@@ -150,6 +150,7 @@ class ShardedEmbedding(nn.Module):
         self._prefetch = None  # a started lookup of the next batch (see prefetch)
         self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lookups awaiting their gradient
         self.fusion = None  # a LookupFusion: calls are deferred and looked up together (see fused.py)
+        self.queue = None  # a schedule.CollectiveQueue tracking the asynchronous exchanges (hybrid_parallel)
         self.reset_parameters()
 
     # ---- construction ----
@@ -395,7 +396,7 @@ class ShardedEmbedding(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["group"], state["_detached"] = None, True  # a process group does not pickle; rebind with attach()
-        state["_prefetch"], state["_pending"] = None, None
+        state["_prefetch"], state["_pending"], state["queue"] = None, None, None  # the queue holds a lock
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -665,6 +666,7 @@ def lookup(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: 
         rows, pieces = _owner_rows(modules, route.recv_ids)
         plan = (route.send_splits, route.recv_splits, group, pieces, _watch(pieces), _slots(route))
         rows = _RowExchange.apply(rows, plan, *[m.weight for m in modules])
+        _bind(plan[4], rows)
     else:  # one rank: the unique ids in table order, each table's rows with nn.Embedding's gradient
         rows = torch.cat([_local_rows(m, u) for m, u in zip(modules, route.uniques)])
     return _expand_all(route, rows)
@@ -728,6 +730,7 @@ def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group
             raise RuntimeError("fastdist: ShardedEmbedding.prefetch called twice without a lookup in between")
     route = _prepare(modules, [tuple(a) + (None,) * (3 - len(a)) for a in inputs], group)
     _issue_ids(route, async_op=True)
+    _track(modules, route.work, "prefetch ids")
     route.advanced, route.rows_ahead = False, rows_ahead
     for m in modules:
         m._prefetch = route  # with no backward in flight, the rows are sent at the next lookup
@@ -792,6 +795,7 @@ def _advance(route: _Route, update_done: bool) -> None:
     route.early = rows.new_empty((sum(early_recv), rows.shape[1]))
     route.early_work = dist.all_to_all_single(route.early, rows[~late], early_recv, early_send,
                                               group=route.group, async_op=True)
+    _track(route.modules, route.early_work, "early rows")
     traffic, me = route.modules[0].traffic, route.rank
     traffic["rows"] += sum(early_send) - early_send[me]
     traffic["control"] += sum(route.recv_splits) - route.recv_splits[me]  # the bytes saying which rows wait
@@ -837,6 +841,7 @@ def _finish_prefetch(route: _Route, inputs) -> list | None:
         modules[0].traffic["grad_rows"] += sum(route.send_splits) - route.send_splits[route.rank]
     plan = (route.send_splits, route.recv_splits, route.group, route.pieces, _watch(route.pieces), _slots(route))
     rows = _Prefetched.apply(received, plan, *[m.weight for m in modules])
+    _bind(plan[4], rows)
     return _expand_all(route, rows)
 
 
@@ -905,10 +910,18 @@ class _Pending:
     """A lookup whose gradient rows have not reached the owners yet (weakly held by the tables it read: a graph
     freed without a backward forgets it)."""
 
-    __slots__ = ("__weakref__", "started")
+    __slots__ = ("__weakref__", "started", "issued", "node")
 
     def __init__(self):
         self.started = False  # its backward has begun: its rows are all the update will add
+        self.issued = False  # its gradient rows are on their way (set by the collective queue, when there is one)
+        self.node = None  # the exchange's autograd node (the queue asks whether this backward will run it)
+
+
+def _bind(token, rows) -> None:
+    """Records the exchange's autograd node on its pending lookup."""
+    if token is not None:
+        token.node = (rows[0] if isinstance(rows, tuple) else rows).grad_fn
 
 
 def _watch(pieces):
@@ -949,9 +962,18 @@ class _RowExchange(torch.autograd.Function):
         received = grad.new_empty((sum(recv_splits), grad.shape[1]))
         work = dist.all_to_all_single(received, grad.contiguous(), recv_splits, send_splits, group=group,
                                       async_op=True)
+        _track([m for m, _, _ in pieces], work, "gradient rows", token)
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: _add_gradients(work, received, pieces, token))
         return (None, None) + (None,) * len(pieces)
+
+
+def _track(modules, work, name: str, token=None) -> None:
+    """Tells the tables' collective queue (if any: ``hybrid_parallel(prioritize=True)``) that an exchange of
+    theirs is in flight (the gradient rows of the pending lookup ``token``), so that DDP's buckets wait for it."""
+    queue = modules[0].queue
+    if queue is not None and work is not None:
+        queue.track(work, name=name, fulfils=token)
 
 
 def _by_table(rows, slots):
