@@ -320,7 +320,7 @@ def suite(world: int, checkpoint: str) -> dict:
     it."""
     out = {"lookups": lookups(CASES), "refusals": refusals(), "empty": empty_batch_on_one_rank(),
            "capacity": growing_and_shrinking_batches(),
-           "prefetch": {s: prefetch_training(s) for s in ("plain", "2d", "ids", "after-step", "mismatch")},
+           "prefetch": {s: prefetch_training(s) for s in ("plain", "2d", "now", "ids", "after-step", "mismatch")},
            "prefetch refusal": prefetch_refusal()}
     if world == 2:
         out["train"] = train(list(OPTIMIZERS), 4)
@@ -360,8 +360,8 @@ def prefetch_batch(rank: int, step: int):
 
 def prefetch_training(schedule: str) -> dict:
     """Per optimizer: this rank's outputs at every step and its shard at the end, trained with `schedule`:
-    "plain" (no prefetch), "2d" (the next batch prefetched after the forward, before the backward), "ids" (the
-    same, only the ids sent ahead), "after-step"
+    "plain" (no prefetch), "2d" (the next batch prefetched after the forward, before the backward), "now" (the
+    same, the rows sent ahead at the prefetch call), "ids" (the same, only the ids sent ahead), "after-step"
     (prefetched after the optimizer step) or "mismatch" (as 2d, but rank 1 prefetches other ids than it looks up
     at MISMATCH_STEP)."""
     rank, out = dist.get_rank(), {}
@@ -375,11 +375,11 @@ def prefetch_training(schedule: str) -> dict:
             opt.zero_grad()
             y = table(ids, offsets, psw)
             ys.append(y.detach().clone())
-            if schedule in ("2d", "ids", "mismatch") and step + 1 < PREFETCH_STEPS:
+            if schedule in ("2d", "now", "ids", "mismatch") and step + 1 < PREFETCH_STEPS:
                 ahead = list(prefetch_batch(rank, step + 1)[:3])
                 if schedule == "mismatch" and step + 1 == MISMATCH_STEP and rank == 1:
                     ahead[0] = ahead[0].flip(0)  # not what it looks up: every rank looks that step up afresh
-                table.prefetch(*ahead, rows_ahead=schedule != "ids")
+                table.prefetch(*ahead, rows_ahead={"ids": False, "now": "now"}.get(schedule, True))
             (y * upstream).sum().backward()
             opt.step()
             if schedule == "after-step" and step + 1 < PREFETCH_STEPS:

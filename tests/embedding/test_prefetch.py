@@ -39,7 +39,7 @@ def job(request):
     return request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
 
 
-@pytest.mark.parametrize("schedule", ["2d", "ids", "after-step", "mismatch"])
+@pytest.mark.parametrize("schedule", ["2d", "now", "ids", "after-step", "mismatch"])
 def test_prefetched_training_equals_the_unprefetched_run_and_one_process(job, schedule):
     world = len(job)
     for name in ranks.PREFETCH_OPTIMIZERS:
@@ -60,9 +60,9 @@ def test_prefetched_training_equals_the_unprefetched_run_and_one_process(job, sc
 def test_a_row_updated_in_one_step_is_looked_up_with_its_updated_value(two_ranks):
     # Rows 0-3 are in every step's batch on every rank: each step updates them and the next looks them up while
     # the prefetch runs. A read before the update (stale) would differ; the prefetched lookup equals the fresh one.
-    for name in ranks.PREFETCH_OPTIMIZERS:
+    for name, schedule in [(n, s) for n in ranks.PREFETCH_OPTIMIZERS for s in ("2d", "now")]:
         want, stale, _ = reference(name, 2)
-        for rank, got in enumerate(r["prefetch"]["2d"][name] for r in two_ranks):
+        for rank, got in enumerate(r["prefetch"][schedule][name] for r in two_ranks):
             for step in range(1, ranks.PREFETCH_STEPS):
                 assert not torch.allclose(stale[rank][step], want[rank][step], atol=1e-4), (name, rank, step)
                 assert_close(got["y"][step], want[rank][step], f"{name} rank {rank} step {step}",
@@ -109,8 +109,9 @@ def test_every_prefetched_row_travels_once(job):
     for rank, got in enumerate(r["prefetch"] for r in job):
         for name in ranks.PREFETCH_OPTIMIZERS:
             plain = got["plain"][name]["traffic"]
-            for schedule in ("2d", "ids", "after-step"):
+            for schedule in ("2d", "now", "ids", "after-step"):
                 ours = got[schedule][name]["traffic"]
                 assert (ours["rows"], ours["grad_rows"]) == (plain["rows"], plain["grad_rows"]), \
                     (rank, name, schedule)
             assert plain["control"] == 0 and got["2d"][name]["traffic"]["control"] > 0, (rank, name)
+            assert got["now"][name]["traffic"]["control"] > 0, (rank, name)

@@ -18,6 +18,8 @@ rotated each repetition), warm-up steps first:
                 batch's ids (ShardedEmbedding.prefetch): the ids leave before the backward, the rows the update
                 leaves alone when the backward reaches the table, and the next lookup waits only for the rest (the
                 tables' prefetches fused into one exchange, as their lookups are)
+  fastdist-2d-now  the same with prefetch(rows_ahead="now"): the rows the update leaves alone leave at the prefetch
+                call, before the backward, and travel during all of it
   fastdist-2d-ids  the same with prefetch(rows_ahead=False): only the ids go ahead, the lookup fetches every row
                 in one AlltoAll
   fastdist-collection  the same, with the model's tables written as one ShardedEmbeddingCollection (as TorchRec's
@@ -65,7 +67,7 @@ from fastdist.bench.peers import ddp_sparse, ddp_sparse_wire_bytes
 from fastdist.comm.wire import ring_allreduce_bytes
 from fastdist.testing.corpus import generator, zipf_probs
 
-METHODS = ["fastdist", "fastdist-unfused", "fastdist-priority", "fastdist-2d", "fastdist-2d-ids", "fastdist-collection",
+METHODS = ["fastdist", "fastdist-unfused", "fastdist-priority", "fastdist-2d", "fastdist-2d-now", "fastdist-2d-ids", "fastdist-collection",
            "ddp-sparse", "ddp-sketch-auto", "ddp-dense", "torchrec", "local"]
 DENSE_IN = 13
 HIDDEN = 64
@@ -295,7 +297,8 @@ def bench_rank(config: dict) -> Any:
         before = _traffic(model)
         tx0 = tx_counter(config["measure_tx"])
         with together() as watch:
-            loss, phases = _step(model, opts, batch, ahead, rows_ahead=name == "fastdist-2d")
+            rows_ahead = {"fastdist-2d": True, "fastdist-2d-now": "now"}.get(name, False)
+            loss, phases = _step(model, opts, batch, ahead, rows_ahead=rows_ahead)
         tx = tx_counter(config["measure_tx"]) - tx0
         seconds, tx_max = all_max([watch.seconds, float(tx)])
         every = [None] * world

@@ -247,7 +247,7 @@ class ShardedEmbedding(nn.Module):
         return lookup([self], [inputs], self.group)[0]
 
     def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                 per_sample_weights: torch.Tensor | None = None, *, rows_ahead: bool = True) -> None:
+                 per_sample_weights: torch.Tensor | None = None, *, rows_ahead: bool | str = True) -> None:
         """Starts the lookup of the next batch (the 2D schedule's lookahead): call it with the next batch's ids
         (as ``forward`` takes them) after this step's forward, before its backward. The ids leave at once; with
         ``rows_ahead`` the rows this step's update leaves alone follow when the backward reaches the table, and the
@@ -259,7 +259,9 @@ class ShardedEmbedding(nn.Module):
             input: the next batch's ids, as ``forward`` takes them.
             offsets: the next batch's bag offsets (bags only).
             per_sample_weights: the next batch's per-sample weights (``mode="sum"`` only).
-            rows_ahead: send the rows the pending update leaves alone before the update (else only the ids).
+            rows_ahead: send the rows the pending update leaves alone before the update, when the backward
+                reaches the table (True) or at once ("now"; see :func:`fastdist.embedding.prefetch`), or only the
+                ids (False).
 
         A table bound to a :class:`~fastdist.embedding.LookupFusion` prefetches with the fusion's other tables in
         one exchange: issued when every table of the fusion has been prefetched, else when the backward reaches the
@@ -701,11 +703,13 @@ def _expand_all(route: _Route, rows: torch.Tensor | tuple) -> list:
 
 @torch.compiler.disable
 def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group: dist.ProcessGroup | None,
-             rows_ahead: bool = True) -> None:
+             rows_ahead: bool | str = True) -> None:
     """Starts the next lookup of ``modules`` with ``inputs`` before the pending update of the tables is done.
 
     The ids leave at once (asynchronously). With ``rows_ahead``, when the backward in flight reaches the tables
-    (every row the pending optimizer step will change is then known), each owner sends the rows that step will not
+    (with ``rows_ahead="now"``: in this call, after the ids have arrived; every row the pending optimizer step will
+    change is known by then, since any lookup of these tables after this call finishes or drops the prefetch), each
+    owner sends the rows that step will not
     change (asynchronously, flagged), and the next :func:`lookup` of these tables with these inputs sends the
     flagged rest, read after the step. Without it (or with no backward in flight), the lookup sends every row in
     one AlltoAll: only the ids went ahead. Either way every row is read after the last change to it, so the result
@@ -718,7 +722,9 @@ def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group
         modules: tables sharded over ``group``, all of one ``embedding_dim`` and dtype (as :func:`lookup`).
         inputs: per table ``(ids, offsets, per_sample_weights)`` of the next lookup.
         group: their process group.
-        rows_ahead: send the rows the pending update leaves alone when the backward reaches the tables.
+        rows_ahead: send the rows the pending update leaves alone when the backward reaches the tables (True),
+            at once ("now": they travel during the whole backward, at the price of the ids' round trip and the
+            flags' AlltoAll in this call), or not (False: only the ids go ahead).
 
     Raises:
         RuntimeError: a prefetch of one of the tables is already pending (no lookup since).
@@ -734,6 +740,8 @@ def prefetch(modules: Sequence[ShardedEmbedding], inputs: Sequence[tuple], group
     route.advanced, route.rows_ahead = False, rows_ahead
     for m in modules:
         m._prefetch = route  # with no backward in flight, the rows are sent at the next lookup
+    if rows_ahead == "now":
+        _advance(route, update_done=False)
 
 
 def _drop_prefetches(modules) -> None:
