@@ -14,6 +14,8 @@ import importlib
 import sys
 import time
 
+from fastdist.bench import report
+
 SUITES = {
     "collectives": "fastdist.bench.collectives",
     "compress": "fastdist.bench.compress",
@@ -81,17 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_suite(name, argv, json_path=None, plot_path=None):
-    module = _suite(name)
-    p = argparse.ArgumentParser(prog=f"fastdist-bench {name}")
-    module.add_arguments(p)
-    result = module.run(p.parse_args(argv))
-    return _save(module, result, json_path, plot_path)
-
-
-def _save(module, result, json_path, plot_path):
-    from fastdist.bench import report
-
+def _run(args, json_path, plot_path):
+    """Runs the suite `args` names; writes its JSON and plot where asked; returns its payload."""
+    module = _suite(args.suite)
+    result = module.run(args)
     if result is None:  # a non-printing rank under torchrun
         return None
     if json_path:
@@ -110,10 +105,9 @@ def tour(json_path: str | None = None, plot_path: str | None = None) -> dict:
     for name, argv in TOUR.items():
         print(f"\n=== fastdist-bench {name} {' '.join(argv)}", flush=True)
         plot_for = plot_path.replace(".png", f"-{name}.png") if plot_path else None
-        results[name] = _run_suite(name, argv, plot_path=plot_for)
+        results[name] = _run(build_parser().parse_args([name, *argv]), None, plot_for)
     print(f"\n# tour finished in {time.monotonic() - start:.0f} s")
     if json_path:
-        from fastdist.bench import report
         report.write_json(json_path, {"suite": "tour", "results": results})
         print(f"# wrote {json_path}")
     return results
@@ -132,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite is None:
         tour(args.json, args.plot)
         return 0
-    module = _suite(args.suite)
-    result = module.run(args)
-    _save(module, result, getattr(args, "json", None), getattr(args, "plot", None))
+    _run(args, getattr(args, "json", None), getattr(args, "plot", None))
     return 0
 
 

@@ -1,14 +1,10 @@
 """`fastdist-bench collectives`: nccl-tests style sweep of torch.distributed collectives.
 
-all_reduce, all_gather, reduce_scatter, all_to_all (even and uneven splits) and broadcast over a
-size sweep on N ranks, on loopback or the simulated cluster (`--net 1gbit`). Every result of every
-iteration is checked against its exact expected value (#wrong). Columns follow nccl-tests:
-size is the per-rank buffer (all_gather: output, reduce_scatter: input), algbw = size / time,
-busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others (broadcast: algbw).
-"wire B/rank" is what a bandwidth-optimal algorithm must send from its busiest rank (ring all-reduce:
-2(n-1)/n * size; broadcast: size); "tx B/rank" is what the busiest rank's own interface really sent
-(netsim only; barriers included), so the two side by side show where a backend exceeds the optimum —
-e.g. gloo's reduce_scatter is an all-reduce in disguise and sends twice the optimum.
+all_reduce, all_gather, reduce_scatter, all_to_all (even and uneven splits) and broadcast over a size sweep on N
+ranks, every result checked against its exact value (#wrong). Columns follow nccl-tests (size is the per-rank
+buffer: all_gather's output, reduce_scatter's input). "wire B/rank" is what a bandwidth-optimal algorithm must send
+from its busiest rank, "tx B/rank" what that rank's interface really sent (netsim only; barriers included): side by
+side they show where a backend exceeds the optimum (gloo's reduce_scatter is an all-reduce and sends twice it).
 """
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ import torch.distributed as dist
 from fastdist.bench import report
 from fastdist.bench.report import col, fixed, integer
 from fastdist.bench.launch import add_launch_arguments, run_suite, tx_counter
-from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, parse_size, progress, rank_device,
-                                     together)
+from fastdist.bench.toolkit import (all_max, all_sum, at_least, comma_list, parse_size, progress, rank_device, together)
 from fastdist.comm.wire import ring_allgather_bytes, ring_allreduce_bytes
 from fastdist.distributed import compat
 
@@ -182,8 +177,6 @@ def bench_rank(config: dict) -> Any:
         del case
     return rows if rank == 0 else None
 
-
-# --- driver ----------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""

@@ -15,16 +15,12 @@ gradient compressor):
               timed steps), gradient 8-bit minmax per row
   quant4      4-bit minmax per row forward, gradient 8-bit minmax per row
 
-All methods run in the same run, interleaved (one step of each per repetition, order rotated), warm-up first.
-Columns: step time (median over repetitions of the step's wall time on stage 0, which starts after a barrier and
-ends when its backward is done: the whole pipeline's latency), speed-up over none, wire bytes per boundary per step
-forward and backward (what send_packet put on the wire: the frame's prefix, header, alignment padding and packet
-tensors, summed over the 3 boundaries then divided by 3), and tx bytes per boundary (what the sending ranks'
-interfaces really sent, simulated network only).
-link(ms,model) is the time those wire bytes need on the shaped links, boundary after boundary, both ways (3 x
-(fwd + bwd) bytes / rate): step time minus it is what compute, compression and the transport stack cost.
-With --net 1gbit (default) the ranks run on a simulated cluster whose links are shaped to 1 Gbit/s (needs root);
-otherwise on loopback, which the output says.
+All methods run interleaved (order rotated), warm-up first. Step time is stage 0's, from a barrier until its
+backward is done (the whole pipeline's latency); wire bytes are what send_packet put on the wire per boundary (frame
+prefix, header, padding and tensors), tx what the interfaces really sent (simulated network only); link(ms,model)
+is the time those bytes need on the shaped links, boundary after boundary, both ways, so step time minus it is what
+compute, compression and the transport stack cost. With --net 1gbit (default) the links are shaped (needs root);
+otherwise it runs on loopback and says so.
 """
 from __future__ import annotations
 
@@ -204,6 +200,5 @@ def plot(result: dict, path: str) -> None:
                                       "backward (gradient)": [r["bwd_wire_bytes"] / 1e6 for r in rows]},
                         "wire MB per boundary per step")
     c = result["config"]
-    fig.suptitle(f"fastdist-bench compress: {env['ranks']}-stage pipeline, activation [{c['batch']}, {c['seq']}, "
-                 f"{c['hidden']}], {env['network']}", fontsize=9)
-    report.save_figure(fig, path)
+    report.save_figure(fig, path, f"fastdist-bench compress: {env['ranks']}-stage pipeline, activation "
+                       f"[{c['batch']}, {c['seq']}, {c['hidden']}], {env['network']}")

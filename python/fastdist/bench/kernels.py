@@ -1,12 +1,10 @@
 """`fastdist-bench kernels`: every op family against its pure-torch path and the machine's copy bandwidth.
 
-Each row is one op on one input: the bytes it moves, its median time, the achieved GB/s, that as a percentage of
-the copy bandwidth, and the speed-up over the op's torch path. The copy is a STREAM-like `dst.copy_(src)` of 256 MiB
-timed in the same rounds as the op and its torch path (interleaved, warm-up first); "% of copy" is the median over
-rounds of the op's GB/s over the copy's in that round, so drift in a shared machine's bandwidth cancels. Every op is
-checked against its torch path before it is timed. On CPU each sample follows an untimed call of the same function,
-and inputs that fit in the caches beat the copy, which runs out of memory. On CUDA: CUDA events, and L2 is flushed
-(256 MiB written) before every timed call.
+Each row is one op on one input: bytes moved, median time, GB/s, that as a percentage of a STREAM-like 256 MiB
+`dst.copy_(src)` timed in the same interleaved rounds (the median over rounds of the ratio, so a shared machine's
+drift cancels), and the speed-up over the op's torch path, against which every op is checked first. On CPU each
+sample follows an untimed call of the same function, and inputs that fit in the caches beat the copy; on CUDA:
+CUDA events, L2 flushed (256 MiB written) before every timed call.
 
 Bytes moved, per op (read + write; the sketch ops count the values sketched or decoded, the measure their targets
 are set in), and the torch path each is timed against:
@@ -154,8 +152,7 @@ def _sketched_indices(x, support, granularity):
     return (units[:, None] * m + torch.arange(m, device=x.device)).flatten()
 
 
-def torch_count_sketch(x: Tensor, rows: int, cols: int, seed: int, support: Tensor | None,
-                       granularity: str) -> Tensor:
+def torch_count_sketch(x: Tensor, rows: int, cols: int, seed: int, support: Tensor | None, granularity: str) -> Tensor:
     """count_sketch in torch: the hashes stored by sketch_hash, then one index_add_ per sketch row."""
     idx = _sketched_indices(x, support, granularity)
     bucket, sign = sketch_hash(idx, rows, cols, seed, max(_units(x, granularity)[1], 1))

@@ -123,8 +123,7 @@ def run_ranks(fn: Callable[[dict], Any], config: dict, *, ranks: int, net: str =
             with netsim.Cluster(ranks, rate=net, delay=delay) as cluster:
                 results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout, cluster=cluster)
             return Launch(results[0][0], *results[0][1], cluster.label, rate / 8e9)
-        print(f"fastdist-bench: cannot simulate a {net} network here ({why}); running on loopback instead",
-              flush=True)
+        print(f"fastdist-bench: cannot simulate a {net} network here ({why}); running on loopback instead", flush=True)
         label = f"loopback (requested {net}: netsim unavailable: {why})"
     results = spawn(_with_group, ranks, fn, config, backend=backend, timeout=timeout)
     return Launch(results[0][0], *results[0][1], label)

@@ -11,15 +11,11 @@ Models (CPU): a small transformer (pre-norm encoder blocks, token embedding, LM 
   fastdist-P    fastdist.memory.plan(policy=--policy) at a budget of P % of the unoptimized saved activation
                 bytes (as profiled), installed with fastdist.memory.apply
 
-Memory: peak resident set size as the OS reports it (VmHWM in /proc/self/status), reset after warm-up
-(/proc/self/clear_refs) and measured over the timed steps, minus the resident size before them: the step's
-activation peak. Child processes run with MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns freed large
-blocks to the OS, as it does by default for the first ones; otherwise freed activations stay counted.
-On CUDA (--device cuda) it is torch.cuda.max_memory_allocated over the timed steps minus the allocation before.
-Time: median step time over --steps timed steps after --warmup, pooled over --rounds (every configuration runs
-once per round, in a fresh process, the order rotated each round); overhead is relative to `none` of the same
-model. For prefetcher runs: its copy time, exposed (un-hidden) wait, and the hidden fraction 1 - exposed/copy.
-The file store writes to --swap-dir (default: the temp directory); its copies land in the page cache.
+Memory: the step's activation peak, VmHWM over the timed steps (reset after warm-up through /proc/self/clear_refs)
+minus the resident size before them; children run with MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns freed
+large blocks to the OS. On CUDA: torch.cuda.max_memory_allocated minus the allocation before. Time: median step
+over every round (each configuration once per round, in a fresh process, the order rotated); overhead against
+`none`. Prefetcher runs also show copy time, exposed wait and the hidden fraction 1 - exposed/copy.
 
 GPU (--device cuda --memory-cap GIB --scale gpt --models resnet50,transformer): each run caps its CUDA memory
 with torch.cuda.set_per_process_memory_fraction, searches the largest batch whose step fits (doubling, then
@@ -141,8 +137,7 @@ def run_config(spec: dict) -> dict:
     elif config == "save_on_cpu":
         context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
     elif config == "swap":
-        prefetcher = fm.SwapPrefetcher(min_bytes=spec["min_bytes"], prefetch_depth=spec["depth"],
-                                       path=spec["swap_dir"])
+        prefetcher = fm.SwapPrefetcher(min_bytes=spec["min_bytes"], prefetch_depth=spec["depth"], path=spec["swap_dir"])
         context = lambda: prefetcher  # noqa: E731
     elif config == "fastdist":
         prof = fm.profile(net, inputs, loss_fn=lambda o: loss_fn(o, targets), min_bytes=spec["min_bytes"])
@@ -152,8 +147,7 @@ def run_config(spec: dict) -> dict:
         applied = fm.apply(net, plan, path=spec["swap_dir"])
         prefetcher = applied.prefetcher
         out["plan"] = {"actions": plan.actions, "fits": plan.fits, "budget_bytes": budget,
-                       "predicted_peak_bytes": plan.predicted_peak_bytes,
-                       "unoptimized_saved_bytes": prof.saved_bytes,
+                       "predicted_peak_bytes": plan.predicted_peak_bytes, "unoptimized_saved_bytes": prof.saved_bytes,
                        "predicted_overhead": plan.predicted_overhead, "summary": plan.summary(),
                        "copy_model": {k: v for k, v in copy.to_dict().items() if k != "samples"}}
 
@@ -420,9 +414,7 @@ def plot(result: dict, path: str) -> None:
                title=model)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    env = result["env"]
-    fig.suptitle(f"fastdist-bench memory: {env['device']}", fontsize=9)
-    report.save_figure(fig, path)
+    report.save_figure(fig, path, f"fastdist-bench memory: {result['env']['device']}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
 """`fastdist-bench moe`: one MoE layer under five load-balancing policies, same model, same routing, same run.
 
-Routing is skewed the way real MoE layers are: expert popularity follows Zipf(--zipf, default 1.2), heaviest
-experts first (so they share an owner), stable across steps with a slow drift (every --drift-every steps two experts
-adjacent in popularity swap places). The gate makes that routing: feature 0 of every token is 1, gate column 0
-holds log popularity and the other columns add per-token noise, so every method routes the same tokens to the same
-experts. Methods (all MoELayer, interleaved per step with the
-order rotated, warm-up steps first so that the planners have seen the load):
+Expert popularity follows Zipf(--zipf), heaviest experts first, stable with a slow drift (every --drift-every
+steps two experts adjacent in popularity swap places); the gate makes that routing (feature 0 of every token is 1,
+gate column 0 holds log popularity, the others add per-token noise), so every method routes the same tokens to the
+same experts. Methods (all MoELayer, interleaved per step, warm-up first so that the planners have seen the load):
 
   static      capacity factor --capacity-factor with token dropping, no balancing (DeepSpeed-MoE semantics)
   dropless    no capacity, no balancing (MegaBlocks semantics)
@@ -15,24 +13,16 @@ order rotated, warm-up steps first so that the planners have seen the load):
 
 and the peer a user would pick instead, as an equivalent (Tutel's own code is not installable here):
 
-  tutel-padded  Tutel's dropless mode (capacity_factor=0) re-implemented in torch (PaddedDroplessMoE): the
-              capacity is the largest per-expert count of any rank, every expert's buffer is padded to it, the
-              padded [experts, capacity, d_model] buffers go through two equal-split all-to-alls, the experts run as
-              batched GEMMs over every row, padding included; top-k gates normalized to sum 1 as Tutel does by
-              default. Same gate and expert weights and activation as the other methods; before timing its output
-              is checked against dropless's (times each token's sum of top-k gates, which the normalization
-              divides out).
+  tutel-padded  Tutel's dropless mode (capacity_factor=0) on torch ops (`peers.PaddedDroplessMoE`): every expert's
+              buffer padded to the largest count of any rank, two equal-split all-to-alls, batched GEMMs over every
+              row; the same weights, its output checked against dropless's before timing.
 
 On CPU each rank is pinned to a core of its own (one torch thread) when the machine has cores enough; otherwise the
 ranks share the cores, and calibrate() tells the cost model so.
 
-Columns: fwd+bwd is the median over steps of the slowest rank's layer forward + backward; speed-up is dropless's
-median over the method's; tok max/mean is the tokens computed on the busiest rank over the mean (median over
-steps); a2a max/mean the same for all-to-all bytes (max of sent and received); std before/after is the std of
-tokens per rank without and with the method's replicas; dropped is the total over the timed steps; predicted is the
-cost model's time for the plan on the step's counts (median over steps); err(medians) is |median predicted - median
-measured| / median measured, the model against the configuration's typical step, and err(per step) the mean of
-|predicted - measured| / measured over the steps, which adds each step's noise.
+fwd+bwd is the median of the slowest rank's layer forward + backward; max/mean is the busiest rank's tokens (or
+all-to-all bytes) over the mean; std before/after is that of tokens per rank without and with the replicas;
+err(medians) compares the cost model's median prediction with the median step, err(per step) averages per step.
 Then the projection: the calibrated cost model evaluated on synthetic Zipf count matrices for 8 to 64 ranks, with
 the popularity over a random expert order (labelled as a projection; nothing there is measured). The layout kernel
 (moe_layout) is timed by `fastdist-bench kernels --family moe`.
@@ -213,8 +203,7 @@ def bench_rank(config: dict) -> Any:
             samples[name].append({"seconds": seconds, **layer.stats()})
     if rank != 0:
         return None
-    return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts,
-            "peer_errors": peer_errors}
+    return {"samples": samples, "cost_model": dict(vars(cost)), "num_experts": num_experts, "peer_errors": peer_errors}
 
 
 # ---- summary ----
@@ -274,8 +263,7 @@ def projection(cost_model: dict, config: dict) -> list[dict]:
         balance = {name: float(loads(counts, plan)[0].max() / loads(counts, plan)[0].mean())
                    for name, plan in plans.items()}
         rows.append({"ranks": world, "experts": experts, "predicted_ms": {k: v * 1e3 for k, v in times.items()},
-                     "tokens_max_over_mean": balance,
-                     "prophet_vs_dropless": times["dropless"] / times["prophet"],
+                     "tokens_max_over_mean": balance, "prophet_vs_dropless": times["dropless"] / times["prophet"],
                      "prophet_vs_shadow": times["shadow"] / times["prophet"]})
     return rows
 
@@ -369,6 +357,5 @@ def plot(result: dict, path: str) -> None:
     ax_p.set_xscale("log", base=2)
     ax_p.set(xlabel="ranks", ylabel="predicted fwd+bwd (ms)", title="PROJECTION (cost model, not measured)")
     ax_p.legend()
-    fig.suptitle(f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']}",
-                 fontsize=9)
-    report.save_figure(fig, path, dpi=110)
+    report.save_figure(fig, path, f"fastdist-bench moe: {env['ranks']} ranks, {env['backend']}, {env['network']}",
+                       dpi=110)

@@ -19,8 +19,6 @@ from torch import nn
 
 from fastdist.distributed.compat import all_gather_single
 
-# ---- torch DTensor tensor parallelism ----
-
 
 def dtensor_parallel(module: nn.Module, plan: dict[str, str], mesh: Any) -> nn.Module:
     """`module` made tensor-parallel by torch's parallelize_module on `mesh`.
@@ -53,18 +51,12 @@ def ready(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-# ---- recompute ----
-
-
 def checkpointed(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) under torch.utils.checkpoint, non-reentrant (torch's recommended form): activations recomputed in
     the backward."""
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(fn, *args, use_reentrant=False)
-
-
-# ---- Tutel's dropless MoE ----
 
 
 class PaddedDroplessMoE(nn.Module):
@@ -151,8 +143,7 @@ class PaddedDroplessMoE(nn.Module):
         wire = (self.num_experts - e_local) * capacity * self.d_model * elem
         self._stats = {"tokens_max_over_mean": float(loads.max() / max(loads.mean(), 1e-12)),
                        "tokens_max_over_mean_unbalanced": float(loads.max() / max(loads.mean(), 1e-12)),
-                       "a2a_bytes_per_rank": [wire] * self.world,
-                       "std_tokens_per_rank_before": float(loads.std()),
+                       "a2a_bytes_per_rank": [wire] * self.world, "std_tokens_per_rank_before": float(loads.std()),
                        "std_tokens_per_rank_after": float(loads.std()),
                        "dropped": 0, "replicas": [], "predicted_s": None,
                        "rows_computed_over_routed": computed * self.world / max(int(every.sum()), 1)}
@@ -161,9 +152,6 @@ class PaddedDroplessMoE(nn.Module):
         """The last forward's figures, named as MoELayer.stats()'s: tokens per rank are the assignments routed to
         each owner's experts (all of its padded rows are computed: rows_computed_over_routed)."""
         return dict(self._stats)
-
-
-# ---- DDP with sparse embedding gradients ----
 
 
 def ddp_sparse(model: nn.Module, **ddp_options: Any) -> nn.Module:

@@ -247,10 +247,12 @@ def grouped_bars(ax: Any, groups: Sequence[Any], series: Mapping[str | None, Seq
     return positions
 
 
-def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
-    """Lays out `fig`, writes it to `path` as PNG and frees it."""
+def save_figure(fig: Any, path: str, title: str = "", dpi: int = 120) -> None:
+    """Lays out `fig` under `title` (if any), writes it to `path` as PNG and frees it."""
     import matplotlib.pyplot as plt
 
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

@@ -1,11 +1,9 @@
 """`fastdist-bench sparse`: sketch_allreduce against the gradient reductions a user would otherwise pick.
 
-Embedding-shaped gradients (--shape, default 32768 x 1024 float32 = 128 MiB) at several row densities
-(--densities, percent of rows non-zero on each rank), drawn with realistic overlap between ranks: every
-rank takes the rows of distinct tokens sampled from one shared Zipf distribution (fastdist.testing.synthetic),
-so frequent rows are non-zero everywhere and rare ones on one rank. Per density, on N ranks, every method
-runs in the same run, interleaved (one call of each per repetition, the order rotated each repetition),
-warm-up first, each call on a fresh copy of the same gradient:
+Embedding-shaped gradients (--shape) at several row densities (--densities), each rank's rows those of distinct
+tokens drawn from one shared Zipf distribution (fastdist.testing.synthetic): frequent rows are non-zero everywhere,
+rare ones on one rank. Per density every method runs interleaved (the order rotated each repetition), warm-up
+first, each call on a fresh copy of the same gradient:
 
   dense       dist.all_reduce
   fp16, bf16  torch's fp16/bf16 compress hook steps (cast, all-reduce, cast back)
@@ -16,34 +14,26 @@ warm-up first, each call on a fresh copy of the same gradient:
               all-reduce sends (or --topk-ratio x numel)
   sketch      sketch_allreduce(mode="sketch"), a table of --sketch-rows x cols holding --sketch-size x the
               union's non-zero values in all (default 0.5; as in sparse-lm: 1.0 sends what the union does)
-  auto        sketch_allreduce(mode="auto") with the same sketch size; the table notes what it chose. Its
-              first EXACT_EXPLORE_CALLS calls per density, where it times both exact collectives at that
-              union size, run before the repetitions (a training run pays them once): the note gives
-              their median
+  auto        sketch_allreduce(mode="auto") with the same sketch size; the note says what it chose. Its first
+              EXACT_EXPLORE_CALLS calls per density (timing both exact collectives) run before the repetitions
 
-Columns: time is the median over repetitions of the slowest rank's time per call; speed-up is dense's
-median over the method's; wire B/rank is the method's model of what a rank sends (ring all-reduce
-2(P-1)/P x payload, ring all-gather (P-1) x block, largest over ranks); tx B/rank is what the busiest
-rank's interface really sent during the call (simulated network only); rel.err is ||g_hat - g|| / ||g||
-against the exact sum, which every rank computes locally (the synthetic values make every float32 sum
-exact, so lossless methods show exactly 0); eff.algbw is the uncompressed size / time.
-Part "ddp" (`--parts ddp`, or `collectives,ddp`): training steps of DDP on 2+ ranks over a model with an
-nn.EmbeddingBag(--ddp-table, sparse=True) and a small MLP head, each rank's bags holding --ddp-density percent of
-the table's rows per step (distinct Zipf-drawn ids, as above), every method from the same weights on the same
-batches, interleaved step by step, warm-up first:
+Time is the median of the slowest rank's time per call; wire bytes are the method's model of what the busiest rank
+sends, tx what its interface really sent (simulated network only); the error is ||g_hat - g|| / ||g|| against the
+exact sum (the synthetic values make every float32 sum exact: lossless methods show 0). powersgd keeps its
+warm-start matrices across repetitions, as in training; its error-feedback residual is zeroed before every call
+(untimed), so that each call compresses the same gradient as every other method.
+
+Part "ddp" (`--parts ddp`): DDP training steps over an nn.EmbeddingBag(--ddp-table, sparse=True) and an MLP head,
+each rank's bags holding --ddp-density percent of the rows per step, every method from the same weights on the
+same batches, interleaved:
 
   ddp-sparse  DDP's own reduction: gloo's sparse all-reduce of the table's gradient, the head all-reduced
   auto        sketch_hook(SketchState(mode="auto", dense_hook=allreduce_hook)): the head's bucket through torch's
               plain all-reduce hook, the table through sketch_allreduce
   auto-bg     the same with background=True
   auto-nodh   auto without dense_hook (the head's bucket through the bitmap path too, as before dense_hook)
-Time is the median of the slowest rank's step (forward, backward with its reductions, SGD step); every method's
-parameters after the run are compared with ddp-sparse's (max |difference|: lossless methods show 0).
-
-powersgd keeps its warm-start matrices across repetitions, as in training; its error-feedback residual
-is zeroed before every call (outside the timing), so that each call compresses the same gradient as
-every other method and its error is the compression error of one call (the hook still adds and
-updates the residual, at full cost).
+Time is the median of the slowest rank's step; every method's parameters after the run are compared with
+ddp-sparse's (lossless methods show 0).
 """
 from __future__ import annotations
 
@@ -113,8 +103,6 @@ def _config_from(args):
             "ddp_density": args.ddp_density / 100, **{k: getattr(args, k) for k in CONFIG}}
 
 
-# --- one rank --------------------------------------------------------------------------------------
-
 class _Gradient:
     """One density's gradient on this rank, its exact sum, and the sizes every method is configured with."""
 
@@ -132,15 +120,13 @@ class _Gradient:
         self.union_rows = int(synthetic.union_rows(self.spec, world).numel())
         numel = self.grad.numel()
         self.sketch_rows = config["sketch_rows"]
-        self.sketch_cols = max(1, math.ceil(config["sketch_size"] * self.union_rows * config["dim"]
-                                            / self.sketch_rows))
+        self.sketch_cols = max(1, math.ceil(config["sketch_size"] * self.union_rows * config["dim"] / self.sketch_rows))
         if config["topk_ratio"] is not None:
             self.topk_k = baselines.topk_k(numel, ratio=config["topk_ratio"])
         else:
             table_bytes = baselines.ring_allreduce_bytes(self.sketch_rows * self.sketch_cols * 4, world)
             self.topk_k = baselines.topk_for_wire_budget(table_bytes, world, numel, self.grad.element_size())
-        self.powersgd = baselines.make_powersgd_state(rank=config["powersgd_rank"], start_iter=2,
-                                                      seed=config["seed"])
+        self.powersgd = baselines.make_powersgd_state(rank=config["powersgd_rank"], start_iter=2, seed=config["seed"])
         self.work = torch.empty_like(self.grad)
 
     def error(self, result: torch.Tensor) -> float:
@@ -313,8 +299,6 @@ def bench_rank(config: dict) -> Any:
     return (rows, gradients, ddp_rows) if rank == 0 else None
 
 
-# --- driver ----------------------------------------------------------------------------------------
-
 def run(args: argparse.Namespace) -> dict | None:
     """Runs the suite; prints the header and table on the printing rank; returns the JSON payload."""
     result = run_suite("sparse", args, bench_rank, _config_from(args), _collect, tables)
@@ -379,8 +363,7 @@ def plot(result: dict, path: str) -> None:
         ddp = result["ddp_rows"]
         report.grouped_bars(ax, [r["method"] for r in ddp], {None: [r["time_ms"] for r in ddp]},
                             "step time (ms, median)")
-        fig.suptitle(f"fastdist-bench sparse, part ddp: {env['ranks']} ranks, {env['network']}", fontsize=9)
-        report.save_figure(fig, path)
+        report.save_figure(fig, path, f"fastdist-bench sparse, part ddp: {env['ranks']} ranks, {env['network']}")
         return
     methods, densities = config["methods"], config["densities"]
     row = {(r["method"], r["density"]): r for r in rows}
@@ -406,6 +389,5 @@ def plot(result: dict, path: str) -> None:
     ax_e.grid(True, which="both", alpha=0.3)
     ax_e.legend(fontsize=7, ncol=2)
     rows_, dim = config["rows"], config["dim"]
-    fig.suptitle(f"fastdist-bench sparse: {rows_} x {dim} float32, {env['ranks']} ranks, {env['backend']}, "
-                 f"{env['network']}", fontsize=9)
-    report.save_figure(fig, path)
+    report.save_figure(fig, path, f"fastdist-bench sparse: {rows_} x {dim} float32, {env['ranks']} ranks, "
+                       f"{env['backend']}, {env['network']}")

@@ -16,33 +16,19 @@ that machine noise hits all of them alike:
 agsparse and every sketch_hook method train on nn.Embedding(sparse=True) gradients (the hook reduces them
 sparse, without a dense copy); dense, fp16 and powersgd on dense gradients, as those hooks need.
 
-The model (`SparseLM`): Embedding(V, D) -> LSTM(D, d) -> output embedding (V, d + 1: the last column is the
-output bias; D = d unless `--embed-dim` says otherwise), trained with a sampled softmax: each position scores
-its target against a set of negatives drawn per step from the unigram^0.75 distribution, identically on every
-rank, with the usual log-expected-count correction. So both V-row matrices get row-sparse gradients (input: the
-tokens seen; output: targets and negatives). The reported loss is the FULL-softmax cross-entropy on a fixed
-held-out batch, computed on rank 0 without communication. Every parameter has its own DDP bucket, in every
-method, so the hook sees each V-row matrix alone and reduces it per row; the LSTM's small dense buckets take a
-plain all-reduce. DDP's first step uses one bucket for everything (the hook then works per element). PowerSGD
-alone gets a single bucket: torch's hook issues collectives from future callbacks, which with several buckets
-in flight on gloo can run in different orders on different ranks and deadlock.
+The model is `fastdist.testing.models.SparseLM` (`--embed-dim` widens its input embedding), trained with a sampled
+softmax whose negatives are drawn per step from the unigram^0.75 distribution, identically on every rank, so both
+V-row matrices get row-sparse gradients; the reported loss is the full-softmax cross-entropy on a fixed held-out
+batch, on rank 0. Every parameter has its own DDP bucket (so the hook reduces each V-row matrix alone, per row),
+except under PowerSGD: torch's hook issues collectives from future callbacks, which with several buckets in
+flight on gloo can run in different orders on different ranks and deadlock. Adagrad updates only the rows whose
+reduced gradient is non-zero (`row_sparse`: the same update; `--dense-update` turns it off).
 
-The optimizer is Adagrad (per-row adaptive steps suit Zipf-distributed rows). For every method it updates
-only the rows of the two V-row matrices whose reduced gradient is non-zero (the gradient is handed to it
-row-sparse, `row_sparse`), which is the same update as the dense one -- a zero row leaves Adagrad's state
-and the parameter unchanged -- without sweeping 2 x V x d values per step; agsparse's gradients are sparse
-already. `--dense-update` turns this off.
-
-Sketch sizes: before training, the union of the rows each matrix touches across ranks is measured from the
-data of the first `--calibration-steps` steps (no communication: every rank can regenerate every rank's
-batch); a sketch of size F has r x c = F x |U| x row width values, so F = 1 is as many values as the lossless
-union all-reduce sends, and F = 0.2 a fifth of them.
-
-Columns: final held-out loss, its difference from dense, median step time (max over ranks, warm-up steps
-excluded), speed-up vs dense, wire bytes per rank per step (ours: what sketch_hook reports; baselines: a ring
-/ all-gather model of what they must send from the busiest rank), and on the simulated cluster the bytes each
-rank's interface really sent (busiest rank, median step). A second table orders the methods by wire bytes:
-the Pareto front of bytes vs final loss.
+A sketch of size F has r x c = F x |U| x row width values, |U| the union of the rows each matrix touches across
+ranks over the first `--calibration-steps` steps (from the data alone): F = 1 sends as many values as the
+lossless union all-reduce. Wire bytes: ours as sketch_hook reports them, the baselines' from a ring / all-gather
+model of the busiest rank; tx is what each rank's interface really sent (simulated cluster). The second table
+orders the methods by wire bytes: the Pareto front of bytes against final loss.
 """
 import argparse
 import math
@@ -169,8 +155,6 @@ def routed_sketch_hook(router: SketchRouter, bucket: dist.GradBucket) -> torch.f
     return fut
 
 
-# --- methods ---------------------------------------------------------------------------------------------------
-
 def sketch_methods(sizes: Sequence[float]) -> list[str]:
     """The sketch method names for the sizes, each with and without error feedback."""
     return [f"sketch-{f:g}x{ef}" for f in sizes for ef in ("", "+ef")]
@@ -210,19 +194,13 @@ class Method:
         self.name, self.world, self.config = name, world, config
         self.lossless = name in LOSSLESS
         torch.manual_seed(config["seed"])  # the same initialization for every method
-        # agsparse and ours get nn.Embedding(sparse=True) gradients (what a user with a large vocabulary has);
-        # DDP hands sparse buckets to the hook as they are
         self.model = SparseLM(config["vocab"], config["dim"], sparse=name == "agsparse" or uses_sketch_hook(name),
                               embed_dim=config["embed_dim"])
-        # One bucket per parameter, so that the hook sees each V-row matrix alone -- except for PowerSGD:
-        # torch's hook issues its second and third all-reduces from future callbacks, which gloo runs on
-        # its own threads, so with several buckets in flight ranks can issue them in different orders and
-        # deadlock. It gets one bucket (it still compresses each matrix of the bucket on its own).
+        # one bucket per parameter, but one for PowerSGD (see the module's docstring)
         self.ddp = (ddp_sparse if name == "agsparse" else DDP)(self.model,
                                                                 bucket_cap_mb=1 << 16 if name == "powersgd" else 1e-6)
         self.opt = torch.optim.Adagrad(self.model.parameters(), lr=config["lr"])
-        self.router = self.powersgd = None
-        self.ratios = None
+        self.router = self.powersgd = self.ratios = None
         if name == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
             self.ddp.register_comm_hook(None, fp16_compress_hook)
@@ -306,8 +284,6 @@ class Method:
         raise AssertionError(self.name)
 
 
-# --- one rank --------------------------------------------------------------------------------------------------
-
 def train_rank(config: dict) -> dict | None:
     """Trains every method on this rank, interleaved per step; returns the results on rank 0, else None."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -371,18 +347,14 @@ def train_rank(config: dict) -> dict | None:
             wire_steps, sparse_steps = (list(v) for v in zip(*(m.modelled_wire(s, rows_all[s]) for s in range(steps))))
         results.append({
             "method": m.name, "lossless": m.lossless, "ratios": m.ratios,
-            "curve": curves[i], "final_loss": curves[i][-1][1],
-            "train_loss": train_loss[i],
+            "curve": curves[i], "final_loss": curves[i][-1][1], "train_loss": train_loss[i],
             "step_s": busiest[0, i].tolist(), "step_s_per_rank": per_rank[:, 0, i].tolist(),
             "wire_bytes": wire_steps, "sparse_wire_bytes": sparse_steps,
             "wire_source": "sketch_hook stats" if m.router is not None else "model",
-            "tx_bytes": busiest[2, i].tolist() if config["measure_tx"] else None,
-            "chosen": chosen[i],
+            "tx_bytes": busiest[2, i].tolist() if config["measure_tx"] else None, "chosen": chosen[i],
         })
     return {"calibration": calib, "methods": results, "local_rows": rows_all.tolist()}
 
-
-# --- driver ----------------------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the suite's options to `p`."""
@@ -576,6 +548,5 @@ def plot(result: dict, path: str) -> None:
     env, c = result["env"], result["config"]
     embed_dim = _embed_dim(c)
     width = f"d={c['dim']}" if embed_dim == c["dim"] else f"D={embed_dim} (input embedding), d={c['dim']}"
-    fig.suptitle(f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, {width}, "
-                 f"{c['steps']} steps\n{env['network']}", fontsize=9)
-    report.save_figure(fig, path)
+    report.save_figure(fig, path, f"fastdist-bench sparse-lm: {env['ranks']} ranks, V={c['vocab']}, {width}, "
+                       f"{c['steps']} steps\n{env['network']}")

@@ -1,12 +1,9 @@
 """`fastdist-bench tp`: tensor-parallel linears and GPT blocks with overlapped communication vs sequential.
 
-Two ranks (--ranks), each pinned to its own core with one torch thread (every thread of the rank, gloo's
-included), on a simulated cluster. The link rate is chosen so that communication takes as long as computation
-(measured here first, on one core; the rates are printed), then 10x that (--rate-multipliers): for the row op,
-the ring all-reduce of its output against its GEMM; for the block, its 4 all-reduces per step against the
-single-process block's forward + backward divided by the ranks. Each (part, rate) is its own run on its own
-simulated cluster. Per rate, one run, every variant interleaved (the order shuffled every repetition, the same
-on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the slowest rank's time:
+Two ranks, each pinned to its own core with one torch thread (gloo's threads included), on a simulated cluster
+whose link rate makes communication take as long as computation (measured here first, on one core), then 10x that
+(--rate-multipliers); each (part, rate) is its own run. Every variant runs interleaved (the order shuffled every
+repetition, the same on every rank), warm-up first, median of the slowest rank's time:
 
   row op      RowParallelLinear forward on [M, K] x [K, N] (--op-shape M,K,N, full K), overlap_chunks
               k = 1 (sequential: GEMM, then all-reduce), 2, 4, 8 and auto (a CostModel calibrated in the run
@@ -22,15 +19,10 @@ on every rank), warm-up first, median of --op-reps (op) or --reps (block) of the
               and chunked (auto) fastdist linears.
 
 The peer a user would pick instead runs in the same interleaving on the same weights and inputs: torch's DTensor
-tensor parallelism (init_device_mesh over the run's gloo group, parallelize_module with ColwiseParallel /
-RowwiseParallel): the row op as one RowwiseParallel linear, the MLP and the block (plain GPTBlock, its qkv and fc1
-column-wise, proj and fc2 row-wise; with recompute: torch.utils.checkpoint of it). Before timing, every variant's
-output (and, for the MLP and block, its input gradient) is checked against the unsharded module on the same
-input; a variant off by more than CHECK_TOLERANCE (relative to the reference's largest value) stops the run.
-
-Speed-ups are against k = 1 (op) and the Megatron-style MLP and block with the same recompute setting; "vs
-DTensor" is DTensor's time over the variant's. Without root (no simulated cluster) it runs on loopback and says
-so.
+tensor parallelism (parallelize_module with ColwiseParallel / RowwiseParallel, `peers.dtensor_parallel`). Before
+timing, every variant's output (and input gradient) is checked against the unsharded module; one off by more than
+CHECK_TOLERANCE stops the run. Speed-ups are against k = 1 (op) and Megatron-style with the same recompute
+setting. Without root it runs on loopback and says so.
 """
 from __future__ import annotations
 
@@ -89,8 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only measure what splitting one GEMM into 2, 4, 8 row chunks costs on this process's "
                         "device (CUDA: bf16, events, L2 flushed; CPU: fp32), e.g. 8192,8192,8192")
 
-
-# --- one rank --------------------------------------------------------------------------------------
 
 def check_against(reference: Sequence[torch.Tensor], outputs: dict[str, Sequence[torch.Tensor]]) -> dict[str, float]:
     """{name: largest relative error over the ranks} of each variant's tensors against the reference's (the same
@@ -281,8 +271,6 @@ def bench_rank(config: dict) -> Any:
               "allreduce_ms": model.allreduce_time(m * n * 4, world) * 1e3, "calibration": model.samples}
     return result if rank == 0 else None
 
-
-# --- driver ----------------------------------------------------------------------------------------
 
 BALANCED_REDUCES = {"mlp": 2, "block": 4}
 """All-reduces of the float32 activation per training step: the MLP's fc2 output and fc1 input gradient; the
@@ -507,7 +495,6 @@ def plot(result: dict, path: str) -> None:
                 ax.scatter([p[0] for p in predicted], [p[1] for p in predicted], color="black", marker="_", s=200,
                            label="predicted" if i == 0 else None, zorder=3)
             ax.legend(fontsize=8)
-    env = result["env"]
     kind = "simulated links" if any(r["link_gbps"] for r in result["runs"]) else "loopback"
-    fig.suptitle(f"fastdist-bench tp: {env['ranks']} ranks, one core each, {kind}; DTensor: torch's TP", fontsize=9)
-    report.save_figure(fig, path)
+    report.save_figure(fig, path, f"fastdist-bench tp: {result['env']['ranks']} ranks, one core each, {kind}; DTensor: "
+                       "torch's TP")

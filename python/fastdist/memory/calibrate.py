@@ -56,6 +56,8 @@ def _fit(points):
 
 
 def _time_file(store, nbytes, repeats):
+    # Not fastdist.distributed.timing.time_fn: each read needs the slot its write just made (and frees it), and the
+    # clock stops when the store's I/O thread has landed the copy, so write and read alternate in one loop.
     writes, reads = [], []
     src = torch.randn(nbytes // 4).untyped_storage()
     for _ in range(repeats):
