@@ -12,6 +12,12 @@ raise within seconds, naming it, instead of leaving them in a collective until t
   own host in the process table (every rank publishes its process identity), elsewhere by a heartbeat that stopped
   (every rank's daemon thread counts one up in the store every :data:`HEARTBEAT_S`). It records the dead rank, so
   every peer names the same one, and raises naming it.
+- A rank that hangs without dying (a deadlock, a sleep, a stuck loop) is found by an optional step watchdog
+  (``FailureWatch(step_timeout=...)``): inside a guarded step every process group's timeout becomes the bound, so a
+  peer waiting for the hung rank in a collective raises after it instead of after the backend's default (30
+  minutes for gloo); meanwhile each rank's watchdog thread publishes, once its step (or the pause before its next
+  step) has lasted half the bound, where its main thread stands and whether that is a collective's wait. The
+  peer whose collective timed out names the rank found elsewhere than in a collective.
 - When the store itself is gone, the rank that hosted it died: under ``env://`` rendezvous (fastdist.distributed.spawn,
   ``init_method="env://"``) that is rank 0; under torchrun the agent hosts it and nothing can be said.
 
@@ -22,11 +28,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import json
 import os
 import socket
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +49,13 @@ DEAD_AFTER_S = 3.0   # a heartbeat that did not move for this long (a rank on an
 _RECORD_KEY = "fastdist/failure"
 _BEAT_KEY = "fastdist/alive/{}"
 _PROCESS_KEY = "fastdist/process/{}"
+_STUCK_KEY = "fastdist/stuck/{}"
+# Where a main thread blocked in a collective stands: torch.distributed's calls, DDP and autograd's engine (whose
+# hooks run DDP's all-reduces), fastdist's collective wrappers; or a line that waits on a Work handle.
+_WAITING_PATHS = tuple(os.sep.join(p) for p in (("torch", "distributed", ""), ("torch", "autograd", ""),
+                                                   ("torch", "nn", "parallel", ""), ("fastdist", "tp", "comm.py"),
+                                                   ("fastdist", "distributed", "compat.py")))
+_TIMED_OUT = ("timed out", "timeout")
 # What gloo (and the store) say when the other end of a connection went away.
 _CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
            "connection was likely closed", "connection refused", "remote worker crashing")
@@ -241,6 +257,145 @@ def _find_dead(store: Any, world: int, me: int, deadline_s: float) -> tuple[int,
     return (dead[0], f"its heartbeat stopped for {deadline_s:g} s") if dead else None
 
 
+# ---- the step watchdog ----
+
+def _main_thread_position() -> tuple[bool, str]:
+    """(whether the main thread waits in a collective, where it stands as 'file:line in function'), from its
+    innermost Python frame: a blocking collective's caller is a library's wait (torch.distributed, DDP's backward
+    in autograd's engine, fastdist's collective wrappers) or a line calling ``.wait(``."""
+    import linecache
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return False, "unknown"
+    path = frame.f_code.co_filename
+    shown = f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    waiting = any(p in path for p in _WAITING_PATHS) or ".wait(" in linecache.getline(path, frame.f_lineno)
+    return waiting, shown
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether ``error`` (or one of its causes) is a collective's timeout."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, TimeoutError) or any(s in str(seen).lower() for s in _TIMED_OUT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+_WATCHDOGS: "weakref.WeakSet[_StepWatchdog]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_watchdogs() -> None:
+    """Stops the step watchdogs before the interpreter exits (as :func:`_stop_heartbeat` does the heartbeat)."""
+    for dog in list(_WATCHDOGS):
+        dog.close()
+
+
+class _StepWatchdog:
+    """The watch's thread: publishes this rank's position (:data:`_STUCK_KEY`) once its step, or its pause between
+    steps, has lasted half the bound; clears it when the step ends."""
+
+    def __init__(self, store: Any, rank: int, bound: float):
+        self.store, self.rank, self.bound = store, rank, bound
+        self.lock = threading.Lock()
+        self.step: int | None = None          # the step running, or None between steps
+        self.last: int | None = None          # the last step begun
+        self.since = time.monotonic()
+        self.published = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="fastdist-step-watchdog")
+        _WATCHDOGS.add(self)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5.0)
+
+    def enter(self, step: int | None) -> None:
+        with self.lock:
+            self.step, self.last, self.since = step, step, time.monotonic()
+        self._clear()
+
+    def leave(self) -> None:
+        with self.lock:
+            self.step, self.since = None, time.monotonic()
+        self._clear()
+
+    def _clear(self):
+        if self.published:
+            self.published = False
+            with contextlib.suppress(Exception):
+                self.store.set(_STUCK_KEY.format(self.rank), "")
+
+    def _run(self):
+        tick = min(0.25, self.bound / 8)
+        while not self.stop.wait(tick):
+            with self.lock:
+                step, last, since = self.step, self.last, self.since
+            if last is None or time.monotonic() - since < self.bound / 2 or self.published:
+                continue  # before the first step (setting up may take long), or not late yet, or said already
+            waiting, where = _main_thread_position()
+            state = {"step": step, "after": last if step is None else None, "waiting": waiting, "where": where,
+                     "seconds": round(time.monotonic() - since, 2)}
+            try:
+                self.store.set(_STUCK_KEY.format(self.rank), json.dumps(state))
+                self.published = True
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+                return
+
+
+def _groups() -> list[Any]:
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+@contextlib.contextmanager
+def _collective_timeout(seconds: float) -> Iterator[None]:
+    """Every process group's collectives time out after ``seconds`` inside the ``with`` body; restored after."""
+    saved = []
+    for group in _groups():
+        for backend in _backends(group):
+            with contextlib.suppress(Exception):
+                saved.append((backend, backend.options._timeout))
+                backend._set_default_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        for backend, timeout in saved:
+            with contextlib.suppress(Exception):
+                backend._set_default_timeout(timeout)
+
+
+def _backends(group: Any) -> list[Any]:
+    out = []
+    for device in getattr(group, "_device_types", ()):
+        with contextlib.suppress(Exception):
+            backend = group._get_backend(device)
+            if hasattr(backend, "_set_default_timeout") and backend not in out:
+                out.append(backend)
+    return out
+
+
+def _find_hung(store: Any, world: int, me: int, bound: float) -> tuple[int, dict] | None:
+    """The first rank whose watchdog says it is late and not waiting in a collective, waiting up to ``bound`` for
+    one to say so; None if none does (every late rank waits: a deadlock among collectives)."""
+    start = time.monotonic()
+    while True:
+        for rank in range(world):
+            key = _STUCK_KEY.format(rank)
+            if rank == me or not store.check([key]):
+                continue
+            raw = store.get(key).decode()
+            state = json.loads(raw) if raw else None
+            if state and not state["waiting"]:
+                return rank, state
+        if time.monotonic() - start >= bound or store.check([_RECORD_KEY]):
+            return None
+        time.sleep(min(0.1, bound / 10))
+
+
 # ---- the watch ----
 
 @contextlib.contextmanager
@@ -282,17 +437,35 @@ class FailureWatch:
         name: the library's prefix in messages (``"fastdist.parallel"``).
         where: a rank's position to name in messages, e.g. ``" (mesh coordinate (dp, tp, pp) = (0, 0, 1))"``, from its
             global rank ('' for none).
+        step_timeout: seconds a step may take (None: no watchdog). Inside :meth:`guard` every process group's
+            collectives then time out after it, and a rank whose step (or whose pause before its next step) runs
+            longer while it is not waiting in a collective is named in a :class:`RankFailedError` on the ranks
+            that wait for it, about ``step_timeout`` after they began waiting. Give it room: a step that is only
+            slow is named like one that hangs.
     """
 
-    def __init__(self, name: str, where: Callable[[int], str] | None = None):
+    def __init__(self, name: str, where: Callable[[int], str] | None = None, step_timeout: float | None = None):
+        if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and 0 < step_timeout < 1e9):
+            raise ValueError(f"fastdist: FailureWatch step_timeout must be a positive number of seconds or None, got "
+                             f"{step_timeout!r}")
         self.name = name
         self.where = where or (lambda rank: "")
         self.store = _default_store()
         self.world = dist.get_world_size() if self.store is not None else 1
         self.rank = dist.get_rank() if self.store is not None else 0
         self.failure: RankFailedError | None = None
+        self.step_timeout = step_timeout
+        self._watchdog = None
         if self.world > 1:
             start_heartbeat()
+            if step_timeout is not None:
+                self._watchdog = _StepWatchdog(self.store, self.rank, float(step_timeout))
+
+    def close(self) -> None:
+        """Stops the step watchdog's thread (if any)."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
 
     @property
     def active(self) -> bool:
@@ -308,8 +481,17 @@ class FailureWatch:
             step: the step's number, named in messages (None: not numbered).
             context: where on this rank, e.g. ``"MoE layer 0's backward"`` ('' for the step itself).
         """
-        with replaced_by(lambda e: self.fail(e, step, context)):
-            yield
+        dog = self._watchdog
+        if dog is None:
+            with replaced_by(lambda e: self.fail(e, step, context)):
+                yield
+            return
+        dog.enter(step)
+        try:
+            with replaced_by(lambda e: self.fail(e, step, context)), _collective_timeout(self.step_timeout):
+                yield
+        finally:
+            dog.leave()
 
     def fail(self, error: BaseException, step: int | None, context: str = "") -> BaseException:
         """Handles an exception a step raised on this rank; returns the exception to raise.
@@ -356,7 +538,20 @@ class FailureWatch:
         store = self.store
         if store.check([_RECORD_KEY]):
             return json.loads(store.get(_RECORD_KEY).decode())
-        if _closed_connection(error):  # a peer went away: it raised (recorded), or it died (find it)
+        if self._watchdog is not None and _timed_out(error):  # waited past the bound: for whom?
+            hung = _find_hung(store, self.world, self.rank, self.step_timeout)
+            if hung is not None:
+                rank, state = hung
+                how = (f"its step {state['step']} has run" if state["step"] is not None else
+                       f"it has not begun the step after step {state['after']} for")
+                mine = {"rank": rank, "step": mine["step"], "where": self.where(rank), "hung": True, "died": False,
+                        "what": f"{how} {state['seconds']:g} s, past half the bound of {self.step_timeout:g} s, at "
+                                f"{state['where']}, not in a collective", "context": ""}
+            else:
+                mine = {"rank": None, "step": mine["step"], "where": "", "hung": True, "died": False, "context": "",
+                        "what": "every rank that was late waited in a collective (a deadlock, or a collective some "
+                                "ranks did not issue)"}
+        elif _closed_connection(error):  # a peer went away: it raised (recorded), or it died (find it)
             dead = _find_dead(store, self.world, self.rank, DEAD_AFTER_S)
             if dead is not None:
                 rank, how = dead
@@ -377,6 +572,12 @@ class FailureWatch:
                                    "the job's store could not say whether another rank failed first", None, step)
         rank, at = record["rank"], record["step"]
         in_step = f" in step {at}" if at is not None else ""
+        if record.get("hung"):
+            if rank is None:
+                return RankFailedError(f"{self.name}: step {at} passed the step bound of {self.step_timeout:g} s and "
+                                       f"{record['what']}; {stops}", None, at)
+            return RankFailedError(f"{self.name}: rank {rank}{record['where']} hangs{in_step}: {record['what']}; "
+                                   f"{stops}", rank, at)
         context = f" ({record['context']})" if record.get("context") else ""
         if record["died"]:
             return RankFailedError(f"{self.name}: rank {rank}{record['where']} died during step {at} without "
