@@ -17,13 +17,13 @@ JOBS = {
          "meta:meta_ready_gpt:1,1,2", "meta:meta_ready_gpt:1,2,1", "meta:nanogpt:1,1,2",
          "optimizer:1,2,1->1,1,2",
          "compose:recompute_compress", "compose:sketch_hook", "compose:swap",
-         "dcp:transformer_lm:1,2,1->1,1,2", "dcp:gpt2:1,2,1->1,1,2",
+         "dcp:transformer_lm:1,2,1->1,1,2", "dcp:gpt2:1,1,2->1,2,1",
          "checkpoint:transformer_lm", "checkpoint:gpt2",
          "device_mesh"],
         ["compile:1,1,2", "compile:1,2,1"]],
     4: [["train:transformer_lm:1,2,2", "train:transformer_lm:2,1,2", "train:transformer_lm:2,2,1", "resume:2,1,2",
          "gather_to:1,2,2:3", "gather_to:2,1,2:1", "compose:moe:2,1,2",
-         "dcp:transformer_lm:1,2,2->2,1,2"]],
+         "dcp:transformer_lm:1,2,2->2,2,1", "dcp:moe_gpt:2,1,2->4,1,1"]],
     8: [["train:transformer_lm:2,2,2"]],  # slow: 8 gloo ranks
 }
 

@@ -461,15 +461,27 @@ def optimizer_moves(source: tuple[int, int, int], target: tuple[int, int, int]) 
             "resumed": resumed, "plain": plain_losses, "whole": reference_adamw()["losses"]}
 
 
+def _model_on(name: str, mesh: tuple[int, int, int]):
+    """(model or None, mesh) for ``train``: the MoE GPT is built on the mesh's dp group, so on a DeviceMesh made
+    first; any other model is made by ``make_model``."""
+    if name != "moe_gpt":
+        return None, mesh
+    from torch.distributed.device_mesh import init_device_mesh
+    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("dp", "tp", "pp"))
+    return MoEGPT(group=device_mesh.get_group("dp")), device_mesh
+
+
 def sharded_checkpoint(model: str, source: tuple[int, int, int], target: tuple[int, int, int], path: str) -> dict:
     """AdamW trained 2 steps on ``source`` and saved with ``save_sharded`` into ``path``; an engine on ``target``
     built from other values loads it (model and optimizer) and trains 3 more steps. The gathered state dicts of
     both, the files each rank wrote, and the losses."""
     import torch.distributed.checkpoint as dcp
-    first = train(model, source, steps=2, optimizer=adamw)["engine"]
+    built, source_mesh = _model_on(model, source)
+    first = train(model, source_mesh, steps=2, optimizer=adamw, model=built)["engine"]
     first.save_sharded(path)
     saved = first.state_dict()
-    other = make_model(model)
+    other, target_mesh = _model_on(model, target)
+    other = other or make_model(model)
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(-1.0)
@@ -478,7 +490,7 @@ def sharded_checkpoint(model: str, source: tuple[int, int, int], target: tuple[i
     data = [(x.chunk(target[0])[d], y.chunk(target[0])[d]) for x, y in data]
     options = {"tp_overlap": 2, **({"tp_plan": TRANSFORMER_LM_TP} if model == "transformer_lm" else {})} \
         if target[1] > 1 else {}
-    engine = fastdist.parallel.parallelize(other, mesh=target, example_inputs=(data[0][0],), loss_fn=loss_fn,
+    engine = fastdist.parallel.parallelize(other, mesh=target_mesh, example_inputs=(data[0][0],), loss_fn=loss_fn,
                                            optimizer=adamw, microbatches=2, **options)
     engine.load_sharded(path)
     loaded = engine.state_dict()

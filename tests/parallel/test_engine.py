@@ -169,16 +169,20 @@ def test_memory_swap_installed_on_a_stage_trains_bit_for_bit_as_the_stage_withou
 
 @pytest.mark.parametrize("world, case, sharded", [
     (2, "dcp:transformer_lm:1,2,1->1,1,2", "blocks.0.mlp.0.weight"),
-    (2, "dcp:gpt2:1,2,1->1,1,2", "transformer.h.0.attn.c_attn.weight"),  # Conv1D: [in, out], q/k/v row runs
-    (4, "dcp:transformer_lm:1,2,2->2,1,2", "blocks.3.mlp.2.weight")])
+    (2, "dcp:gpt2:1,1,2->1,2,1", None),  # read into Conv1D's [in, out] shards: q/k/v, 3 runs of rows each
+    (4, "dcp:transformer_lm:1,2,2->2,2,1", "blocks.3.mlp.2.weight"),
+    (4, "dcp:moe_gpt:2,1,2->4,1,1", "blocks.0.moe.w1")])  # 2 experts per rank saved, 1 per rank loaded
 def test_a_sharded_checkpoint_each_rank_writes_its_part_of_loads_on_another_mesh_and_resumes_adamw(
         engine_ranks, world, case, sharded):
     ranks = engine_ranks(world, case)
     first = ranks[0]
     files = first["files"]
-    assert len(files[sharded]) == 2, f"{sharded}'s tensor-parallel shards written by their 2 ranks: {files[sharded]}"
+    if sharded is not None:
+        assert len(files[sharded]) == 2, f"{sharded}'s shards written by their 2 ranks: {files[sharded]}"
     assert len({f for written in files.values() for f in written}) == world, "every rank wrote a part"
     for key, want in first["saved"].items():  # the gathered model after loading on the other mesh: bit for bit
+        if not isinstance(want, torch.Tensor):  # a module's extra state (the MoE layers' planner)
+            continue
         assert torch.equal(first["loaded"][key], want), key
         assert torch.equal(first["plain"][key], want), f"{key} in DCP's conversion to the plain model"
     for rank, got in enumerate(ranks):

@@ -67,6 +67,14 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        chunks = {k: v for k, v in state_dict.items() if isinstance(v, _Chunks)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        # DCP's set-up replaces every value of a type it does not know by None; the keys are top-level, so the
+        # flattened dict holds them under the same names
+        state_dict.update(chunks)
+        self.state_dict.update(chunks)
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         if isinstance(obj, _Chunks):  # read straight into the parameter's (or state's) own memory
