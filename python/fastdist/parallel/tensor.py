@@ -428,18 +428,11 @@ class _OasesFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        from fastdist.tp.block import _OneInFlight
+        from fastdist.tp.block import SegmentGrads, _OneInFlight
         oases, subs = ctx.state
         ctx.state = None
-        branches, n, params = oases.branches, len(oases.branches), oases.params
-        param_grads = [None] * len(params)
-
-        def grad(outputs, grad_outputs, inputs):
-            got = torch.autograd.grad(outputs, list(inputs) + params, grad_outputs, allow_unused=True)
-            for j, g in enumerate(got[len(inputs):]):
-                if g is not None:
-                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
-            return got[:len(inputs)]
+        branches, n = oases.branches, len(oases.branches)
+        grad = SegmentGrads(oases.params)
 
         ar = _OneInFlight(oases.group, backward=True)
 
@@ -465,7 +458,7 @@ class _OasesFn(torch.autograd.Function):
                 (s.gu[b],) = grad([s.p[b]], [g_r], [s.uin[b]])
                 ar.issue(s.gu[b], f"oases.backward.{branch.call}")
         gx = torch.cat([input_grad(subs[i], 0) for i in range(len(subs))])
-        return (gx, None, *param_grads)
+        return (gx, None, *grad.params)
 
 
 def install_oases(stage: nn.Module, group: dist.ProcessGroup | None, auto: bool = False) -> list[OasesBlock]:

@@ -182,6 +182,22 @@ class _SubBatch:
         self.x = x
 
 
+class SegmentGrads:
+    """``grad(outputs, grad_outputs, inputs)``: the gradients w.r.t. ``inputs`` of one segment's local graph, while
+    the parameters' gradients are accumulated on the side (``params``: one per parameter, None where unused)."""
+
+    def __init__(self, params):
+        self.leaves = list(params)
+        self.params = [None] * len(self.leaves)
+
+    def __call__(self, outputs, grad_outputs, inputs):
+        got = torch.autograd.grad(outputs, list(inputs) + self.leaves, grad_outputs, allow_unused=True)
+        for j, g in enumerate(got[len(inputs):]):
+            if g is not None:
+                self.params[j] = g if self.params[j] is None else self.params[j] + g
+        return got[:len(inputs)]
+
+
 class _OasesBlockFn(torch.autograd.Function):
     """The block as one autograd node: forward and backward run the Oases schedule over two sub-batches. The block
     is cut into segments (LN1 | attention | residual + LN2 | MLP | residual) whose inputs are detached leaves, so
@@ -242,15 +258,7 @@ class _OasesBlockFn(torch.autograd.Function):
         else:
             subs, segs, leaves = ctx.graphs
             ctx.graphs = None
-        param_grads = [None] * len(leaves)
-
-        def grad(outputs, grad_outputs, inputs):
-            """Gradients w.r.t. `inputs`; the parameters' gradients are accumulated on the side."""
-            got = torch.autograd.grad(outputs, list(inputs) + leaves, grad_outputs, allow_unused=True)
-            for j, g in enumerate(got[len(inputs):]):
-                if g is not None:
-                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
-            return got[:len(inputs)]
+        grad = SegmentGrads(leaves)
 
         ar = _OneInFlight(group, backward=True)
         order = list(reversed(range(n_sub)))  # B first: its output gradient is ready first
@@ -282,7 +290,7 @@ class _OasesBlockFn(torch.autograd.Function):
             (gx_ln,) = grad([s.u1], [s.gu1], [s.x])
             s.gx = s.gx + gx_ln
         gx = torch.cat([s.gx for s in subs]).view(batch, seq, hidden)
-        return (gx, None, *param_grads)
+        return (gx, None, *grad.params)
 
 
 def _block_input_problem(x, what, hidden):
