@@ -186,3 +186,14 @@ def test_pieces_that_do_not_fit_together_are_refused(tmp_path):
         graph.run(parse(_TINY + ["--from-fold", "1"]))
     with pytest.raises(ValueError, match="more than one recording"):
         graph.merge([json.load(open(first)), json.load(open(first))])
+
+
+def test_the_cost_mode_times_every_pooler_interleaved_with_hap_and_diffpool_at_the_same_clusters():
+    result = graph.run(parse(_TINY + ["--poolers", "hap,diffpool,mean", "--cost-reps", "2"]))
+    rows = {r["pooler"]: r for r in result["rows"]}
+    assert result["mode"] == "cost" and set(rows) == {"hap", "diffpool", "mean"}
+    assert all(len(r["epoch_s"]) == 2 and r["epoch_ms"] > 0 and r["params"] > 0 for r in rows.values())
+    assert rows["hap"]["clusters"] == rows["diffpool"]["clusters"] and rows["mean"]["clusters"] is None
+    assert result["targets"]["lines"][0].startswith("target: tree-cycle epoch time within 2x of diffpool")
+    parts = results.tables_of(result)
+    assert [p.name for p in parts] == ["cost"] and "| x diffpool |" in parts[0].table.splitlines()[0]

@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-from", metavar="PATH", default=None,
                    help="the piece (its --partial file) whose first --search-folds folds chose the auxiliary-loss "
                         "weights, for a piece that starts after them (--from-fold)")
+    p.add_argument("--cost-reps", type=at_least(1), default=None, metavar="N",
+                   help="measure cost only: one training epoch of every pooler on the first fold's training part, "
+                        "the poolers interleaved (rotated order), one warm-up round and N timed ones, per data set")
     p.add_argument("--partial", metavar="PATH", default=None,
                    help="after every fold, write the result so far, with every fold's runs, to PATH (kept if the "
                         "run is stopped)")
@@ -141,33 +144,42 @@ def _evaluate(model, batches):
     return correct / total, loss / total
 
 
+def _model(graphs, pooler, args, classes, num_nodes, seed):
+    from fastdist.graph import GraphClassifier
+
+    torch.manual_seed(seed)
+    model = GraphClassifier(graphs[0].x.shape[1], args.hidden, classes, levels=args.levels, pooler=pooler,
+                            encoder=args.encoder, num_nodes=num_nodes, ratio=args.ratio,
+                            readout=getattr(args, "readout", "mean"))
+    return model, torch.optim.Adam(model.parameters(), lr=args.lr)
+
+
+def _train_epoch(model, opt, graphs, train, batch_size, gen, aux_weight) -> float:
+    """One training epoch (batching included); returns its wall time in seconds."""
+    model.train()
+    start = time.perf_counter()
+    for x, edge_index, batch, y in _batches(graphs, train, batch_size, gen):
+        logits, aux = model(x, edge_index, batch, num_graphs=len(y))
+        loss = F.cross_entropy(logits, y) + aux_weight * aux if aux_weight else F.cross_entropy(logits, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
 def run_fold(graphs, split, pooler: str, args: argparse.Namespace, classes: int, num_nodes: int,
              fold: int, aux_weight: float = 0.0) -> dict:
     """Trains one pooler's classifier on one fold with early stopping; returns its test accuracy and timings.
 
     Every pooler and every auxiliary-loss weight of one fold starts from the same seed (initialization and batch
     order)."""
-    from fastdist.graph import GraphClassifier
-
     train, val, test = split
-    torch.manual_seed(args.seed * 1000 + fold)
-    model = GraphClassifier(graphs[0].x.shape[1], args.hidden, classes, levels=args.levels, pooler=pooler,
-                            encoder=args.encoder, num_nodes=num_nodes, ratio=args.ratio,
-                            readout=getattr(args, "readout", "mean"))
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model, opt = _model(graphs, pooler, args, classes, num_nodes, args.seed * 1000 + fold)
     gen = torch.Generator().manual_seed(args.seed * 1000 + fold)
     val_batches = _batches(graphs, val, 256)
     best, best_key, best_epoch, epoch_s = None, None, -1, []
     for epoch in range(args.epochs):
-        model.train()
-        start = time.perf_counter()
-        for x, edge_index, batch, y in _batches(graphs, train, args.batch_size, gen):
-            logits, aux = model(x, edge_index, batch, num_graphs=len(y))
-            loss = F.cross_entropy(logits, y) + aux_weight * aux if aux_weight else F.cross_entropy(logits, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        epoch_s.append(time.perf_counter() - start)
+        epoch_s.append(_train_epoch(model, opt, graphs, train, args.batch_size, gen, aux_weight))
         acc, val_loss = _evaluate(model, val_batches)
         key = (acc, -val_loss)
         if best_key is None or key > best_key:
@@ -323,6 +335,10 @@ def run(args: argparse.Namespace) -> dict:
                 graphs = data.with_degree(graphs)
             labels = np.array([g.y for g in graphs])
             sets[name] = (graphs, splits(labels, args.folds, args.val_fraction, args.seed)[:run_folds])
+        if args.cost_reps:
+            result = _cost(env, args, sets)
+            print(report.text_parts(tables(result)))
+            return result
         bar = progress(len(sets) * (run_folds - min(args.from_fold, run_folds)) * len(args.poolers), "graph")
         for name, (graphs, fold_splits) in sets.items():
             classes = data.num_classes(name)
@@ -350,6 +366,36 @@ def run(args: argparse.Namespace) -> dict:
     result = _collect(env, args, run_folds, sets, done, keep_runs=bool(args.partial))
     print(report.text_parts(tables(result)))
     return result
+
+
+def _cost(env, args, sets):
+    """Epoch time per data set and pooler, the poolers interleaved: the epoch-time target's recording. The loss
+    includes the auxiliary losses (at the largest weight of --aux-weights), as a training with them does."""
+    from fastdist.bench.toolkit import rounds
+    from fastdist.graph import data
+
+    rows, weight = [], max(args.aux_weights)
+    for name, (graphs, fold_splits) in sets.items():
+        classes, num_nodes = data.num_classes(name), round(statistics.mean(g.num_nodes for g in graphs))
+        train = fold_splits[0][0]
+        models = {p: _model(graphs, p, args, classes, num_nodes, args.seed) for p in args.poolers}
+        gen = torch.Generator().manual_seed(args.seed)
+        samples: dict[str, list[float]] = {p: [] for p in args.poolers}
+        for _, pooler, timed in rounds(args.poolers, 1, args.cost_reps, f"graph cost {name}"):
+            seconds = _train_epoch(*models[pooler], graphs, train, args.batch_size, gen,
+                                   weight if pooler in AUX_POOLERS else 0.0)
+            if timed:
+                samples[pooler].append(seconds)
+        for pooler in args.poolers:
+            model = models[pooler][0]
+            rows.append({"dataset": name, "pooler": pooler, "epoch_ms": 1e3 * statistics.median(samples[pooler]),
+                         "epoch_s": samples[pooler], "params": sum(p.numel() for p in model.parameters()),
+                         "clusters": model.clusters if pooler in AUX_POOLERS else None,
+                         "graphs": len(graphs), "train_graphs": len(train), "mean_nodes": num_nodes})
+    config = vars(args) | {"run_folds": 1}
+    config.pop("func", None)
+    return {"suite": "graph", "mode": "cost", "env": env, "config": config, "rows": rows, "references": [],
+            "targets": _targets(rows)}
 
 
 def _collect(env, args, run_folds, sets, done, keep_runs):
@@ -478,7 +524,8 @@ def _targets(rows):
     lines, checks = [], {}
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     by = {(r["dataset"], r["pooler"]): r for r in rows}
-    if all((d, "hap") in by for d in datasets) and any(not r["pooler"].startswith("hap") for r in rows):
+    if (all((d, "hap") in by for d in datasets) and any(not r["pooler"].startswith("hap") for r in rows)
+            and all("acc_mean" in r for r in rows)):
         best_count, within = 0, True
         detail = []
         for d in datasets:
@@ -528,9 +575,32 @@ def _scale(c):
             "thread(s); mean +- std of test accuracy (%) over folds")
 
 
+def _cost_part(result: dict) -> report.Part:
+    c = result["config"]
+    by = {(r["dataset"], r["pooler"]): r for r in result["rows"]}
+
+    def vs_diffpool(r):
+        diff = by.get((r["dataset"], "diffpool"))
+        return r["epoch_ms"] / diff["epoch_ms"] if diff else None
+
+    cols = [col("data set", "dataset"), col("pooler", "pooler"),
+            col("clusters", lambda r: ", ".join(map(str, r["clusters"])) if r.get("clusters") else None),
+            col("epoch (ms)", "epoch_ms", fixed(0)), col("fastest (ms)", lambda r: 1e3 * min(r["epoch_s"]), fixed(0)),
+            col("x diffpool", vs_diffpool, fixed(2)), col("parameters", "params", integer)]
+    caption = (f"One training epoch ({result['rows'][0]['train_graphs']} graphs of the first of {c['folds']} folds, "
+               f"batch {c['batch_size']}, hidden {c['hidden']}, {c['levels']} levels, ratio {c['ratio']}, "
+               f"{c['encoder']} encoder, {c['readout']} readout, auxiliary losses in the loss at weight "
+               f"{max(c['aux_weights']):g}, {c['threads']} torch thread(s)): median of {c['cost_reps']} epochs per "
+               "pooler after one warm-up, the poolers interleaved in a rotated order; dense poolers at the same "
+               "clusters per level.")
+    return report.Part("cost", cols, result["rows"], caption, list(result.get("targets", {}).get("lines", [])))
+
+
 def tables(result: dict) -> list[report.Part]:
     """The suite's tables of `result` (its JSON payload): accuracy per pooler and data set, then cost."""
     rows = result["rows"]
+    if result.get("mode") == "cost":
+        return [_cost_part(result)]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     poolers = list(dict.fromkeys(r["pooler"] for r in rows))
     by = {(r["dataset"], r["pooler"]): r for r in rows}
@@ -565,8 +635,20 @@ def tables(result: dict) -> list[report.Part]:
 
 
 def plot(result: dict, path: str) -> None:
-    """Writes grouped bars of mean accuracy (+- std over folds) per data set and pooler to `path`."""
+    """Writes grouped bars of mean accuracy (+- std over folds) per data set and pooler to `path` (of epoch time,
+    for a --cost-reps recording)."""
     rows = result["rows"]
+    if result.get("mode") == "cost":
+        datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+        poolers = list(dict.fromkeys(r["pooler"] for r in rows))
+        by = {(r["dataset"], r["pooler"]): r for r in rows}
+        _, fig, ax = report.subplots(figsize=(max(6.0, 1.6 * len(datasets) * math.sqrt(len(poolers))), 4.5))
+        report.grouped_bars(ax, datasets, {p: [by[(d, p)]["epoch_ms"] if (d, p) in by else 0 for d in datasets]
+                                           for p in poolers}, "training epoch (ms), median")
+        ax.legend(fontsize=7, ncol=min(5, len(poolers)))
+        ax.grid(True, axis="y", alpha=0.3)
+        report.save_figure(fig, path)
+        return
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     poolers = list(dict.fromkeys(r["pooler"] for r in rows))
     by = {(r["dataset"], r["pooler"]): r for r in rows}
