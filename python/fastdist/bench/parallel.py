@@ -606,6 +606,8 @@ def _tp_rank(config: dict) -> dict | None:
     variants[PARALLELIZE_TP] = tp.training_step(module, x)
     errors.update(tp.check_against(tp.training_step(ref, x)(), {PARALLELIZE_TP: variants[PARALLELIZE_TP]()}))
     chunks[PARALLELIZE_TP] = tp.chosen_chunks(module)  # "auto" chooses at the first call
+    if any(any(getattr(b.forward, "__self__", b).__dict__.get("chosen", {}).values()) for b in module.pipeline_blocks):
+        chunks[PARALLELIZE_TP] = ["oases"]  # "auto" took the Oases schedule
     oases, _, _ = _parallelized_block(config, "oases")
     variants[PARALLELIZE_TP_OASES] = tp.training_step(oases, x)
     errors.update(tp.check_against(tp.training_step(ref, x)(),
@@ -888,8 +890,8 @@ def plot(result: dict, path: str) -> None:
             for i, r in enumerate(runs):
                 ax.bar([j + i * width for j in range(len(r["rows"]))], [row["time_ms"] for row in r["rows"]], width,
                        label=r["net"])
-            ax.set_xticks(range(len(runs[0]["rows"])))
-            ax.set_xticklabels([row["variant"] for row in runs[0]["rows"]], fontsize=8)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs[0]["rows"]))])
+            ax.set_xticklabels([row["variant"] for row in runs[0]["rows"]], fontsize=8, rotation=30, ha="right")
             ax.set_ylabel("block fwd+bwd (ms, median)")
             ax.set_title("tp=2 GPT block")
             ax.legend(fontsize=8)
