@@ -67,3 +67,49 @@ def test_a_step_bound_must_be_a_positive_number_of_seconds():
     for bad in (0, -1.0, "2s", float("inf")):
         with pytest.raises(ValueError, match="step_timeout must be a positive number of seconds"):
             FailureWatch("fastdist.test", step_timeout=bad)
+
+
+def _engine_with_a_sleeping_loss():
+    """fastdist.parallelize on a (2, 1, 1) mesh (DDP) with the default step bound set; rank 1's loss sleeps in
+    step 2 (rank 0 waits in DDP's gradient all-reduce)."""
+    import fastdist
+    from fastdist.distributed.failure import set_default_step_timeout
+    from fastdist.testing.models import TransformerLM
+
+    rank = dist.get_rank()
+    set_default_step_timeout(BOUND_S)
+    torch.manual_seed(0)
+    model = TransformerLM(64, 16, 2, 2, seq=8)
+    steps = {"n": 0}
+
+    def loss_fn(logits, target):
+        if rank == 1 and steps["n"] == 2:
+            time.sleep(SLEEP_S)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), target.reshape(-1))
+
+    tokens = torch.randint(0, 64, (4, 9))
+    engine = fastdist.parallelize(model, mesh=(2, 1, 1), example_inputs=(tokens[:, :-1],), loss_fn=loss_fn,
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    set_default_step_timeout(None)
+    for step in (1, 2):
+        steps["n"] = step
+        start = time.perf_counter()
+        try:
+            engine.step(tokens[:, :-1], tokens[:, 1:])
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            seconds = time.perf_counter() - start
+            if rank == 0:
+                time.sleep(SLEEP_S)  # rank 0 hosts the store: keep it while rank 1 wakes and reads the record
+            return {"error": f"{type(e).__name__}: {e}", "seconds": seconds, "rank_attr": getattr(e, "rank", None),
+                    "notes": getattr(e, "__notes__", [])}
+    return {"error": None}
+
+
+def test_a_data_parallel_rank_whose_loss_sleeps_is_named_by_the_rank_waiting_in_the_gradient_all_reduce():
+    waiting, hung = spawn(_engine_with_a_sleeping_loss, 2, backend="gloo", timeout=300)
+    assert waiting["rank_attr"] == 1, waiting
+    assert "fastdist.parallel: rank 1 (mesh coordinate (dp, tp, pp) = (1, 0, 0)) hangs in step" in waiting["error"], \
+        waiting["error"]
+    assert "in loss_fn, not in a collective" in waiting["error"], waiting["error"]
+    assert waiting["seconds"] < BOUND_S + SLACK_S + 2, f"named after {waiting['seconds']:.1f} s"
+    assert hung["error"] is not None, hung

@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = ["FailureWatch", "JobFailureError", "RankFailedError", "agreed", "recorded_failure", "replaced_by",
-           "start_heartbeat"]
+           "set_default_step_timeout", "start_heartbeat"]
 
 HEARTBEAT_S = 0.5    # how often each rank's heartbeat moves
 DEAD_AFTER_S = 3.0   # a heartbeat that did not move for this long (a rank on another host) marks its rank dead
@@ -427,6 +427,27 @@ def recorded_failure() -> dict | None:
         return None
 
 
+_DEFAULT_STEP_TIMEOUT: list[float | None] = [None]
+
+
+def set_default_step_timeout(seconds: float | None) -> None:
+    """The step bound of every :class:`FailureWatch` made from now on without one (``fastdist.parallelize``'s
+    engine, ``fastdist.moe``): call it on every rank before building them. None: no watchdog (the default).
+
+    Args:
+        seconds: the bound, a positive number of seconds, or None.
+    """
+    _check_step_timeout(seconds)
+    _DEFAULT_STEP_TIMEOUT[0] = seconds
+
+
+def _check_step_timeout(seconds):
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not 0 < seconds < 1e9):
+        raise ValueError(f"fastdist: FailureWatch step_timeout must be a positive number of seconds or None, got "
+                         f"{seconds!r}")
+
+
 class FailureWatch:
     """Turns a failed step on any rank into an error on every rank, naming the rank that failed.
 
@@ -441,13 +462,12 @@ class FailureWatch:
             collectives then time out after it, and a rank whose step (or whose pause before its next step) runs
             longer while it is not waiting in a collective is named in a :class:`RankFailedError` on the ranks
             that wait for it, about ``step_timeout`` after they began waiting. Give it room: a step that is only
-            slow is named like one that hangs.
+            slow is named like one that hangs. Default: :func:`set_default_step_timeout`'s (None unless set).
     """
 
     def __init__(self, name: str, where: Callable[[int], str] | None = None, step_timeout: float | None = None):
-        if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and 0 < step_timeout < 1e9):
-            raise ValueError(f"fastdist: FailureWatch step_timeout must be a positive number of seconds or None, got "
-                             f"{step_timeout!r}")
+        _check_step_timeout(step_timeout)
+        step_timeout = _DEFAULT_STEP_TIMEOUT[0] if step_timeout is None else step_timeout
         self.name = name
         self.where = where or (lambda rank: "")
         self.store = _default_store()
