@@ -263,6 +263,8 @@ def bad_input(case: str) -> str | None:
         kwargs["split_points"] = [1 + dist.get_rank() % 2]
     elif case == "tp_plan_matches_nothing":
         kwargs.update(mesh=(1, 2, 1), tp_plan={"blocks.*.ffn.0": "colwise"}, tp_overlap=2)
+    elif case == "moe_not_on_dp_group":  # expert parallel over the whole world, but the mesh is all pipeline
+        model = MoEGPT(group=None)
     elif case == "compile_option":
         kwargs["compile"] = "inductor"
     elif case == "init_allocated":

@@ -87,6 +87,7 @@ BAD = {
     "compile_option": "compile must be a bool or a dict of torch.compile options, got 'inductor'",
     "init_allocated": "init= initializes a model built on the meta device; this model's tensors are already",
     "tp_plan_matches_nothing": "tp_plan {'blocks.*.ffn.0': 'colwise'} names no nn.Linear (or Conv1D) of stage 0",
+    "moe_not_on_dp_group": "are expert parallel over another group than this rank's data-parallel ranks",
     # a step's batch of another shape than example_inputs on every rank, then on one rank only
     "step_batch": ("ValueError: fastdist.parallel: step() got inputs [((4, 16), 'torch.int64')]; parallelize was "
                    "built for [((8, 16), 'torch.int64')]",
