@@ -259,6 +259,54 @@ def test_bad_shapes_and_non_finite_weights_name_the_layer():
         adapters.add_adapters(mlp(), QBaRA, target_modules=["up_proj"])
 
 
+@pytest.mark.parametrize("method, options, shape, message", [
+    ("qbara", {"r": 2}, (63, 64), r"\[64, 63\] of layer '0' must have in_features divisible by 2 and out_features by 2"),
+    ("qbara", {"r": 2}, (64, 63), r"\[63, 64\] of layer '0' must have in_features divisible by 2 and out_features by 2"),
+    ("qalora", {"r": 2, "group": 32}, (48, 64), r"\[64, 48\] of layer '0' must have in_features divisible by 32"),
+    ("qahira", {}, (62, 64), r"\[64, 62\] of layer '0' must have in_features divisible by 4 and out_features by 8"),
+])
+def test_every_pooling_that_does_not_divide_the_layer_is_refused_naming_it(method, options, shape, message):
+    with pytest.raises(ValueError, match=message):
+        adapters.add_adapters(nn.Sequential(nn.Linear(*shape)), method, target_modules=["0"], **options)
+
+
+def test_two_dimensional_blocks_that_do_not_divide_the_output_rows_name_the_layer():
+    with pytest.raises(ValueError, match=r"layer 'up_proj' has out_features = 128, not divisible by block_rows = 48"):
+        adapters.quantize_model(mlp(), "int4", block=4, block_rows=48, skip=("lm_head", "down_proj"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_any_non_finite_weight_refuses_quantization_naming_the_layer(bad):
+    model = mlp()
+    with torch.no_grad():
+        model.down_proj.weight[7, 1] = bad
+    with pytest.raises(RuntimeError, match=r"cannot quantize layer 'down_proj': .*must be finite: 1 of"):
+        adapters.quantize_model(model, "int4", block=32)
+
+
+@pytest.mark.parametrize("method, scheme", [("lora", None), ("qbara", "nf4"), ("qalora", "int4"), ("qahira", "int4")])
+def test_every_merged_model_refuses_a_second_merge_and_new_adapters(method, scheme):
+    model = mlp() if scheme is None else adapters.quantize_model(mlp(), scheme, block=32)
+    adapters.add_adapters(model, method, r=4, target_modules=["up_proj"])
+    randomize_adapters(model)
+    adapters.merge(model)
+    with torch.no_grad():
+        merged = model(TOKENS)
+    with pytest.raises(ValueError, match="merged already"):
+        adapters.merge(model)
+    with pytest.raises(ValueError, match="merged already"):
+        adapters.add_adapters(model, method, r=4, target_modules=["down_proj"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), merged, atol=0, rtol=0)  # the refused calls changed nothing
+
+
+def test_loading_adapters_of_another_method_onto_adapted_layers_is_refused(tmp_path):
+    adapters.save_adapters(adapters.add_adapters(mlp(), "lora", r=4, target_modules=["up_proj"]), tmp_path / "a.pt")
+    other = adapters.add_adapters(mlp(), "qbara", r=4, target_modules=["up_proj"])
+    with pytest.raises(ValueError, match=r"layer 'up_proj' has a qbara adapter, the saved one is lora"):
+        adapters.load_adapters(other, tmp_path / "a.pt")
+
+
 def test_qahira_on_a_quantized_hugging_face_llama_trains_and_merges_into_a_4bit_model():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
