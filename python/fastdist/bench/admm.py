@@ -398,7 +398,8 @@ def _plot_stability(row, runs: list[dict], task: str, style) -> None:
             ("init scale", "final training loss", f"{task}: stability"),
             ("init scale", "|dL/dx_1| / |dL/dx_T| at init (0 plotted as 1e-30)", f"{task}: vanishing / exploding"),
             ("epoch", "median gradient norm (before clipping)", f"{task}: init scale {smallest:g}"),
-            ("epoch", "median gradient norm (before clipping)", f"{task}: init scale {largest:g}")]):
+            ("epoch", "median gradient norm (before clipping)", f"{task}: init scale {largest:g}"
+             + (" (NaN runs not drawn)" if any(r["error"] for r in runs if r["scale"] == largest) else ""))]):
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.set_title(title)
@@ -574,8 +575,8 @@ def plot(result: dict, path: str) -> None:
             cv = r["curve"]
             epochs = list(range(1, len(cv["loss"]) + 1))
             for ax, (xk, yk) in zip(row, panels):
-                ax.plot(epochs if xk == "epoch" else cv["time_s"], cv[yk], **style(r["method"],
-                                                                                   f"{r['method']} ({r['value']:g})"))
+                ax.plot(epochs if xk == "epoch" else cv["time_s"], cv[yk], marker="o" if len(epochs) == 1 else None,
+                        **style(r["method"], f"{r['method']} ({r['value']:g})"))
         for ax, (xk, yk) in zip(row, panels):
             if yk == "loss":
                 ax.set_yscale("log")
