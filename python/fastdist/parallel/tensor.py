@@ -56,9 +56,9 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
         group: the tensor-parallel group.
         plan: {layer name: "colwise" | "rowwise"}, or None for fastdist.tp's default policy.
         overlap: "oases": every block runs under the Oases sub-batch schedule (:class:`OasesBlock`), its linears
-            unchunked; "auto": each block runs under it where fastdist.tp's calibrated cost model predicts that it
-            pays (:func:`oases_pays`), else its linears' chunk counts are the model's; an int: the linears'
-            ``overlap_chunks``.
+            unchunked; "auto": when fastdist.tp's default cost model is calibrated, each block runs under it for the
+            input shapes where the model predicts that it pays (:func:`oases_pays`); otherwise, and uncalibrated,
+            the linears' chunk counts are the model's; an int: the linears' ``overlap_chunks``.
     """
     from fastdist import tp
     from fastdist.tp.linear import ColumnParallelLinear, RowParallelLinear, dense_parameters, is_conv1d
@@ -75,7 +75,6 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
             rows = torch.arange(weight.shape[0])
             for d in range(k):
                 weight[:, d] = ((rows // _MARK_BASE ** d) % _MARK_BASE).to(weight.dtype)
-    oases = overlap in TP_OVERLAPS
     try:
         tp.parallelize(stage, group, plan=plan, overlap_chunks=1 if overlap == "oases" else overlap)
     except ValueError as e:
@@ -101,7 +100,7 @@ def shard_stage(stage: nn.Module, group: dist.ProcessGroup, plan: dict | None, o
                 layouts[f"{name}.weight"] = Shard(None, cols, transposed)
             else:
                 dense_parameters(layer)[0].copy_(full)
-    if oases:
+    if overlap == "oases" or (overlap == "auto" and tp.default_cost_model().calibrated):
         install_oases(stage, group, auto=overlap == "auto")
     return layouts
 
