@@ -553,7 +553,8 @@ def parallelize(model: nn.Module, mesh: tuple[int, int, int] | DeviceMesh = (1, 
         schedule: "1f1b", "gpipe" or "shifted_critical_path" (fastdist.parallel.schedule).
         recompute: "none", "full", "stage_aware" or a ratio for every stage; ``recompute_ratio`` is the first
             stage's under "stage_aware".
-        tp_overlap: ``overlap_chunks`` of fastdist.tp's parallel linears ("auto" or an int; 1: no overlap).
+        tp_overlap: ``overlap_chunks`` of fastdist.tp's parallel linears ("auto" or an int; 1: no overlap), or
+            "oases": each sharded block runs the Oases sub-batch schedule on its own parameters.
         compress_boundaries: None, a fastdist.compress compressor for the activations crossing stage boundaries,
             or a dict of :class:`fastdist.parallel.transport.CompressedTransportMixin` options (``fwd``, ``bwd``,
             ``backward_mask``, ``store``).
