@@ -205,13 +205,16 @@ def plot(result: dict, path: str) -> None:
         ax.legend(fontsize=7)
     if finetune_panel:
         ax = axes[0][-1]
-        runs = [r for r in result["finetune"]["runs"] if "curve" in r]
+        # each method at its chosen rate (the summary's): averaging over the grid would mix in diverged rates
+        chosen = {e["method"]: e.get("lr") for e in result["finetune"].get("summary", [])}
+        runs = [r for r in result["finetune"]["runs"]
+                if "curve" in r and chosen.get(r["method"], r.get("lr")) == r.get("lr")]
         for method in dict.fromkeys(r["method"] for r in runs):
             curves = [r["curve"] for r in runs if r["method"] == method]
             mean = [statistics.mean(values) for values in zip(*curves)]
-            ax.plot(range(1, len(mean) + 1), mean, label=method, linewidth=1)
+            ax.plot(range(1, len(mean) + 1), mean, label=f"{method} (lr {chosen.get(method)})", linewidth=1)
         ax.set_xlabel("fine-tuning step")
-        ax.set_ylabel("training loss (mean over seeds)")
+        ax.set_ylabel("training loss (mean over seeds, chosen rate)")
         ax.set_title("fine-tuning on pydoc topics", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
