@@ -446,13 +446,23 @@ class Engine:
         """Saves the model (and optimizer) through ``torch.distributed.checkpoint`` into the directory ``path``: each
         rank writes its own stage's tensors and tensor- or expert-parallel shards, placed in the full model's
         tensors and keyed by its names (``model.<name>``, ``optimizer.state.<name>.<key>``), so that
-        :meth:`load_sharded` re-shards them onto any mesh. A collective (:mod:`fastdist.parallel.checkpoint`)."""
+        :meth:`load_sharded` re-shards them onto any mesh. A collective (:mod:`fastdist.parallel.checkpoint`).
+
+        Args:
+            path: the checkpoint directory (shared by the ranks).
+            optimizer: also save the optimizer's state and step count.
+        """
         from fastdist.parallel.checkpoint import save_sharded
         save_sharded(self, path, optimizer)
 
     def load_sharded(self, path: str, optimizer: bool = True) -> None:
         """Loads what :meth:`save_sharded` wrote on any mesh: each rank reads the pieces it holds here, in place
-        (the step count too). A collective."""
+        (the step count too). A collective.
+
+        Args:
+            path: the directory :meth:`save_sharded` wrote.
+            optimizer: also load the optimizer's state and step count.
+        """
         from fastdist.parallel.checkpoint import load_sharded
         load_sharded(self, path, optimizer)
 
