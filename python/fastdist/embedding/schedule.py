@@ -46,7 +46,7 @@ class CollectiveQueue:
     def __init__(self, log: bool = False) -> None:
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}
-        self._waiting: list = []  # (priority, sequence, name, start, out), kept sorted
+        self._waiting: list = []  # (priority, sequence, name, start, out, awaits), kept sorted
         self._sequence = itertools.count()
         self.events: list | None = [] if log else None
         self.held = 0  # jobs that had to wait at submission (a profile's count)
@@ -94,7 +94,7 @@ class CollectiveQueue:
             fulfils: the pending lookup whose gradient rows it carries (jobs awaiting it now wait for it).
         """
         with self._lock:
-            self._in_flight[priority] = self._in_flight.get(priority, 0) + 1
+            self._enter(priority)
             if fulfils is not None:
                 fulfils.issued = True
             self._note("issue", name, priority)
@@ -124,9 +124,9 @@ class CollectiveQueue:
                 ready = self._ready()
                 job = None
             else:
-                self._in_flight[priority] = self._in_flight.get(priority, 0) + 1
-                ready, job = [], (priority, None, name, start, out)
-        for p, _, n, st, o, *_ in ready + ([job] if job else []):
+                self._enter(priority)
+                ready, job = [], (priority, None, name, start, out, ())
+        for p, _, n, st, o, _ in ready + ([job] if job else []):
             self._start(p, n, st, o)
         return out
 
@@ -148,6 +148,10 @@ class CollectiveQueue:
 
         fut.add_done_callback(finish)
 
+    def _enter(self, priority: int) -> None:
+        """Counts one more job of ``priority`` in flight (the lock held)."""
+        self._in_flight[priority] = self._in_flight.get(priority, 0) + 1
+
     def _ready(self) -> list:
         """Takes the waiting jobs that may start now, in order (the lock held): the first ones whose higher
         priorities are done and whose awaited lookups have left; a job stops the ones behind it."""
@@ -157,7 +161,7 @@ class CollectiveQueue:
             if self._held_back(job[0], job[5]):
                 break
             self._waiting.pop(0)
-            self._in_flight[job[0]] = self._in_flight.get(job[0], 0) + 1
+            self._enter(job[0])
             ready.append(job)
         return ready
 

@@ -114,7 +114,7 @@ def expand_tp_plan(stage: nn.Module, plan: Mapping[str, str] | None) -> dict[str
     """
     if plan is None:
         return None
-    names = [n for n in dense_layers(stage)]
+    names = list(dense_layers(stage))
     out = {}
     for pattern, style in plan.items():
         for n in names:
